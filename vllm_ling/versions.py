@@ -6,14 +6,15 @@ Every version gate in the package goes through :func:`vllm_version_is` or
 
 from __future__ import annotations
 
-import logging
 from importlib import metadata
 
 TESTED_VLLM_VERSION = "0.32.0"
 TESTED_HUMMING_VERSION = "0.1.17"
 TESTED_TORCH_VERSION = "2.13.0"
 
-logger = logging.getLogger("vllm_ling")
+from vllm_ling.log import get_logger
+
+logger = get_logger("versions")
 
 _warned_versions: set[str] = set()
 

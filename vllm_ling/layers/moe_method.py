@@ -1,0 +1,138 @@
+"""vllm-ling's fused-MoE method for Ling's MXFP4 routed experts (target and NEXTN layers).
+
+Parameters and loaders are vLLM's MXFP4 ones (``Mxfp4MoEMethod.create_weights``), so
+checkpoints load exactly as upstream. The computation is ours:
+
+- CUDA: :class:`vllm_ling.ops.moe.HummingMxfp4Experts` (humming indexed GEMM), W4A16 by
+  default; if humming cannot run the server refuses to start, naming the cause;
+- CPU: the plain-PyTorch reference :func:`vllm_ling.ops.moe.experts_reference`,
+  logged once.
+
+vLLM's runner does the routing (grouped sigmoid top-k with expert bias), the shared
+expert and ``routed_scaling_factor``; ``apply`` returns the weighted routed sum.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
+
+from vllm_ling.log import get_logger, log_once
+from vllm_ling.ops import moe as moe_ops
+
+logger = get_logger("moe")
+
+HUMMING = "humming"
+REFERENCE = "reference"  # plain PyTorch, CPU platform only
+BACKEND_DESCRIPTIONS = {
+    HUMMING: "humming MXFP4 indexed GEMM (W4A16)",
+    REFERENCE: "plain-PyTorch MXFP4 reference (CPU platform)",
+}
+
+
+class HummingUnavailable(RuntimeError):
+    """Humming was requested (the default) but cannot run on this GPU."""
+
+
+class LingMxfp4MoEMethod(Mxfp4MoEMethod):
+    """MXFP4 experts through humming (CUDA) or the PyTorch reference (CPU)."""
+
+    def __init__(self, moe, backend: str, w4a8: bool = False):
+        # Skip Mxfp4MoEMethod.__init__: it selects one of vLLM's backends, which is
+        # exactly what this method replaces.
+        FusedMoEMethodBase.__init__(self, moe)
+        if backend not in BACKEND_DESCRIPTIONS:
+            raise ValueError(f"unknown Ling MoE backend {backend!r}")
+        self.backend = backend
+        self.w4a8 = w4a8
+        self.humming_experts: moe_ops.HummingMxfp4Experts | None = None
+        self.max_capture_size = getattr(moe, "max_capture_size", None)
+
+    @property
+    def description(self) -> str:
+        if self.backend == HUMMING and self.w4a8:
+            return "humming MXFP4 indexed GEMM (W4A8, FP8 per-token activations)"
+        return BACKEND_DESCRIPTIONS[self.backend]
+
+    @property
+    def is_monolithic(self) -> bool:
+        return False
+
+    @property
+    def supports_eplb(self) -> bool:
+        return False
+
+    @property
+    def skip_forward_padding(self) -> bool:
+        return False
+
+    @property
+    def has_unpadded_output(self) -> bool:
+        return False
+
+    def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype,
+                            moe_parallel_config):
+        return FusedMoEMethodBase.maybe_roundup_sizes(
+            self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config)
+
+    def get_fused_moe_quant_config(self, layer):
+        return None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.backend != HUMMING:
+            return
+        try:
+            self.humming_experts = moe_ops.HummingMxfp4Experts(
+                layer.w13_weight.data, layer.w13_weight_scale.data,
+                layer.w2_weight.data, layer.w2_weight_scale.data, w4a8=self.w4a8)
+        except Exception as exc:
+            raise HummingUnavailable(
+                f"humming could not prepare the MXFP4 experts of {getattr(layer, 'layer_name', layer)}: "
+                f"{exc}. Fix the humming install/GPU, or opt out explicitly with "
+                "VLLM_LING_MOE_BACKEND=vllm") from exc
+        # humming holds its own transformed copy; drop the checkpoint-layout tensors.
+        for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"):
+            getattr(layer, name).data = torch.empty(0, dtype=torch.uint8,
+                                                    device=layer.w13_weight.device)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        limit = getattr(layer, "swiglu_limit", None)
+        if self.backend == HUMMING:
+            assert self.humming_experts is not None, "process_weights_after_loading did not run"
+            return self.humming_experts.forward(x, topk_weights, topk_ids, limit)
+        out = moe_ops.experts_reference(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, limit,
+            w13_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale)
+        return out.to(x.dtype)
+
+
+def choose_moe_method(layer, prefix: str, moe_backend_option: str):
+    """Our method for a Ling MXFP4 routed-expert layer, or None to let vLLM choose.
+
+    Raises :class:`HummingUnavailable` (before any weight loads) when humming is the
+    requested backend on CUDA and cannot run.
+    """
+    from vllm.platforms import current_platform
+
+    vllm_backend = getattr(layer.moe_config, "moe_backend", "auto") or "auto"
+    if moe_backend_option == "vllm" or vllm_backend not in ("auto", HUMMING):
+        reason = ("VLLM_LING_MOE_BACKEND=vllm" if moe_backend_option == "vllm"
+                  else f"--moe-backend {vllm_backend}")
+        log_once(logger, logging.WARNING, "moe-opt-out",
+                 "Humming MoE is OFF by explicit choice (%s): vLLM selects the MXFP4 MoE "
+                 "backend; the startup report marks moe_humming inactive.", reason)
+        return None
+    if current_platform.is_cpu():
+        log_once(logger, logging.INFO, "moe-cpu",
+                 "Routed MXFP4 experts: %s.", BACKEND_DESCRIPTIONS[REFERENCE])
+        return LingMxfp4MoEMethod(layer.moe_config, REFERENCE)
+    ok, reason = moe_ops.humming_status()
+    if not ok:
+        raise HummingUnavailable(
+            f"Humming MXFP4 MoE cannot run for {prefix}: {reason}. Install humming-kernels "
+            "(it comes with vllm==0.32.0) on an sm_75+ GPU, or opt out explicitly with "
+            "VLLM_LING_MOE_BACKEND=vllm (or vLLM's --moe-backend).")
+    return LingMxfp4MoEMethod(layer.moe_config, HUMMING)

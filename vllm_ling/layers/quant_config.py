@@ -1,0 +1,86 @@
+"""``ling_fp8``: vLLM's Fp8Config for Ling-3.0 -fp4 checkpoints, with vllm-ling's methods.
+
+It takes over automatically (``override_quantization_method``) for checkpoints whose
+``quantization_config`` says ``quant_method: fp8`` with MXFP4 routed experts, unless
+the user named another ``--quantization``. Dense linears stay vLLM's (except the CPU
+reference path where vLLM has no kernel); routed experts, the LM head and the CPU
+paths are ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.linear import LinearBase
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.platforms import current_platform
+
+from vllm_ling.log import get_logger, log_once
+from vllm_ling.options import LingOptions
+
+LING_QUANT_NAME = "ling_fp8"
+logger = get_logger("quant")
+
+
+def is_ling_fp4_checkpoint(hf_quant_cfg: dict[str, Any] | None) -> bool:
+    return (isinstance(hf_quant_cfg, dict)
+            and hf_quant_cfg.get("quant_method") == "fp8"
+            and hf_quant_cfg.get("routed_experts_quant_method") == "mxfp4")
+
+
+def cpu_lacks_block_fp8_kernel() -> bool:
+    """vLLM-CPU's block-FP8 linear kernels need AMX tiles."""
+    return current_platform.is_cpu() and not torch.cpu._is_amx_tile_supported()
+
+
+class LingFp8Config(Fp8Config):
+    @classmethod
+    def get_name(cls) -> str:
+        return LING_QUANT_NAME
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        if is_ling_fp4_checkpoint(hf_quant_cfg) and user_quant in (None, LING_QUANT_NAME):
+            return LING_QUANT_NAME
+        return None
+
+    @property
+    def options(self) -> LingOptions:
+        if getattr(self, "_options", None) is None:
+            self._options = LingOptions.from_env()
+        return self._options
+
+    def _skipped(self, prefix: str) -> bool:
+        return is_layer_skipped(prefix=prefix, ignored_layers=self.ignored_layers,
+                                fused_mapping=self.packed_modules_mapping,
+                                match_mode=self.ignored_layers_match_mode)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, LinearBase) and self.weight_block_size is not None \
+                and cpu_lacks_block_fp8_kernel() and not self._skipped(prefix):
+            from vllm_ling.layers.dense_fp8_cpu import CPU_DENSE_FP8_PATH, CpuBlockFp8LinearMethod
+
+            log_once(logger, 20, "cpu-dense", "Dense block-FP8 linears: %s.", CPU_DENSE_FP8_PATH)
+            return CpuBlockFp8LinearMethod(self.weight_block_size,
+                                           bool(getattr(self, "is_scale_e8m0", False)))
+        if isinstance(layer, RoutedExperts) and self.store_dtype == "mxfp4" \
+                and not self._skipped(prefix):
+            from vllm_ling.layers.moe_method import choose_moe_method
+
+            method = choose_moe_method(layer, prefix, self.options.moe_backend)
+            if method is not None:
+                return method
+        return super().get_quant_method(layer, prefix)
+
+
+def register_ling_quant_config() -> list[str]:
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    if LING_QUANT_NAME not in QUANTIZATION_METHODS or \
+            get_quantization_config(LING_QUANT_NAME) is not LingFp8Config:
+        register_quantization_config(LING_QUANT_NAME)(LingFp8Config)
+    return [f"quantization {LING_QUANT_NAME} (Ling -fp4 checkpoints)"]

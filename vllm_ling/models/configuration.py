@@ -1,0 +1,50 @@
+"""Config class for Ling-3.0 (`model_type: bailing_hybrid`) without trust-remote-code.
+
+transformers 5.19 does not know ``bailing_hybrid`` and 5.20's class overwrites
+``head_dim`` (BRIEF). vLLM ships a correct text config for the VL variant; we reuse
+it for the text-only model so ``head_dim`` is read from the checkpoint and the
+Ling-specific fields (KDA, MLA, MoE clamps, MTP) are validated before weights load.
+"""
+
+from __future__ import annotations
+
+from vllm.transformers_utils.configs.bailing_moe_v3_vl import BailingMoeV3TextConfig
+
+LING_MODEL_TYPE = "bailing_hybrid"
+
+# Fields the model code reads without a default that matches Ling-3.0; a checkpoint
+# missing one would silently build the wrong network.
+REQUIRED_FIELDS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+    "layer_group_size", "first_k_dense_replace", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "n_group", "topk_group", "kv_lora_rank",
+    "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "vocab_size",
+)
+
+
+class LingHybridConfig(BailingMoeV3TextConfig):
+    """``bailing_hybrid`` as a top-level (text-only) config."""
+
+    model_type = LING_MODEL_TYPE
+    base_config_key = ""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # Kept explicitly: the model code reads these with getattr defaults, and the
+        # per-layer clamps must be honoured or the output is garbage (BRIEF).
+        self.expert_swiglu_limit_list = kwargs.get("expert_swiglu_limit_list")
+        self.share_expert_swiglu_limit_list = kwargs.get("share_expert_swiglu_limit_list")
+
+    def validate_ling_fields(self, source: str = "config.json") -> None:
+        """Raise a ValueError naming every missing or inconsistent field."""
+        problems = [f"missing field {f!r}" for f in REQUIRED_FIELDS
+                    if getattr(self, f, None) is None]
+        for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
+            limits = getattr(self, name, None)
+            if limits is not None and len(limits) != self.num_hidden_layers:
+                problems.append(f"{name} has {len(limits)} entries for "
+                                f"num_hidden_layers={self.num_hidden_layers}")
+        if (self.num_experts or 0) % max(self.n_group or 1, 1):
+            problems.append(f"num_experts={self.num_experts} is not divisible by n_group={self.n_group}")
+        if problems:
+            raise ValueError(f"{source}: invalid Ling-3.0 config: " + "; ".join(problems))

@@ -1,0 +1,84 @@
+"""vllm-ling's switches, read from the environment in every vLLM process.
+
+Environment variables (not CLI flags) because vLLM's engine-core and worker
+processes inherit them, while extra CLI flags would not reach them. Each has a
+documented default; a malformed value is an error naming the variable.
+
+| variable | default | meaning |
+|---|---|---|
+| VLLM_LING_MOE_BACKEND | humming | ``humming``: our Humming MXFP4 MoE (reference path on CPU); ``vllm``: opt out, vLLM picks (logged at WARNING, reported) |
+| VLLM_LING_FP8_HEAD | 1 | FP8 online-quantized target LM head; ``0`` opts out (BF16 head) |
+| VLLM_LING_MTP | 1 | default NEXTN MTP speculation when the user gives no speculative config; ``0`` off |
+| VLLM_LING_NUM_SPEC_TOKENS | 3 | draft tokens per step for the default MTP config |
+| VLLM_LING_VERIFY | strict | startup verification policy: strict (refuse to serve), warn, off |
+| VLLM_LING_REPORT_PATH | (unset) | where each worker writes its JSON verification report |
+| VLLM_LING_HUMMING_CACHE | ~/.cache/vllm-ling/humming | humming JIT cache |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+MOE_BACKENDS = ("humming", "vllm")
+VERIFY_POLICIES = ("strict", "warn", "off")
+
+
+class LingOptionError(ValueError):
+    pass
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise LingOptionError(f"{name}={raw!r} is not a boolean (use 1/0, true/false, on/off)")
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise LingOptionError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def _int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise LingOptionError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise LingOptionError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class LingOptions:
+    moe_backend: str = "humming"
+    fp8_head: bool = True
+    mtp: bool = True
+    num_spec_tokens: int = 3
+    verify: str = "strict"
+    report_path: str | None = None
+
+    @classmethod
+    def from_env(cls) -> "LingOptions":
+        return cls(
+            moe_backend=_choice("VLLM_LING_MOE_BACKEND", "humming", MOE_BACKENDS),
+            fp8_head=_bool("VLLM_LING_FP8_HEAD", True),
+            mtp=_bool("VLLM_LING_MTP", True),
+            num_spec_tokens=_int("VLLM_LING_NUM_SPEC_TOKENS", 3, 1),
+            verify=_choice("VLLM_LING_VERIFY", "strict", VERIFY_POLICIES),
+            report_path=os.environ.get("VLLM_LING_REPORT_PATH") or None,
+        )

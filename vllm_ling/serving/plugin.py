@@ -1,0 +1,58 @@
+"""Plugin registration: what vLLM learns from vllm-ling, in one idempotent function."""
+
+from __future__ import annotations
+
+from vllm_ling.log import get_logger
+
+from vllm_ling.versions import check_vllm_version
+
+logger = get_logger("plugin")
+
+TARGET_ARCH = "BailingMoeV3ForCausalLM"
+DRAFT_ARCH = "BailingMoeV3MTPModel"
+MODEL_CLASSES = {
+    TARGET_ARCH: "vllm_ling.models.ling3:LingForCausalLM",
+    DRAFT_ARCH: "vllm_ling.models.ling3_mtp:LingMTPModel",
+}
+
+_registered: list[str] | None = None
+
+
+def _register_models() -> list[str]:
+    from vllm import ModelRegistry
+
+    done = []
+    for arch, target in MODEL_CLASSES.items():
+        # Overriding an in-tree architecture only logs at DEBUG upstream; we say it at INFO below.
+        ModelRegistry.register_model(arch, target)
+        done.append(f"{arch} -> {target}")
+    return done
+
+
+def _register_config() -> list[str]:
+    from transformers import AutoConfig
+    from vllm.transformers_utils import config as vllm_config_utils
+
+    from vllm_ling.models.configuration import LING_MODEL_TYPE, LingHybridConfig
+
+    vllm_config_utils._CONFIG_REGISTRY[LING_MODEL_TYPE] = LingHybridConfig  # patch P1
+    AutoConfig.register(LING_MODEL_TYPE, LingHybridConfig, exist_ok=True)
+    return [f"config {LING_MODEL_TYPE} -> LingHybridConfig"]
+
+
+def _register_layers() -> list[str]:
+    from vllm_ling.layers.registry import register_layers
+
+    return register_layers()
+
+
+def register() -> list[str]:
+    """Register models, config and layers once per process; return what was registered."""
+    global _registered
+    if _registered is not None:
+        return _registered
+    check_vllm_version()
+    done = _register_config() + _register_models() + _register_layers()
+    _registered = done
+    logger.info("vllm-ling registered: %s", "; ".join(done))
+    return done
