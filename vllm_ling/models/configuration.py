@@ -11,6 +11,7 @@ from __future__ import annotations
 from vllm.transformers_utils.configs.bailing_moe_v3_vl import BailingMoeV3TextConfig
 
 LING_MODEL_TYPE = "bailing_hybrid"
+LING_ARCHITECTURES = ("BailingMoeV3ForCausalLM", "BailingMoeV3MTPModel")
 
 # Fields the model code reads without a default that matches Ling-3.0; a checkpoint
 # missing one would silently build the wrong network.
@@ -29,6 +30,12 @@ class LingHybridConfig(BailingMoeV3TextConfig):
     base_config_key = ""
 
     def __init__(self, **kwargs):
+        archs = kwargs.get("architectures")
+        if archs and not set(archs) & set(LING_ARCHITECTURES):
+            raise ValueError(
+                f"config.json: architectures {archs} is not a Ling-3.0 architecture for "
+                f"model_type {LING_MODEL_TYPE!r}; expected {LING_ARCHITECTURES[0]!r}. Fix the "
+                "\"architectures\" field of the checkpoint's config.json.")
         super().__init__(**kwargs)
         # Kept explicitly: the model code reads these with getattr defaults, and the
         # per-layer clamps must be honoured or the output is garbage (BRIEF).

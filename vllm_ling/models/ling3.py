@@ -2,8 +2,40 @@
 
 from __future__ import annotations
 
+import os
+
+from vllm.config import VllmConfig
 from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3ForCausalLM
+
+from vllm_ling.log import get_logger, log_once
+
+logger = get_logger("models")
+
+
+def check_local_checkpoint(vllm_config: VllmConfig, include_mtp: bool) -> None:
+    """Validate shards against config.json before any module is built or weight read."""
+    from vllm_ling.models.checkpoint_check import check_checkpoint
+
+    model_config = vllm_config.model_config
+    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
+    if load_format == "dummy":
+        return
+    model_dir = model_config.model
+    if not os.path.isdir(model_dir):
+        log_once(logger, 20, f"nocheck-{model_dir}",
+                 "%s is not a local directory: the -fp4 format is checked while loading.", model_dir)
+        return
+    config = model_config.hf_config.to_dict()
+    unexpected = check_checkpoint(model_dir, config, include_mtp=include_mtp)
+    if unexpected:
+        log_once(logger, 30, f"unexpected-{model_dir}",
+                 "%d checkpoint tensor(s) in %s are not part of the Ling-3.0 -fp4 format and "
+                 "will be ignored, e.g. %s", len(unexpected), model_dir, unexpected[:5])
 
 
 class LingForCausalLM(BailingMoeV3ForCausalLM):
     """The Ling-3.0 target as registered by vllm-ling."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        check_local_checkpoint(vllm_config, include_mtp=False)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)

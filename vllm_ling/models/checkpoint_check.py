@@ -1,0 +1,106 @@
+"""Check a Ling-3.0 -fp4 checkpoint directory against its config before weights load.
+
+Reads only safetensors headers (a few KB per shard), so a missing shard, a missing
+tensor, or a scale of the wrong dtype or shape is reported in seconds with the file
+and tensor named, instead of surfacing deep inside vLLM's loader. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from vllm_ling.models.checkpoint_format import TensorSpec, checkpoint_specs, stored_tensors
+
+INDEX_FILE = "model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {
+    "BF16": "bfloat16", "F32": "float32", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
+    "U8": "uint8", "F8_E8M0": "float8_e8m0fnu", "I32": "int32", "I64": "int64", "BOOL": "bool",
+}
+# E8M0 scales may be stored as raw uint8 exponents or as float8_e8m0fnu.
+_EQUIVALENT = {"float8_e8m0fnu": {"float8_e8m0fnu", "uint8"}}
+MAX_LISTED = 12
+
+
+class CheckpointFormatError(ValueError):
+    """The checkpoint does not match the Ling-3.0 -fp4 format its config declares."""
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (torch dtype name, shape) from a .safetensors header."""
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise CheckpointFormatError(f"{path}: not a safetensors file (truncated header)")
+        (n,) = struct.unpack("<Q", raw_len)
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise CheckpointFormatError(f"{path}: unreadable safetensors header ({exc})") from None
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        out[name] = (_SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]), tuple(info["shape"]))
+    return out
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """name -> (shard file name, dtype, shape) for every tensor of the checkpoint."""
+    index = model_dir / INDEX_FILE
+    problems = []
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not (model_dir / shard).exists():
+                names = [n for n, s in weight_map.items() if s == shard]
+                problems.append(f"{model_dir / shard}: shard listed in {INDEX_FILE} is missing "
+                                f"({len(names)} tensors, e.g. {names[0]})")
+        if problems:
+            raise CheckpointFormatError("; ".join(problems))
+    else:
+        shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointFormatError(f"{model_dir}: no *.safetensors files and no {INDEX_FILE}")
+    tensors = {}
+    for shard in shards:
+        for name, (dtype, shape) in read_safetensors_header(model_dir / shard).items():
+            tensors[name] = (shard, dtype, shape)
+    return tensors
+
+
+def check_checkpoint(model_dir: str | Path, config: dict[str, Any],
+                     include_mtp: bool = False) -> list[str]:
+    """Raise CheckpointFormatError naming each bad tensor; return unexpected tensor names."""
+    model_dir = Path(model_dir)
+    found = checkpoint_tensors(model_dir)
+    problems: list[str] = []
+    expected_names: set[str] = set()
+    specs: list[TensorSpec] = checkpoint_specs(config, include_mtp=include_mtp)
+    for spec in specs:
+        for name, shape, dtype in stored_tensors(spec):
+            expected_names.add(name)
+            if name not in found:
+                problems.append(f"{name}: missing from the checkpoint in {model_dir}")
+                continue
+            shard, got_dtype, got_shape = found[name]
+            if got_dtype not in _EQUIVALENT.get(dtype, {dtype}):
+                problems.append(f"{model_dir / shard}: tensor {name} has dtype {got_dtype}, "
+                                f"expected {dtype}")
+            elif tuple(got_shape) != tuple(shape):
+                problems.append(f"{model_dir / shard}: tensor {name} has shape {list(got_shape)}, "
+                                f"expected {list(shape)}")
+    if problems:
+        shown = problems[:MAX_LISTED]
+        more = f" (and {len(problems) - MAX_LISTED} more)" if len(problems) > MAX_LISTED else ""
+        raise CheckpointFormatError(
+            f"checkpoint {model_dir} does not match its config.json "
+            f"({len(problems)} problem(s)){more}:\n  " + "\n  ".join(shown))
+    n_target = config["num_hidden_layers"]
+    mtp_prefixes = tuple(f"model.layers.{i}." for i in
+                         range(n_target, n_target + config.get("num_nextn_predict_layers", 0)))
+    return sorted(n for n in found if n not in expected_names
+                  and not (not include_mtp and n.startswith(mtp_prefixes)))
