@@ -46,13 +46,29 @@ def _register_layers() -> list[str]:
     return register_layers()
 
 
+def _install_hooks() -> list[str]:
+    from vllm.platforms import current_platform
+
+    from vllm_ling.serving.config_hooks import install_config_hook, install_speculative_default
+
+    install_config_hook()
+    install_speculative_default()
+    done = ["config hooks P4/P5 (Ling defaults and option conflicts)"]
+    if current_platform.is_cpu():
+        from vllm_ling.patches import cpu_mla_hybrid_blocks
+
+        cpu_mla_hybrid_blocks.apply()
+        done.append("P3 CPU MLA hybrid blocks")
+    return done
+
+
 def register() -> list[str]:
     """Register models, config and layers once per process; return what was registered."""
     global _registered
     if _registered is not None:
         return _registered
     check_vllm_version()
-    done = _register_config() + _register_models() + _register_layers()
+    done = _register_config() + _register_models() + _register_layers() + _install_hooks()
     _registered = done
     logger.info("vllm-ling registered: %s", "; ".join(done))
     return done
