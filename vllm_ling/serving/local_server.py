@@ -1,4 +1,4 @@
-"""Start and stop real vLLM servers (with the plugin) for tests; nothing is mocked."""
+"""Start and stop real vLLM servers with the plugin on localhost (demo, ablation, tests)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
+import requests  # noqa: E402  (a vLLM dependency)
 
 STARTUP_TIMEOUT_S = 900
 CPU_SERVE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",

