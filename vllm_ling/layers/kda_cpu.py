@@ -27,6 +27,7 @@ logger = get_logger("kda")
 
 IN_TREE_NAME = "BailingMoeV3KimiDeltaAttention"
 _DESCRIPTION = "KDA: plain-PyTorch CPU path (vllm_ling.ops.kda) for BailingMoeV3KimiDeltaAttention"
+_CPU_KDA_CLASS = None
 
 
 def _layer_class():
@@ -175,11 +176,9 @@ def _layer_class():
             elif out is not None:
                 core_attn_out[0, :n] = out[:n]
 
+    CpuBailingMoeV3KimiDeltaAttention.__qualname__ = "CpuBailingMoeV3KimiDeltaAttention"
     _CPU_KDA_CLASS = CpuBailingMoeV3KimiDeltaAttention
     return _CPU_KDA_CLASS
-
-
-_CPU_KDA_CLASS = None
 
 
 def cpu_kda_class():

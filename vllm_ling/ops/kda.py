@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6  # flash-linear-attention's l2norm epsilon (inside the sqrt)
-DEFAULT_CHUNK_SIZE = 16  # fastest on CPU at head_dim 64 (16: 0.20 s, 32: 0.32 s, 64: 0.71 s for 2K tokens x 16 heads)
+# Fastest on CPU at head_dim 64 (2K tokens x 16 heads: 16 -> 0.20 s, 32 -> 0.32 s, 64 -> 0.71 s);
+# see benchmarks/kda_cpu.py.
+DEFAULT_CHUNK_SIZE = 16
 
 
 # ----------------------------------------------------------------------------- gate
@@ -104,7 +106,8 @@ def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
 
 def _depthwise(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                n_out: int) -> torch.Tensor:
-    """``window``: [C, n_out + W - 1] (float32) -> [n_out, C]: out[t] = sum_j w[:, j] * window[:, t + j]."""
+    """``window`` [C, n_out + W - 1] (float32) -> [n_out, C]:
+    ``out[t] = sum_j w[:, j] * window[:, t + j]``."""
     width = weight.shape[1]
     y = window.unfold(1, width, 1)[:, :n_out]  # [C, n_out, W]
     y = (y * weight.float()[:, None, :]).sum(-1)
@@ -168,7 +171,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     window starting at column ``a - 1``. Afterwards the state holds the W - 2 history
     columns after that start followed by all new tokens (drafts included), so the next
     step can resume after any number of accepted drafts (vLLM's sliding-window layout;
-    needs L >= W - 1 + max_len - 1).
+    needs L >= W - 2 + max(a, seqlen), i.e. L = W - 1 + num_spec).
     """
     width = weight.shape[1]
     keep = width - 1
@@ -190,9 +193,10 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             continue
         seqlen = eos - bos
         offset = 0 if accepted is None else accepted[n] - 1
-        if accepted is not None and offset + keep + seqlen - 1 > state_len:
-            raise ValueError(f"conv state holds {state_len} columns; accepting {accepted[n]} "
-                             f"and {seqlen} new tokens needs {offset + keep + seqlen - 1}")
+        needed = max(offset + keep, keep - 1 + seqlen)
+        if accepted is not None and needed > state_len:
+            raise ValueError(f"conv state holds {state_len} columns; {accepted[n]} accepted "
+                             f"and {seqlen} new tokens need {needed}")
         history = conv_states[slot, :, offset:offset + keep].float()
         window = torch.cat([history, xs[bos:eos].float().t()], dim=1)  # [C, keep + seqlen]
         out[bos:eos] = _act(_depthwise(window, weight, bias, seqlen), activation).to(x.dtype)

@@ -1,7 +1,7 @@
 """FP8 (e4m3) LM head: per-row quantization, an fp32 reference, and the fast logits kernels.
 
-No vLLM import; runs on torch 2.11..2.13. humming-kernels and Triton are imported lazily
-(humming only when its kernel is prepared).
+No vLLM import; runs on torch 2.11..2.13. humming-kernels is imported only when its kernel is
+prepared; Triton, when installed, at import (the CUDA builds of torch and vLLM ship it).
 
 Quantization rule (per output row ``n`` of a ``[V, H]`` head, i.e. per vocabulary entry)::
 
@@ -15,15 +15,18 @@ Rounding the scale up to a bfloat16 value costs under 1% of the top e4m3 code an
 scale exact in every kernel: humming keeps per-channel scales in the activation dtype
 (bf16), Triton and ``torch._scaled_mm`` read them as fp32; all see the same weights.
 Error bound per weight: ``|w - q*scale| <= 2**-4 * |w|`` (3 mantissa bits, round to
-nearest) for normal e4m3 codes, plus ``2**-10 * scale`` for the subnormal codes (|q| < 2**-6),
-so never more than ``2**-4 * amax`` of the row.
+nearest) where ``|w| / scale >= 2**-6`` (e4m3's normal range), ``2**-10 * scale`` below it
+(subnormal codes), so never more than ``2**-4 * amax`` of the row.
 
 Kernels (``KERNELS``), all producing ``[M, V]`` logits in ``out_dtype`` (bf16 by default):
 
 - ``"humming"``: humming-kernels W8A16 dense GEMM (FP8 e4m3 weight, per-channel bf16 scale,
-  BF16 activations), called as vLLM 0.32 calls humming for FP8 linears.
-- ``"triton"``: a Triton GEMV/GEMM (FP8 weight converted to bf16 in registers, fp32
-  accumulation, per-row fp32 scale applied once per output).
+  BF16 activations), prepared as vLLM 0.32 prepares humming FP8 linears, with a tuned config
+  for 1..16 rows (``HUMMING_TUNING_BY_ARCH``). Its output can be one BF16 step off the
+  exact value (it rounds before and after the scale). The default on sm_90.
+- ``"triton"``: our Triton kernel: one row as an fp32 elementwise GEMV, more rows on the
+  tensor cores with the e4m3 weight converted to bf16 in registers; fp32 accumulation; the
+  per-row fp32 scale applied once per output; output within half a BF16 step.
 - ``"scaled_mm"``: ``torch._scaled_mm`` row-wise, with dynamic per-token FP8 activation
   scales (activations are quantized too, so its error is larger).
 - ``"torch"``: dequantize-on-the-fly in vocabulary chunks and an fp32 matmul. Correctness
@@ -63,23 +66,29 @@ FP8_E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 KERNELS = ("humming", "triton", "scaled_mm", "torch")
 KERNEL_ENV = "VLLM_LING_LM_HEAD_KERNEL"
-HUMMING_CACHE_ENV = "VLLM_LING_HUMMING_CACHE"
-DEFAULT_HUMMING_CACHE = "~/.cache/vllm-ling/humming"
 
 # Rows of the vocabulary handled at once by the chunked (CPU / reference) paths: 8192 x 2560
 # fp32 is 84 MB, so a 157,184 x 2,560 head never needs its 1.6 GB fp32 copy.
 DEFAULT_CHUNK_ROWS = 8192
 
-# Per GPU architecture (compute capability), the kernel to use and the measurement behind it.
-# Numbers: H200 (sm_90), Ling head 157,184 x 2,560, CUDA-graph medians from
-# benchmarks/lm_head.py (see benchmarks/results/lm_head_h200.md); device copy bandwidth in
-# the same run about 4,250 GB/s (read + write). Architectures without a row were not
-# measured: they get _UNMEASURED_ORDER and the reason says so.
+# Per GPU architecture (compute capability): kernels in order of preference and the
+# measurement behind it (Ling head 157,184 x 2,560, CUDA-graph medians from
+# benchmarks/lm_head.py, see benchmarks/results/lm_head_h200.md). Architectures without a row
+# were not measured: they get _UNMEASURED_ORDER and the reason says so.
 HEAD_KERNEL_BY_ARCH: dict[tuple[int, int], tuple[tuple[str, ...], str]] = {
+    # H200, us at 1 / 4 / 16 rows, final run of benchmarks/lm_head.py (copy bandwidth 4,239 GB/s
+    # read + write in the same run; 403 MB read per call):
+    #   BF16 cuBLAS                                           184.4 / 185.3 / 189.8  (1.03 of copy BW)
+    #   humming W8A16, HUMMING_TUNING_BY_ARCH config          100.6 / 100.1 / 103.8  (0.94; 1.83x BF16)
+    #   humming W8A16, humming's own heuristic                128.1 / 130.3 / 136.2
+    #   Triton, TRITON_CONFIGS (bf16 tensor-core inputs)      107.5 / 154.0 / 147.3
+    #   Triton with fp16 tensor-core inputs (not default)     125.5 / 115.6 / 101.7
+    #   torch._scaled_mm row-wise + per-token act quant       167.2 / 167.3 / 168.8
+    # humming is fastest at 1 and 4 rows and within 2 % at 16, with no input-range caveat.
     (9, 0): (
-        ("triton", "humming", "scaled_mm"),
-        "sm_90 (H200) measured at 1/4/16 rows: triton PENDING us; humming W8A16 128.5/130/- us; "
-        "torch._scaled_mm row-wise incl. activation quant 165/168/- us; BF16 cuBLAS 192 us",
+        ("humming", "triton", "scaled_mm"),
+        "sm_90 (H200) measured, us at 1/4/16 rows: humming W8A16 tuned 100.6/100.1/103.8, "
+        "Triton 107.5/154.0/147.3, torch._scaled_mm row-wise 167.2/167.3/168.8, BF16 cuBLAS 184.4/185.3/189.8",
     ),
 }
 # Unmeasured GPUs: humming first (supports sm_80+ with BF16 activations), then Triton
@@ -304,10 +313,13 @@ def prepare_fp8_head(
     kernel: str | None = None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
+    humming_tuning: str = "table",
 ) -> Fp8HeadState:
     """Turn a quantized head (``quantize_fp8_per_channel`` output, on its target device) into
     the state of ``kernel`` (None: ``select_head_kernel``). For humming the returned state
-    holds a repacked copy: drop your reference to ``weight_fp8`` afterwards to free it."""
+    holds a repacked copy: drop your reference to ``weight_fp8`` afterwards to free it; it
+    also JIT-compiles humming's kernels (seconds cold, cached on disk). ``humming_tuning``:
+    "table" uses HUMMING_TUNING_BY_ARCH for small row counts, "heuristic" humming's own."""
     _check_fp8_pair(weight_fp8, scale)
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
@@ -321,7 +333,9 @@ def prepare_fp8_head(
     vocab, hidden = weight_fp8.shape
     common = dict(kernel=kernel, vocab_size=vocab, hidden_size=hidden, out_dtype=out_dtype, reason=reason)
     if kernel == "humming":
-        return _prepare_humming(weight_fp8, scale, common)
+        if humming_tuning not in ("table", "heuristic"):
+            raise ValueError(f"humming_tuning must be 'table' or 'heuristic', got {humming_tuning!r}")
+        return _prepare_humming(weight_fp8, scale, common, humming_tuning)
     if kernel == "scaled_mm" and (hidden % 16 or vocab % 16):
         raise ValueError(f"scaled_mm needs hidden and vocab sizes divisible by 16, got {vocab} x {hidden}")
     return Fp8HeadState(weight=weight_fp8.contiguous(), scale=scale.float().contiguous(), **common)
@@ -376,28 +390,13 @@ class Fp8LmHead:
 # --------------------------------------------------------------------------------------
 
 
-def humming_cache_dir() -> str:
-    """JIT cache directory: env VLLM_LING_HUMMING_CACHE, default ~/.cache/vllm-ling/humming."""
-    try:  # the MoE helper's shared convention, when present
-        from vllm_ling.ops.humming_cache import humming_cache_dir as shared  # type: ignore
-
-        return shared()
-    except ImportError:
-        pass
-    return os.path.expanduser(os.environ.get(HUMMING_CACHE_ENV) or DEFAULT_HUMMING_CACHE)
-
-
 @functools.lru_cache(maxsize=1)
 def _import_humming():
-    """Import humming with its JIT cache under our directory (humming reads HUMMING_CACHE_DIR
-    when it first compiles; a value the user set explicitly is kept)."""
-    try:
-        from vllm_ling.ops.humming_cache import import_humming  # type: ignore
+    """Point humming's JIT cache at ours (``vllm_ling.ops.humming_cache``: env
+    VLLM_LING_HUMMING_CACHE, default ~/.cache/vllm-ling/humming), then import it."""
+    from vllm_ling.ops.humming_cache import configure_humming_cache
 
-        return import_humming()
-    except ImportError:
-        pass
-    os.environ.setdefault("HUMMING_CACHE_DIR", humming_cache_dir())
+    configure_humming_cache()
     import humming  # noqa: F401
     import humming.ops
     import humming.schema
@@ -409,12 +408,48 @@ def _import_humming():
 # gemm_type "dense" and fp32 accumulation, as vLLM 0.32's get_humming_linear_compute_config.
 _HUMMING_COMPUTE_CONFIG = json.dumps({"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "dense"})
 
-# Optional tuning override per arch: None keeps humming's own per-M heuristics (all M).
-# Filled from the benchmark's sweep when a hand-picked config beats the heuristic.
-HUMMING_TUNING_BY_ARCH: dict[tuple[int, int], list | None] = {}
+# Hand-tuned humming config for small row counts, per arch: rows 1..max_rows use `config`,
+# larger row counts keep humming's own per-M heuristic table. H200 (sm_90), 157,184 x 2,560,
+# CUDA-graph medians (benchmarks/lm_head.py --sweep, benchmarks/results/lm_head_h200.md), us at
+# 1 / 4 / 16 rows:
+#   humming's heuristic (WGMMA, warp-specialised, TMA, Stream-K, 8|16 x 256 x 64)  128.2 / 131.4 / 136.2
+#   MMA 16x64x256, warps 16x32x64, 4 stages, 2 CTAs/SM, no Stream-K              101.8 / 103.5 / 105.4
+#   MMA 16x64x256, warps 16x32x64, 3 stages, 3 CTAs/SM, no Stream-K (chosen)     101.5 / 101.5 / 102.9
+#   MMA 16x64x512, warps 16x32x128, 2 stages, 2 CTAs/SM                           99.5 / 100.2 / 105.1
+#   (same sweep: the 4-stage 2-CTA shape with Stream-K 108.3 / 107.1 / 110.8; block N 128, 1 CTA/SM
+#   113.9 / 113.6 / 118.1). Final benchmark run with the chosen config: 100.6 / 100.1 / 103.8.
+# Likely why (not profiled): several small CTAs per SM keep more weight bytes in flight than one
+# warp-specialised CTA per SM, and for 1..16 rows Stream-K fix-ups cost more than they balance.
+HUMMING_TUNING_BY_ARCH: dict[tuple[int, int], dict] = {
+    (9, 0): {
+        "max_rows": 16,
+        "config": {"mma_type": "mma", "block_shape": [16, 64, 256], "warp_shape": [16, 32, 64],
+                   "num_stages": 3, "num_ctas_per_sm": 3, "use_stream_k": False, "use_tma": False,
+                   "use_warp_spec": False},
+    },
+}
 
 
-def _prepare_humming(weight_fp8: torch.Tensor, scale: torch.Tensor, common: dict) -> Fp8HeadState:
+def humming_tuning_table(layer_config, device: torch.device, small: dict | None) -> list | None:
+    """humming's per-M tuning list ``[[lo, hi, config], ...]`` (rows in (lo, hi]) with rows
+    1..small["max_rows"] replaced by small["config"]; None (= humming decides) without one."""
+    if not small:
+        return None
+    humming = _import_humming()
+    import humming.tune
+
+    table = humming.tune.get_heuristics_config(layer_config, gemm_type="dense", device=device)
+    max_rows = int(small["max_rows"])
+    out = [[0, max_rows, dict(small["config"])]]
+    for lo, hi, config in table:
+        if 0 < hi <= max_rows:
+            continue
+        out.append([max(lo, max_rows), hi, config])
+    return out
+
+
+def _prepare_humming(weight_fp8: torch.Tensor, scale: torch.Tensor, common: dict,
+                     tuning: str = "table") -> Fp8HeadState:
     humming = _import_humming()
     vocab, hidden = weight_fp8.shape
     if hidden % 4:
@@ -440,14 +475,27 @@ def _prepare_humming(weight_fp8: torch.Tensor, scale: torch.Tensor, common: dict
     )
     del tensors
     props = torch.cuda.get_device_properties(weight_fp8.device)
-    tuning = HUMMING_TUNING_BY_ARCH.get((props.major, props.minor))
+    small = HUMMING_TUNING_BY_ARCH.get((props.major, props.minor)) if tuning == "table" else None
+    tuning_list = humming_tuning_table(config, weight_fp8.device, small)
     extra = {
         "layer_config": config.to_str(),  # serialised once; humming_forward would redo it per call
-        "tuning_config": json.dumps(tuning) if tuning else None,
-        # Stream-K locks, sized like vLLM's create_humming_locks (8 per SM).
-        "locks": torch.zeros(props.multi_processor_count * 8, dtype=torch.int32, device=weight_fp8.device),
+        "layer_config_obj": config,
+        "tuning_config": json.dumps(tuning_list) if tuning_list else None,
+        "tuning": "table" if tuning_list else "heuristic",
+        # Stream-K locks: vLLM sizes them 8 per SM; 16 leaves room for 2 CTAs per SM.
+        "locks": torch.zeros(props.multi_processor_count * 16, dtype=torch.int32, device=weight_fp8.device),
     }
-    return Fp8HeadState(weight=out["weight"], scale=out["weight_scale"], extra=extra, **common)
+    state = Fp8HeadState(weight=out["weight"], scale=out["weight_scale"], extra=extra, **common)
+    # humming compiles its whole per-row-count kernel table on the first call: do it now, under
+    # the cross-process compile lock, so the first decode step does not pay for it.
+    from vllm_ling.ops.humming_cache import compile_lock
+
+    started = time.perf_counter()
+    with compile_lock():
+        _humming_logits(torch.zeros((1, hidden), dtype=torch.bfloat16, device=weight_fp8.device), state, None)
+    torch.cuda.synchronize(weight_fp8.device)
+    state.extra["compile_seconds"] = round(time.perf_counter() - started, 2)
+    return state
 
 
 def _humming_logits(x: torch.Tensor, state: Fp8HeadState, out: torch.Tensor | None) -> torch.Tensor:
@@ -494,7 +542,7 @@ if triton is not None:
         M, N, K,
         stride_xm, stride_wn, stride_om,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+        USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP16: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -524,7 +572,11 @@ if triton is not None:
                     x = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
                 else:
                     x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            if USE_DOT:
+            if USE_DOT and DOT_FP16:
+                # e4m3 -> fp16 is one packed conversion (bf16 needs two) and exact; x in fp16 is
+                # exact for bf16 values of magnitude 6e-5..65504 (see TritonHeadConfig).
+                acc = tl.dot(w.to(tl.float16), x.to(tl.float16), acc)
+            elif USE_DOT:
                 acc = tl.dot(w.to(tl.bfloat16), x.to(tl.bfloat16), acc)
             else:
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
@@ -551,13 +603,21 @@ class TritonHeadConfig:
     use_dot: bool
     num_warps: int
     num_stages: int
+    # fp16 tensor-core inputs: faster conversion, but hidden values must stay below 65504
+    # in magnitude (true after the final RMSNorm unless its weights exceed ~1000).
+    dot_fp16: bool = False
 
 
-# Per row-count bucket (upper bound of M, config). PENDING: replaced by the H200 sweep.
+# Per row-count bucket (upper bound of M, config). 1 and 2..16 rows: best of the H200 sweeps
+# (us: 1 row elementwise fp32 109.2 (107.5 in the final run), 4 warps 151.5; 2..16 rows bf16
+# tensor cores 152.8 / 146.2 at 4 / 16 rows); fp16 tensor-core inputs (2 warps) ran 126.5 /
+# 115.2 / 102.5 at 1 / 4 / 16 rows but overflow for |hidden| > 65504, so they stay off by
+# default. Buckets above 16 rows were not tuned (decode runs 1..16 rows; larger batches are
+# correct, just not tuned).
 TRITON_CONFIGS: tuple[tuple[int, TritonHeadConfig], ...] = (
-    (1, TritonHeadConfig(1, 64, 256, False, 4, 4)),
-    (16, TritonHeadConfig(16, 128, 128, True, 4, 4)),
-    (32, TritonHeadConfig(32, 128, 128, True, 4, 4)),
+    (1, TritonHeadConfig(1, 16, 512, False, 2, 3)),
+    (16, TritonHeadConfig(16, 64, 128, True, 4, 4)),
+    (32, TritonHeadConfig(32, 64, 128, True, 4, 4)),
     (64, TritonHeadConfig(64, 128, 64, True, 4, 4)),
     (1 << 62, TritonHeadConfig(128, 128, 64, True, 8, 4)),
 )
@@ -588,7 +648,7 @@ def _triton_logits(x: torch.Tensor, state: Fp8HeadState, out: torch.Tensor | Non
         rows, state.vocab_size, state.hidden_size,
         x.stride(0), state.weight.stride(0), out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_DOT=config.use_dot, EVEN_K=state.hidden_size % config.block_k == 0,
+        USE_DOT=config.use_dot, EVEN_K=state.hidden_size % config.block_k == 0, DOT_FP16=config.dot_fp16,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -642,6 +702,11 @@ def warmup_kernels(
         raise RuntimeError(f"warmup_kernels needs a CUDA device, got {device}")
     started = time.perf_counter()
     name, reason = (kernel, "requested") if kernel else select_head_kernel(device)
+    kernels_before = 0
+    if name == "humming":
+        from vllm_ling.ops.humming_cache import configure_humming_cache, count_cached_kernels
+
+        kernels_before = count_cached_kernels(configure_humming_cache())
     gen = torch.Generator(device=device).manual_seed(0)
     weight = torch.randn((vocab_size, hidden_size), device=device, dtype=torch.bfloat16, generator=gen)
     q, s = quantize_fp8_per_channel(weight)
@@ -665,6 +730,12 @@ def warmup_kernels(
         "seconds": round(time.perf_counter() - started, 2),
     }
     if name == "humming":
-        result["cache_dir"] = os.environ.get("HUMMING_CACHE_DIR", humming_cache_dir())
+        from vllm_ling.ops.humming_cache import count_cached_kernels
+
+        result["cache_dir"] = os.environ.get("HUMMING_CACHE_DIR")
+        result["kernels_before"] = kernels_before
+        result["kernels_after"] = count_cached_kernels()
+        result["new_kernels"] = result["kernels_after"] - kernels_before
+        result["compile_seconds"] = state.extra.get("compile_seconds")
     del state
     return result

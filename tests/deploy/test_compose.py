@@ -1,0 +1,158 @@
+"""docker/compose.yaml: structure, referenced files, and Docker Compose's own validation
+(`docker compose config` needs no Docker engine)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ._tools import DEPLOY_DIR, DOCKER_DIR, find_tool, run
+
+COMPOSE = DOCKER_DIR / "compose.yaml"
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def compose_config(*args, env=None):
+    import os
+
+    binary = find_tool("docker-compose")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "VLLM_LING_"))}
+    clean.update(env or {})
+    return run([binary, "-f", str(COMPOSE), *args], env=clean, cwd=DOCKER_DIR)
+
+
+def test_services_profiles_and_monitoring(compose):
+    services = compose["services"]
+    assert {"vllm-ling", "prometheus", "grafana", "vllm-ling-cpu"} <= set(services)
+    assert services["vllm-ling"]["profiles"] == ["gpu"]
+    assert services["vllm-ling-cpu"]["profiles"] == ["cpu"]
+    assert "profiles" not in services["prometheus"] and "profiles" not in services["grafana"]
+    # Both servers answer as vllm-ling:8000, the target in deploy/prometheus/prometheus.yml.
+    assert "vllm-ling" in services["vllm-ling-cpu"]["networks"]["default"]["aliases"]
+    scrape = yaml.safe_load((DEPLOY_DIR / "prometheus" / "prometheus.yml").read_text())
+    targets = [t for job in scrape["scrape_configs"] for sc in job.get("static_configs", [])
+               for t in sc["targets"]]
+    assert "vllm-ling:8000" in targets
+
+
+def test_gpu_service_runtime_settings(compose):
+    svc = compose["services"]["vllm-ling"]
+    assert svc["ipc"] == "host"
+    devices = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert "/health" in " ".join(svc["healthcheck"]["test"])
+    assert svc["depends_on"]["vllm-ling-warmup"]["condition"] == "service_completed_successfully"
+    warmup = compose["services"]["vllm-ling-warmup"]
+    assert warmup["entrypoint"] == ["vllm-ling", "warmup"]
+    cache = {v.split(":")[0]: v.split(":")[1] for v in svc["volumes"]}
+    assert cache["humming-cache"] == "/cache/humming"
+    assert "humming-cache:/cache/humming" in warmup["volumes"]
+
+
+def test_cpu_profile_serves_the_tiny_checkpoint(compose):
+    svc = compose["services"]["vllm-ling-cpu"]
+    assert svc["command"][:3] == ["/models/tiny", "--device", "cpu"]
+    tiny = compose["services"]["tiny-checkpoint"]
+    assert tiny["entrypoint"] == ["vllm-ling", "make-tiny"] and tiny["command"][0] == "/models/tiny"
+    assert "cpu" in tiny["build"]["args"]["VLLM_IMAGE"]
+    assert "/health" in " ".join(svc["healthcheck"]["test"])
+
+
+def test_named_volumes_declared_and_bind_mounts_exist(compose):
+    declared = set(compose["volumes"])
+    for name, svc in compose["services"].items():
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith(("/", ".", "$")):
+                if source.startswith("$"):  # ${VLLM_LING_MODELS_DIR:-./models}: user data
+                    continue
+                assert (DOCKER_DIR / source).exists(), f"{name}: {source} does not exist"
+            else:
+                assert source in declared, f"{name}: volume {source} not declared"
+    for name, svc in compose["services"].items():
+        build = svc.get("build")
+        if build:
+            assert (DOCKER_DIR / build["context"] / build["dockerfile"]).is_file()
+
+
+def test_monitoring_files_referenced_inside_mounts_exist():
+    prometheus = yaml.safe_load((DEPLOY_DIR / "prometheus" / "prometheus.yml").read_text())
+    for rule_file in prometheus["rule_files"]:
+        assert rule_file.startswith("/etc/prometheus/")
+        assert (DEPLOY_DIR / "prometheus" / Path(rule_file).name).is_file()
+    providers = yaml.safe_load((DEPLOY_DIR / "grafana" / "provisioning" / "dashboards" /
+                                "vllm-ling.yml").read_text())["providers"]
+    assert providers[0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert list((DEPLOY_DIR / "grafana" / "dashboards").glob("*.json"))
+    datasources = yaml.safe_load((DEPLOY_DIR / "grafana" / "provisioning" / "datasources" /
+                                  "prometheus.yml").read_text())["datasources"]
+    assert datasources[0]["url"] == "http://prometheus:9090"
+
+
+def test_alert_rules_cover_the_three_conditions():
+    rules = [r for g in yaml.safe_load((DEPLOY_DIR / "prometheus" / "alerts.yml").read_text())["groups"]
+             for r in g["rules"]]
+    exprs = " ".join(r["expr"] for r in rules)
+    assert "vllm_ling:optimization_active == 0" in exprs
+    assert "increase(vllm_ling:accept_collapse_total[5m]) > 0" in exprs
+    assert "up{" in exprs and "== 0" in exprs
+
+
+def test_only_the_gateway_is_public_and_it_forwards_v1_only(compose):
+    """vLLM answers /invocations (inference without the API key), /metrics, /tokenize, ...:
+    no vLLM container publishes a port; the gateway forwards /v1 and /health, 404 otherwise;
+    monitoring UIs bind 127.0.0.1."""
+    services = compose["services"]
+    for name in ("vllm-ling", "vllm-ling-cpu", "vllm-ling-warmup", "tiny-checkpoint"):
+        assert "ports" not in services[name], name
+    for name in ("prometheus", "grafana"):
+        assert all(str(p).startswith("127.0.0.1:") for p in services[name]["ports"]), name
+    gateway = services["gateway"]
+    assert [str(p).split(":")[-1] for p in gateway["ports"]] == ["8080"]
+    conf_path = gateway["volumes"][0].split(":")[0]
+    conf = (DOCKER_DIR / conf_path).read_text()
+    locations = re.findall(r"location\s+(=?\s*\S+)\s*\{([^}]*)\}", conf)
+    routes = {path.replace(" ", ""): body for path, body in locations}
+    assert set(routes) == {"/v1/", "=/health", "/"}
+    assert "proxy_pass" in routes["/v1/"] and "proxy_pass" in routes["=/health"]
+    assert "return 404" in routes["/"]
+    assert "http://vllm-ling:8000" in conf
+
+
+def test_no_secret_in_the_compose_file(compose):
+    for svc in compose["services"].values():
+        env = svc.get("environment", {})
+        for key, value in (env.items() if isinstance(env, dict) else []):
+            if "KEY" in key or "PASSWORD" in key:
+                assert str(value).startswith("${"), f"{key} must come from the caller's environment"
+
+
+@pytest.mark.parametrize("profile,expected", [
+    (None, {"vllm-ling-warmup", "vllm-ling", "gateway", "prometheus", "grafana"}),
+    ("cpu", {"tiny-checkpoint", "vllm-ling-cpu", "gateway", "prometheus", "grafana"}),
+])
+def test_docker_compose_config_validates(profile, expected):
+    args = ["--profile", profile] if profile else []
+    result = compose_config(*args, "config", "--quiet")
+    assert result.returncode == 0, result.stderr
+    services = compose_config(*args, "config", "--services")
+    assert set(services.stdout.split()) == expected
+
+
+def test_docker_compose_config_rejects_a_broken_file(tmp_path):
+    """The validator must catch errors (here: an undeclared named volume)."""
+    broken = yaml.safe_load(COMPOSE.read_text())
+    broken["services"]["prometheus"]["volumes"].append("not-declared:/data")
+    path = tmp_path / "compose.yaml"
+    path.write_text(yaml.safe_dump(broken))
+    binary = find_tool("docker-compose")
+    result = run([binary, "-f", str(path), "--project-directory", str(DOCKER_DIR), "config", "--quiet"])
+    assert result.returncode != 0
+    assert "not-declared" in result.stderr

@@ -1,0 +1,307 @@
+"""helm/vllm-ling rendered by the real Helm for the main value combinations; every manifest
+validated against the Kubernetes OpenAPI schemas (kubernetes-validate, strict); the CRD
+objects (LeaderWorkerSet, ServiceMonitor, PrometheusRule) checked structurally, with their
+embedded pod templates validated as Pods; bad values must fail the render."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from ._tools import CHART_DIR, DEPLOY_DIR, find_tool, run
+
+# The chart's minimum (Chart.yaml kubeVersion) and the newest schemas the validator ships.
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+CRD_KINDS = {"LeaderWorkerSet", "ServiceMonitor", "PrometheusRule"}
+
+COMBINATIONS = {
+    "single-default": [],
+    "single-monitoring": ["--set", "metrics.serviceMonitor.enabled=true",
+                          "--set", "metrics.prometheusRule.enabled=true",
+                          "--set", "metrics.dashboards.enabled=true",
+                          "--set", "ingress.enabled=true", "--set", "ingress.host=ling.example.com"],
+    "single-2gpu-no-warmup-no-key": ["--set", "single.gpus=2", "--set", "warmup.enabled=false",
+                                     "--set", "apiKey.enabled=false",
+                                     "--set", "networkPolicy.enabled=false",
+                                     "--set", "podDisruptionBudget.enabled=false",
+                                     "--set", "storage.hummingCache.type=emptyDir"],
+    "multinode-tcp": ["--set", "mode=multinode", "--set", "storage.models.accessModes={ReadOnlyMany}",
+                      "--set", "storage.hummingCache.type=emptyDir"],
+    "multinode-rdma-monitoring": ["-f", str(CHART_DIR / "values-two-sparks.yaml"),
+                                  "--set", "metrics.dashboards.enabled=true"],
+    "multinode-pp": ["--set", "mode=multinode", "--set", "multinode.nodes=4",
+                     "--set", "multinode.tensorParallelSize=2", "--set", "multinode.pipelineParallelSize=2",
+                     "--set", "storage.models.type=hostPath", "--set", "storage.hummingCache.type=hostPath",
+                     "--set", "replicas=2"],
+}
+
+
+def helm(*args):
+    return run([find_tool("helm", "HELM"), *args])
+
+
+def render(extra: list[str]) -> list[dict]:
+    result = helm("template", "ling", str(CHART_DIR), "--namespace", "serving", *extra)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def rendered():
+    return {name: render(args) for name, args in COMBINATIONS.items()}
+
+
+def by_kind(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def pod_specs(docs):
+    """(name, pod spec) of every pod the release creates, CRD templates included."""
+    specs = []
+    for d in docs:
+        if d["kind"] == "Deployment":
+            specs.append((d["metadata"]["name"], d["spec"]["template"]))
+        if d["kind"] == "LeaderWorkerSet":
+            lwt = d["spec"]["leaderWorkerTemplate"]
+            specs.append((d["metadata"]["name"] + "-leader", lwt["leaderTemplate"]))
+            specs.append((d["metadata"]["name"] + "-worker", lwt["workerTemplate"]))
+    return specs
+
+
+def test_helm_lint_strict():
+    for extra in ([], ["-f", str(CHART_DIR / "values-two-sparks.yaml")]):
+        result = helm("lint", "--strict", str(CHART_DIR), *extra)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("combination", COMBINATIONS)
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+def test_every_manifest_validates_against_kubernetes_schemas(rendered, combination, k8s_version):
+    docs = rendered[combination]
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            continue
+        kubernetes_validate.validate(doc, k8s_version, strict=True)
+    # The pod templates inside the LeaderWorkerSet are core PodTemplateSpecs: validate them as Pods.
+    for name, template in pod_specs(docs):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **template["metadata"]},
+               "spec": template["spec"]}
+        kubernetes_validate.validate(pod, k8s_version, strict=True)
+
+
+def test_validator_rejects_a_bad_manifest(rendered):
+    """kubernetes-validate must catch errors, so the test above cannot pass vacuously."""
+    deployment = json.loads(json.dumps(by_kind(rendered["single-default"], "Deployment")[0]))
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = 7
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = "IfNotPresent"
+    deployment["spec"]["replicass"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
+
+
+def test_workload_kind_per_mode(rendered):
+    assert len(by_kind(rendered["single-default"], "Deployment")) == 1
+    assert not by_kind(rendered["single-default"], "LeaderWorkerSet")
+    for name in ("multinode-tcp", "multinode-rdma-monitoring", "multinode-pp"):
+        assert not by_kind(rendered[name], "Deployment")
+        (lws,) = by_kind(rendered[name], "LeaderWorkerSet")
+        assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+        lwt = lws["spec"]["leaderWorkerTemplate"]
+        assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+        assert lws["spec"]["startupPolicy"] in ("LeaderCreated", "LeaderReady")
+        assert set(lwt) <= {"size", "leaderTemplate", "workerTemplate", "restartPolicy",
+                            "subGroupPolicy", "volumeClaimTemplates"}  # LWS v1 field names
+        assert isinstance(lwt["size"], int) and lwt["size"] >= 2
+    lws = by_kind(rendered["multinode-pp"], "LeaderWorkerSet")[0]
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 4 and lws["spec"]["replicas"] == 2
+
+
+def env_of(container):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_multinode_leader_runs_ray_head_and_vllm_with_parallel_sizes(rendered):
+    lws = by_kind(rendered["multinode-pp"], "LeaderWorkerSet")[0]["spec"]["leaderWorkerTemplate"]
+    leader = lws["leaderTemplate"]["spec"]["containers"][0]
+    worker = lws["workerTemplate"]["spec"]["containers"][0]
+    assert leader["command"][:2] == ["vllm-ling-ray", "head"] and "--nodes=4" in leader["command"]
+    assert worker["command"][:2] == ["vllm-ling-ray", "worker"]
+    assert any("$(LWS_LEADER_ADDRESS)" in a for a in worker["command"])
+    env = env_of(leader)
+    assert env["VLLM_LING_TENSOR_PARALLEL_SIZE"] == "2" and env["VLLM_LING_PIPELINE_PARALLEL_SIZE"] == "2"
+    assert "ports" not in worker  # workers serve nothing; only the leader is behind the Service
+    assert lws["leaderTemplate"]["metadata"]["labels"]["app.kubernetes.io/component"] == "server"
+    assert lws["workerTemplate"]["metadata"]["labels"]["app.kubernetes.io/component"] == "ray-worker"
+
+
+@pytest.mark.parametrize("combination", COMBINATIONS)
+def test_restricted_pod_security(rendered, combination):
+    rdma = combination == "multinode-rdma-monitoring"
+    for name, template in pod_specs(rendered[combination]):
+        spec = template["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
+        assert spec["automountServiceAccountToken"] is False, name
+        for container in spec["containers"] + spec.get("initContainers", []):
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            assert sc["capabilities"]["drop"] == ["ALL"], name
+            assert sc["capabilities"].get("add", []) == (["IPC_LOCK"] if rdma else []), name
+            limits = container["resources"]["limits"]
+            assert ("rdma/rdma_shared_device_a" in limits) == rdma, name
+        assert spec.get("hostNetwork", False) == rdma, name  # values-two-sparks.yaml sets it
+
+
+def test_probes_cover_model_load_and_jit(rendered):
+    container = by_kind(rendered["single-default"], "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    startup = container["startupProbe"]
+    assert startup["httpGet"]["path"] == "/health"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    init = by_kind(rendered["single-default"], "Deployment")[0]["spec"]["template"]["spec"]["initContainers"]
+    assert init[0]["command"] == ["vllm-ling", "warmup"]
+    assert "initContainers" not in by_kind(rendered["single-2gpu-no-warmup-no-key"], "Deployment")[0][
+        "spec"]["template"]["spec"]
+
+
+def test_api_key_comes_from_a_secret_and_no_secret_is_rendered(rendered):
+    for combination, docs in rendered.items():
+        assert not by_kind(docs, "Secret"), combination
+    container = by_kind(rendered["single-default"], "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    key = env_of(container)["VLLM_API_KEY"]
+    assert key == {"secretKeyRef": {"name": "vllm-ling-api-key", "key": "api-key"}}
+    no_key = by_kind(rendered["single-2gpu-no-warmup-no-key"], "Deployment")[0]["spec"]["template"]["spec"]
+    assert "VLLM_API_KEY" not in env_of(no_key["containers"][0])
+
+
+def test_pvcs_and_pdb(rendered):
+    claims = {d["metadata"]["name"] for d in by_kind(rendered["single-default"], "PersistentVolumeClaim")}
+    assert claims == {"ling-vllm-ling-models", "ling-vllm-ling-humming-cache"}
+    volumes = {v["name"]: v for v in by_kind(rendered["single-default"], "Deployment")[0]["spec"][
+        "template"]["spec"]["volumes"]}
+    assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "ling-vllm-ling-models"
+    assert volumes["humming-cache"]["persistentVolumeClaim"]["claimName"] == "ling-vllm-ling-humming-cache"
+    assert not by_kind(rendered["multinode-pp"], "PersistentVolumeClaim")
+    (pdb,) = by_kind(rendered["single-default"], "PodDisruptionBudget")
+    service = by_kind(rendered["single-default"], "Service")[0]
+    assert pdb["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    assert not by_kind(rendered["single-2gpu-no-warmup-no-key"], "PodDisruptionBudget")
+
+
+def test_service_monitor_selects_the_service_port(rendered):
+    docs = rendered["single-monitoring"]
+    (monitor,) = by_kind(docs, "ServiceMonitor")
+    (service,) = by_kind(docs, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    port_names = {p["name"] for p in service["spec"]["ports"]}
+    endpoint = monitor["spec"]["endpoints"][0]
+    assert endpoint["port"] in port_names and endpoint["path"] == "/metrics"
+    # job="vllm-ling", as the alert rules expect
+    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "vllm-ling"
+    assert not by_kind(rendered["single-default"], "ServiceMonitor")
+
+
+def test_prometheus_rule_carries_the_deploy_alerts_unchanged(rendered):
+    (rule,) = by_kind(rendered["single-monitoring"], "PrometheusRule")
+    source = yaml.safe_load((DEPLOY_DIR / "prometheus" / "alerts.yml").read_text())
+    assert rule["spec"]["groups"] == source["groups"]
+    for group in rule["spec"]["groups"]:
+        for r in group["rules"]:
+            assert set(r) >= {"alert", "expr"}
+    assert not by_kind(rendered["single-default"], "PrometheusRule")
+
+
+def test_dashboards_configmap_carries_the_deploy_dashboards(rendered):
+    (cm,) = [d for d in by_kind(rendered["single-monitoring"], "ConfigMap")
+             if d["metadata"]["name"].endswith("-dashboards")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    sources = {p.name: json.loads(p.read_text()) for p in (DEPLOY_DIR / "grafana" / "dashboards").glob("*.json")}
+    assert {k: json.loads(v) for k, v in cm["data"].items()} == sources
+
+
+def test_network_policy_and_ingress_keep_unauthenticated_paths_inside(rendered):
+    docs = rendered["single-monitoring"]
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    for rule in policy["spec"]["ingress"]:
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer  # no address range outside the cluster is admitted
+    (ingress,) = by_kind(docs, "Ingress")
+    paths = [p["path"] for r in ingress["spec"]["rules"] for p in r["http"]["paths"]]
+    assert paths == ["/v1"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--set", "mode=multinode", "--set", "multinode.nodes=1"], "minimum"),
+    (["--set", "mode=cluster"], "mode"),
+    (["--set", "optimizations.verify=loose"], "verify"),
+    (["--set", "replicaz=2"], "replicaz"),
+    (["--set", "serving.gpuMemoryUtilization=1.5"], "gpuMemoryUtilization"),
+    (["--set", "mode=multinode", "--set", "storage.models.accessModes={ReadOnlyMany}",
+      "--set", "storage.hummingCache.type=emptyDir", "--set", "multinode.tensorParallelSize=4"],
+     "must equal multinode.nodes"),
+    (["--set", "mode=multinode"], "ReadWriteOnce models claim"),
+    (["--set", "mode=multinode", "--set", "storage.models.type=hostPath"], "humming cache"),
+    (["--set", "apiKey.existingSecret="], "apiKey.existingSecret"),
+    (["--set", "multinode.rdma.enabled=true"], "only applies to mode=multinode"),
+    (["--set", "ingress.enabled=true"], "ingress.host"),
+])
+def test_bad_values_fail_the_render(args, message):
+    result = helm("template", "ling", str(CHART_DIR), *args)
+    assert result.returncode != 0, f"render succeeded with {args}"
+    assert message in result.stderr, result.stderr
+
+
+def _stub(bin_dir, name, body):
+    path = bin_dir / name
+    path.write_text("#!/usr/bin/env bash\n" + body + "\n")
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("combination", ["multinode-tcp", "multinode-rdma-monitoring"])
+def test_rendered_ray_commands_run_the_image_script(rendered, combination, tmp_path):
+    """The leader and worker commands the chart renders, run through the image's
+    docker/multinode/vllm-ling-ray.sh with stand-ins for ray, python3 (node count) and
+    vllm-ling: the head starts Ray and serves with the Ray backend; the worker joins the
+    leader's address."""
+    import os
+    import shutil
+
+    from ._tools import DOCKER_DIR
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shutil.copy(DOCKER_DIR / "multinode" / "vllm-ling-ray.sh", bin_dir / "vllm-ling-ray")
+    (bin_dir / "vllm-ling-ray").chmod(0o755)
+    calls = tmp_path / "calls"
+    _stub(bin_dir, "ray", f'echo "ray $*" >> {calls}')
+    _stub(bin_dir, "vllm-ling", f'echo "vllm-ling $*" >> {calls}')
+    # Counts Ray nodes for the head's wait loop, or resolves an interface address.
+    _stub(bin_dir, "python3", 'case "$*" in *ray.nodes*) echo 2 ;; *) echo 10.9.9.9 ;; esac')
+    lws = by_kind(rendered[combination], "LeaderWorkerSet")[0]["spec"]["leaderWorkerTemplate"]
+    for role, template in (("head", lws["leaderTemplate"]), ("worker", lws["workerTemplate"])):
+        container = template["spec"]["containers"][0]
+        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LWS_LEADER_ADDRESS": "leader.svc"}
+        env.update({k: v for k, v in env_of(container).items() if isinstance(v, str)})
+        command = [a.replace("$(LWS_LEADER_ADDRESS)", env["LWS_LEADER_ADDRESS"])
+                   for a in container["command"]]
+        result = run(command, env=env, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+    lines = calls.read_text().splitlines()
+    head_start = next(line for line in lines if line.startswith("ray start --head"))
+    assert "--port=6379" in head_start and "--num-gpus=1" in head_start
+    serve = next(line for line in lines if line.startswith("vllm-ling "))
+    assert serve.startswith("vllm-ling serve") and serve.endswith("--distributed-executor-backend ray")
+    worker = next(line for line in lines if line.startswith("ray start --address"))
+    assert "--address=leader.svc:6379" in worker and "--block" in worker
+    if combination == "multinode-rdma-monitoring":  # networkInterface set: its address is used
+        assert "--node-ip-address=10.9.9.9" in head_start

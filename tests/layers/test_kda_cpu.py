@@ -1,0 +1,331 @@
+"""The CPU KDA layer inside real vLLM machinery: vLLM's own layer constructor (through the
+out-of-tree mechanism), its state cache bound from raw pages by ``bind_kv_cache``, metadata
+from vLLM's ``GDNAttentionMetadataBuilder.build`` and the forward context.
+
+Reference: the same layer's projection modules composed with vllm_ling.ops.kda in its
+*recurrent* form over each whole sequence from a zero state (the layer uses the chunked
+form for prefill and the pooled state cache); ops.kda itself is checked against a naive
+loop in tests/ops/test_kda.py. float32 comparisons use 2e-4 (float32 chunked vs
+recurrent over <= 40 tokens agrees to ~1e-5; a wrong state hand-over gives errors of
+order 1e-1); bfloat16 continuity uses 3e-2 (bf16 output rounding).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import types
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from vllm.platforms import current_platform  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not current_platform.is_cpu(),
+                                reason="the plain-PyTorch KDA layer is installed only on CPU")
+
+HIDDEN, HEADS, HEAD_DIM, CONV = 256, 16, 64, 4  # the tiny Ling config's KDA shape
+SLOTS = 8
+_prefix_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    config = VllmConfig()
+    owns_process_group = not torch.distributed.is_initialized()
+    with set_current_vllm_config(config):
+        if owns_process_group:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            init_distributed_environment(world_size=1, rank=0,
+                                         distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                         local_rank=0, backend="gloo")
+        ensure_model_parallel_initialized(1, 1)
+        from vllm_ling.layers.kda_cpu import register_cpu_kda
+
+        assert register_cpu_kda()
+        yield config
+        if owns_process_group:  # leave no process group behind for later tests
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
+
+def test_register_is_idempotent_and_replaces_in_tree_class(vllm_config):
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from vllm_ling.layers.kda_cpu import cpu_kda_class, register_cpu_kda
+
+    first = register_cpu_kda()
+    assert first == register_cpu_kda()
+    assert first and "CPU" in first[0]
+    assert op_registry_oot["BailingMoeV3KimiDeltaAttention"] is cpu_kda_class()
+
+
+def test_register_does_nothing_off_cpu(vllm_config, monkeypatch):
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from vllm_ling.layers.kda_cpu import register_cpu_kda
+
+    monkeypatch.delitem(op_registry_oot, "BailingMoeV3KimiDeltaAttention")
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert register_cpu_kda() == []
+    assert "BailingMoeV3KimiDeltaAttention" not in op_registry_oot
+
+
+def test_register_leaves_a_foreign_replacement_and_says_so(vllm_config, monkeypatch, caplog):
+    import logging
+
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from vllm_ling.layers.kda_cpu import register_cpu_kda
+
+    class Foreign:  # another plugin's replacement
+        pass
+
+    monkeypatch.setitem(op_registry_oot, "BailingMoeV3KimiDeltaAttention", Foreign)
+    logging.getLogger("vllm.ling").addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.ling.kda"):
+            assert register_cpu_kda() == []
+    finally:
+        logging.getLogger("vllm.ling").removeHandler(caplog.handler)
+    assert op_registry_oot["BailingMoeV3KimiDeltaAttention"] is Foreign
+    assert any("NOT used" in r.getMessage() for r in caplog.records)
+
+
+def build_layer(config, dtype=torch.float32, num_spec=0, seed=0):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
+
+    from vllm_ling.layers.kda_cpu import cpu_kda_class
+
+    hf = types.SimpleNamespace(hidden_size=HIDDEN, head_dim=HEAD_DIM, num_attention_heads=HEADS,
+                               short_conv_kernel_size=CONV, kda_safe_gate=True,
+                               kda_lower_bound=-5.0, no_kda_lora=True, rms_norm_eps=1e-6)
+    prefix = f"model.layers.{next(_prefix_ids)}.attention"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with set_current_vllm_config(config):
+            layer = BailingMoeV3KimiDeltaAttention(
+                hf, None, 0, prefix=prefix, model_config=types.SimpleNamespace(dtype=dtype),
+                cache_config=config.cache_config, num_speculative_tokens=num_spec)
+    finally:
+        torch.set_default_dtype(old)
+    assert type(layer) is cpu_kda_class()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale = {"A_log": 0.5, "dt_bias": 1.0}.get(name.split(".")[-1], None)
+            if "conv1d" in name:
+                scale = 0.5
+            elif "o_norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+                continue
+            elif scale is None:
+                scale = p.shape[-1] ** -0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    for module in layer.modules():  # what vLLM's loader does after loading (CPU GEMM setup)
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    # the state cache exactly as vLLM binds it: one int8 page per slot, sliced per state
+    shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
+    page = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size()
+               for s, d in zip(shapes, dtypes))
+    layer.bind_kv_cache(torch.zeros(SLOTS, 1, 1, page, dtype=torch.int8))
+    return layer
+
+
+def metadata_builder(layer, config, num_spec=0, monkeypatch=None):
+    import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as gdn_linear
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    config.cache_config.mamba_block_size = 4096
+    spec = layer.get_kv_cache_spec(config)
+    # The builder asks the model config which GDN prefill kernel to use (Qwen-only
+    # choice); this test has no model config, and the answer is unused on CPU.
+    monkeypatch.setattr(gdn_linear, "_resolve_gdn_prefill_backend", lambda _: (None, "triton"))
+    if num_spec:
+        monkeypatch.setattr(config, "speculative_config",
+                            types.SimpleNamespace(num_speculative_tokens=num_spec,
+                                                  parallel_drafting=False), raising=False)
+    return GDNAttentionMetadataBuilder(spec, [layer.prefix], config, torch.device("cpu"))
+
+
+def build_metadata(builder, query_lens, computed, slots, drafts=None, accepted=None):
+    """One scheduler step: per request its new tokens, tokens already computed, state
+    slots (block table row) and, for speculative decoding, drafted tokens (-1 = not a
+    spec decode) and tokens accepted last step."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    q = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    seq_lens = torch.tensor([c + n for c, n in zip(computed, query_lens)], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=q, query_start_loc_cpu=q.clone(), seq_lens=seq_lens,
+        num_reqs=len(query_lens), num_actual_tokens=int(q[-1]), max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()), block_table_tensor=torch.tensor(slots, dtype=torch.int32),
+        slot_mapping=torch.zeros(int(q[-1]), dtype=torch.int64),
+        is_prefilling=torch.tensor([c == 0 for c in computed]),
+        seq_lens_cpu_upper_bound=seq_lens.clone())
+    kwargs = {}
+    if drafts is not None:
+        kwargs = dict(num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32),
+                      num_decode_draft_tokens_cpu=torch.tensor(drafts, dtype=torch.int32))
+    return builder.build(0, common, **kwargs)
+
+
+def run_layer(layer, config, metadata, hidden):
+    from vllm.forward_context import set_forward_context
+
+    out = torch.empty_like(hidden)
+    with torch.no_grad(), set_forward_context({layer.prefix: metadata}, config):
+        layer(hidden, torch.zeros(hidden.shape[0], dtype=torch.long), out)
+    return out
+
+
+def reference(layer, hidden):
+    """Outputs of the layer for one whole sequence from a zero state, composed from the
+    layer's modules and ops.kda's recurrent form. Also returns the final recurrent state
+    and the q|k|v conv inputs."""
+    from vllm_ling.ops import kda
+
+    with torch.no_grad():
+        n = hidden.shape[0]
+        proj = layer.qkvb_proj(hidden)[0]
+        width = HEADS * HEAD_DIM
+        raw = proj[:, : 3 * width].split(width, dim=-1)
+        beta = proj[:, 3 * width:].float().sigmoid()
+        convs = []
+        for x, m in zip(raw, (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)):
+            pool = torch.zeros(2, width, CONV - 1, dtype=x.dtype)
+            convs.append(kda.causal_conv1d_prefill(x, m.weight.reshape(width, CONV), None, pool,
+                                                   torch.tensor([0, n]), torch.tensor([1]),
+                                                   torch.tensor([False])))
+        q, k, v = (c.reshape(n, HEADS, HEAD_DIM) for c in convs)
+        g = kda.kda_gate(layer.f_proj(hidden)[0], layer.A_log, layer.dt_bias, lower_bound=-5.0)
+        o, state = kda.kda_recurrent(q, k, v, g, beta, torch.zeros(1, HEADS, HEAD_DIM, HEAD_DIM),
+                                     torch.tensor([0, n]), HEAD_DIM ** -0.5)
+        gate = layer.g_proj(hidden)[0].reshape(n, HEADS, HEAD_DIM)
+        normed = kda.gated_rms_norm(o, gate, layer.o_norm.weight, 1e-6)
+        return layer.o_proj(normed.reshape(n, -1))[0], state[0], torch.cat(raw, dim=-1)
+
+
+def hidden_states(n, seed, dtype=torch.float32):
+    return torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+ATOL = 2e-4
+
+
+def test_prefill_matches_reference_and_fills_vllm_cache(vllm_config, monkeypatch):
+    layer = build_layer(vllm_config)
+    builder = metadata_builder(layer, vllm_config, monkeypatch=monkeypatch)
+    seqs = [hidden_states(13, 1), hidden_states(29, 2)]
+    md = build_metadata(builder, [13, 29], [0, 0], [[3], [5]])
+    assert md.num_prefills == 2
+    out = run_layer(layer, vllm_config, md, torch.cat(seqs))
+    conv_state, rec_state = layer.kv_cache  # vLLM's views: [slots, W-1, 3C], [slots, H, V, K]
+    for seq, slot, rows in zip(seqs, (3, 5), (slice(0, 13), slice(13, 42))):
+        want, state, conv_in = reference(layer, seq)
+        torch.testing.assert_close(out[rows], want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(rec_state[slot], state, atol=ATOL, rtol=0)
+        torch.testing.assert_close(conv_state[slot], conv_in[-(CONV - 1):])
+    untouched = [s for s in range(SLOTS) if s not in (3, 5)]
+    assert not bool(rec_state[untouched].any()) and not bool(conv_state[untouched].any())
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, ATOL), (torch.bfloat16, 3e-2)])
+def test_prefill_chunks_then_decode_equal_one_sequence(vllm_config, monkeypatch, dtype, atol):
+    """Request A: prefill in two chunks then 3 decode steps; request B joins later.
+    Every output equals the whole-sequence reference."""
+    layer = build_layer(vllm_config, dtype=dtype, seed=3)
+    builder = metadata_builder(layer, vllm_config, monkeypatch=monkeypatch)
+    a, b = hidden_states(20, 4, dtype), hidden_states(9, 5, dtype)
+    outs_a, outs_b = [], []
+    # step 1: A's first chunk (10 tokens)
+    md = build_metadata(builder, [10], [0], [[2]])
+    outs_a.append(run_layer(layer, vllm_config, md, a[:10]))
+    # step 2: A's second chunk (7 tokens, continues from the cache) + B's whole prompt (6)
+    md = build_metadata(builder, [7, 6], [10, 0], [[2], [6]])
+    assert md.num_prefills == 2 and md.has_initial_state.tolist() == [True, False]
+    out = run_layer(layer, vllm_config, md, torch.cat([a[10:17], b[:6]]))
+    outs_a.append(out[:7])
+    outs_b.append(out[7:])
+    # steps 3-5: both decode one token per step
+    for t in range(3):
+        md = build_metadata(builder, [1, 1], [17 + t, 6 + t], [[2], [6]])
+        assert md.num_decodes == 2 and md.num_prefills == 0
+        out = run_layer(layer, vllm_config, md, torch.stack([a[17 + t], b[6 + t]]))
+        outs_a.append(out[:1])
+        outs_b.append(out[1:])
+    want_a, state_a, _ = reference(layer, a)
+    want_b, state_b, _ = reference(layer, b)
+    torch.testing.assert_close(torch.cat(outs_a).float(), want_a.float(), atol=atol, rtol=0)
+    torch.testing.assert_close(torch.cat(outs_b).float(), want_b.float(), atol=atol, rtol=0)
+    rec_state = layer.kv_cache[1]
+    torch.testing.assert_close(rec_state[2], state_a, atol=atol, rtol=0)
+    torch.testing.assert_close(rec_state[6], state_b, atol=atol, rtol=0)
+
+
+def test_spec_decode_with_accepted_tokens_and_mixed_prefill(vllm_config, monkeypatch):
+    """MTP-style verify steps (3 tokens: 1 + 2 drafts) with vLLM's per-position state
+    slots and sliding conv window; a second request prefills in the same step. Outputs
+    of each step equal the reference over the tokens actually accepted before it."""
+    num_spec = 2
+    layer = build_layer(vllm_config, num_spec=num_spec, seed=7)
+    builder = metadata_builder(layer, vllm_config, num_spec=num_spec, monkeypatch=monkeypatch)
+    a, b = hidden_states(30, 8), hidden_states(5, 9)
+    rows_a, rows_b = [1, 2, 3], [4, 5, 6]
+    # step 1: A's prompt (8 tokens)
+    md = build_metadata(builder, [8], [0], [rows_a], drafts=[-1], accepted=[1])
+    run_layer(layer, vllm_config, md, a[:8])
+    # step 2: A verifies 3 tokens (first decode after prefill: 1 accepted so far) while
+    # B prefills: a mixed spec + non-spec batch
+    md = build_metadata(builder, [3, 5], [8, 0], [rows_a, rows_b], drafts=[2, -1],
+                        accepted=[1, 1])
+    assert md.num_spec_decodes == 1 and md.num_prefills == 1
+    out = run_layer(layer, vllm_config, md, torch.cat([a[8:11], b]))
+    history = a[:11]  # the verify window is causal: every output of it is checkable
+    want, _, _ = reference(layer, history)
+    torch.testing.assert_close(out[:3], want[8:11], atol=ATOL, rtol=0)
+    want_b, _, _ = reference(layer, b)
+    torch.testing.assert_close(out[3:], want_b, atol=ATOL, rtol=0)
+    # step 3 (spec only): 2 of the 3 tokens were accepted (a[8], a[9]); a[10] is rejected,
+    # so the next window is 3 new tokens a[20:23] after a[:10]
+    md = build_metadata(builder, [3], [10], [rows_a], drafts=[2], accepted=[2])
+    assert md.num_spec_decodes == 1 and md.num_prefills == 0 and md.num_decodes == 0
+    out = run_layer(layer, vllm_config, md, a[20:23])
+    history = torch.cat([a[:10], a[20:23]])
+    want, _, _ = reference(layer, history)
+    torch.testing.assert_close(out, want[10:13], atol=ATOL, rtol=0)
+    # step 4: all 3 accepted
+    md = build_metadata(builder, [3], [13], [rows_a], drafts=[2], accepted=[3])
+    out = run_layer(layer, vllm_config, md, a[23:26])
+    want, state, _ = reference(layer, torch.cat([history, a[23:26]]))
+    torch.testing.assert_close(out, want[13:16], atol=ATOL, rtol=0)
+    # the state after the last token sits in the window's last slot
+    torch.testing.assert_close(layer.kv_cache[1][rows_a[-1]], state, atol=ATOL, rtol=0)
+
+
+def test_profile_run_without_metadata_is_a_no_op(vllm_config):
+    from vllm.forward_context import set_forward_context
+
+    layer = build_layer(vllm_config, seed=11)
+    hidden = hidden_states(4, 12)
+    out = torch.empty_like(hidden)
+    with torch.no_grad(), set_forward_context(None, vllm_config):
+        layer(hidden, torch.zeros(4, dtype=torch.long), out)
+    assert bool(torch.isfinite(out).all())
+    assert not bool(layer.kv_cache[1].any())
