@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import copy
 import datetime
 import json
 import os
@@ -97,7 +96,6 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> tuple[float, str]:
         times.append(start.elapsed_time(end) * 1000.0)
     memcpy = 2 * nbytes / (statistics.median(times) * 1e-6) / 1e9
     kernel = 2 * nbytes / (cuda_graph_us(lambda: torch.mul(src, 1.0, out=dst), 5, 15) * 1e-6) / 1e9
-    del src, dst
     how = f"cudaMemcpy D2D {memcpy:.0f} GB/s, copy kernel in a graph {kernel:.0f} GB/s"
     return max(memcpy, kernel), how
 
@@ -305,7 +303,7 @@ def main(argv=None) -> int:
 
 
 def run_sweep(args, states, w_bf16, err_hidden, ref, gen) -> list[dict]:
-    V, H = args.vocab, args.hidden
+    H = args.hidden
     dev = w_bf16.device
     rows_out = []
     if "triton" in states:
@@ -372,8 +370,8 @@ def run_sweep(args, states, w_bf16, err_hidden, ref, gen) -> list[dict]:
     return rows_out
 
 
-def render(results, copy, props, notes, sweep_rows, args) -> str:
-    copy_gbs, copy_how = copy
+def render(results, copy_bw, props, notes, sweep_rows, args) -> str:
+    copy_gbs, copy_how = copy_bw
     versions = [f"torch {torch.__version__}"]
     try:
         import triton

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
@@ -67,6 +68,10 @@ class LingFp8Config(Fp8Config):
             log_once(logger, 20, "cpu-dense", "Dense block-FP8 linears: %s.", CPU_DENSE_FP8_PATH)
             return CpuBlockFp8LinearMethod(self.weight_block_size,
                                            bool(getattr(self, "is_scale_e8m0", False)))
+        if isinstance(layer, ParallelLMHead) and self.options.fp8_head:
+            from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
+
+            return Fp8LmHeadMethod()
         if isinstance(layer, RoutedExperts) and self.store_dtype == "mxfp4" \
                 and not self._skipped(prefix):
             from vllm_ling.layers.moe_method import choose_moe_method

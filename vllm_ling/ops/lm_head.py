@@ -435,7 +435,7 @@ def humming_tuning_table(layer_config, device: torch.device, small: dict | None)
     1..small["max_rows"] replaced by small["config"]; None (= humming decides) without one."""
     if not small:
         return None
-    humming = _import_humming()
+    _import_humming()
     import humming.tune
 
     table = humming.tune.get_heuristics_config(layer_config, gemm_type="dense", device=device)

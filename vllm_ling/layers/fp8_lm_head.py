@@ -1,0 +1,75 @@
+"""FP8 online-quantized LM head for the Ling target (and the module the MTP draft shares).
+
+The checkpoint's BF16 head loads through vLLM's normal vocab-parallel weight loader
+(each tensor-parallel rank gets its vocabulary shard, padding rows zero). After loading,
+``process_weights_after_loading`` quantizes it in place, per output row, to FP8 e4m3
+(``vllm_ling.ops.lm_head.quantize_fp8_per_channel``): the module object keeps its
+identity, ``layer.weight`` becomes the FP8 tensor (half the bytes), ``layer.weight_scale``
+holds the per-row scales, and the BF16 storage is freed. ``apply`` computes logits with
+the kernel chosen per GPU architecture by measurement (``select_head_kernel``), or the
+chunked fp32 reference on CPU; vLLM's LogitsProcessor then gathers, slices padding and
+applies soft-capping as for any head.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.nn import Parameter
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from vllm_ling.log import get_logger, log_once
+from vllm_ling.ops import lm_head as head_ops
+
+logger = get_logger("lm_head")
+
+
+class Fp8LmHeadMethod(QuantizeMethodBase):
+    """Quant method for ``ParallelLMHead``: BF16 in the checkpoint, FP8 in memory."""
+
+    def __init__(self, kernel: str | None = None):
+        self.requested_kernel = kernel
+        self.state: head_ops.Fp8HeadState | None = None
+
+    @property
+    def kernel(self) -> str | None:
+        return self.state.kernel if self.state is not None else None
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        weight = Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                                       dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
+        layer.ling_checkpoint_dtype = params_dtype
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        bf16 = layer.weight.data
+        q, scale = head_ops.quantize_fp8_per_channel(bf16)
+        self.state = head_ops.prepare_fp8_head(q, scale, self.requested_kernel,
+                                               out_dtype=getattr(layer, "ling_checkpoint_dtype", bf16.dtype))
+        stored = self.state.weight
+        if stored.dtype != torch.float8_e4m3fn:  # humming repacks the FP8 bytes into int32 words
+            stored = stored.view(torch.float8_e4m3fn)
+        # Same Parameter object for tooling that holds it; new (FP8) storage; BF16 freed.
+        layer.weight.data = stored
+        layer.weight_scale = Parameter(self.state.scale, requires_grad=False)
+        del bf16, q
+        log_once(logger, logging.INFO, f"fp8-head-{self.state.kernel}",
+                 "FP8 LM head: %d x %d per-row e4m3, kernel %s (%s)", self.state.vocab_size,
+                 self.state.hidden_size, self.state.kernel, self.state.reason)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        assert self.state is not None, "FP8 head used before process_weights_after_loading"
+        logits = head_ops.fp8_head_logits(x, self.state)
+        if bias is not None:
+            logits = logits + bias
+        return logits
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the FP8 LM head is not an input embedding (Ling does not tie them)")
