@@ -94,6 +94,14 @@ def default_speculative_config(options: LingOptions, hf_config, max_num_seqs: in
 
 
 _wrapped = False
+# vLLM's SpeculativeConfig rejects unknown keys, so the marker is popped before vLLM sees
+# the dict and recorded on the target model config instead.
+DEFAULT_MARKER_KEY = "_vllm_ling_default"
+
+
+def default_applied(vllm_config) -> bool:
+    """Whether the speculative config in force is vllm-ling's default."""
+    return bool(getattr(vllm_config.model_config.hf_config, "vllm_ling_default_spec", False))
 
 
 def install_speculative_default() -> bool:
@@ -114,12 +122,15 @@ def install_speculative_default() -> bool:
             if not user_gave and options.mtp:
                 self.speculative_config = default_speculative_config(
                     options, target_model_config.hf_config, getattr(self, "max_num_seqs", None))
+                self.speculative_config[DEFAULT_MARKER_KEY] = True
                 log_once(logger, logging.INFO, "default-mtp",
                          "Ling default speculative decoding: %s (VLLM_LING_MTP=0 turns it off; "
                          "--speculative-config overrides it).", self.speculative_config)
             elif not user_gave:
                 log_once(logger, logging.INFO, "mtp-off",
                          "NEXTN MTP speculation is off (VLLM_LING_MTP=0).")
+        if isinstance(self.speculative_config, dict) and self.speculative_config.pop(DEFAULT_MARKER_KEY, False):
+            target_model_config.hf_config.vllm_ling_default_spec = True
         return original(self, target_model_config, target_parallel_config)
 
     EngineArgs.create_speculative_config = create_speculative_config

@@ -53,7 +53,10 @@ def _install_hooks() -> list[str]:
 
     install_config_hook()
     install_speculative_default()
-    done = ["config hooks P4/P5 (Ling defaults and option conflicts)"]
+    from vllm_ling.patches import verify_after_load
+
+    done = ["config hooks P4/P5 (Ling defaults and option conflicts)",
+            f"P6 verification after load_model ({len(verify_after_load.apply())} runners)"]
     if current_platform.is_cpu():
         from vllm_ling.patches import cpu_mla_hybrid_blocks
 

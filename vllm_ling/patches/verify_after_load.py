@@ -1,0 +1,59 @@
+"""Patch P6: run vllm-ling's startup verification right after a model runner loads models.
+
+What: wraps ``load_model`` of vLLM 0.32's model runners (V1 ``GPUModelRunner``,
+``CPUModelRunner``, V2 ``gpu.model_runner.GPUModelRunner``) so that, once the target and
+the NEXTN draft are loaded and vLLM has shared modules between them, the worker verifies
+them (``vllm_ling.serving.verification.verify_once``).
+Why: vLLM has no post-load hook for plugins; the model's first forward comes too late on
+the CPU runner (no profile forward: the first request would be the first forward), and a
+strict refusal must happen before the server reports healthy.
+Upstream: none (plugins cannot observe the proposer's module sharing).
+Delete when: vLLM offers a worker post-load plugin hook.
+Applied: from the plugin's ``register()`` in every process (it only wraps methods).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+RUNNERS = (
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+)
+_MARK = "_vllm_ling_verify_wrapped"
+
+
+def _wrap(cls) -> bool:
+    original = cls.__dict__.get("load_model")
+    if original is None or getattr(original, _MARK, False):
+        return False
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        from vllm_ling.models import loaded
+        from vllm_ling.serving.verification import verify_once
+
+        target = loaded.get("target")
+        if target is not None:
+            verify_once(target, self.vllm_config)
+        return result
+
+    setattr(load_model, _MARK, True)
+    cls.load_model = load_model
+    return True
+
+
+def apply() -> list[str]:
+    wrapped = []
+    for module_name, cls_name in RUNNERS:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # a runner this platform's build does not ship
+            continue
+        cls = getattr(module, cls_name, None)
+        if cls is not None and (_wrap(cls) or getattr(cls.__dict__.get("load_model"), _MARK, False)):
+            wrapped.append(f"{module_name}.{cls_name}")
+    return wrapped
