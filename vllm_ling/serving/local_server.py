@@ -58,12 +58,19 @@ class Server:
         return self.proc.returncode
 
 
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+def group_alive(pgid: int, grace: float = 60.0) -> bool:
+    """Whether any process of the group is still there after ``grace`` seconds.
+
+    vLLM's engine-core and worker processes exit a few seconds after the API server."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.5)
 
 
 def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int,

