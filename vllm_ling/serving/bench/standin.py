@@ -151,8 +151,12 @@ class StandIn:
         return web.Response(text="")
 
     async def report(self, request: web.Request) -> web.Response:
+        # Same shape as the real startup-verification report (vllm_ling.serving.verification).
+        def opt(active: bool) -> dict:
+            return {"requested": active, "active": active, "detail": "stand-in"}
+
         return web.json_response({"standin": True, "optimizations": {
-            "moe_humming": self.humming, "fp8_head": self.fp8_head, "mtp": self.mtp}})
+            "moe_humming": opt(self.humming), "fp8_head": opt(self.fp8_head), "mtp": opt(self.mtp)}})
 
 
 def build_app(args: argparse.Namespace) -> web.Application:
