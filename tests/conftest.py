@@ -39,3 +39,77 @@ def tiny_mla_checkpoint(tmp_path_factory) -> Path:
     from vllm_ling.serving.tiny_checkpoint import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("ckpt") / "tiny_mla", seed=0, all_mla=True)
+
+
+@pytest.fixture(scope="session")
+def gloo_world():
+    """A single-process gloo group, as vLLM's own tests set up, for building layers and models."""
+    import socket
+
+    import torch
+
+    pytest.importorskip("vllm")
+    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
+                                  init_distributed_environment)
+
+    owns = not torch.distributed.is_initialized()
+    if owns:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+    yield
+    if owns:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+@pytest.fixture(scope="session")
+def loaded_tiny_models(tiny_checkpoint, gloo_world):
+    """The hybrid tiny target + draft with weights loaded, processed and shared (read-only:
+    tests that break something use monkeypatch so it is restored)."""
+    return build_tiny_models(tiny_checkpoint, load=True)
+
+
+def build_tiny_models(checkpoint: Path, load: bool, **engine_kwargs):
+    """(vllm_config, target, draft) built like vLLM's initialize_model; with ``load`` the
+    checkpoint is loaded and processed and the draft shares the target's modules, as vLLM's
+    proposer does after loading."""
+    import vllm_ling
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import (configure_quant_config,
+                                                        process_weights_after_loading)
+    from safetensors.torch import load_file
+    import torch
+
+    from vllm_ling.models.ling3 import LingForCausalLM
+    from vllm_ling.models.ling3_mtp import LingMTPModel
+
+    vllm_ling.register()
+    vllm_config = EngineArgs(model=str(checkpoint), enforce_eager=True, dtype="bfloat16",
+                             max_model_len=256, **engine_kwargs).create_engine_config()
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(vllm_config.model_config.dtype):
+        ensure_model_parallel_initialized(1, 1)
+        configure_quant_config(vllm_config.quant_config, LingForCausalLM)
+        configure_quant_config(vllm_config.quant_config, LingMTPModel)
+        target = LingForCausalLM(vllm_config=vllm_config, prefix="")
+        draft = LingMTPModel(vllm_config=vllm_config, prefix="") if vllm_config.speculative_config else None
+        if load:
+            tensors = {}
+            for shard in sorted(checkpoint.glob("*.safetensors")):
+                tensors.update(load_file(str(shard)))
+            target.load_weights(tensors.items())
+            process_weights_after_loading(target, vllm_config.model_config, torch.device("cpu"))
+            if draft is not None:
+                draft.load_weights(tensors.items())
+                process_weights_after_loading(draft, vllm_config.model_config, torch.device("cpu"))
+                draft.model.embed_tokens = target.model.word_embeddings
+                for layer in draft.model.layers.values():
+                    layer.shared_head.head = target.lm_head
+                draft.lm_head = target.lm_head
+    return vllm_config, target, draft

@@ -8,8 +8,6 @@ process group, ``set_current_vllm_config``), and each checkpoint tensor is fed t
 from __future__ import annotations
 
 import json
-import socket
-
 import pytest
 import torch
 
@@ -17,39 +15,10 @@ pytest.importorskip("vllm")
 
 
 @pytest.fixture(scope="module")
-def built(tiny_checkpoint):
-    import vllm_ling
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  ensure_model_parallel_initialized, init_distributed_environment)
-    from vllm.engine.arg_utils import EngineArgs
+def built(tiny_checkpoint, gloo_world):
+    from conftest import build_tiny_models
 
-    vllm_ling.register()
-    vllm_config = EngineArgs(model=str(tiny_checkpoint), enforce_eager=True, dtype="bfloat16",
-                             max_model_len=256).create_engine_config()
-    owns = not torch.distributed.is_initialized()
-    with set_current_vllm_config(vllm_config):
-        if owns:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
-        ensure_model_parallel_initialized(1, 1)
-        from vllm.model_executor.model_loader.utils import configure_quant_config
-
-        from vllm_ling.models.ling3 import LingForCausalLM
-        from vllm_ling.models.ling3_mtp import LingMTPModel
-
-        # What vLLM's initialize_model does before building a model class.
-        configure_quant_config(vllm_config.quant_config, LingForCausalLM)
-        configure_quant_config(vllm_config.quant_config, LingMTPModel)
-        target = LingForCausalLM(vllm_config=vllm_config, prefix="")
-        draft = LingMTPModel(vllm_config=vllm_config, prefix="")
-        yield vllm_config, target, draft
-        if owns:
-            destroy_model_parallel()
-            destroy_distributed_environment()
+    return build_tiny_models(tiny_checkpoint, load=False)
 
 
 def _tensors(ckpt):
@@ -99,8 +68,10 @@ def test_every_draft_tensor_maps_and_every_parameter_loads(built, tiny_checkpoin
             unmapped.append(name)
         loaded |= got
     params = {n for n, _ in draft.named_parameters()}
-    assert unmapped == []
+    # The draft owns no head and no embedding: it uses the target's modules (shared after load).
+    assert unmapped == ["lm_head.weight", "model.word_embeddings.weight"]
     assert sorted(params - loaded) == []
+    assert not any(p.shape[0] == 2048 for p in draft.parameters())  # no vocabulary-sized tensor
 
 
 def test_moe_layers_of_target_and_draft_use_the_ling_method(built):

@@ -208,8 +208,9 @@ def _gpu_arch() -> str | None:
     return None
 
 
-def build_report(target, draft, vllm_config, options: LingOptions) -> dict[str, Any]:
-    exp = Expectations.from_runtime(vllm_config, options)
+def build_report(target, draft, vllm_config, options: LingOptions,
+                 exp: Expectations | None = None) -> dict[str, Any]:
+    exp = exp or Expectations.from_runtime(vllm_config, options)
     config = vllm_config.model_config.hf_config
     checks = [check_model_classes(target, draft, exp), check_moe_layers(target, draft, exp, config),
               check_head(target, exp), check_draft_sharing(target, draft, exp),
@@ -218,7 +219,6 @@ def build_report(target, draft, vllm_config, options: LingOptions) -> dict[str, 
     moe_active = exp.moe_backend != "vllm" and by_name["moe_layers"].passed
     head_active = exp.fp8_head and by_name["lm_head"].passed
     mtp_active = exp.spec_method == "mtp" and by_name["draft_shares_target_modules"].passed
-    where = "plain-PyTorch reference on the CPU platform" if exp.platform == "cpu" else "humming on CUDA"
     return {
         "passed": all(c.passed for c in checks),
         "policy": options.verify,
@@ -229,7 +229,7 @@ def build_report(target, draft, vllm_config, options: LingOptions) -> dict[str, 
             "moe_humming": {"requested": options.moe_backend == "humming" and exp.platform == "cuda",
                             "active": moe_active and exp.platform == "cuda",
                             "detail": by_name["moe_layers"].actual if exp.moe_backend != "vllm"
-                            else "opted out: vLLM chooses the MoE backend" + (f" ({where})" if False else "")},
+                            else "opted out (VLLM_LING_MOE_BACKEND=vllm or --moe-backend): vLLM chooses"},
             "fp8_head": {"requested": options.fp8_head, "active": head_active,
                          "detail": by_name["lm_head"].actual},
             "mtp": {"requested": exp.spec_method == "mtp" or (options.mtp and exp.default_spec),
@@ -308,6 +308,22 @@ def apply_negative_control(target, draft) -> None:
              "scales or method (the silent-degradation trap, on purpose)")
 
 
+def enforce_policy(report: dict[str, Any], policy: str) -> None:
+    """strict: raise naming every failed check and its fix; warn: one WARNING per check."""
+    if report["passed"] or policy == "off":
+        return
+    failed = [c for c in report["checks"] if not c["passed"]]
+    if policy == "strict":
+        message = "; ".join(f"{c['name']}: expected {c['expected']}, got {c['actual']}. Fix: {c['fix']}"
+                            for c in failed)
+        raise LingVerificationError(
+            f"vllm-ling refuses to serve: startup verification failed ({message}). "
+            "Set VLLM_LING_VERIFY=warn to serve anyway.")
+    for c in failed:
+        logger.warning("verification check %s FAILED: expected %s, got %s. Fix: %s",
+                       c["name"], c["expected"], c["actual"], c["fix"])
+
+
 _done = False
 
 
@@ -331,15 +347,5 @@ def verify_once(target, vllm_config) -> dict[str, Any] | None:
         logger.info("%s", format_table(report))
         if options.report_path:
             write_report(report, options.report_path)
-    if not report["passed"]:
-        failed = [c for c in report["checks"] if not c["passed"]]
-        message = "; ".join(f"{c['name']}: expected {c['expected']}, got {c['actual']}. Fix: {c['fix']}"
-                            for c in failed)
-        if options.verify == "strict":
-            raise LingVerificationError(
-                f"vllm-ling refuses to serve: startup verification failed ({message}). "
-                "Set VLLM_LING_VERIFY=warn to serve anyway.")
-        for c in failed:
-            logger.warning("verification check %s FAILED: expected %s, got %s. Fix: %s",
-                           c["name"], c["expected"], c["actual"], c["fix"])
+    enforce_policy(report, options.verify)
     return report
