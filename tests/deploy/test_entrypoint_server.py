@@ -31,7 +31,7 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("entrypoint")
     model = tmp / "tiny"
     made = subprocess.run([sys.executable, "-m", "vllm_ling.serving.cli", "make-tiny", str(model),
-                           "--all-mla"], capture_output=True, text=True, timeout=300)
+                           "--all-mla", "--agreeing"], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
     key_file = tmp / "api-key"
     key_file.write_text("entrypoint-test-key\n")
@@ -104,3 +104,18 @@ def test_report_route_is_registered(server):
     assert requests.get(base + "/vllm_ling/report", timeout=10).status_code != 404
     log = (tmp / "server.log").read_text()
     assert "VLLM_PLUGINS=" in log and "/vllm_ling/report" in log
+
+
+def test_startup_smoke_check_passes_on_the_agreeing_checkpoint(server):
+    """The launcher's smoke check: one greedy generation through draft/verify, accept length
+    from vLLM's counters, recorded in the report (the agreeing checkpoint accepts every draft)."""
+    base, _, tmp = server
+    deadline = time.monotonic() + 300
+    smoke = None
+    while time.monotonic() < deadline:
+        smoke = requests.get(base + "/vllm_ling/report", timeout=10).json().get("smoke", {})
+        if smoke.get("passed") is not None:
+            break
+        time.sleep(2)
+    assert smoke["passed"] is True and smoke["accept_length"] >= 3.5, smoke
+    assert "smoke check passed: accept length" in (tmp / "server.log").read_text()

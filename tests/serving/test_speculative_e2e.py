@@ -88,6 +88,14 @@ def test_agreeing_checkpoint_accepts_every_draft(default_server, agreeing_checkp
     assert len(positions) == 3 and all(v == drafts for v in positions.values()), positions
 
 
+def test_smoke_check_passes_on_the_agreeing_checkpoint(default_server):
+    from vllm_ling.serving.smoke import run_smoke
+
+    server, _ = default_server
+    result = run_smoke(server.base_url, "tiny")
+    assert result.passed is True and result.accept_length >= 3.5 and result.drafts > 0
+
+
 def test_greedy_output_is_deterministic_and_chat_works(default_server):
     server, _ = default_server
     assert _complete(server.base_url, max_tokens=12) == _complete(server.base_url, max_tokens=12)
@@ -137,5 +145,9 @@ def test_trap_collapses_acceptance_when_only_warned(agreeing_checkpoint, tmp_pat
         report = json.loads((tmp_path / "report.json").read_text())
         assert report["passed"] is False and report["optimizations"]["mtp"]["active"] is False
         assert "verification check draft_shares_target_modules FAILED" in server.log()
+        from vllm_ling.serving.smoke import run_smoke
+
+        smoke = run_smoke(server.base_url, "tiny")  # the startup smoke check's measurement
+        assert smoke.passed is False and smoke.accept_length < 1.2
     finally:
         server.stop()

