@@ -96,6 +96,21 @@ def test_smoke_check_passes_on_the_agreeing_checkpoint(default_server):
     assert result.passed is True and result.accept_length >= 3.5 and result.drafts > 0
 
 
+def test_bench_harness_against_the_real_tiny_server(default_server, tmp_path):
+    """`vllm-ling bench` end to end on the real server: every output file, and the accept
+    length it derives from /metrics deltas is the agreeing checkpoint's 4."""
+    from vllm_ling.serving.bench import run_benchmark
+
+    server, _ = default_server
+    out = tmp_path / "bench"
+    r = run_benchmark(base_url=server.base_url, workload="synthetic", input_len=48, output_len=24,
+                      num_requests=2, token_id_range=(10, 1000), seed=1, out_dir=str(out), progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "latency.png", "results.json", "results.md"]
+    assert r["spec_decode"]["accept_length"] >= 3.5
+    assert len(r["spec_decode"]["per_position_accept_rate"]) == 3
+    assert r["summary"]["tpot_ms"]["mean"] > 0 and r["summary"]["ttft_s"]["p50"] > 0
+
+
 def test_greedy_output_is_deterministic_and_chat_works(default_server):
     server, _ = default_server
     assert _complete(server.base_url, max_tokens=12) == _complete(server.base_url, max_tokens=12)
@@ -151,3 +166,17 @@ def test_trap_collapses_acceptance_when_only_warned(agreeing_checkpoint, tmp_pat
         assert smoke.passed is False and smoke.accept_length < 1.2
     finally:
         server.stop()
+
+
+def test_missing_shard_is_refused_before_loading(agreeing_checkpoint, tmp_path):
+    import shutil
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(agreeing_checkpoint, bad)
+    (bad / "model-00002-of-00002.safetensors").unlink()
+    server = serve_cpu(bad, tmp_path / "server.log", wait=False)
+    rc = server.proc.wait(timeout=900)
+    assert rc != 0
+    assert (f"{bad}/model-00002-of-00002.safetensors: shard listed in model.safetensors.index.json "
+            "is missing") in server.log()
+    assert not group_alive(server.proc.pid), "processes left behind after a refused start"
