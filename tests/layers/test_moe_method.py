@@ -1,0 +1,98 @@
+"""vllm-ling's MXFP4 MoE method inside vLLM's Ling MoE block, and its backend policy."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+
+@pytest.mark.parametrize("layer", [2, 4])  # layer 4 has SwiGLU clamps (experts 4, shared 5)
+def test_moe_block_matches_the_independent_reference(loaded_tiny_models, tiny_checkpoint, layer):
+    """vLLM's routing + shared expert + our CPU method == ops.moe.moe_block_reference."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    from vllm_ling.ops.moe import LingMoEConfig, layer_swiglu_limit, moe_block_reference
+
+    vllm_config, target, _ = loaded_tiny_models
+    cfg_hf = vllm_config.model_config.hf_config
+    block = target.model.layers[layer].mlp
+    routed = block.experts.routed_experts
+    # x40: pre-activations ~N(0, 13) so layer 4's clamps (4 and 5) really bite.
+    x = (40 * torch.randn(7, cfg_hf.hidden_size, generator=torch.Generator().manual_seed(layer))).to(torch.bfloat16)
+    with set_current_vllm_config(vllm_config), set_forward_context(None, vllm_config):
+        got = block(x).float()
+    # vLLM-CPU repacks the router's weight for its GEMM after loading: read it from the checkpoint.
+    from safetensors import safe_open
+
+    name = f"model.layers.{layer}.mlp.gate.weight"
+    gate_weight = next(safe_open(str(p), "pt").get_tensor(name) for p in tiny_checkpoint.glob("*.safetensors")
+                       if name in safe_open(str(p), "pt").keys())
+    ref = moe_block_reference(
+        x, LingMoEConfig.from_hf_config(cfg_hf), gate_weight=gate_weight, expert_bias=block.gate.expert_bias,
+        w13=routed.w13_weight, w2=routed.w2_weight, w13_scale=routed.w13_weight_scale,
+        w2_scale=routed.w2_weight_scale,
+        shared_gate_up=block.shared_experts.gate_up_proj.weight, shared_down=block.shared_experts.down_proj.weight,
+        routed_swiglu_limit=layer_swiglu_limit(cfg_hf.expert_swiglu_limit_list, layer),
+        shared_swiglu_limit=layer_swiglu_limit(cfg_hf.share_expert_swiglu_limit_list, layer))
+    # BF16 activations between the GEMMs (vLLM's shared expert and our method's output cast)
+    # against an fp32 reference: a few BF16 ulps of the output scale.
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() <= 2e-2 * scale, ((got - ref).abs().max(), scale)
+    if layer == 4:  # the clamp matters here: an unclamped block is far off
+        unclamped = moe_block_reference(
+            x, LingMoEConfig.from_hf_config(cfg_hf), gate_weight=gate_weight, expert_bias=block.gate.expert_bias,
+            w13=routed.w13_weight, w2=routed.w2_weight, w13_scale=routed.w13_weight_scale,
+            w2_scale=routed.w2_weight_scale, shared_gate_up=block.shared_experts.gate_up_proj.weight,
+            shared_down=block.shared_experts.down_proj.weight)
+        assert (got - unclamped).abs().max() > 0.2 * scale
+
+
+class _FakeMoE:
+    def __init__(self, moe_config):
+        self.moe_config = moe_config
+
+
+def test_cuda_without_humming_refuses_naming_the_cause(loaded_tiny_models, monkeypatch):
+    from vllm.platforms import current_platform
+
+    from vllm_ling.layers import moe_method
+
+    _, target, _ = loaded_tiny_models
+    layer = _FakeMoE(target.model.layers[2].mlp.experts.routed_experts.moe_config)
+    monkeypatch.setattr(current_platform.__class__, "is_cpu", lambda self=None: False)
+    monkeypatch.setattr(moe_method.moe_ops, "humming_status",
+                        lambda *a, **k: (False, "humming-kernels is not installed"))
+    with pytest.raises(moe_method.HummingUnavailable) as err:
+        moe_method.choose_moe_method(layer, "model.layers.2.mlp.experts", "humming")
+    assert str(err.value) == (
+        "Humming MXFP4 MoE cannot run for model.layers.2.mlp.experts: humming-kernels is not installed. "
+        "Install humming-kernels (it comes with vllm==0.32.0) on an sm_75+ GPU, or opt out explicitly "
+        "with VLLM_LING_MOE_BACKEND=vllm (or vLLM's --moe-backend).")
+
+
+def test_explicit_opt_out_is_one_warning_and_leaves_vllm_in_charge(loaded_tiny_models, caplog):
+    from vllm_ling.layers import moe_method
+    from vllm_ling.log import _once
+
+    _, target, _ = loaded_tiny_models
+    layer = _FakeMoE(target.model.layers[2].mlp.experts.routed_experts.moe_config)
+    _once.discard(("vllm.ling.moe", "moe-opt-out"))
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        assert moe_method.choose_moe_method(layer, "a", "vllm") is None
+        assert moe_method.choose_moe_method(layer, "b", "vllm") is None
+    warnings = [r.getMessage() for r in caplog.records if "Humming MoE is OFF" in r.getMessage()]
+    assert warnings == ["Humming MoE is OFF by explicit choice (VLLM_LING_MOE_BACKEND=vllm): vLLM selects "
+                        "the MXFP4 MoE backend; the startup report marks moe_humming inactive."]
+
+
+def test_cpu_uses_the_reference_method(loaded_tiny_models):
+    from vllm_ling.layers.moe_method import REFERENCE, choose_moe_method
+
+    _, target, _ = loaded_tiny_models
+    layer = _FakeMoE(target.model.layers[2].mlp.experts.routed_experts.moe_config)
+    assert choose_moe_method(layer, "x", "humming").backend == REFERENCE
