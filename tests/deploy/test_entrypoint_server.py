@@ -4,9 +4,6 @@ answer without a key, /v1 only with the API key, and our report route exists."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +16,11 @@ pytestmark = pytest.mark.slow
 STARTUP_TIMEOUT_S = 600
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     pytest.importorskip("vllm")
+    from vllm_ling.serving.local_server import cpu_env, free_port, group_alive, start_server
+
     tmp = tmp_path_factory.mktemp("entrypoint")
     model = tmp / "tiny"
     made = subprocess.run([sys.executable, "-m", "vllm_ling.serving.cli", "make-tiny", str(model),
@@ -36,45 +29,16 @@ def server(tmp_path_factory):
     key_file = tmp / "api-key"
     key_file.write_text("entrypoint-test-key\n")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
-    env.update(VLLM_LING_PORT=str(port), VLLM_LING_HOST="127.0.0.1", XDG_CACHE_HOME=str(tmp / "cache"))
-    env.pop("VLLM_PLUGINS", None)
-    log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_ling.serving.cli", "serve", str(model),
-                             "--device", "cpu", "--api-key-file", str(key_file)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    env = cpu_env({"VLLM_LING_PORT": str(port), "VLLM_LING_HOST": "127.0.0.1",
+                   "XDG_CACHE_HOME": str(tmp / "cache")})
+    running = start_server([sys.executable, "-m", "vllm_ling.serving.cli", "serve", str(model),
+                            "--device", "cpu", "--api-key-file", str(key_file)],
+                           env, tmp / "server.log", port, timeout=STARTUP_TIMEOUT_S)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{(tmp / 'server.log').read_text()[-4000:]}")
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"no /health within {STARTUP_TIMEOUT_S}s:\n{(tmp / 'server.log').read_text()[-4000:]}")
-            time.sleep(2)
-        yield base, "entrypoint-test-key", tmp
+        yield running.base_url, "entrypoint-test-key", tmp
     finally:
-        stop_group(proc)
-        log.close()
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    """Stop the server and the engine processes it started (its own process group)."""
-    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        running.stop()
+        assert not group_alive(running.proc.pid)
 
 
 def test_unauthenticated_paths_and_api_key(server):

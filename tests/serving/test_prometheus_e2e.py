@@ -9,10 +9,8 @@ Checks, against that one server (started once for the module; CPU, ~1-2 min):
   counts one episode (the break-even is set above what 3 speculative tokens can reach)
   and logs one WARNING.
 
-The report: until the startup verification writes the real one, the test writes a sample
-(a warn-policy CPU report with the humming MoE requested but inactive) right after the
-server process starts. Expectations are read from the file at assertion time, so they hold
-for whichever report the server ends up with.
+The report is the one vllm-ling's startup verification writes in the worker; expectations
+are read from it at assertion time.
 
 Prometheus is Debian's ``prometheus`` package; these tests fail without it.
 """
@@ -42,15 +40,13 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
 WINDOW = 32
-BREAK_EVEN = 5.0  # > 1 + num_speculative_tokens: every full window is a collapse
+BREAK_EVEN = 5.0  # > 1 + num_speculative_tokens (4.0 on the agreeing checkpoint): a collapse
 PROMETHEUS_HINT = "apt-get update && apt-get install -y --no-install-recommends prometheus"
-SERVER_START_TIMEOUT_S = 420
 
 _spec = importlib.util.spec_from_file_location("monitoring_queries", REPO / "tests" / "deploy" / "monitoring_queries.py")
 queries = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(queries)
 
-from test_metrics import sample_report  # noqa: E402  (same directory; the schema's sample)
 
 
 def free_port() -> int:
@@ -115,44 +111,23 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """The agreeing all-MLA tiny checkpoint with MTP x3 under vllm-ling's real startup
+    verification (its report drives the optimization gauges)."""
+    from vllm_ling.serving.local_server import group_alive, serve_cpu
     from vllm_ling.serving.tiny_checkpoint import make_tiny
 
     work = tmp_path_factory.mktemp("tiny_server")
-    checkpoint = make_tiny(work / "ckpt", seed=0, all_mla=True)
+    checkpoint = make_tiny(work / "ckpt", seed=0, all_mla=True, agreeing=True)
     report_path, log_path = work / "report.json", work / "server.log"
-    port = free_port()
-    env = dict(os.environ,
-               VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_LING_REPORT_PATH=str(report_path),
-               VLLM_PLUGINS="vllm_ling,vllm_ling_report",
-               VLLM_LING_ACCEPT_WINDOW=str(WINDOW),
-               VLLM_LING_ACCEPT_BREAK_EVEN=str(BREAK_EVEN))
-    argv = [sys.executable, "-m", "vllm_ling.serving.vllm_entry", "serve", str(checkpoint),
-            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
-            "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "4",
-            "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 3})]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    running = serve_cpu(checkpoint, log_path, extra_args=[
+        "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 3})], env={
+        "VLLM_LING_REPORT_PATH": str(report_path), "VLLM_PLUGINS": "vllm_ling,vllm_ling_report",
+        "VLLM_LING_ACCEPT_WINDOW": str(WINDOW), "VLLM_LING_ACCEPT_BREAK_EVEN": str(BREAK_EVEN)})
     try:
-        # After the process started, so the reader does not take it for a previous run's file.
-        time.sleep(1)
-        if not report_path.exists():
-            report_path.write_text(json.dumps(sample_report()))
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log_tail(log_path)}"
-            assert time.monotonic() < deadline, f"server not healthy in {SERVER_START_TIMEOUT_S} s:\n{log_tail(log_path)}"
-            try:
-                if http(f"{base}/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
-        yield Server(base, report_path, log_path)
+        yield Server(running.base_url, report_path, log_path)
     finally:
-        stop_group(proc)
-    assert proc.returncode is not None
+        running.stop()
+    assert not group_alive(running.proc.pid)
 
 
 class Prometheus:
