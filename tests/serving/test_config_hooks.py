@@ -50,29 +50,33 @@ def test_off_switch_and_override(tiny_checkpoint, monkeypatch):
         _engine_config(tiny_checkpoint)
 
 
-def test_cost_model_reproduces_the_studys_batch1_verify_cost():
-    from vllm_ling.serving.spec_policy import DEVICES, DecodeCost, STUDY_VERIFY_COST_BATCH1, load_config
+def test_cost_model_is_the_planners_bytes_scaled_to_the_studys_batch1_point():
+    from vllm_ling.serving.plan import build_plan, mtp_model
+    from vllm_ling.serving.spec_policy import CONTEXT_TOKENS, STUDY_VERIFY_COST_BATCH1, CostModel, load_config
 
-    cost = DecodeCost.from_config(load_config())
-    assert cost.active_params == pytest.approx(5.1e9, rel=0.01)  # "5.1B active per token"
-    # 4 positions at batch 1 touch 31.3 distinct experts of 512 per layer (uniform routing)
-    assert cost.experts_touched(4) == pytest.approx(512 * (1 - (1 - 8 / 512) ** 4))
-    assert cost.verify_cost_ratio(1, 3, DEVICES["spark"]) == pytest.approx(STUDY_VERIFY_COST_BATCH1)
+    cfg = load_config()
+    model = CostModel(cfg, 3)
+    assert model.break_even(1) == pytest.approx(STUDY_VERIFY_COST_BATCH1)
+    # unscaled, batch 1 is exactly `vllm-ling plan`'s break-even (verify + draft ratios)
+    plan = build_plan(cfg, context=CONTEXT_TOKENS, verify_tokens=4)
+    assert model.raw_ratio(1) == pytest.approx(mtp_model(plan, "fp8", 3)["break_even_accept_length"])
+    # verifying at batch 8 touches far more distinct experts than the plain step: dearer
+    assert model.break_even(8) > model.break_even(1)
 
 
 def test_disable_threshold_follows_break_even():
     """Speculation is on exactly where the modelled break-even accept length is below the
     accept length the model reaches (2.68 on GSM8K), and the schedule says so to vLLM."""
-    from vllm_ling.serving.spec_policy import (DEVICES, DecodeCost, STUDY_ACCEPT_LENGTH_GSM8K,
-                                               load_config, speculative_schedule)
+    from vllm_ling.serving.spec_policy import (STUDY_ACCEPT_LENGTH_GSM8K, CostModel, load_config,
+                                               speculative_schedule)
 
-    cost = DecodeCost.from_config(load_config())
+    model = CostModel(load_config(), 3)
     schedule = speculative_schedule(max_batch=64)
-    assert schedule[0] == (1, 1, 3)  # batch 1: break-even 2.26 < 2.68
+    assert schedule[0][0] == 1 and schedule[0][2] == 3  # batch 1: break-even 2.26 < 2.68
+    assert any(k == 0 for _, _, k in schedule)
     for start, end, k in schedule:
         for b in (start, end):
-            pays = cost.verify_cost_ratio(b, 3, DEVICES["spark"]) < STUDY_ACCEPT_LENGTH_GSM8K
-            assert (k == 3) == pays
+            assert (k == 3) == (model.break_even(b) < STUDY_ACCEPT_LENGTH_GSM8K)
     # with a better draft (synthetic prompts reach 3.90) speculation pays at every batch size
     assert speculative_schedule(max_batch=64, expected_accept_length=3.9) == [(1, 64, 3)]
 
@@ -87,7 +91,8 @@ def test_default_schedule_reaches_vllm(tmp_path, monkeypatch):
     full = LingHybridConfig(**json.loads((DATA / "ling3_flash_fp4_config.json").read_text()))
     spec = default_speculative_config(LingOptions(), full, max_num_seqs=64)
     assert spec["method"] == "mtp" and spec["num_speculative_tokens"] == 3
-    assert spec["num_speculative_tokens_per_batch_size"][0] == [1, 1, 3]
+    first = spec["num_speculative_tokens_per_batch_size"][0]
+    assert first[0] == 1 and first[2] == 3  # MTP at batch 1
     assert any(k == 0 for _, _, k in spec["num_speculative_tokens_per_batch_size"])
     tiny = LingHybridConfig(**json.loads((DATA / "ling3_tiny_fp4_config.json").read_text()))
     assert "num_speculative_tokens_per_batch_size" not in default_speculative_config(LingOptions(), tiny, 4)
