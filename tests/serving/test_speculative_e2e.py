@@ -67,9 +67,11 @@ def test_defaults_verified_and_reported(default_server):
     assert report["head_dtype"] == "float8_e4m3fn"
     assert report["spec_method"] == "mtp" and report["num_speculative_tokens"] == 3
     assert report["optimizations"]["fp8_head"]["active"] and report["optimizations"]["mtp"]["active"]
-    assert "path:" in report["optimizations"]["mtp"]["detail"]  # which runner path shared the modules
+    assert "path:" in report["optimizations"]["mtp"]["detail"]  # which sharing path was taken
+    assert report["model_runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # and in which runner
     log = server.log()
-    assert "vllm-ling startup verification (cpu, policy strict): PASSED" in log
+    assert ("vllm-ling startup verification (cpu, policy strict, runner "
+            "vllm.v1.worker.cpu_model_runner.CPUModelRunner): PASSED") in log
     assert "Ling default speculative decoding" in log
 
 
@@ -198,3 +200,17 @@ def test_tensor_parallel_2_on_cpu_serves_the_same_tokens(agreeing_checkpoint, tm
         assert "float8_e4m3fn, 262144 bytes" in head["actual"]  # half the 2048-row vocabulary per rank
     finally:
         server.stop()
+
+
+def test_wrong_architecture_is_refused_naming_config_json(agreeing_checkpoint, tmp_path):
+    import shutil
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(agreeing_checkpoint, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["BailingMoeV3ForCausalLMX"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    server = serve_cpu(bad, tmp_path / "server.log", wait=False)
+    assert server.proc.wait(timeout=600) != 0
+    assert "config.json: architectures ['BailingMoeV3ForCausalLMX'] is not a Ling-3.0 architecture" in server.log()
+    assert not group_alive(server.proc.pid)

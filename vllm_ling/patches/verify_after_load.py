@@ -38,7 +38,7 @@ def _wrap(cls) -> bool:
 
         target = loaded.get("target")
         if target is not None:
-            verify_once(target, self.vllm_config)
+            verify_once(target, self.vllm_config, runner=f"{type(self).__module__}.{type(self).__name__}")
         return result
 
     setattr(load_model, _MARK, True)

@@ -260,7 +260,8 @@ def format_table(report: dict[str, Any]) -> str:
     rows = [("check", "ok", "expected", "actual")]
     rows += [(c["name"], "yes" if c["passed"] else "NO", c["expected"], c["actual"]) for c in report["checks"]]
     widths = [min(max(len(r[i]) for r in rows), 60) for i in range(3)]
-    lines = [f"vllm-ling startup verification ({report['platform']}, policy {report['policy']}): "
+    lines = [f"vllm-ling startup verification ({report['platform']}, policy {report['policy']}"
+             f"{', runner ' + report['model_runner'] if report.get('model_runner') else ''}): "
              f"{'PASSED' if report['passed'] else 'FAILED'}"]
     for r in rows:
         lines.append("  " + "  ".join(r[i][:60].ljust(widths[i]) for i in range(3)) + "  " + r[3])
@@ -327,7 +328,7 @@ def enforce_policy(report: dict[str, Any], policy: str) -> None:
 _done = False
 
 
-def verify_once(target, vllm_config) -> dict[str, Any] | None:
+def verify_once(target, vllm_config, runner: str | None = None) -> dict[str, Any] | None:
     """Run the verification the first time it is called in this process."""
     global _done
     if _done:
@@ -343,6 +344,7 @@ def verify_once(target, vllm_config) -> dict[str, Any] | None:
                  "Startup verification is OFF (VLLM_LING_VERIFY=off): optimizations are not checked.")
         return None
     report = build_report(target, draft, vllm_config, options)
+    report["model_runner"] = runner or "first forward (no runner hook)"
     if _is_reporting_rank():
         logger.info("%s", format_table(report))
         if options.report_path:
