@@ -68,7 +68,7 @@ def main() -> int:
                                 args.iters) / len(layers)
         touched = min(E, tokens * K) * (3 * H * I) * (0.5 + 1 / 32) / 1e6  # distinct experts, upper bound
         rows.append((tokens, single, stacked, touched, touched * 1e3 / stacked / bw))
-    lines = [f"# Humming MoE layer time inside a multi-layer CUDA graph (H200)", "",
+    lines = ["# Humming MoE layer time inside a multi-layer CUDA graph (H200)", "",
              f"{args.layers} distinct MoE layers (512 experts, top-8, 2560/768, W4A16) captured back to back in one "
              f"graph; per-layer time = graph median / {args.layers}. Copy bandwidth in this run: {bw:,.0f} GB/s.", "",
              "| tokens | one layer per graph (us) | per layer, stacked graph (us) | MB touched (upper bound) | fraction of copy BW (stacked) | target (us) |",

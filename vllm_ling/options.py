@@ -11,7 +11,7 @@ documented default; a malformed value is an error naming the variable.
 | VLLM_LING_MTP | 1 | default NEXTN MTP speculation when the user gives no speculative config; ``0`` off |
 | VLLM_LING_NUM_SPEC_TOKENS | 3 | draft tokens per step for the default MTP config |
 | VLLM_LING_VERIFY | strict | startup verification policy: strict (refuse to serve), warn, off |
-| VLLM_LING_REPORT_PATH | (unset) | where each worker writes its JSON verification report |
+| VLLM_LING_REPORT_PATH | per-server temp file | where the worker writes its JSON verification report (set by the plugin before vLLM spawns processes) |
 | VLLM_LING_HUMMING_CACHE | ~/.cache/vllm-ling/humming | humming JIT cache |
 """
 

@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vllm_ling.models.checkpoint_check import CheckpointFormatError, check_checkpoint
 from vllm_ling.models.checkpoint_format import checkpoint_specs, is_kda_layer
-from vllm_ling.ops.mxfp4 import e8m0_to_float
 
 DATA = Path(__file__).resolve().parents[2] / "vllm_ling" / "data"
 

@@ -5,7 +5,6 @@ the agreeing checkpoint's acceptance, the trap's collapse, and the startup verif
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import requests

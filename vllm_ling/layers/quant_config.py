@@ -9,6 +9,7 @@ paths are ours.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ class LingFp8Config(Fp8Config):
                 and cpu_lacks_block_fp8_kernel() and not self._skipped(prefix):
             from vllm_ling.layers.dense_fp8_cpu import CPU_DENSE_FP8_PATH, CpuBlockFp8LinearMethod
 
-            log_once(logger, 20, "cpu-dense", "Dense block-FP8 linears: %s.", CPU_DENSE_FP8_PATH)
+            log_once(logger, logging.INFO, "cpu-dense", "Dense block-FP8 linears: %s.", CPU_DENSE_FP8_PATH)
             return CpuBlockFp8LinearMethod(self.weight_block_size,
                                            bool(getattr(self, "is_scale_e8m0", False)))
         if isinstance(layer, ParallelLMHead) and self.options.fp8_head:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from vllm.config import VllmConfig
@@ -23,13 +24,13 @@ def check_local_checkpoint(vllm_config: VllmConfig, include_mtp: bool) -> None:
         return
     model_dir = model_config.model
     if not os.path.isdir(model_dir):
-        log_once(logger, 20, f"nocheck-{model_dir}",
+        log_once(logger, logging.INFO, f"nocheck-{model_dir}",
                  "%s is not a local directory: the -fp4 format is checked while loading.", model_dir)
         return
     config = model_config.hf_config.to_dict()
     unexpected = check_checkpoint(model_dir, config, include_mtp=include_mtp)
     if unexpected:
-        log_once(logger, 30, f"unexpected-{model_dir}",
+        log_once(logger, logging.WARNING, f"unexpected-{model_dir}",
                  "%d checkpoint tensor(s) in %s are not part of the Ling-3.0 -fp4 format and "
                  "will be ignored, e.g. %s", len(unexpected), model_dir, unexpected[:5])
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from vllm_ling.log import get_logger
-
 from vllm_ling.versions import check_vllm_version
 
 logger = get_logger("plugin")
