@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
             if key.startswith(("vllm_ling:", "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens_total")):
                 print(f"  {key} {metrics[key]:g}")
         print(f"server flags: {' '.join(CPU_SERVE_ARGS)} (see {log})")
+        if not args.model:
+            print("random weights: the NEXTN draft predicts nothing, so the accept length is ~1.0; "
+                  "`vllm-ling make-tiny --agreeing DIR` builds a checkpoint whose draft accepts every token")
     finally:
         rc = server.stop()
     print(f"server stopped (exit code {rc})")
