@@ -69,19 +69,23 @@ def stored_bytes(spec: TensorSpec, block: tuple[int, int] = (128, 128)) -> int:
 
 
 def is_kda_layer(layer: int, config: dict[str, Any]) -> bool:
-    """Same rule as vLLM's bailing_moe_v3._is_kda_layer (MLA when (i+1) % group == 0)."""
+    """Same rule as vLLM's bailing_moe_v3._is_kda_layer: the last layer of each group and
+    any tail layers are MLA, the rest KDA."""
     group = config["layer_group_size"]
     n = config["num_hidden_layers"]
     return not ((layer + 1) % group == 0 or layer >= n // group * group)
 
 
+def is_not_converted(module: str, modules_to_not_convert: list[str]) -> bool:
+    """``modules_to_not_convert`` matched at a dotted-component boundary, as vLLM does for
+    Ling (``match_mode="suffix"``): ``b_proj`` matches ``...attention.b_proj`` but not
+    ``...q_b_proj``, and ``5.attention.g_proj`` matches layer 5 but not layer 15."""
+    return any(module == m or module.endswith("." + m) for m in modules_to_not_convert)
+
+
 def _is_excluded(module: str, config: dict[str, Any]) -> bool:
-    """``modules_to_not_convert`` matched at a dotted-component boundary, like vLLM."""
     qc = config.get("quantization_config") or {}
-    for entry in qc.get("modules_to_not_convert") or []:
-        if module == entry or module.endswith("." + entry):
-            return True
-    return False
+    return is_not_converted(module, qc.get("modules_to_not_convert") or [])
 
 
 def _linear(name: str, shape: tuple[int, int], config: dict[str, Any], tensor_class: str,

@@ -20,6 +20,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from vllm_ling.models import checkpoint_format
+
 DEVICE_BANDWIDTH_GBS: dict[str, tuple[float, str]] = {
     "spark": (273.0, "NVIDIA DGX Spark (GB10, LPDDR5x)"),
     "h100": (3350.0, "NVIDIA H100 SXM (HBM3)"),
@@ -83,20 +85,11 @@ class Plan:
 
 
 def is_kda_layer(layer_idx: int, layer_group_size: int, num_hidden_layers: int) -> bool:
-    """Same rule as vLLM's ``_is_kda_layer``: the last layer of each group and any tail are MLA."""
-    return not (
-        (layer_idx + 1) % layer_group_size == 0
-        or layer_idx >= num_hidden_layers // layer_group_size * layer_group_size
-    )
+    return checkpoint_format.is_kda_layer(
+        layer_idx, {"layer_group_size": layer_group_size, "num_hidden_layers": num_hidden_layers})
 
 
-def _is_not_converted(module_name: str, modules_to_not_convert: list[str]) -> bool:
-    """Suffix match at a module-name boundary, as vLLM does for Ling (``match_mode="suffix"``).
-
-    ``b_proj`` matches ``model.layers.0.attention.b_proj`` but not ``...q_b_proj``, and
-    ``5.attention.g_proj`` matches layer 5 but not layer 15.
-    """
-    return any(module_name == m or module_name.endswith("." + m) for m in modules_to_not_convert)
+_is_not_converted = checkpoint_format.is_not_converted
 
 
 def fp8_block_linear_bytes(in_features: int, out_shards: list[int]) -> float:
