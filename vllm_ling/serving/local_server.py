@@ -1,4 +1,8 @@
-"""Start and stop real vLLM servers with the plugin on localhost (demo, ablation, tests)."""
+"""Start and stop real vLLM servers with the plugin on localhost (demo, ablation, tests).
+
+Each server runs in its own session, so stopping it also stops vLLM's engine and worker
+processes. Standard library only: ``vllm-ling bench`` uses it without vLLM installed.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,11 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import requests  # noqa: E402  (a vLLM dependency)
+from typing import IO
 
 STARTUP_TIMEOUT_S = 900
 CPU_SERVE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
@@ -19,14 +24,26 @@ CPU_SERVE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "
 VLLM_SERVE = [sys.executable, "-m", "vllm_ling.serving.vllm_entry", "serve"]
 
 
-def free_port() -> int:
+class ServerError(RuntimeError):
+    """The server could not start or did not become healthy (the message has its log tail)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
 def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The test process's environment without stray vllm-ling switches, plus CPU settings."""
+    """The caller's environment without stray vllm-ling switches, plus CPU settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
     env.pop("VLLM_PLUGINS", None)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -34,27 +51,34 @@ def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def log_tail(path: Path, lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen
     base_url: str
     log_path: Path
+    _log: IO | None = field(default=None, repr=False)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def stop(self, timeout: float = 60) -> int:
+    def stop(self, timeout: float = 60) -> int | None:
         """SIGTERM the whole process group, SIGKILL after ``timeout``; return the exit code."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         return self.proc.returncode
 
 
@@ -73,31 +97,39 @@ def group_alive(pgid: int, grace: float = 60.0) -> bool:
         time.sleep(0.5)
 
 
-def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int,
+def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int, host: str = "127.0.0.1",
                  wait: bool = True, timeout: float = STARTUP_TIMEOUT_S) -> Server:
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    """Start ``cmd`` in its own session, logging to ``log_path``; OSError if it cannot start."""
+    log = open(log_path, "wb")  # noqa: SIM115 (closed by Server.stop)
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        log.close()
+        raise
+    server = Server(proc, f"http://{host}:{port}", log_path, log)
     if wait:
         wait_healthy(server, timeout)
     return server
 
 
 def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    """Poll /health; ServerError (with the log tail) if the server exits or times out."""
     deadline = time.monotonic() + timeout
     while True:
         if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()[-6000:]}")
+            raise ServerError(f"server exited with code {server.proc.returncode} before it was healthy; "
+                              f"last lines of {server.log_path}:\n{log_tail(server.log_path)}")
         try:
-            if requests.get(server.base_url + "/health", timeout=2).status_code == 200:
+            if http_get(server.base_url + "/health", timeout=2)[0] == 200:
                 return
-        except requests.RequestException:
+        except OSError:
             pass
         if time.monotonic() > deadline:
             server.stop()
-            raise RuntimeError(f"no /health within {timeout}s:\n{server.log()[-6000:]}")
-        time.sleep(1)
+            raise ServerError(f"server not healthy after {timeout:g} s; last lines of "
+                              f"{server.log_path}:\n{log_tail(server.log_path)}")
+        time.sleep(0.5)
 
 
 def serve_cpu(model: Path, log_path: Path, extra_args: list[str] | None = None,
@@ -111,8 +143,11 @@ def serve_cpu(model: Path, log_path: Path, extra_args: list[str] | None = None,
 
 def scrape(base_url: str) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value} (comments skipped)."""
+    status, body = http_get(base_url + "/metrics", timeout=10)
+    if status != 200:
+        raise ServerError(f"GET {base_url}/metrics returned HTTP {status}")
     out = {}
-    for line in requests.get(base_url + "/metrics", timeout=10).text.splitlines():
+    for line in body.decode().splitlines():
         if line and not line.startswith("#"):
             key, _, value = line.rpartition(" ")
             try:

@@ -12,13 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +20,8 @@ from typing import Any
 from vllm_ling.log import get_logger
 from vllm_ling.serving.bench.client import ServerError
 from vllm_ling.serving.bench.runner import BenchConfig, BenchError, run_benchmark
+from vllm_ling.serving.local_server import ServerError as ServerStartError
+from vllm_ling.serving.local_server import free_port, http_get, start_server, wait_healthy
 
 logger = get_logger("bench")
 
@@ -80,12 +76,6 @@ class AblationSettings:
     bench: BenchConfig = field(default_factory=BenchConfig)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def server_argv(settings: AblationSettings, cfg: AblationConfig, port: int) -> list[str]:
     try:
         cmd = settings.server_command.format(model=settings.model, host=settings.host, port=port,
@@ -94,65 +84,6 @@ def server_argv(settings: AblationSettings, cfg: AblationConfig, port: int) -> l
         raise AblationError(f"--server-cmd: unknown placeholder {exc}; use {{model}}, {{host}}, "
                             "{port}, {python}") from exc
     return shlex.split(cmd) + shlex.split(settings.server_args) + list(cfg.flags)
-
-
-def _http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (localhost URL we built)
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def _log_tail(path: Path, n: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-class ManagedServer:
-    """A server process in its own session, so stopping it also stops its workers."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path):
-        self.argv, self.log_path = argv, log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
-        try:
-            self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        except OSError as exc:
-            self._log.close()
-            raise AblationError(f"cannot start the server {argv[0]!r}: {exc} (see --server-cmd)") from exc
-
-    def wait_healthy(self, base_url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AblationError(f"server exited with code {self.proc.returncode} before it was "
-                                    f"healthy; last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
-            try:
-                status, _ = _http_get(f"{base_url}/health", timeout=2.0)
-                if status == 200:
-                    return
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(0.25)
-        raise AblationError(f"server not healthy after {timeout_s:g} s (--startup-timeout); "
-                            f"last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
-
-    def stop(self, timeout_s: float) -> int | None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("server %s ignored SIGTERM for %.0f s; killing it", self.argv[0], timeout_s)
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
-        self._log.close()
-        return self.proc.returncode
 
 
 def check_report(report: Any, cfg: AblationConfig) -> dict[str, bool]:
@@ -180,10 +111,16 @@ def run_one(settings: AblationSettings, cfg: AblationConfig, out: Path) -> dict[
         env["VLLM_PLUGINS"] = ",".join(plugin_names())
     print(f"ablation {cfg.name}: starting {' '.join(f'{k}={v}' for k, v in cfg.env.items())} "
           f"{shlex.join(argv)}", file=sys.stderr, flush=True)
-    server = ManagedServer(argv, env, out / f"server_{cfg.name}.log")
     try:
-        server.wait_healthy(base_url, settings.startup_timeout_s)
-        status, body = _http_get(f"{base_url}{REPORT_PATH}", timeout=30)
+        server = start_server(argv, env, out / f"server_{cfg.name}.log", port, host=settings.host, wait=False)
+    except OSError as exc:
+        raise AblationError(f"cannot start the server {argv[0]!r}: {exc} (see --server-cmd)") from exc
+    try:
+        try:
+            wait_healthy(server, settings.startup_timeout_s)
+        except ServerStartError as exc:
+            raise AblationError(f"{exc} (--startup-timeout {settings.startup_timeout_s:g} s)") from exc
+        status, body = http_get(f"{base_url}{REPORT_PATH}", timeout=30)
         if status != 200:
             raise AblationError(f"{cfg.name}: GET {REPORT_PATH} returned HTTP {status}; the server "
                                 "must run the vllm-ling plugin so its optimizations can be verified")
