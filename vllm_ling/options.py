@@ -7,6 +7,7 @@ documented default; a malformed value is an error naming the variable.
 | variable | default | meaning |
 |---|---|---|
 | VLLM_LING_MOE_BACKEND | humming | ``humming``: our Humming MXFP4 MoE (reference path on CPU); ``vllm``: opt out, vLLM picks (logged at WARNING, reported) |
+| VLLM_LING_MOE_W4A8 | 0 | ``1``: humming MoE with FP8 e4m3 per-token activations (the study's "W4A8"; sm_89+, an error elsewhere) |
 | VLLM_LING_FP8_HEAD | 1 | FP8 online-quantized target LM head; ``0`` opts out (BF16 head) |
 | VLLM_LING_MTP | 1 | default NEXTN MTP speculation when the user gives no speculative config; ``0`` off |
 | VLLM_LING_NUM_SPEC_TOKENS | 3 | draft tokens per step for the default MTP config |
@@ -66,6 +67,7 @@ def _int(name: str, default: int, minimum: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class LingOptions:
     moe_backend: str = "humming"
+    moe_w4a8: bool = False
     fp8_head: bool = True
     mtp: bool = True
     num_spec_tokens: int = 3
@@ -76,6 +78,7 @@ class LingOptions:
     def from_env(cls) -> "LingOptions":
         return cls(
             moe_backend=_choice("VLLM_LING_MOE_BACKEND", "humming", MOE_BACKENDS),
+            moe_w4a8=_bool("VLLM_LING_MOE_W4A8", False),
             fp8_head=_bool("VLLM_LING_FP8_HEAD", True),
             mtp=_bool("VLLM_LING_MTP", True),
             num_spec_tokens=_int("VLLM_LING_NUM_SPEC_TOKENS", 3, 1),

@@ -96,3 +96,26 @@ def test_cpu_uses_the_reference_method(loaded_tiny_models):
     _, target, _ = loaded_tiny_models
     layer = _FakeMoE(target.model.layers[2].mlp.experts.routed_experts.moe_config)
     assert choose_moe_method(layer, "x", "humming").backend == REFERENCE
+
+
+def test_w4a8_is_selectable_and_refused_where_it_cannot_run(loaded_tiny_models, monkeypatch):
+    from vllm.platforms import current_platform
+
+    from vllm_ling.layers import moe_method
+
+    _, target, _ = loaded_tiny_models
+    layer = _FakeMoE(target.model.layers[2].mlp.experts.routed_experts.moe_config)
+    with pytest.raises(moe_method.HummingUnavailable, match="VLLM_LING_MOE_W4A8=1 needs humming on an sm_89"):
+        moe_method.choose_moe_method(layer, "x", "humming", w4a8=True)
+    monkeypatch.setattr(current_platform.__class__, "is_cpu", lambda self=None: False)
+    asked = []
+
+    def status(w4a8=False, **_):
+        asked.append(w4a8)
+        return True, ""
+
+    monkeypatch.setattr(moe_method.moe_ops, "humming_status", status)
+    method = moe_method.choose_moe_method(layer, "x", "humming", w4a8=True)
+    assert asked == [True]  # the W4A8 capability (sm_89+) is what gets checked
+    assert method.backend == moe_method.HUMMING and method.w4a8
+    assert method.description == "humming MXFP4 indexed GEMM (W4A8, FP8 per-token activations)"

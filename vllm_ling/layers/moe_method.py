@@ -109,7 +109,7 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
         return out.to(x.dtype)
 
 
-def choose_moe_method(layer, prefix: str, moe_backend_option: str):
+def choose_moe_method(layer, prefix: str, moe_backend_option: str, w4a8: bool = False):
     """Our method for a Ling MXFP4 routed-expert layer, or None to let vLLM choose.
 
     Raises :class:`HummingUnavailable` (before any weight loads) when humming is the
@@ -126,13 +126,17 @@ def choose_moe_method(layer, prefix: str, moe_backend_option: str):
                  "backend; the startup report marks moe_humming inactive.", reason)
         return None
     if current_platform.is_cpu():
+        if w4a8:
+            raise HummingUnavailable("VLLM_LING_MOE_W4A8=1 needs humming on an sm_89+ GPU; the CPU "
+                                     "platform runs the BF16 reference. Unset VLLM_LING_MOE_W4A8.")
         log_once(logger, logging.INFO, "moe-cpu",
                  "Routed MXFP4 experts: %s.", BACKEND_DESCRIPTIONS[REFERENCE])
         return LingMxfp4MoEMethod(layer.moe_config, REFERENCE)
-    ok, reason = moe_ops.humming_status()
+    ok, reason = moe_ops.humming_status(w4a8=w4a8)
     if not ok:
         raise HummingUnavailable(
             f"Humming MXFP4 MoE cannot run for {prefix}: {reason}. Install humming-kernels "
-            "(it comes with vllm==0.32.0) on an sm_75+ GPU, or opt out explicitly with "
+            "(it comes with vllm==0.32.0) on an sm_75+ GPU" + (", or set VLLM_LING_MOE_W4A8=0 (W4A8 "
+            "needs sm_89+)" if w4a8 else "") + ", or opt out explicitly with "
             "VLLM_LING_MOE_BACKEND=vllm (or vLLM's --moe-backend).")
-    return LingMxfp4MoEMethod(layer.moe_config, HUMMING)
+    return LingMxfp4MoEMethod(layer.moe_config, HUMMING, w4a8=w4a8)
