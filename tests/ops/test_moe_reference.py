@@ -237,9 +237,7 @@ def test_fake_quant_fp8_keeps_row_max_and_relative_error():
 
 
 def test_config_from_hf_config_file():
-    path = REPO.parent / "shared" / "data" / "ling3_flash_fp4_config.json"
-    if not path.exists():
-        pytest.skip("full-size config not present")
+    path = REPO / "vllm_ling" / "data" / "ling3_flash_fp4_config.json"  # shipped with the package
     cfg = moe.LingMoEConfig.from_hf_config(json.loads(path.read_text()))
     assert (cfg.num_experts, cfg.top_k, cfg.n_group, cfg.topk_group) == (512, 8, 8, 4)
     assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.routed_scaling_factor) == (2560, 768, 2.5)
