@@ -9,10 +9,11 @@ over every SM even at 1 token:
    and the matching BLOCK_I up rows of expert ``topk_ids.flat[a]``, multiplies them with
    x[token], applies SwiGLU with vLLM's routed-expert clamp
    ``silu(min(g, L)) * clamp(u, -L, L)`` and writes act [T*top_k, I] (BF16).
-2. ``_down_weighted_sum``: grid (token, H / BLOCK_H). One program loops over the token's
-   top_k assignments, multiplies BLOCK_H rows of each expert's w2 with act, scales by the
-   top-k weight and sums in registers (no atomics, no zero-fill, deterministic), then
-   writes out [T, H] in BF16.
+2. ``_down_weighted_sum``: grid (token, H / BLOCK_H). One program takes BLOCK_H rows of
+   w2 from *each* of the token's top-k experts as one tile (top_k * BLOCK_H rows, all
+   loads in flight together), multiplies them with the matching act rows (act of slot j
+   in MMA column j), scales by the top-k weights and sums in registers (no atomics, no
+   zero-fill, deterministic), then writes out [T, H] in BF16.
 
 Weights stay in vLLM's MXFP4 layout, no transform (rows are contiguous along K, which is
 what a GEMV streams): ``w13_weight`` uint8 [E, 2I, H/2] (gate rows then up rows; element 2i
@@ -143,43 +144,57 @@ if triton is not None:
     @triton.jit
     def _down_weighted_sum(act_ptr, ids_ptr, topk_w_ptr, w_ptr, s_ptr, out_ptr,
                            H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
-                           N_PAD: tl.constexpr):
+                           TOP_K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_K: tl.constexpr, MODE: tl.constexpr, N_PAD: tl.constexpr):
+        # One tile of TOP_K_PAD * BLOCK_H weight rows: BLOCK_H output rows of each of the
+        # token's top-k experts, so every K step has all experts' loads in flight at once.
         tok = tl.program_id(0)
         pid_h = tl.program_id(1)
-        rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        ROWS: tl.constexpr = TOP_K_PAD * BLOCK_H
+        r = tl.arange(0, ROWS)
+        slot = r // BLOCK_H
+        h = pid_h * BLOCK_H + r % BLOCK_H
+        valid = slot < TOP_K
+        a_row = tok * TOP_K + slot
+        e = tl.load(ids_ptr + a_row, mask=valid, other=0).to(tl.int64)
         kb = tl.arange(0, BLOCK_K // 2)
         ks = tl.arange(0, BLOCK_K // 32)
         kx = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + e[:, None] * (H * (I // 2)) + h[:, None] * (I // 2) + kb[None, :]
+        s_ptrs = s_ptr + e[:, None] * (H * (I // 32)) + h[:, None] * (I // 32) + ks[None, :]
+        row_mask = valid[:, None]
         if MODE == 2:
-            total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            v_ptrs = act_ptr + a_row[:, None].to(tl.int64) * I + kx[None, :]  # [ROWS, BLOCK_K]
+            acc = tl.zeros((ROWS,), dtype=tl.float32)
         else:
+            # column j of the activation tile is act[token's slot j]; row block j of the
+            # result uses only column j
             cols = tl.arange(0, N_PAD)
-            total = tl.zeros((BLOCK_H, N_PAD), dtype=tl.float32)
-        for k in range(TOP_K):
-            a = tok * TOP_K + k
-            e = tl.load(ids_ptr + a).to(tl.int64)
-            weight = tl.load(topk_w_ptr + a).to(tl.float32)
-            w_rows = w_ptr + e * (H * (I // 2)) + rows[:, None] * (I // 2) + kb[None, :]
-            s_rows = s_ptr + e * (H * (I // 32)) + rows[:, None] * (I // 32) + ks[None, :]
-            act_row = act_ptr + a.to(tl.int64) * I
-            if MODE == 2:
-                v_ptrs = act_row + kx
-                v_mask = None
-                part = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            v_ptrs = act_ptr + (tok * TOP_K + cols[None, :]).to(tl.int64) * I + kx[:, None]
+            v_mask = (cols[None, :] < TOP_K) & (kx[:, None] >= 0)
+            acc = tl.zeros((ROWS, N_PAD), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            packed = tl.load(w_ptrs + k0 // 2, mask=row_mask, other=0)
+            scale = tl.load(s_ptrs + k0 // 32, mask=row_mask, other=0)
+            if MODE == 0:
+                v = tl.load(v_ptrs + k0, mask=v_mask, other=0.0)
+                acc = tl.dot_scaled(packed, scale, "e2m1", v, None, "bf16", acc)
+            elif MODE == 1:
+                v = tl.load(v_ptrs + k0, mask=v_mask, other=0.0)
+                w = _decode_e2m1_scaled(packed, scale, ROWS, BLOCK_K).to(tl.bfloat16)
+                acc = tl.dot(w, v, acc)
             else:
-                v_ptrs = act_row + kx[:, None] + cols[None, :] * 0
-                v_mask = (cols[None, :] == 0) & (kx[:, None] >= 0)
-                part = tl.zeros((BLOCK_H, N_PAD), dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                part = _rows_times_vector(w_rows + k0 // 2, s_rows + k0 // 32, v_ptrs + k0, v_mask,
-                                          part, BLOCK_H, BLOCK_K, MODE)
-            total += part * weight
+                v = tl.load(v_ptrs + k0, mask=row_mask, other=0.0).to(tl.float32)
+                w = _decode_e2m1_scaled(packed, scale, ROWS, BLOCK_K)
+                acc += tl.sum(w * v, axis=1)
+        weight = tl.load(topk_w_ptr + a_row, mask=valid, other=0.0).to(tl.float32)
         if MODE == 2:
-            y = total
+            y_rows = acc * weight
         else:
-            y = tl.sum(total, axis=1)
-        tl.store(out_ptr + tok.to(tl.int64) * H + rows, y.to(out_ptr.dtype.element_ty))
+            y_rows = tl.sum(tl.where(cols[None, :] == slot[:, None], acc, 0.0), axis=1) * weight
+        y = tl.sum(tl.reshape(y_rows, (TOP_K_PAD, BLOCK_H)), axis=0)
+        out_rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        tl.store(out_ptr + tok.to(tl.int64) * H + out_rows, y.to(out_ptr.dtype.element_ty))
 
 
 def triton_decode_available(device: torch.device | str | int | None = None) -> tuple[bool, str]:
@@ -241,7 +256,7 @@ class TritonMxfp4DecodeExperts:
     """
 
     def __init__(self, w13_weight, w13_weight_scale, w2_weight, w2_weight_scale, *,
-                 mode: str = "dot_scaled", block_i: int = 16, block_h: int = 32,
+                 mode: str = "dot_scaled", block_i: int = 16, block_h: int = 8,
                  block_k_gate_up: int = 256, block_k_down: int = 256,
                  num_warps: int = 4, num_stages: int = 3,
                  act_dtype: torch.dtype = torch.bfloat16,
@@ -259,6 +274,8 @@ class TritonMxfp4DecodeExperts:
                                   ("block_k_down", block_k_down, I)):
             if block & (block - 1) or dim % block:
                 raise ValueError(f"{label}={block} must be a power of two dividing {dim}")
+        if mode != "dequant_fma" and block_i < 16:
+            raise ValueError(f"block_i={block_i}: the MMA modes need at least 16 rows per tile")
         if min(block_k_gate_up, block_k_down) < 64:
             raise ValueError("block_k_* must be >= 64 (two E8M0 groups per tile at least)")
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
@@ -308,10 +325,15 @@ class TritonMxfp4DecodeExperts:
             H=H, I=I, TOP_K=top_k, BLOCK_I=self.block_i, BLOCK_K=self.block_k_gate_up,
             MODE=mode_id, HAS_LIMIT=has_limit, N_PAD=_N_PAD,
             num_warps=self.num_warps, num_stages=self.num_stages)
+        top_k_pad = triton.next_power_of_2(top_k)
+        if mode_id != _MODE_ID["dequant_fma"] and top_k_pad * self.block_h < 16:
+            raise ValueError(f"top_k={top_k} x block_h={self.block_h} rows < 16: the MMA modes need "
+                             "a larger block_h")
         down[(T, H // self.block_h)](
             act, ids, weights, self.w2, self.w2_scale, out,
-            H=H, I=I, TOP_K=top_k, BLOCK_H=self.block_h, BLOCK_K=self.block_k_down,
-            MODE=mode_id, N_PAD=_N_PAD, num_warps=self.num_warps, num_stages=self.num_stages)
+            H=H, I=I, TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_H=self.block_h,
+            BLOCK_K=self.block_k_down, MODE=mode_id, N_PAD=max(_N_PAD, top_k_pad),
+            num_warps=self.num_warps, num_stages=self.num_stages)
         return out
 
     __call__ = forward

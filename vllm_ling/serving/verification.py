@@ -226,13 +226,14 @@ def build_report(target, draft, vllm_config, options: LingOptions,
         "gpu_arch": _gpu_arch(),
         "versions": {"vllm": vllm_version() or "unknown", "humming": humming_version()},
         "optimizations": {
-            "moe_humming": {"requested": options.moe_backend == "humming" and exp.platform == "cuda",
-                            "active": moe_active and exp.platform == "cuda",
+            # Humming is requested only where it can exist (CUDA) and the user did not opt out.
+            "moe_humming": {"requested": exp.moe_backend == "humming",
+                            "active": moe_active and exp.moe_backend == "humming",
                             "detail": by_name["moe_layers"].actual if exp.moe_backend != "vllm"
                             else "opted out (VLLM_LING_MOE_BACKEND=vllm or --moe-backend): vLLM chooses"},
             "fp8_head": {"requested": options.fp8_head, "active": head_active,
                          "detail": by_name["lm_head"].actual},
-            "mtp": {"requested": exp.spec_method == "mtp" or (options.mtp and exp.default_spec),
+            "mtp": {"requested": exp.spec_method == "mtp",
                     "active": mtp_active, "detail": by_name["draft_shares_target_modules"].actual},
         },
         "moe_backend": exp.moe_backend,
