@@ -37,8 +37,10 @@ E, H, I, K = 512, 2560, 768, 8
 PER_EXPERT_BYTES = 3 * H * I // 2 + 3 * H * I // 32
 TARGET_US = {1: 20.0, 4: 45.0}
 # (block_i, block_h, block_k_gate_up, block_k_down, num_warps, num_stages)
-CONFIGS = [(16, 32, 256, 256, 4, 3), (16, 16, 256, 256, 4, 3), (32, 32, 512, 256, 4, 3),
-           (16, 16, 512, 256, 4, 4), (32, 64, 256, 256, 8, 3)]
+# block_h = rows per expert in the down tile (the tile holds top_k * block_h rows).
+CONFIGS = [(16, 4, 256, 256, 4, 3), (32, 4, 256, 256, 4, 3), (16, 8, 512, 256, 4, 3),
+           (16, 2, 256, 256, 4, 2), (32, 8, 512, 256, 8, 3), (16, 4, 256, 128, 2, 3),
+           (16, 4, 512, 256, 4, 3)]
 
 
 def log(msg: str) -> None:
@@ -100,7 +102,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=170.0,
                     help="stop sweeping Triton configs after this many seconds")
     ap.add_argument("--configs", default="all", help="'all' or comma-separated indices into CONFIGS")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default="words_fma")
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/moe_decode_triton_h200.md"))
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -116,6 +118,8 @@ def main() -> int:
                for T in (1, 4)}
 
     results = []  # dicts: path, T, single, stacked, err
+    variants = {}  # label -> (block_i, block_h, bk_gate_up, bk_down, warps, stages, mode)
+    splits = []  # (T, label, gate_up us, down us)
 
     def measure(label, layers_fns):
         """layers_fns: one callable (x, w, ids) per layer."""
@@ -160,13 +164,35 @@ def main() -> int:
             except Exception as exc:
                 log(f"{label}: construction failed {exc!r}")
                 continue
+            variants[label] = cfg + (mode,)
             measure(label, [l.forward for l in layers])
-            write(args, bw, touched, results)
-    write(args, bw, touched, results)
+            write(args, bw, touched, results, splits)
+    # Where the time goes: each launch of the best variant alone, stacked over the layers.
+    for T in (1, 4):
+        ok = [r for r in results if r["T"] == T and r["path"] in variants and r["stacked"]]
+        if not ok:
+            continue
+        best = min(ok, key=lambda r: r["stacked"])
+        bi, bh, bk1, bk2, nw, ns, mode = variants[best["path"]]
+        try:
+            layers = [TritonMxfp4DecodeExperts(**w, mode=mode, block_i=bi, block_h=bh, block_k_gate_up=bk1,
+                                               block_k_down=bk2, num_warps=nw, num_stages=ns) for w in weights]
+            ins = [inputs[T][l][0] for l in range(len(layers))]
+            acts = [l.gate_up(x, ids, None) for l, (x, _, ids) in zip(layers, ins)]
+            t_gu = stacked_time_us([lambda l=l, a=a: l.gate_up(a[0], a[2], None) for l, a in zip(layers, ins)],
+                                   args.iters)
+            t_dn = stacked_time_us([lambda l=l, a=a, act=act: l.down(act, a[1], a[2])
+                                    for l, a, act in zip(layers, ins, acts)], args.iters)
+            splits.append((T, best["path"], t_gu, t_dn))
+            log(f"split T={T} {best['path']}: gate_up {t_gu:.1f} us, down {t_dn:.1f} us")
+        except Exception as exc:
+            traceback.print_exc()
+            log(f"split T={T} failed: {exc!r}")
+    write(args, bw, touched, results, splits)
     return 0
 
 
-def write(args, bw, touched, results) -> None:
+def write(args, bw, touched, results, splits=()) -> None:
     base = {r["T"]: r for r in results if r["path"] == "humming W4A16" and r["stacked"]}
     best = {}
     for r in results:
@@ -198,6 +224,11 @@ def write(args, bw, touched, results) -> None:
         vs = f", {base[T]['stacked'] / r['stacked']:.2f}x humming ({base[T]['stacked']:.1f} us)" if T in base else ""
         lines.append(f"- {T} token(s): {r['path']}: {r['stacked']:.1f} us/layer{vs}; {verdict} the "
                      f"{TARGET_US[T]:.0f} us target.")
+    if splits:
+        lines += ["", "Each launch of the best variant alone (stacked graph, us per layer; bytes: w13 is 2/3, "
+                  "w2 1/3 of the layer's):", "", "| tokens | variant | gate_up + SwiGLU | down + weighted sum |",
+                  "|---|---|---|---|"]
+        lines += [f"| {T} | {label} | {gu:.1f} | {dn:.1f} |" for T, label, gu, dn in splits]
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     Path(args.out).write_text(text)

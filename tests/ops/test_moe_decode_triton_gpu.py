@@ -143,3 +143,12 @@ def test_bad_input_is_refused(weights):
     with pytest.raises(ValueError, match="w2_weight_scale"):
         mdt.TritonMxfp4DecodeExperts(weights["w13_weight"], weights["w13_weight_scale"],
                                      weights["w2_weight"], weights["w2_weight_scale"][:, :, :-1])
+
+
+def test_words_mode_refuses_out_of_range_scales():
+    small = moe.random_mxfp4_experts(2, 64, 64, device=DEV, seed=3)
+    small["w2_weight_scale"][1, 0, 0] = mdt.WORDS_MAX_SCALE_EXP + 1
+    blocks = dict(block_k_gate_up=64, block_k_down=64)
+    with pytest.raises(ValueError, match="words_fma"):
+        mdt.TritonMxfp4DecodeExperts(**small, mode="words_fma", **blocks)
+    mdt.TritonMxfp4DecodeExperts(**small, mode="dot_scaled", **blocks)  # no such limit there
