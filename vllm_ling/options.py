@@ -29,6 +29,25 @@ class LingOptionError(ValueError):
     pass
 
 
+# Variables read elsewhere in the package (metrics guard, kernels, smoke check, diagnostics).
+_OTHER_ENV_VARS = (
+    "VLLM_LING_HUMMING_CACHE", "VLLM_LING_LM_HEAD_KERNEL", "VLLM_LING_ACCEPT_WINDOW",
+    "VLLM_LING_ACCEPT_BREAK_EVEN", "VLLM_LING_SMOKE", "VLLM_LING_SMOKE_MIN_ACCEPT",
+    "VLLM_LING_NEGATIVE_CONTROL",  # test-only: rebuilds the weight-only head trap on purpose
+)
+
+
+def known_env_vars() -> set[str]:
+    """Every VLLM_LING_* variable vllm-ling reads (the launcher's VLLM_LING_<OPTION> too)."""
+    from vllm_ling.serving.launch import ENV_PREFIX, SERVE_OPTIONS
+
+    names = {f.name for f in dataclasses.fields(LingOptions)}
+    known = {"VLLM_LING_" + n.upper() for n in names} | set(_OTHER_ENV_VARS)
+    known |= {ENV_PREFIX + o.name.upper() for o in SERVE_OPTIONS}
+    known |= {ENV_PREFIX + n for n in ("MODEL", "DEVICE", "API_KEY_FILE")}
+    return known
+
+
 def _bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     if raw is None or raw == "":

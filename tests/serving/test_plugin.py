@@ -71,3 +71,20 @@ def test_installed_vllm_is_the_tested_release():
     from vllm_ling.versions import TESTED_VLLM_VERSION, vllm_version_is
 
     assert vllm_version_is(TESTED_VLLM_VERSION)
+
+
+def test_our_variables_pass_vllms_strict_environment_validation(monkeypatch, caplog):
+    from vllm.platforms import current_platform
+
+    from vllm_ling.serving.plugin import _declare_env_vars
+
+    monkeypatch.setenv("VLLM_LING_FP8_HEAD", "1")
+    monkeypatch.setenv("VLLM_LING_PORT", "8000")  # a `vllm-ling serve` option
+    monkeypatch.setenv("VLLM_LING_FP8_HAED", "1")  # a typo
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        _declare_env_vars()
+    assert "VLLM_LING_FP8_HAED is not a vllm-ling variable and is ignored" in caplog.text
+    monkeypatch.delenv("VLLM_LING_FP8_HAED")
+    for name in [k for k in __import__("os").environ if k.startswith("VLLM_") and not k.startswith("VLLM_LING_")]:
+        monkeypatch.delenv(name)
+    current_platform.validate_environ(hard_fail=True)  # vLLM's --fail-on-environ-validation

@@ -56,6 +56,27 @@ def _default_report_path() -> None:
             tempfile.gettempdir(), f"vllm-ling-report-{os.getpid()}.json")
 
 
+def _declare_env_vars() -> None:
+    """Tell vLLM about our variables: it warns about (or, with --fail-on-environ-validation,
+    refuses) every VLLM_* variable it does not know. A VLLM_LING_* name we do not read is
+    most likely a typo: say so."""
+    import functools
+    import logging
+    import os
+
+    import vllm.envs as envs
+
+    from vllm_ling.log import log_once
+    from vllm_ling.options import known_env_vars
+
+    known = known_env_vars()
+    for name in known:
+        envs.environment_variables.setdefault(name, functools.partial(os.environ.get, name))
+    for name in sorted(k for k in os.environ if k.startswith("VLLM_LING_") and k not in known):
+        log_once(logger, logging.WARNING, f"unknown-env-{name}",
+                 "%s is not a vllm-ling variable and is ignored (see `vllm_ling/options.py`)", name)
+
+
 def _install_hooks() -> list[str]:
     from vllm.platforms import current_platform
 
@@ -82,6 +103,7 @@ def register() -> list[str]:
         return _registered
     check_vllm_version()
     _default_report_path()
+    _declare_env_vars()
     done = _register_config() + _register_models() + _register_layers() + _install_hooks()
     _registered = done
     logger.info("vllm-ling registered: %s", "; ".join(done))
