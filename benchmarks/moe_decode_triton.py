@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from moe import copy_bandwidth_gbs, time_fn  # noqa: E402  (same probes as benchmarks/moe.py)
+from moe import copy_bandwidth_gbs, log, make_routings, stacked_time_us, time_fn  # noqa: E402  (same probes as benchmarks/moe.py)
 
 from vllm_ling.ops import moe  # noqa: E402
-from vllm_ling.ops.moe_decode_triton import MODES, TritonMxfp4DecodeExperts  # noqa: E402
+from vllm_ling.ops.moe_decode_triton import TritonMxfp4DecodeExperts  # noqa: E402
 
 E, H, I, K = 512, 2560, 768, 8
 PER_EXPERT_BYTES = 3 * H * I // 2 + 3 * H * I // 32
@@ -41,47 +41,6 @@ TARGET_US = {1: 20.0, 4: 45.0}
 CONFIGS = [(16, 4, 256, 256, 4, 3), (32, 4, 256, 256, 4, 3), (16, 8, 512, 256, 4, 3),
            (16, 2, 256, 256, 4, 2), (32, 8, 512, 256, 8, 3), (16, 4, 256, 128, 2, 3),
            (16, 4, 512, 256, 4, 3)]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def stacked_time_us(fns, iters: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            for f in fns:
-                f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(times) / len(fns)
-
-
-def routings(T: int, R: int, seed: int, dev):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    out = []
-    for _ in range(R):
-        x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(T)])
-        w = torch.rand(T, K, device=dev, generator=g) + 0.1
-        out.append((x, (w / w.sum(-1, keepdim=True) * 2.5).float(), ids.to(torch.int32)))
-    return out
 
 
 def rel_err(fn, weights, inputs) -> float:
@@ -113,7 +72,7 @@ def main() -> int:
     import triton
     log(f"triton {triton.__version__}")
     weights = [moe.random_mxfp4_experts(E, H, I, dev, seed=i) for i in range(args.layers)]
-    inputs = {T: [routings(T, args.routings, 100 * T + l, dev) for l in range(args.layers)] for T in (1, 4)}
+    inputs = {T: [make_routings(T, args.routings, 100 * T + l, dev) for l in range(args.layers)] for T in (1, 4)}
     touched = {T: statistics.mean(torch.unique(ids).numel() for _, _, ids in inputs[T][0]) * PER_EXPERT_BYTES
                for T in (1, 4)}
 

@@ -10,6 +10,7 @@ Output: benchmarks/results/moe_stacked_h200.md. No vLLM import.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -19,32 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from moe import copy_bandwidth_gbs  # noqa: E402  (same bandwidth probe as benchmarks/moe.py)
+from moe import copy_bandwidth_gbs, stacked_time_us  # noqa: E402  (same probes as benchmarks/moe.py)
 
 from vllm_ling.ops.moe import HummingMxfp4Experts, random_mxfp4_experts  # noqa: E402
 
 E, H, I, K = 512, 2560, 768, 8
-
-
-def graph_time_us(fn, iters: int) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main() -> int:
@@ -63,9 +43,9 @@ def main() -> int:
         ids = [torch.stack([torch.randperm(E, device=dev, generator=gen)[:K] for _ in range(tokens)]).to(torch.int32)
                for _ in layers]
         ws = [torch.rand(tokens, K, device=dev, generator=gen) for _ in layers]
-        single = graph_time_us(lambda: layers[0].forward(xs[0], ws[0], ids[0]), args.iters)
-        stacked = graph_time_us(lambda: [l.forward(x, w, i) for l, x, w, i in zip(layers, xs, ws, ids)],
-                                args.iters) / len(layers)
+        single = stacked_time_us([lambda: layers[0].forward(xs[0], ws[0], ids[0])], args.iters)
+        stacked = stacked_time_us([functools.partial(l.forward, x, w, i) for l, x, w, i in zip(layers, xs, ws, ids)],
+                                  args.iters)
         touched = min(E, tokens * K) * (3 * H * I) * (0.5 + 1 / 32) / 1e6  # distinct experts, upper bound
         rows.append((tokens, single, stacked, touched, touched * 1e3 / stacked / bw))
     lines = ["# Humming MoE layer time inside a multi-layer CUDA graph (H200)", "",

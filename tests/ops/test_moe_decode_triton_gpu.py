@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from vllm_ling.ops import moe
+
+import moe_cases  # tests/ops/moe_cases.py
 from vllm_ling.ops import moe_decode_triton as mdt
 
 pytestmark = pytest.mark.gpu
@@ -51,28 +53,11 @@ def experts(request, weights):
 
 
 def _routing(kind: str, T: int, seed: int):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    if kind == "random":
-        ids = torch.stack([torch.randperm(E, device=DEV, generator=g)[:TOP_K] for _ in range(T)])
-    elif kind == "one_expert":  # every slot of every token on expert 7
-        ids = torch.full((T, TOP_K), 7, device=DEV)
-    elif kind == "edges":  # experts 0 and 511 in every token
-        rest = torch.stack([torch.randperm(E - 2, device=DEV, generator=g)[:TOP_K - 2] + 1
-                            for _ in range(T)])
-        ids = torch.cat([torch.zeros(T, 1, device=DEV, dtype=torch.long), rest,
-                         torch.full((T, 1), E - 1, device=DEV)], dim=1)
-    elif kind == "repeated":  # same experts for all tokens, each repeated within the row
-        ids = torch.tensor([3, 3, 5, 5, 500, 500, 500, 0], device=DEV).expand(T, TOP_K)
-    else:
-        raise ValueError(kind)
-    w = torch.rand(T, TOP_K, device=DEV, generator=g) + 0.1
-    w = w / w.sum(-1, keepdim=True) * 2.5
-    return w.float(), ids.to(torch.int32).contiguous()
+    return moe_cases.routing(kind, T, seed, DEV, E, TOP_K)
 
 
 def _x(T: int, seed: int, scale: float = 1.0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(T, H, device=DEV, generator=g) * scale).to(torch.bfloat16)
+    return moe_cases.hidden(T, seed, H, DEV, scale)
 
 
 def _ref(weights, x, w, ids, limit=None):
