@@ -16,10 +16,8 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
-import urllib.request
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -189,35 +187,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def running_standin(*args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1",
                     startup_timeout_s: float = 30.0) -> Iterator[str]:
     """Start the stand-in in a subprocess on a free port; yield its base URL; stop it."""
-    from vllm_ling.serving.bench.ablation import free_port  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from vllm_ling.serving.local_server import free_port, start_server  # noqa: PLC0415
 
     port = free_port(host)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_ling.serving.bench.standin", "--host", host, "--port", str(port), *args],
-        env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base_url = f"http://{host}:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"stand-in server exited: {proc.stderr.read().decode(errors='replace')}")
-            try:
-                with urllib.request.urlopen(f"{base_url}/health", timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("stand-in server did not become healthy") from None
-                time.sleep(0.1)
-        yield base_url
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryDirectory(prefix="standin-") as tmp:
+        server = start_server(
+            [sys.executable, "-m", "vllm_ling.serving.bench.standin", "--host", host, "--port", str(port), *args],
+            {**os.environ, **(env or {})}, Path(tmp) / "standin.log", port, host=host, timeout=startup_timeout_s)
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stderr:
-            proc.stderr.close()
+            yield server.base_url
+        finally:
+            server.stop(timeout=10)
 
 
 def main(argv: list[str] | None = None) -> int:
