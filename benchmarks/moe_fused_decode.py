@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Fused MXFP4 decode kernels vs humming, one Ling MoE layer (H200).
+
+Per-layer time of the routed experts for 1, 2, 4, 8 and 16 tokens:
+- "stacked": N distinct layers (own weights, own routing) captured back to back in one CUDA
+  graph, time / N -- what a decode step sees; "single": one layer per graph;
+- humming W4A16 (five launches, vllm_ling.ops.moe.HummingMxfp4Experts) and the fused decode
+  kernels (two launches, vllm_ling.ops.moe_decode) with launch-shape variants as levers;
+- bytes of weights + scales of the distinct experts touched, the device copy bandwidth
+  measured in this run and the fraction of it reached, ratio to humming in this run;
+- the error of both paths against the float32 reference on the same MXFP4 weights.
+Writes benchmarks/results/moe_fused_decode_h200.md. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from moe import PER_EXPERT_BYTES, copy_bandwidth_gbs, log, stacked_time_us  # noqa: E402
+
+from vllm_ling.ops import moe  # noqa: E402
+from vllm_ling.ops.moe_decode import (DecodeKernelConfig, FusedDecodeMxfp4Experts,  # noqa: E402
+                                      HummingDecodeConfig, HummingLayoutDecode)
+
+E, H, I, K = 512, 2560, 768, 8
+TARGET_US = {1: 20.0, 4: 45.0}
+HL_VARIANTS = {
+    "default": HummingDecodeConfig(),
+    "no PDL": HummingDecodeConfig(use_pdl=False),
+    "gate_up cluster 8 (2 groups/warp)": HummingDecodeConfig(groups_per_warp=2, cluster=8),
+    "gate_up cluster 2 (5 groups/warp, 8 warps/matrix)": HummingDecodeConfig(
+        groups_per_warp=5, warps_per_matrix=8, cluster=2, min_blocks_gate_up=1),
+    "gate_up min 2 CTAs/SM": HummingDecodeConfig(min_blocks_gate_up=2),
+    "down 3 groups/warp": HummingDecodeConfig(groups_per_warp_down=3),
+    "down 1 group/warp": HummingDecodeConfig(groups_per_warp_down=1, min_blocks_down=1),
+}
+VARIANTS = {
+    "default": DecodeKernelConfig(),
+    "no PDL": DecodeKernelConfig(use_pdl=False),
+    "gate_up 4 warps/CTA": DecodeKernelConfig(k_split_gate_up=4, min_blocks_gate_up=4),
+    "gate_up 10 warps/CTA": DecodeKernelConfig(k_split_gate_up=10, min_blocks_gate_up=2),
+    "gate_up min 2 CTAs/SM": DecodeKernelConfig(min_blocks_gate_up=2),
+    "down 1 warp/slot": DecodeKernelConfig(k_split_down=1, min_blocks_down=2),
+    "down 3 warps/slot": DecodeKernelConfig(k_split_down=3),
+}
+
+
+def routing(T: int, seed: int, dev):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, device=dev, generator=g) + 0.1
+    return x, (w / w.sum(-1, keepdim=True) * 2.5).float(), ids
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--tokens", default="1,2,4,8,16")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--hl-variants", default=",".join(HL_VARIANTS))
+    ap.add_argument("--out", default=str(REPO / "benchmarks/results/moe_fused_decode_h200.md"))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = copy_bandwidth_gbs(dev)
+    log(f"copy bandwidth {bw:,.0f} GB/s; building {args.layers} layers")
+    raw = [moe.random_mxfp4_experts(E, H, I, dev, seed=i) for i in range(args.layers)]
+    fused = [FusedDecodeMxfp4Experts(**t, top_k=K) for t in raw]
+    humming = [moe.HummingMxfp4Experts(**t) for t in raw]
+    hl = [HummingLayoutDecode(h, K) for h in humming]
+    ref_tensors = raw[0]
+    del raw
+    tokens = [int(t) for t in args.tokens.split(",")]
+    variants = [v for v in args.variants.split(",") if v]
+    hl_variants = [v for v in args.hl_variants.split(",") if v]
+    rows, errors, steps = [], [], []
+    for T in tokens:
+        inputs = [routing(T, 1000 * T + i, dev) for i in range(args.layers)]
+        touched = sum(torch.unique(ids).numel() for _, _, ids in inputs) / len(inputs) * PER_EXPERT_BYTES / 1e6
+
+        def stacked(layers):
+            return stacked_time_us([functools.partial(l.forward, *inp) for l, inp in zip(layers, inputs)],
+                                   args.iters)
+
+        def single(layer):
+            return stacked_time_us([functools.partial(layer.forward, *inputs[0])], args.iters)
+
+        h_st, h_si = stacked(humming), single(humming[0])
+        rows.append(("humming W4A16", T, h_si, h_st, touched))
+        for name in variants:
+            layers = fused if name == "default" else [f.with_config(VARIANTS[name]) for f in fused]
+            rows.append((f"fused decode (own layout), {name}", T, single(layers[0]), stacked(layers), touched))
+            log(f"T={T} {name}: {rows[-1][3]:.1f} us/layer stacked (humming {h_st:.1f})")
+        for name in hl_variants:
+            layers = hl if name == "default" else [d.with_config(HL_VARIANTS[name]) for d in hl]
+            rows.append((f"humming-layout decode, {name}", T, single(layers[0]), stacked(layers), touched))
+            log(f"T={T} humming layout {name}: {rows[-1][3]:.1f} us/layer stacked (humming {h_st:.1f})")
+        # each fused kernel alone (stacked), default configs
+        for label, impl in (("own layout", fused), ("humming layout", hl)):
+            acts = [f.gate_up(x, ids) for f, (x, _, ids) in zip(impl, inputs)]
+            gu = stacked_time_us([functools.partial(f.gate_up, x, ids) for f, (x, _, ids) in zip(impl, inputs)],
+                                 args.iters)
+            dn = stacked_time_us([functools.partial(f.down, a, w, ids)
+                                  for f, a, (_, w, ids) in zip(impl, acts, inputs)], args.iters)
+            steps.append((label, T, gu, dn))
+        x, w, ids = inputs[0]
+        ref = moe.experts_reference(x, ref_tensors["w13_weight"], ref_tensors["w2_weight"], w, ids, None,
+                                    w13_scale=ref_tensors["w13_weight_scale"],
+                                    w2_scale=ref_tensors["w2_weight_scale"])
+        for label, layer in (("humming W4A16", humming[0]), ("fused decode, own layout", fused[0]),
+                             ("humming-layout decode", hl[0])):
+            errors.append((label, T, ((layer(x, w, ids).float() - ref).norm() / ref.norm()).item()))
+    lines = ["# Fused MXFP4 decode kernels vs humming, one Ling MoE layer (H200)", "",
+             f"512 experts, top-8, hidden 2560, intermediate 768, MXFP4 weights, BF16 activations, routed experts "
+             f"only. Copy bandwidth measured in this run: **{bw:,.0f} GB/s**. CUDA-graph medians ({args.iters} "
+             f"replays); 'stacked' = {args.layers} distinct layers in one graph, time / {args.layers}; 'single' = "
+             f"one layer per graph. MB = weights + E8M0 scales of the distinct experts touched.", "",
+             "| path | tokens | single (us) | stacked (us/layer) | MB touched | fraction of copy BW (stacked) "
+             "| speed-up vs humming (stacked) | target (us) |", "|---|---|---|---|---|---|---|---|"]
+    h_by_t = {T: st for p, T, _, st, _ in rows if p == "humming W4A16"}
+    for path, T, si, st, mb in rows:
+        target = TARGET_US.get(T, "-") if path != "humming W4A16" else "-"
+        lines.append(f"| {path} | {T} | {si:.1f} | {st:.1f} | {mb:.1f} | {mb * 1e3 / st / bw:.2f} | "
+                     f"{h_by_t[T] / st:.2f}x | {target} |")
+    lines += ["", "Each fused kernel alone (default launch shapes, stacked graph, us per layer):", "",
+              "| kernels | tokens | gate_up + SwiGLU | down + top-k sum |", "|---|---|---|---|"]
+    lines += [f"| {label} | {T} | {gu:.1f} | {dn:.1f} |" for label, T, gu, dn in steps]
+    lines += ["", "Relative error ||out - ref|| / ||ref|| vs the float32 reference (same MXFP4 weights):", "",
+              "| path | tokens | rel. error |", "|---|---|---|"]
+    lines += [f"| {p} | {T} | {e:.1e} |" for p, T, e in errors]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,994 @@
+"""Fused MXFP4 MoE decode kernels (gate_up + SwiGLU, down + weighted top-k sum).
+
+Why: at 1-8 tokens a Ling MoE layer is a handful of GEMVs over 8 experts per token; humming's
+indexed GEMM path needs five launches (routing metadata, gate_up, SwiGLU, down, top-k sum)
+and spends ~30 us per layer at 1 token on 25 MB of weights (0.20 of the copy bandwidth,
+benchmarks/results/moe_stacked_h200.md). These two kernels index the experts straight from
+``topk_ids`` (no routing metadata), fuse SwiGLU into the gate_up kernel and the weighted
+top-k sum into the down kernel, and overlap the down kernel's weight loads with the gate_up
+kernel's tail (programmatic dependent launch on sm_90+).
+
+The kernels are CUDA C++ compiled by humming-kernels' JIT runtime (NVRTC, humming's cache
+directory and file locks): :class:`humming.jit.runtime.KernelRuntime` is subclassed, no
+humming code is copied. No vLLM import.
+
+Math (one warp = 16 output rows x a K slice; ``mma.m16n8k16`` BF16 -> FP32):
+- weights are repacked ONCE (:func:`pack_gate_up`, :func:`pack_down`) so that each lane's
+  16 bytes of a (16 rows x 64 k) chunk are exactly its four MMA A-fragments. An MXFP4 code
+  becomes a BF16 bit pattern worth ``v * 2**-126`` (sign to bit 15, exponent/mantissa bits
+  to bits 8..6: codes +-0.5 are BF16 subnormals) with a rotate and a mask; the bits of each
+  32-bit word are placed so that 8 codes decode in 9 integer instructions (pairs 0..2 are
+  ``rotl(q, 0 | 4 | 10) & 0x81C081C0``, pair 3 needs two rotations);
+- activations enter as the MMA B column 0, multiplied by 2**100 (exact) so that products
+  stay normal FP32 numbers inside the tensor core; the k order inside a chunk is permuted
+  identically on both sides so that each lane reads 8 contiguous activations per group and
+  every MMA stays inside one 32-element scale group;
+- each group's E8M0 scale ``2**(s-127)`` times the ``2**(126-100)`` correction is applied
+  once per row and group to the FP32 MMA result; K slices are summed in shared memory.
+
+Numerics: products and sums in FP32 (tensor core), activations BF16 as given, SwiGLU
+output rounded to BF16 (as vLLM's intermediate cache), routed sum in FP32, output BF16.
+E8M0 exponents up to 228 are exact (checked at construction; real checkpoints sit near 127).
+
+Limits: BF16 activations, ``hidden % 64 == 0``, ``intermediate % 64 == 0``, int32 top-k
+ids (int64 are converted, one extra copy). Built for decode-sized batches; the caller picks
+the path by token count (see :data:`DEFAULT_MAX_TOKENS`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+from typing import ClassVar
+
+import torch
+
+from vllm_ling.log import get_logger, log_once
+
+logger = get_logger("ops.moe_decode")
+
+MXFP4_GROUP = 32
+CHUNK_K = 64          # k per lane-chunk (two scale groups)
+TILE_ROWS = 16        # MMA M
+LANES = 32
+# activations are scaled by 2**X_SHIFT inside the kernels (see module docstring)
+X_SHIFT = 100
+# the kernels turn scale byte s into the float 2**(s - 127 + 126 - X_SHIFT), finite for s <= 228
+MAX_SCALE_EXP = 254 - (126 - X_SHIFT)
+DEFAULT_MAX_TOKENS = 8
+
+# Bit positions of each (pair, element, bit) inside a packed 32-bit word. bit order is
+# (sign, e1, e0, m) of the e2m1 code (code bits 3, 2, 1, 0). Target BF16 positions are
+# sign 15, e1 8, e0 7, m 6 (+16 for the high element); pair p is decoded by
+#   p0: q & M, p1: rotl(q, 4) & M, p2: rotl(q, 10) & M,
+#   p3: (rotl(q, 14) & 0x81808180) | (rotl(q, 6) & 0x00400040),    M = 0x81C081C0
+_TARGET = (15, 8, 7, 6)
+_PAIR_ROT = ((0, 0, 0, 0), (4, 4, 4, 4), (10, 10, 10, 10), (14, 14, 14, 6))
+
+
+def _stored_positions() -> list[list[list[int]]]:
+    pos = []
+    for pair in range(4):
+        elems = []
+        for elem in range(2):
+            elems.append([(_TARGET[b] + 16 * elem - _PAIR_ROT[pair][b]) % 32 for b in range(4)])
+        pos.append(elems)
+    flat = [p for pair in pos for elem in pair for p in elem]
+    assert sorted(flat) == list(range(32)), "packing must use every bit of the word once"
+    return pos
+
+
+STORED_POS = _stored_positions()
+
+
+def _chunk_index_maps(device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, k) inside a 16 x 64 chunk for [lane, word, pair, elem] (the MMA A fragments).
+
+    lane = 4g + t; word m: group m >> 1, half m & 1; pair j = A register a_j:
+    row = g + 8 (j & 1), k = 32 group + 8 t + 4 half + 2 (j >> 1) + elem.
+    """
+    lane = torch.arange(LANES).view(LANES, 1, 1, 1)
+    word = torch.arange(4).view(1, 4, 1, 1)
+    pair = torch.arange(4).view(1, 1, 4, 1)
+    elem = torch.arange(2).view(1, 1, 1, 2)
+    g, t = lane // 4, lane % 4
+    row = g + 8 * (pair & 1)
+    k = 32 * (word >> 1) + 8 * t + 4 * (word & 1) + 2 * (pair >> 1) + elem
+    shape = (LANES, 4, 4, 2)
+    return row.expand(shape).to(device), k.expand(shape).to(device)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] (low nibble first) -> codes uint8 [..., K]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, R/16, K/64, 16, 64] uint8 -> words int32 [N, R/16, K/64, 32 lanes, 4]."""
+    row, k = _chunk_index_maps(codes.device)
+    frag = codes[..., row, k].to(torch.int64)  # [..., 32, 4, 4, 2]
+    words = torch.zeros(frag.shape[:-2], dtype=torch.int64, device=codes.device)
+    for pair in range(4):
+        for elem in range(2):
+            c = frag[..., pair, elem]
+            for b in range(4):  # code bit 3 - b is (sign, e1, e0, m)[b]
+                words |= ((c >> (3 - b)) & 1) << STORED_POS[pair][elem][b]
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # u32 bits as int32
+    return words.to(torch.int32)
+
+
+def _pack_matrix(weight: torch.Tensor, experts_per_step: int = 16) -> torch.Tensor:
+    """uint8 [E, R, K/2] -> int32 [E, R/16, K/64, 32, 4], a few experts at a time (the
+    int64 temporaries of a whole Ling layer would need ~8 GB)."""
+    return torch.cat([_pack_codes(_tile_codes(weight[i:i + experts_per_step]))
+                      for i in range(0, weight.shape[0], experts_per_step)])
+
+
+def _tile_codes(weight: torch.Tensor) -> torch.Tensor:
+    """uint8 [E, R, K/2] -> codes [E, R/16, K/64, 16, 64]."""
+    E, R, half_k = weight.shape
+    K = 2 * half_k
+    codes = _unpack_nibbles(weight.view(torch.uint8))
+    return codes.view(E, R // TILE_ROWS, TILE_ROWS, K // CHUNK_K, CHUNK_K).permute(0, 1, 3, 2, 4)
+
+
+def _tile_scales(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 uint8 [E, R, K/32] -> [E, R/16, K/64, 8 (g), 4]: per lane group g the bytes
+    (row g, group 0), (row g, group 1), (row g+8, group 0), (row g+8, group 1)."""
+    E, R, groups = scale.shape
+    s = scale.view(torch.uint8).view(E, R // TILE_ROWS, 2, 8, groups // 2, 2)  # [E,T,hi,g,c,grp]
+    return s.permute(0, 1, 4, 3, 2, 5).reshape(E, R // TILE_ROWS, groups // 2, 8, 4)
+
+
+def _check_shapes(w13, s13, w2, s2) -> tuple[int, int, int]:
+    E, two_i, half_h = w13.shape
+    H, I = 2 * half_h, two_i // 2
+    if H % CHUNK_K or I % CHUNK_K:
+        raise ValueError(f"fused MXFP4 decode needs hidden and intermediate sizes divisible by "
+                         f"{CHUNK_K}, got hidden {H}, intermediate {I}")
+    expect = {"w13_weight_scale": (s13, (E, two_i, H // MXFP4_GROUP)),
+              "w2_weight": (w2, (E, H, I // 2)), "w2_weight_scale": (s2, (E, H, I // MXFP4_GROUP))}
+    for name, (t, shape) in expect.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    for name, t in (("w13_weight_scale", s13), ("w2_weight_scale", s2)):
+        top = int(t.view(torch.uint8).max())
+        if top > MAX_SCALE_EXP:
+            raise ValueError(f"{name} has E8M0 exponent {top} (> {MAX_SCALE_EXP}, weights beyond "
+                             f"2**{MAX_SCALE_EXP - 127}): outside the fused decode kernels' range")
+    return E, H, I
+
+
+def pack_gate_up(w13: torch.Tensor, s13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM w13 [E, 2I, H/2] (gate rows then up rows) + scales [E, 2I, H/32] ->
+    words int32 [E, I/16, H/64, 2 (gate, up), 32, 4] and scales uint8 [E, I/16, H/64, 8, 8]
+    (per lane group: 4 gate bytes then 4 up bytes)."""
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    gate, up = _pack_matrix(w13[:, :I]), _pack_matrix(w13[:, I:])
+    words = torch.stack((gate, up), dim=3).contiguous()
+    scales = torch.cat((_tile_scales(s13[:, :I]), _tile_scales(s13[:, I:])), dim=-1).contiguous()
+    return words, scales
+
+
+def pack_down(w2: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM w2 [E, H, I/2] + scales [E, H, I/32] -> words int32 [E, H/16, I/64, 32, 4] and
+    scales uint8 [E, H/16, I/64, 8, 4]."""
+    return _pack_matrix(w2).contiguous(), _tile_scales(s2).contiguous()
+
+
+# ---------------------------------------------------------------------------------------
+# Plain-PyTorch emulation of the kernels' decode (tests the packing without a GPU)
+# ---------------------------------------------------------------------------------------
+
+def _rotl(q: torch.Tensor, r: int) -> torch.Tensor:
+    return ((q << r) | (q >> (32 - r))) & 0xFFFFFFFF if r else q
+
+
+def decode_words_emulated(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., 4] -> float32 [..., 4 (word), 4 (pair), 2 (elem)] with the same
+    rotations and masks as the CUDA decode, times 2**126 (so: the e2m1 values)."""
+    q = words.to(torch.int64) & 0xFFFFFFFF
+    m = 0x81C081C0
+    pairs = [q & m, _rotl(q, 4) & m, _rotl(q, 10) & m,
+             (_rotl(q, 14) & 0x81808180) | (_rotl(q, 6) & 0x00400040)]
+    bits = torch.stack(pairs, dim=-1)  # [..., 4 words, 4 pairs] u32 in int64
+    halves = torch.stack((bits & 0xFFFF, bits >> 16), dim=-1)  # bf16 bit patterns
+    as_f32 = (halves << 16).to(torch.int32).view(torch.float32)
+    return as_f32.double().mul(2.0 ** 126).float()
+
+
+def unpack_emulated(words: torch.Tensor, scales: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """Inverse of the packing for one matrix: words [E, R/16, K/64, 32, 4], scales
+    [E, R/16, K/64, 8, 4] -> dequantized float32 [E, R, K] through the emulated decode."""
+    E = words.shape[0]
+    vals = decode_words_emulated(words)  # [E, T, C, 32, 4, 4, 2]
+    row, kk = _chunk_index_maps(words.device)
+    out = torch.zeros(E, rows // TILE_ROWS, k // CHUNK_K, TILE_ROWS, CHUNK_K, device=words.device)
+    out[..., row, kk] = vals
+    # scale bytes: [.., g, (g grp0, g grp1, g+8 grp0, g+8 grp1)]
+    s = scales.view(torch.uint8).to(torch.int32).view(E, rows // TILE_ROWS, k // CHUNK_K, 8, 2, 2)
+    s = s.permute(0, 1, 2, 4, 3, 5).reshape(E, rows // TILE_ROWS, k // CHUNK_K, TILE_ROWS, 2)
+    factor = torch.pow(2.0, (s - 127).float())  # [E, T, C, 16 rows, 2 groups]
+    out = out.view(E, rows // TILE_ROWS, k // CHUNK_K, TILE_ROWS, 2, MXFP4_GROUP) * factor[..., None]
+    return out.permute(0, 1, 3, 2, 4, 5).reshape(E, rows, k)
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA kernels
+# ---------------------------------------------------------------------------------------
+
+_HELPERS = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void decode_word(u32 q, u32 (&a)[4]) {
+  const u32 M = 0x81C081C0u;
+  a[0] = q & M;
+  a[1] = __funnelshift_l(q, q, 4) & M;
+  a[2] = __funnelshift_l(q, q, 10) & M;
+  a[3] = (__funnelshift_l(q, q, 14) & 0x81808180u) | (__funnelshift_l(q, q, 6) & 0x00400040u);
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1,
+                                         float c0, float c1, float c2, float c3) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1),
+        "f"(c0), "f"(c1), "f"(c2), "f"(c3));
+}
+
+// x * 2**100 on a BF16 pair (exact): products stay normal FP32 inside the MMA
+__device__ __forceinline__ u32 scale_up(u32 v) {
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x71807180u), "r"(0x80008000u));
+  return r;
+}
+
+// E8M0 byte s -> 2**(s-127) * 2**(126-100)
+__device__ __forceinline__ float group_factor(u32 s) {
+  return __int_as_float((int)((s + 26u) << 23));
+}
+
+__device__ __forceinline__ u16 to_bf16(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+"""
+
+# Kernels on vllm-ling's own packed layout (pack_gate_up / pack_down).
+_OWN_LAYOUT_KERNELS = r"""
+#define CH_A (H_ / 64)
+#define CH_B (I_ / 64)
+#define CPW_A ((CH_A + KS_A - 1) / KS_A)
+#define CPW_B ((CH_B + KS_B - 1) / KS_B)
+#define TILES_A (I_ / 16)
+#define TILES_B (H_ / 16)
+// B fragments of one 64-k chunk: lanes g == 0 (column 0) hold 8 contiguous activations per
+// scale group, the other columns are zero.
+__device__ __forceinline__ void load_x(const uint4* __restrict__ row, int c, int g, int t,
+                                       u32 (&xb)[8]) {
+  uint4 v0 = make_uint4(0u, 0u, 0u, 0u), v1 = v0;
+  if (g == 0) {
+    v0 = row[8 * c + t];
+    v1 = row[8 * c + 4 + t];
+  }
+  xb[0] = scale_up(v0.x); xb[1] = scale_up(v0.y); xb[2] = scale_up(v0.z); xb[3] = scale_up(v0.w);
+  xb[4] = scale_up(v1.x); xb[5] = scale_up(v1.y); xb[6] = scale_up(v1.z); xb[7] = scale_up(v1.w);
+}
+
+// one lane's 16 bytes of a 16 x 64 chunk times the activation column; adds the two scale
+// groups' results of rows g (acc_lo) and g + 8 (acc_hi) (meaningful on lanes t == 0)
+__device__ __forceinline__ void chunk_mma(const uint4 w, const u32 (&xb)[8], u32 s4,
+                                          float& acc_lo, float& acc_hi) {
+  u32 a[4][4];
+  decode_word(w.x, a[0]);
+  decode_word(w.y, a[1]);
+  decode_word(w.z, a[2]);
+  decode_word(w.w, a[3]);
+#pragma unroll
+  for (int grp = 0; grp < 2; ++grp) {
+    float d[4];
+    mma_bf16(d, a[2 * grp], xb[4 * grp], xb[4 * grp + 1], 0.f, 0.f, 0.f, 0.f);
+    mma_bf16(d, a[2 * grp + 1], xb[4 * grp + 2], xb[4 * grp + 3], d[0], d[1], d[2], d[3]);
+    acc_lo = fmaf(group_factor((s4 >> (8 * grp)) & 0xFFu), d[0], acc_lo);
+    acc_hi = fmaf(group_factor((s4 >> (8 * (grp + 2))) & 0xFFu), d[2], acc_hi);
+  }
+}
+
+// grid (I/16 row tiles, T * TOPK assignments), KS_A warps: warp w owns chunks
+// [w * CPW_A, (w+1) * CPW_A) of the gate and up rows of its tile.
+extern "C" __global__ void __launch_bounds__(KS_A * 32, MINB_A)
+ling_moe_decode_gate_up(const uint4* __restrict__ w13, const u64* __restrict__ s13,
+                        const u16* __restrict__ x, const int* __restrict__ topk_ids,
+                        u16* __restrict__ act, float limit, int has_limit) {
+  const int tile = blockIdx.x, a = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const long long e = topk_ids[a];
+  const long long tile_base = (e * TILES_A + tile) * CH_A;
+  uint4 wg[CPW_A], wu[CPW_A];
+  u64 sc[CPW_A];
+#pragma unroll
+  for (int i = 0; i < CPW_A; ++i) {
+    const int c = warp * CPW_A + i;
+    if (c < CH_A) {
+      const uint4* p = w13 + (tile_base + c) * 64 + lane;
+      wg[i] = ld_stream(p);
+      wu[i] = ld_stream(p + 32);
+      sc[i] = s13[(tile_base + c) * 8 + g];
+    }
+  }
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  const uint4* xr = reinterpret_cast<const uint4*>(x + (long long)(a / TOPK) * H_);
+  float g_lo = 0.f, g_hi = 0.f, u_lo = 0.f, u_hi = 0.f;
+#pragma unroll
+  for (int i = 0; i < CPW_A; ++i) {
+    const int c = warp * CPW_A + i;
+    if (c < CH_A) {
+      u32 xb[8];
+      load_x(xr, c, g, t, xb);
+      chunk_mma(wg[i], xb, (u32)sc[i], g_lo, g_hi);
+      chunk_mma(wu[i], xb, (u32)(sc[i] >> 32), u_lo, u_hi);
+    }
+  }
+  __shared__ float red[KS_A][2][16];
+  if (t == 0) {
+    red[warp][0][g] = g_lo; red[warp][0][g + 8] = g_hi;
+    red[warp][1][g] = u_lo; red[warp][1][g + 8] = u_hi;
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float gs = 0.f, us = 0.f;
+#pragma unroll
+    for (int w = 0; w < KS_A; ++w) { gs += red[w][0][threadIdx.x]; us += red[w][1][threadIdx.x]; }
+    if (has_limit) { gs = fminf(gs, limit); us = fminf(fmaxf(us, -limit), limit); }
+    const float y = gs / (1.f + expf(-gs)) * us;
+    act[(long long)a * I_ + tile * 16 + threadIdx.x] = to_bf16(y);
+  }
+}
+
+// grid (H/16 row tiles, T tokens), TOPK * KS_B warps: warp = (slot, K slice)
+extern "C" __global__ void __launch_bounds__(TOPK * KS_B * 32, MINB_B)
+ling_moe_decode_down(const uint4* __restrict__ w2, const u32* __restrict__ s2,
+                     const u16* __restrict__ act, const int* __restrict__ topk_ids,
+                     const float* __restrict__ topk_w, u16* __restrict__ out) {
+  const int tile = blockIdx.x, tok = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int slot = warp / KS_B, ks = warp % KS_B;
+  const int a = tok * TOPK + slot;
+  const long long e = topk_ids[a];
+  const long long tile_base = (e * TILES_B + tile) * CH_B;
+  uint4 w[CPW_B];
+  u32 sc[CPW_B];
+#pragma unroll
+  for (int i = 0; i < CPW_B; ++i) {
+    const int c = ks * CPW_B + i;
+    if (c < CH_B) {
+      w[i] = ld_stream(w2 + (tile_base + c) * 32 + lane);
+      sc[i] = s2[(tile_base + c) * 8 + g];
+    }
+  }
+#if __CUDA_ARCH__ >= 900
+  // the weights above depend only on topk_ids (written before the gate_up kernel started);
+  // the activations below are the gate_up kernel's output
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const uint4* ar = reinterpret_cast<const uint4*>(act + (long long)a * I_);
+  float lo = 0.f, hi = 0.f;
+#pragma unroll
+  for (int i = 0; i < CPW_B; ++i) {
+    const int c = ks * CPW_B + i;
+    if (c < CH_B) {
+      u32 xb[8];
+      load_x(ar, c, g, t, xb);
+      chunk_mma(w[i], xb, sc[i], lo, hi);
+    }
+  }
+  __shared__ float red[TOPK * KS_B][16];
+  if (t == 0) { red[warp][g] = lo; red[warp][g + 8] = hi; }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float s = 0.f;
+#pragma unroll
+    for (int sl = 0; sl < TOPK; ++sl) {
+      float p = 0.f;
+#pragma unroll
+      for (int k = 0; k < KS_B; ++k) p += red[sl * KS_B + k][threadIdx.x];
+      s = fmaf(topk_w[tok * TOPK + sl], p, s);
+    }
+    out[(long long)tok * H_ + tile * 16 + threadIdx.x] = to_bf16(s);
+  }
+}
+"""
+
+# Kernels on humming's own transformed layout (HummingMxfp4Experts.tensors, W4A16 on sm_80..90:
+# repacked nibbles, interleave mode 3, E8M0 scales transposed to [E, K/32, N] and permuted inside
+# each block of 64 output rows). In one k16 "slab" row of the weight ([E, K/16, 2N] int32), the
+# 16 bytes of lane (g, t) for a block of 64 output rows hold four ints; int J is exactly the MMA
+# A fragment of rows 16J..16J+15 (nibble pairs (0,4), (1,5), (2,6), (3,7) = a0, a2, a1, a3).
+# Scales of rows 16J+g / 16J+8+g of a block are the bytes 8g + 2J / 8g + 2J + 1.
+# One warp: one 64-row block of one matrix x GPW scale groups; a CTA: WPM warps per matrix;
+# a cluster of CL CTAs splits K (gate_up) or the top-k slots (down) and reduces through
+# distributed shared memory into its rank-0 CTA.
+_HUMMING_LAYOUT_KERNELS = r"""
+__device__ __forceinline__ void hl_decode(u32 q, u32 (&a)[4]) {
+  // nibble pair (p, p + 4) -> BF16x2 worth v * 2**-126 (sign to 15/31, e1 e0 m to 8..6 / 24..22)
+  a[0] = (__funnelshift_l(q, q, 12) & 0x80008000u) | (__funnelshift_l(q, q, 6) & 0x01C001C0u);
+  a[2] = (__funnelshift_l(q, q, 8) & 0x80008000u) | (__funnelshift_l(q, q, 2) & 0x01C001C0u);
+  a[1] = (__funnelshift_l(q, q, 4) & 0x80008000u) | (__funnelshift_l(q, q, 30) & 0x01C001C0u);
+  a[3] = (q & 0x80008000u) | (__funnelshift_l(q, q, 26) & 0x01C001C0u);
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// store v into float slot `idx` of rank-0's array `arr` (shared memory of the cluster's CTA 0)
+__device__ __forceinline__ void st_rank0(float* arr, int idx, float v) {
+  u32 local = (u32)__cvta_generic_to_shared(arr + idx), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(local));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
+}
+
+// B fragments of slabs 2G and 2G+1 (k = 32G .. 32G+31): lanes g == 0 only
+__device__ __forceinline__ void hl_load_x(const u32* __restrict__ row, int G, int g, int t,
+                                          u32 (&xb)[4]) {
+  u32 v0 = 0u, v1 = 0u, v2 = 0u, v3 = 0u;
+  if (g == 0) {
+    v0 = row[16 * G + t]; v1 = row[16 * G + 4 + t];
+    v2 = row[16 * G + 8 + t]; v3 = row[16 * G + 12 + t];
+  }
+  xb[0] = scale_up(v0); xb[1] = scale_up(v1); xb[2] = scale_up(v2); xb[3] = scale_up(v3);
+}
+
+// acc[J][0 | 1] (rows 16J+g | 16J+8+g of the block) += scale * (W[rows, group] . x[group])
+__device__ __forceinline__ void hl_group_mma(const uint4 w0, const uint4 w1, const u32 (&xb)[4],
+                                             u64 sc, float (&acc)[4][2]) {
+  const u32 q0[4] = {w0.x, w0.y, w0.z, w0.w};
+  const u32 q1[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+  for (int J = 0; J < 4; ++J) {
+    u32 a[4];
+    float d[4];
+    hl_decode(q0[J], a);
+    mma_bf16(d, a, xb[0], xb[1], 0.f, 0.f, 0.f, 0.f);
+    hl_decode(q1[J], a);
+    mma_bf16(d, a, xb[2], xb[3], d[0], d[1], d[2], d[3]);
+    acc[J][0] = fmaf(group_factor((u32)(sc >> (16 * J)) & 0xFFu), d[0], acc[J][0]);
+    acc[J][1] = fmaf(group_factor((u32)(sc >> (16 * J + 8)) & 0xFFu), d[2], acc[J][1]);
+  }
+}
+
+// grid (CL_A * I/64, T * TOPK), cluster (CL_A, 1, 1), 2 * WPM_A warps (gate warps, then up)
+extern "C" __global__ void __launch_bounds__(2 * WPM_A * 32, MINB_A)
+ling_moe_hl_gate_up(const uint4* __restrict__ w13, const u64* __restrict__ s13,
+                    const u32* __restrict__ x, const int* __restrict__ topk_ids,
+                    u16* __restrict__ act, float limit, int has_limit) {
+  const int rank = (int)cluster_rank();
+  const int blk = blockIdx.x / CL_A, a = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int mat = warp / WPM_A, wi = warp % WPM_A;
+  const int nblk = blk + mat * (I_ / 64);
+  const int G0 = (rank * WPM_A + wi) * GPW_A;
+  const long long e = topk_ids[a];
+  uint4 w[GPW_A][2];
+  u64 sc[GPW_A];
+#pragma unroll
+  for (int i = 0; i < GPW_A; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      w[i][h] = ld_stream(w13 + (e * (H_ / 16) + 2 * (G0 + i) + h) * (N1 / 2) + 32 * nblk + lane);
+    sc[i] = s13[((e * (H_ / 32) + G0 + i) * N1 + 64 * nblk + 8 * g) / 8];
+  }
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  const u32* xr = x + (long long)(a / TOPK) * (H_ / 2);
+  float acc[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+  for (int i = 0; i < GPW_A; ++i) {
+    u32 xb[4];
+    hl_load_x(xr, G0 + i, g, t, xb);
+    hl_group_mma(w[i][0], w[i][1], xb, sc[i], acc);
+  }
+  __shared__ float red[2][WPM_A][64];
+  __shared__ float cl_red[CL_A][2][64];
+  if (t == 0) {
+#pragma unroll
+    for (int J = 0; J < 4; ++J) {
+      red[mat][wi][16 * J + g] = acc[J][0];
+      red[mat][wi][16 * J + 8 + g] = acc[J][1];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    const int m = threadIdx.x >> 6, f = threadIdx.x & 63;
+    float p = 0.f;
+#pragma unroll
+    for (int k = 0; k < WPM_A; ++k) p += red[m][k][f];
+    st_rank0(&cl_red[0][0][0], (rank * 2 + m) * 64 + f, p);
+  }
+  cluster_sync();
+  if (rank == 0 && threadIdx.x < 64) {
+    float gs = 0.f, us = 0.f;
+#pragma unroll
+    for (int r = 0; r < CL_A; ++r) { gs += cl_red[r][0][threadIdx.x]; us += cl_red[r][1][threadIdx.x]; }
+    if (has_limit) { gs = fminf(gs, limit); us = fminf(fmaxf(us, -limit), limit); }
+    const float y = gs / (1.f + expf(-gs)) * us;
+    act[(long long)a * I_ + 64 * blk + threadIdx.x] = to_bf16(y);
+  }
+}
+
+// grid (TOPK * H/64, T), cluster (TOPK, 1, 1): CTA rank = top-k slot; WPB warps split K
+extern "C" __global__ void __launch_bounds__(WPB * 32, MINB_B)
+ling_moe_hl_down(const uint4* __restrict__ w2, const u64* __restrict__ s2,
+                 const u16* __restrict__ act, const int* __restrict__ topk_ids,
+                 const float* __restrict__ topk_w, u16* __restrict__ out) {
+  const int slot = (int)cluster_rank();
+  const int blk = blockIdx.x / TOPK, tok = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int a = tok * TOPK + slot;
+  const int G0 = warp * GPW_B;
+  const long long e = topk_ids[a];
+  uint4 w[GPW_B][2];
+  u64 sc[GPW_B];
+#pragma unroll
+  for (int i = 0; i < GPW_B; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      w[i][h] = ld_stream(w2 + (e * (I_ / 16) + 2 * (G0 + i) + h) * (H_ / 2) + 32 * blk + lane);
+    sc[i] = s2[((e * (I_ / 32) + G0 + i) * H_ + 64 * blk + 8 * g) / 8];
+  }
+#if __CUDA_ARCH__ >= 900
+  // the weights above depend only on topk_ids (written before the gate_up kernel started);
+  // the activations below are the gate_up kernel's output
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const u32* ar = reinterpret_cast<const u32*>(act + (long long)a * I_);
+  float acc[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+  for (int i = 0; i < GPW_B; ++i) {
+    u32 xb[4];
+    hl_load_x(ar, G0 + i, g, t, xb);
+    hl_group_mma(w[i][0], w[i][1], xb, sc[i], acc);
+  }
+  __shared__ float red[WPB][64];
+  __shared__ float cl_red[TOPK][64];
+  if (t == 0) {
+#pragma unroll
+    for (int J = 0; J < 4; ++J) {
+      red[warp][16 * J + g] = acc[J][0];
+      red[warp][16 * J + 8 + g] = acc[J][1];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 64) {
+    float p = 0.f;
+#pragma unroll
+    for (int k = 0; k < WPB; ++k) p += red[k][threadIdx.x];
+    st_rank0(&cl_red[0][0], slot * 64 + threadIdx.x, p * topk_w[a]);
+  }
+  cluster_sync();
+  if (slot == 0 && threadIdx.x < 64) {
+    float s = 0.f;
+#pragma unroll
+    for (int r = 0; r < TOPK; ++r) s += cl_red[r][threadIdx.x];
+    out[(long long)tok * H_ + 64 * blk + threadIdx.x] = to_bf16(s);
+  }
+}
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeKernelConfig:
+    """Launch shape of the two kernels (benchmark levers)."""
+
+    k_split_gate_up: int = 8   # warps per gate_up CTA, each owns H/64/k_split chunks
+    k_split_down: int = 2      # warps per slot in a down CTA
+    min_blocks_gate_up: int = 3
+    min_blocks_down: int = 1
+    use_pdl: bool = True
+
+
+def _defines(**values: int) -> str:
+    return "".join(f"#define {k} {int(v)}\n" for k, v in values.items())
+
+
+def cuda_source(hidden: int, intermediate: int, top_k: int, cfg: DecodeKernelConfig) -> str:
+    return (_defines(H_=hidden, I_=intermediate, TOPK=top_k, KS_A=cfg.k_split_gate_up,
+                     KS_B=cfg.k_split_down, MINB_A=cfg.min_blocks_gate_up,
+                     MINB_B=cfg.min_blocks_down) + _HELPERS + _OWN_LAYOUT_KERNELS)
+
+
+def _kernel_classes():
+    """KernelRuntime subclasses, built on first use (humming is imported lazily)."""
+    global _KERNELS
+    if _KERNELS is not None:
+        return _KERNELS
+    from humming.jit.runtime import KernelRuntime
+
+    @dataclasses.dataclass(kw_only=True)
+    class _LingDecodeKernel(KernelRuntime):
+        disable_fast_math: ClassVar[bool] = True
+        source: str
+
+        def init_kernel(self):
+            self.code = self.source
+            self.kernel_expr = None
+            self.prepare()
+
+    @dataclasses.dataclass(kw_only=True)
+    class LingDecodeGateUp(_LingDecodeKernel):
+        name: ClassVar[str] = "ling_moe_decode_gate_up"
+
+    @dataclasses.dataclass(kw_only=True)
+    class LingDecodeDown(_LingDecodeKernel):
+        name: ClassVar[str] = "ling_moe_decode_down"
+
+    _KERNELS = (LingDecodeGateUp, LingDecodeDown, _LingDecodeKernel)
+    return _KERNELS
+
+
+_KERNELS = None
+
+_GATE_UP_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                 ctypes.c_void_p, ctypes.c_float, ctypes.c_int)
+_DOWN_ARGS = (ctypes.c_void_p,) * 6
+
+
+class FusedDecodeMxfp4Experts:
+    """Routed MXFP4 experts for decode-sized batches in two fused CUDA kernels.
+
+    Built from vLLM-layout tensors (uint8 codes [E, 2I, H/2] / [E, H, I/2], E8M0 scales),
+    which are repacked into new tensors (``self.w13``, ``self.s13``, ``self.w2``,
+    ``self.s2``; the inputs can be dropped after). ``forward(x, topk_weights, topk_ids,
+    swiglu_limit)`` returns the weighted routed sum [T, H] in BF16 (routed_scaling_factor
+    inside ``topk_weights``). Two launches, no host synchronisation: CUDA-graph capturable.
+    """
+
+    def __init__(self, w13_weight: torch.Tensor, w13_weight_scale: torch.Tensor,
+                 w2_weight: torch.Tensor, w2_weight_scale: torch.Tensor, *, top_k: int,
+                 config: DecodeKernelConfig | None = None):
+        self.config = config or DecodeKernelConfig()
+        if w13_weight.device.type != "cuda":
+            raise ValueError(f"expert weights must be on a CUDA device, got {w13_weight.device}")
+        E, H, I = _check_shapes(w13_weight, w13_weight_scale, w2_weight, w2_weight_scale)
+        self.num_experts, self.hidden_size, self.intermediate_size, self.top_k = E, H, I, top_k
+        self.device = w13_weight.device
+        self.w13, self.s13 = pack_gate_up(w13_weight, w13_weight_scale)
+        self.w2, self.s2 = pack_down(w2_weight, w2_weight_scale)
+        major, _ = torch.cuda.get_device_capability(self.device)
+        self.use_pdl = self.config.use_pdl and major >= 9
+        gate_up_cls, down_cls, _ = _kernel_classes()
+        src = cuda_source(H, I, top_k, self.config)
+        with torch.cuda.device(self.device):
+            self._gate_up = gate_up_cls(source=src)
+            self._down = down_cls(source=src)
+        log_once(logger, logging.INFO, "fused-decode-moe",
+                 "Fused MXFP4 MoE decode kernels: %d experts, hidden %d, intermediate %d, top-%d "
+                 "(gate_up+SwiGLU, down+top-k sum%s)", E, H, I, top_k,
+                 ", programmatic dependent launch" if self.use_pdl else "")
+
+    def _launch(self, kernel, grid, threads, args, arg_types, stream, pdl: bool):
+        import cuda.bindings.driver as cbd
+
+        func = kernel.load_cubin()
+        cfg = cbd.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid[0], grid[1], 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+        cfg.hStream = stream
+        kernel.set_pdl_launch_attribute(cfg, pdl)
+        (err,) = cbd.cuLaunchKernelEx(cfg, func, (args, arg_types), 0)
+        if err != cbd.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{kernel.name} launch failed: {err}")
+
+    def with_config(self, config: DecodeKernelConfig) -> "FusedDecodeMxfp4Experts":
+        """The same packed weights with other launch shapes (benchmark levers)."""
+        other = object.__new__(FusedDecodeMxfp4Experts)
+        other.__dict__.update(self.__dict__)
+        other.config = config
+        major, _ = torch.cuda.get_device_capability(self.device)
+        other.use_pdl = config.use_pdl and major >= 9
+        gate_up_cls, down_cls, _ = _kernel_classes()
+        src = cuda_source(self.hidden_size, self.intermediate_size, self.top_k, config)
+        with torch.cuda.device(self.device):
+            other._gate_up = gate_up_cls(source=src)
+            other._down = down_cls(source=src)
+        return other
+
+    def _check(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        H, K = self.hidden_size, self.top_k
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != H:
+            raise ValueError(f"hidden states must be bfloat16 [T, {H}], got {x.dtype} {tuple(x.shape)}")
+        if tuple(topk_ids.shape) != (x.shape[0], K):
+            raise ValueError(f"topk_ids must be [{x.shape[0]}, {K}], got {tuple(topk_ids.shape)}")
+
+    def gate_up(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                swiglu_limit: float | None = None) -> torch.Tensor:
+        """SwiGLU(x @ w13[e].T) per assignment: BF16 [T * top_k, I] (row = token * k + slot)."""
+        self._check(x, topk_ids)
+        T, I, K = x.shape[0], self.intermediate_size, self.top_k
+        x = x.contiguous()
+        if x.data_ptr() % 16:
+            x = x.clone()
+        ids = topk_ids.to(torch.int32).contiguous()
+        act = torch.empty(T * K, I, dtype=torch.bfloat16, device=x.device)
+        if T:
+            has_limit = swiglu_limit is not None and swiglu_limit > 0
+            self._launch(self._gate_up, (I // TILE_ROWS, T * K), self.config.k_split_gate_up * 32,
+                         (self.w13.data_ptr(), self.s13.data_ptr(), x.data_ptr(), ids.data_ptr(),
+                          act.data_ptr(), float(swiglu_limit) if has_limit else 0.0, int(has_limit)),
+                         _GATE_UP_ARGS, torch.cuda.current_stream(x.device).cuda_stream, pdl=False)
+        return act
+
+    def down(self, act: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor) -> torch.Tensor:
+        """sum_slot topk_weights * (act @ w2[e].T): BF16 [T, H]."""
+        T, H, K = topk_ids.shape[0], self.hidden_size, self.top_k
+        ids = topk_ids.to(torch.int32).contiguous()
+        w = topk_weights.to(torch.float32).contiguous()
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=act.device)
+        if T:
+            self._launch(self._down, (H // TILE_ROWS, T), K * self.config.k_split_down * 32,
+                         (self.w2.data_ptr(), self.s2.data_ptr(), act.data_ptr(), ids.data_ptr(),
+                          w.data_ptr(), out.data_ptr()),
+                         _DOWN_ARGS, torch.cuda.current_stream(act.device).cuda_stream,
+                         pdl=self.use_pdl)
+        return out
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                swiglu_limit: float | None = None) -> torch.Tensor:
+        ids = topk_ids.to(torch.int32).contiguous()
+        return self.down(self.gate_up(x, ids, swiglu_limit), topk_weights, ids)
+
+    __call__ = forward
+
+
+# ---------------------------------------------------------------------------------------
+# Decode kernels on humming's transformed tensors
+# ---------------------------------------------------------------------------------------
+
+def humming_layout_positions(device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For [lane, J, pair, elem] of one (k16 slab, 64-row block): (row in block, k in slab,
+    nibble index in int J). Pair p of int J is MMA register a0, a2, a1, a3 for p = 0..3."""
+    lane = torch.arange(LANES).view(LANES, 1, 1, 1)
+    J = torch.arange(4).view(1, 4, 1, 1)
+    p = torch.arange(4).view(1, 1, 4, 1)
+    elem = torch.arange(2).view(1, 1, 1, 2)
+    g, t = lane // 4, lane % 4
+    shape = (LANES, 4, 4, 2)
+    row = (16 * J + g + 8 * (p >> 1)).expand(shape)
+    k = (2 * t + 8 * (p & 1) + elem).expand(shape)
+    nibble = (p + 4 * elem).expand(shape)
+    return row.to(device), k.to(device), nibble.to(device)
+
+
+def humming_layout_pack(weight: torch.Tensor) -> torch.Tensor:
+    """What humming's repack produces for W4A16 (interleave 3) from vLLM-layout codes
+    uint8 [E, N, K/2]: int32 [E, K/16, 2N] (used to check our reading of the layout)."""
+    E, N, half_k = weight.shape
+    K = 2 * half_k
+    codes = _unpack_nibbles(weight.view(torch.uint8)).to(torch.int64)
+    codes = codes.view(E, N // 64, 64, K // 16, 16).permute(0, 3, 1, 2, 4)  # [E, S, B, 64, 16]
+    row, k, nib = humming_layout_positions(weight.device)
+    frag = codes[..., row, k]  # [E, S, B, 32, 4, 4, 2]
+    words = (frag << (4 * nib)).sum(dim=(-2, -1))  # disjoint nibbles: sum == or
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return words.reshape(E, K // 16, 2 * N)
+
+
+def humming_layout_scales(scale: torch.Tensor) -> torch.Tensor:
+    """humming's E8M0 scale layout for group scales applied before the MMA: uint8
+    [E, N, K/32] -> [E, K/32, N], inside each block of 64 rows position 8b + a holds row
+    8a + b."""
+    E, N, groups = scale.shape
+    s = scale.view(torch.uint8).transpose(1, 2).reshape(E, groups, N // 64, 8, 8)
+    return s.transpose(-1, -2).reshape(E, groups, N).contiguous()
+
+
+def hl_decode_emulated(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., 4] (ints J) -> float32 [..., 4 (J), 4 (pair), 2 (elem)] e2m1 values, with
+    the CUDA kernels' rotations and masks."""
+    q = words.to(torch.int64) & 0xFFFFFFFF
+    s_m, m_m = 0x80008000, 0x01C001C0
+    pairs = [(_rotl(q, 12) & s_m) | (_rotl(q, 6) & m_m), (_rotl(q, 8) & s_m) | (_rotl(q, 2) & m_m),
+             (_rotl(q, 4) & s_m) | (_rotl(q, 30) & m_m), (q & s_m) | (_rotl(q, 26) & m_m)]
+    bits = torch.stack(pairs, dim=-1)
+    halves = torch.stack((bits & 0xFFFF, bits >> 16), dim=-1)
+    return (halves << 16).to(torch.int32).view(torch.float32).double().mul(2.0 ** 126).float()
+
+
+@dataclasses.dataclass(frozen=True)
+class HummingDecodeConfig:
+    """Launch shapes of the decode kernels on humming's layout (benchmark levers).
+    gate_up: groups_per_warp * warps_per_matrix * cluster == hidden / 32;
+    down: groups_per_warp_down * warps_down == intermediate / 32 (cluster = top_k)."""
+
+    groups_per_warp: int = 4
+    warps_per_matrix: int = 5
+    cluster: int = 4
+    min_blocks_gate_up: int = 3
+    groups_per_warp_down: int = 2
+    min_blocks_down: int = 2
+    use_pdl: bool = True
+
+
+def default_humming_decode_config(hidden: int, intermediate: int) -> HummingDecodeConfig | None:
+    """A valid launch shape for these sizes (Ling's 2560/768 gets 4 x 5 x 4 and 2 x 12)."""
+    g1, g2 = hidden // 32, intermediate // 32
+    gate_up = next(((gpw, g1 // (gpw * cl), cl) for cl in (4, 2, 5, 8, 1) for gpw in (4, 2, 5, 3, 1)
+                    if g1 % (gpw * cl) == 0 and 1 <= g1 // (gpw * cl) <= 8), None)
+    down = next((gpw for gpw in (2, 3, 1, 4) if g2 % gpw == 0 and g2 // gpw <= 16), None)
+    if gate_up is None or down is None:
+        return None
+    return HummingDecodeConfig(groups_per_warp=gate_up[0], warps_per_matrix=gate_up[1],
+                               cluster=gate_up[2], groups_per_warp_down=down)
+
+
+def humming_decode_support(experts, top_k: int) -> tuple[bool, str]:
+    """Can the decode kernels read this HummingMxfp4Experts' tensors? (reason if not)"""
+    if experts.w4a8:
+        return False, "W4A8 layer (FP8 activations use humming's fused-scale layout)"
+    if top_k > 8:
+        return False, f"top_k {top_k} > 8 (one cluster CTA per slot, portable cluster size 8)"
+    H, I = experts.hidden_size, experts.intermediate_size
+    if H % 64 or I % 64:
+        return False, f"hidden {H} / intermediate {I} not multiples of 64"
+    major, _ = torch.cuda.get_device_capability(experts.device)
+    if major < 9:
+        return False, f"sm_{major}x has no thread-block clusters (needs sm_90+)"
+    for sub, (n, k) in (("w13", (2 * I, H)), ("w2", (H, I))):
+        cfg, t = experts.configs[sub], experts.tensors[sub]
+        flags = {name: bool(getattr(cfg, name)) for name in (
+            "use_raw_weight", "use_flat_weight", "use_native_dequant", "use_packed_k_layout",
+            "use_fused_e8m0_scale", "use_ldmatrix_dequant", "use_block_scaled_mma",
+            "should_apply_bs_on_c", "use_int_weight_scale")}
+        odd = [name for name, on in flags.items() if on]
+        if odd or cfg.pad_shape_n or cfg.pad_shape_k or "weight_scale_2" in t:
+            return False, f"{sub}: humming chose another layout ({', '.join(odd) or 'padded/secondary scale'})"
+        E = experts.num_experts
+        if tuple(t["weight"].shape) != (E, k // 16, 2 * n) or tuple(t["weight_scale"].shape) != (E, k // 32, n):
+            return False, (f"{sub}: unexpected humming tensor shapes {tuple(t['weight'].shape)} / "
+                           f"{tuple(t['weight_scale'].shape)}")
+    if default_humming_decode_config(H, I) is None:
+        return False, f"no launch shape divides hidden {H} / intermediate {I}"
+    return True, "decode kernels on humming's W4A16 layout"
+
+
+def _humming_kernel_classes():
+    global _HL_KERNELS
+    if _HL_KERNELS is None:
+        base = _kernel_classes()[2]
+
+        @dataclasses.dataclass(kw_only=True)
+        class LingHLGateUp(base):
+            name: ClassVar[str] = "ling_moe_hl_gate_up"
+
+        @dataclasses.dataclass(kw_only=True)
+        class LingHLDown(base):
+            name: ClassVar[str] = "ling_moe_hl_down"
+
+        _HL_KERNELS = (LingHLGateUp, LingHLDown)
+    return _HL_KERNELS
+
+
+_HL_KERNELS = None
+
+
+class HummingLayoutDecode:
+    """Decode-sized batches of a :class:`~vllm_ling.ops.moe.HummingMxfp4Experts` layer in two
+    fused kernels that read humming's own transformed weights (no second copy):
+    gate_up + SwiGLU, then down + weighted top-k sum. CUDA-graph capturable."""
+
+    def __init__(self, experts, top_k: int, config: HummingDecodeConfig | None = None):
+        ok, reason = humming_decode_support(experts, top_k)
+        if not ok:
+            raise ValueError(f"humming-layout decode kernels cannot run: {reason}")
+        self.experts, self.top_k = experts, top_k
+        H, I = experts.hidden_size, experts.intermediate_size
+        self.config = config or default_humming_decode_config(H, I)
+        c = self.config
+        if (H // 32) != c.groups_per_warp * c.warps_per_matrix * c.cluster or (I // 32) % c.groups_per_warp_down:
+            raise ValueError(f"launch shape {c} does not divide hidden {H} / intermediate {I}")
+        self.warps_down = (I // 32) // c.groups_per_warp_down
+        src = (_defines(H_=H, I_=I, TOPK=top_k, N1=2 * I, GPW_A=c.groups_per_warp,
+                        WPM_A=c.warps_per_matrix, CL_A=c.cluster, MINB_A=c.min_blocks_gate_up,
+                        GPW_B=c.groups_per_warp_down, WPB=self.warps_down,
+                        MINB_B=c.min_blocks_down) + _HELPERS + _HUMMING_LAYOUT_KERNELS)
+        gate_up_cls, down_cls = _humming_kernel_classes()
+        with torch.cuda.device(experts.device):
+            self._gate_up = gate_up_cls(source=src)
+            self._down = down_cls(source=src)
+        w13, w2 = experts.tensors["w13"], experts.tensors["w2"]
+        self._w13, self._s13 = w13["weight"], w13["weight_scale"]
+        self._w2, self._s2 = w2["weight"], w2["weight_scale"]
+
+    def with_config(self, config: HummingDecodeConfig) -> "HummingLayoutDecode":
+        return HummingLayoutDecode(self.experts, self.top_k, config)
+
+    @staticmethod
+    def _launch(kernel, grid, threads, cluster, pdl, args, arg_types, stream):
+        import cuda.bindings.driver as cbd
+
+        func = kernel.load_cubin()
+        cfg = cbd.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid[0], grid[1], 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+        cfg.hStream = stream
+        attrs = []
+        attr = cbd.CUlaunchAttribute()
+        attr.id = cbd.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+        attrs.append(attr)
+        if pdl:
+            attr = cbd.CUlaunchAttribute()
+            attr.id = cbd.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(attr)
+        cfg.attrs, cfg.numAttrs = attrs, len(attrs)
+        (err,) = cbd.cuLaunchKernelEx(cfg, func, (args, arg_types), 0)
+        if err != cbd.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{kernel.name} launch failed: {err}")
+
+    def gate_up(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                swiglu_limit: float | None = None) -> torch.Tensor:
+        H, I, K = self.experts.hidden_size, self.experts.intermediate_size, self.top_k
+        T = x.shape[0]
+        x = x.contiguous()
+        ids = topk_ids.to(torch.int32).contiguous()
+        act = torch.empty(T * K, I, dtype=torch.bfloat16, device=x.device)
+        if T:
+            c = self.config
+            has_limit = swiglu_limit is not None and swiglu_limit > 0
+            self._launch(self._gate_up, (c.cluster * (I // 64), T * K), 2 * c.warps_per_matrix * 32,
+                         c.cluster, False,
+                         (self._w13.data_ptr(), self._s13.data_ptr(), x.data_ptr(), ids.data_ptr(),
+                          act.data_ptr(), float(swiglu_limit) if has_limit else 0.0, int(has_limit)),
+                         _GATE_UP_ARGS, torch.cuda.current_stream(x.device).cuda_stream)
+        return act
+
+    def down(self, act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        H, K = self.experts.hidden_size, self.top_k
+        T = topk_ids.shape[0]
+        ids = topk_ids.to(torch.int32).contiguous()
+        w = topk_weights.to(torch.float32).contiguous()
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=act.device)
+        if T:
+            self._launch(self._down, (K * (H // 64), T), self.warps_down * 32, K, self.config.use_pdl,
+                         (self._w2.data_ptr(), self._s2.data_ptr(), act.data_ptr(), ids.data_ptr(),
+                          w.data_ptr(), out.data_ptr()),
+                         _DOWN_ARGS, torch.cuda.current_stream(act.device).cuda_stream)
+        return out
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                swiglu_limit: float | None = None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.experts.hidden_size:
+            raise ValueError(f"hidden states must be bfloat16 [T, {self.experts.hidden_size}], "
+                             f"got {x.dtype} {tuple(x.shape)}")
+        if tuple(topk_ids.shape) != (x.shape[0], self.top_k):
+            raise ValueError(f"topk_ids must be [{x.shape[0]}, {self.top_k}], got {tuple(topk_ids.shape)}")
+        ids = topk_ids.to(torch.int32).contiguous()
+        return self.down(self.gate_up(x, ids, swiglu_limit), topk_weights, ids)
+
+    __call__ = forward
