@@ -119,3 +119,34 @@ def test_w4a8_is_selectable_and_refused_where_it_cannot_run(loaded_tiny_models, 
     assert asked == [True]  # the W4A8 capability (sm_89+) is what gets checked
     assert method.backend == moe_method.HUMMING and method.w4a8
     assert method.description == "humming MXFP4 indexed GEMM (W4A8, FP8 per-token activations)"
+
+
+def test_decode_options_reach_the_method(loaded_tiny_models, monkeypatch):
+    """VLLM_LING_MOE_DECODE / _MAX_TOKENS are parsed (bad values named) and handed to the
+    humming method that CUDA would build."""
+    from vllm_ling.layers.moe_method import HUMMING, LingMxfp4MoEMethod, choose_moe_method
+    from vllm_ling.options import LingOptionError, LingOptions
+
+    monkeypatch.setenv("VLLM_LING_MOE_DECODE", "copy")
+    monkeypatch.setenv("VLLM_LING_MOE_DECODE_MAX_TOKENS", "4")
+    opts = LingOptions.from_env()
+    assert (opts.moe_decode, opts.moe_decode_max_tokens) == ("copy", 4)
+    monkeypatch.setenv("VLLM_LING_MOE_DECODE", "fast")
+    with pytest.raises(LingOptionError, match="VLLM_LING_MOE_DECODE='fast': expected one of auto, copy, off"):
+        LingOptions.from_env()
+    monkeypatch.setenv("VLLM_LING_MOE_DECODE", "off")
+    monkeypatch.setenv("VLLM_LING_MOE_DECODE_MAX_TOKENS", "-1")
+    with pytest.raises(LingOptionError, match="VLLM_LING_MOE_DECODE_MAX_TOKENS=-1 must be >= 0"):
+        LingOptions.from_env()
+
+    _, target, _ = loaded_tiny_models
+    layer = target.model.layers[2].mlp.experts.routed_experts
+    from vllm.platforms import current_platform
+    from vllm_ling.ops import moe as moe_ops
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(moe_ops, "humming_status", lambda w4a8=False: (True, "pretend"))
+    method = choose_moe_method(layer, "model.layers.2.mlp.experts", "humming", decode="copy", decode_max_tokens=4)
+    assert isinstance(method, LingMxfp4MoEMethod) and method.backend == HUMMING
+    assert (method.decode, method.decode_max_tokens) == ("copy", 4)
+    assert method.decode_status is None and not method.decode_active  # nothing built before loading

@@ -51,10 +51,10 @@ def humming_layer(weights):
     return moe.HummingMxfp4Experts(**weights)
 
 
-@pytest.fixture(scope="module", params=["own_layout", "humming_layout"])
+@pytest.fixture(scope="module", params=["packed_copy", "humming_layout"])
 def fused(request, weights, humming_layer):
-    if request.param == "own_layout":
-        return moe_decode.FusedDecodeMxfp4Experts(**weights, top_k=TOP_K)
+    if request.param == "packed_copy":
+        return moe_decode.PackedLayoutDecode(**weights, top_k=TOP_K)
     return moe_decode.HummingLayoutDecode(humming_layer, TOP_K)
 
 
@@ -67,6 +67,24 @@ def test_our_reading_of_humming_layout(weights, humming_layer):
         assert torch.equal(moe_decode.humming_layout_scales(weights[sc]), t["weight_scale"].view(torch.uint8)), sub
     ok, reason = moe_decode.humming_decode_support(humming_layer, TOP_K)
     assert ok, reason
+
+
+@pytest.mark.parametrize("mode", ["auto", "copy", "off"])
+def test_humming_experts_route_small_batches_to_the_decode_kernels(weights, mode):
+    """HummingMxfp4Experts(top_k=...) sends T <= decode_max_tokens through the decode kernels
+    (bit-identical to calling them) and larger batches through humming's GEMM."""
+    experts = moe.HummingMxfp4Experts(**weights, top_k=TOP_K, decode=mode, decode_max_tokens=4)
+    expected = {"auto": moe_decode.HummingLayoutDecode, "copy": moe_decode.PackedLayoutDecode}.get(mode)
+    assert (experts.decoder is None) if expected is None else isinstance(experts.decoder, expected)
+    assert experts.decode_status.startswith({"auto": "humming layout", "copy": "packed copy", "off": "off"}[mode])
+    gemm_only = moe.HummingMxfp4Experts(**weights, top_k=TOP_K, decode="off")
+    for T in (1, 4, 5):
+        w, ids = moe_cases.routing("random", T, 40 + T, DEV, E, TOP_K)
+        x = moe_cases.hidden(T, 50 + T, H, DEV)
+        out = experts(x, w, ids)
+        path = experts.decoder if (experts.decoder is not None and T <= 4) else gemm_only
+        assert torch.equal(out, path(x, w, ids)), (mode, T)
+        assert _rel(out, _ref(weights, x, w, ids)) < TOL
 
 
 def _ref(weights, x, w, ids, limit=None):
@@ -98,9 +116,9 @@ def test_int64_ids_and_launch_variants_agree(weights, fused):
     x = moe_cases.hidden(4, 9, H, DEV)
     base = fused(x, w, ids)
     assert torch.equal(fused(x, w, ids.long()), base)
-    if isinstance(fused, moe_decode.FusedDecodeMxfp4Experts):
-        configs = (moe_decode.DecodeKernelConfig(k_split_gate_up=4, k_split_down=1, use_pdl=False),
-                   moe_decode.DecodeKernelConfig(k_split_gate_up=10, k_split_down=3, min_blocks_gate_up=2))
+    if isinstance(fused, moe_decode.PackedLayoutDecode):
+        configs = (moe_decode.PackedDecodeConfig(k_split_gate_up=4, k_split_down=1, use_pdl=False),
+                   moe_decode.PackedDecodeConfig(k_split_gate_up=10, k_split_down=3, min_blocks_gate_up=2))
     else:
         configs = (moe_decode.HummingDecodeConfig(groups_per_warp=2, warps_per_matrix=5, cluster=8,
                                                   groups_per_warp_down=3, use_pdl=False),
@@ -121,7 +139,7 @@ def test_clamp_is_honoured(weights, fused):
     assert _rel(fused(x, w, ids, None), unclamped) < TOL
 
 
-@pytest.mark.parametrize("impl", ["own_layout", "humming_layout"])
+@pytest.mark.parametrize("impl", ["packed_copy", "humming_layout"])
 @pytest.mark.parametrize("codes", ["half_codes", "all_codes"])
 def test_every_code_and_edge_scales(codes, impl):
     e, h, i, k = 4, 256, 128, 2  # humming pads N to 256: the smallest unpadded shapes
@@ -137,8 +155,8 @@ def test_every_code_and_edge_scales(codes, impl):
                "w2_weight": rnd(e, h, i // 2), "w2_weight_scale": sc(e, h, i // 32)}
     # keep values finite in the reference: big scales only on the down projection's inputs'
     tensors["w13_weight_scale"].clamp_(max=130)
-    if impl == "own_layout":
-        fused = moe_decode.FusedDecodeMxfp4Experts(**tensors, top_k=k)
+    if impl == "packed_copy":
+        fused = moe_decode.PackedLayoutDecode(**tensors, top_k=k)
     else:
         fused = moe_decode.HummingLayoutDecode(moe.HummingMxfp4Experts(**tensors), k)
     ids = torch.tensor([[0, 3], [1, 2], [3, 3]], dtype=torch.int32, device=DEV)

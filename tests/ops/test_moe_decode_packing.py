@@ -122,7 +122,10 @@ def test_humming_layout_scale_bytes_per_lane():
 
 
 def test_humming_launch_shapes():
-    c = moe_decode.default_humming_decode_config(2560, 768)
-    assert (c.groups_per_warp, c.warps_per_matrix, c.cluster, c.groups_per_warp_down) == (4, 5, 4, 2)
-    c = moe_decode.default_humming_decode_config(256, 128)
-    assert c.groups_per_warp * c.warps_per_matrix * c.cluster == 8 and 4 % c.groups_per_warp_down == 0
+    cfgs = moe_decode.default_humming_decode_configs(2560, 768)  # Ling: the measured fastest
+    one, many = cfgs["one"], cfgs["many"]
+    assert (one.groups_per_warp, one.warps_per_matrix, one.cluster, one.groups_per_warp_down) == (2, 5, 8, 3)
+    assert (many.groups_per_warp, many.warps_per_matrix, many.cluster, many.groups_per_warp_down) == (4, 5, 4, 4)
+    for c in moe_decode.default_humming_decode_configs(256, 128).values():  # any valid split
+        assert c.groups_per_warp * c.warps_per_matrix * c.cluster == 8 and 4 % c.groups_per_warp_down == 0
+    assert moe_decode.default_humming_decode_configs(2560 + 32, 768) is None  # 81 groups: no split

@@ -54,6 +54,8 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
     assert _check(report, "lm_head")["actual"].startswith("Fp8LmHeadMethod, float8_e4m3fn, 524288 bytes")
     assert report["optimizations"]["moe_humming"] == {"requested": False, "active": False,
                                                       "detail": "5 x reference"}
+    assert report["optimizations"]["moe_decode_kernels"] == {
+        "requested": False, "active": False, "detail": "needs the humming MoE backend on CUDA"}
     assert any("plain-PyTorch MXFP4 reference" in n for n in report["notes"])
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(report, REPORT_JSON_SCHEMA)

@@ -4,7 +4,8 @@ Parameters and loaders are vLLM's MXFP4 ones (``Mxfp4MoEMethod.create_weights``)
 checkpoints load exactly as upstream. The computation is ours:
 
 - CUDA: :class:`vllm_ling.ops.moe.HummingMxfp4Experts` (humming indexed GEMM), W4A16 by
-  default; if humming cannot run the server refuses to start, naming the cause;
+  default, with fused decode kernels for small batches (VLLM_LING_MOE_DECODE); if humming
+  cannot run the server refuses to start, naming the cause;
 - CPU: the plain-PyTorch reference :func:`vllm_ling.ops.moe.experts_reference`,
   logged once.
 
@@ -40,7 +41,8 @@ class HummingUnavailable(RuntimeError):
 class LingMxfp4MoEMethod(Mxfp4MoEMethod):
     """MXFP4 experts through humming (CUDA) or the PyTorch reference (CPU)."""
 
-    def __init__(self, moe, backend: str, w4a8: bool = False):
+    def __init__(self, moe, backend: str, w4a8: bool = False, decode: str = "auto",
+                 decode_max_tokens: int = moe_ops.DEFAULT_DECODE_MAX_TOKENS):
         # Skip Mxfp4MoEMethod.__init__: it selects one of vLLM's backends, which is
         # exactly what this method replaces.
         FusedMoEMethodBase.__init__(self, moe)
@@ -48,6 +50,8 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
             raise ValueError(f"unknown Ling MoE backend {backend!r}")
         self.backend = backend
         self.w4a8 = w4a8
+        self.decode = decode
+        self.decode_max_tokens = decode_max_tokens
         self.humming_experts: moe_ops.HummingMxfp4Experts | None = None
         self.max_capture_size = getattr(moe, "max_capture_size", None)
 
@@ -56,6 +60,15 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
         if self.backend == HUMMING and self.w4a8:
             return "humming MXFP4 indexed GEMM (W4A8, FP8 per-token activations)"
         return BACKEND_DESCRIPTIONS[self.backend]
+
+    @property
+    def decode_status(self) -> str | None:
+        """How decode-sized batches run (None off CUDA / before loading)."""
+        return self.humming_experts.decode_status if self.humming_experts is not None else None
+
+    @property
+    def decode_active(self) -> bool:
+        return self.humming_experts is not None and self.humming_experts.decoder is not None
 
     @property
     def is_monolithic(self) -> bool:
@@ -87,7 +100,9 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
         try:
             self.humming_experts = moe_ops.HummingMxfp4Experts(
                 layer.w13_weight.data, layer.w13_weight_scale.data,
-                layer.w2_weight.data, layer.w2_weight_scale.data, w4a8=self.w4a8)
+                layer.w2_weight.data, layer.w2_weight_scale.data, w4a8=self.w4a8,
+                top_k=layer.moe_config.experts_per_token, decode=self.decode,
+                decode_max_tokens=self.decode_max_tokens)
         except Exception as exc:
             raise HummingUnavailable(
                 f"humming could not prepare the MXFP4 experts of {getattr(layer, 'layer_name', layer)}: "
@@ -109,7 +124,8 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
         return out.to(x.dtype)
 
 
-def choose_moe_method(layer, prefix: str, moe_backend_option: str, w4a8: bool = False):
+def choose_moe_method(layer, prefix: str, moe_backend_option: str, w4a8: bool = False,
+                      decode: str = "auto", decode_max_tokens: int = moe_ops.DEFAULT_DECODE_MAX_TOKENS):
     """Our method for a Ling MXFP4 routed-expert layer, or None to let vLLM choose.
 
     Raises :class:`HummingUnavailable` (before any weight loads) when humming is the
@@ -139,4 +155,5 @@ def choose_moe_method(layer, prefix: str, moe_backend_option: str, w4a8: bool = 
             "(it comes with vllm==0.32.0) on an sm_75+ GPU" + (", or set VLLM_LING_MOE_W4A8=0 (W4A8 "
             "needs sm_89+)" if w4a8 else "") + ", or opt out explicitly with "
             "VLLM_LING_MOE_BACKEND=vllm (or vLLM's --moe-backend).")
-    return LingMxfp4MoEMethod(layer.moe_config, HUMMING, w4a8=w4a8)
+    return LingMxfp4MoEMethod(layer.moe_config, HUMMING, w4a8=w4a8, decode=decode,
+                              decode_max_tokens=decode_max_tokens)

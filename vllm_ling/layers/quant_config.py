@@ -77,7 +77,9 @@ class LingFp8Config(Fp8Config):
                 and not self._skipped(prefix):
             from vllm_ling.layers.moe_method import choose_moe_method
 
-            method = choose_moe_method(layer, prefix, self.options.moe_backend, self.options.moe_w4a8)
+            method = choose_moe_method(layer, prefix, self.options.moe_backend, self.options.moe_w4a8,
+                                       decode=self.options.moe_decode,
+                                       decode_max_tokens=self.options.moe_decode_max_tokens)
             if method is not None:
                 return method
         return super().get_quant_method(layer, prefix)

@@ -51,6 +51,12 @@ logger = get_logger("ops.moe")
 CLAMP_GATE_INPUT = "gate_input"  # vLLM fused-MoE experts: silu(min(g, L)) * clamp(u)
 CLAMP_GATE_OUTPUT = "gate_output"  # vLLM SwigluStepAndMul (shared expert): min(silu(g), L) * clamp(u)
 ROUTED_EXPERT_CLAMP = CLAMP_GATE_INPUT
+# Decode kernels for small batches (vllm_ling.ops.moe_decode): "auto" runs them on humming's
+# own weights where supported, "copy" on a second GEMV-packed copy (faster, 2x expert memory),
+# "off" never. Up to DEFAULT_DECODE_MAX_TOKENS tokens they beat humming's GEMM on the H200.
+DECODE_AUTO, DECODE_COPY, DECODE_OFF = "auto", "copy", "off"
+DECODE_MODES = (DECODE_AUTO, DECODE_COPY, DECODE_OFF)
+DEFAULT_DECODE_MAX_TOKENS = 8
 SHARED_EXPERT_CLAMP = CLAMP_GATE_OUTPUT
 _CLAMP_MODES = (CLAMP_GATE_INPUT, CLAMP_GATE_OUTPUT)
 
@@ -563,6 +569,12 @@ class HummingMxfp4Experts:
     ``gate_up``, ``activation``, ``down``, ``weighted_sum``) so they can be timed alone.
     No host synchronisation: the forward can be captured in a CUDA graph (tested).
 
+    Decode-sized batches (``T <= decode_max_tokens``, given ``top_k``) go instead through two
+    fused kernels (:mod:`vllm_ling.ops.moe_decode`): with ``decode="auto"`` they read these
+    same transformed tensors (no copy; sm_90+, W4A16; where they cannot run the reason is
+    logged once at WARNING and kept in ``decode_status``), with ``"copy"`` a second
+    GEMV-packed copy of the experts (faster, twice the expert memory), ``"off"`` never.
+
     Tuning: for each batch size the entry of humming's heuristic intervals that contains
     ``shape_m = T * top_k`` is compiled alone (not the whole interval list, which would
     compile every interval's kernel on first use). ``tuning_overrides`` ({"w13": {...},
@@ -582,11 +594,16 @@ class HummingMxfp4Experts:
         reduce_impl: str = "auto",
         tuning_overrides: dict[str, dict] | None = None,
         param_dtype: torch.dtype = torch.bfloat16,
+        top_k: int | None = None,
+        decode: str = DECODE_AUTO,
+        decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS,
     ):
         if param_dtype != torch.bfloat16:
             raise ValueError("the humming Ling MoE path supports BF16 activations only")
         if clamp not in _CLAMP_MODES:
             raise ValueError(f"clamp must be one of {_CLAMP_MODES}, got {clamp!r}")
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         for label, impl in (("routing_impl", routing_impl), ("reduce_impl", reduce_impl)):
             if impl not in ("auto", "torch", "triton"):
                 raise ValueError(f"{label} must be auto, torch or triton, got {impl!r}")
@@ -617,6 +634,11 @@ class HummingMxfp4Experts:
         self.device = device
         self.tuning_overrides = tuning_overrides or {}
         hm = _import_humming()
+        self.decoder = None
+        self.decode_max_tokens = decode_max_tokens
+        if decode == DECODE_COPY:  # needs the checkpoint-layout tensors, before humming's transform
+            self.decoder = self._packed_decoder(w13_weight, w13_weight_scale, w2_weight,
+                                                w2_weight_scale, top_k)
         self._forward_fn = hm["humming_forward"]
         self._process_fn = hm["may_process_input"]
         weight_schema = hm["HummingWeightSchema"](
@@ -653,6 +675,49 @@ class HummingMxfp4Experts:
         log_once(logger, logging.INFO, f"humming-moe-{w4a8}",
                  "Humming MXFP4 MoE: %d experts, hidden %d, intermediate %d, %s, indexed GEMM",
                  E, H, I, "W4A8 (FP8 e4m3 per-token activations)" if w4a8 else "W4A16 (BF16 activations)")
+        if decode == DECODE_AUTO:
+            self.decoder = self._humming_layout_decoder(top_k)
+        if decode == DECODE_OFF:
+            self.decode_status = "off (VLLM_LING_MOE_DECODE=off): humming's GEMM at every batch size"
+        elif self.decoder is not None:
+            self.decode_status = (f"{'packed copy' if decode == DECODE_COPY else 'humming layout'}, "
+                                  f"<= {decode_max_tokens} tokens")
+
+    # -- decode kernels ---------------------------------------------------------------------
+    def _humming_layout_decoder(self, top_k: int | None):
+        """Fused decode kernels on humming's tensors, or None (logged once with the reason)."""
+        from vllm_ling.ops import moe_decode
+
+        if top_k is None:
+            self.decode_status = "off: top_k not given"
+            return None
+        ok, reason = moe_decode.humming_decode_support(self, top_k)
+        if not ok:
+            self.decode_status = f"unavailable: {reason}"
+            log_once(logger, logging.WARNING, f"moe-decode-off-{reason}",
+                     "MoE decode kernels unavailable (%s): batches <= %d tokens run humming's "
+                     "indexed GEMM, ~1.3-1.9x slower per layer at 1-4 tokens on an H200.",
+                     reason, self.decode_max_tokens)
+            return None
+        decoder = moe_decode.HummingLayoutDecode(self, top_k)
+        log_once(logger, logging.INFO, "moe-decode-humming",
+                 "MoE decode kernels: batches <= %d tokens run two fused kernels on humming's "
+                 "weights (gate_up+SwiGLU, down+top-k sum).", self.decode_max_tokens)
+        return decoder
+
+    def _packed_decoder(self, w13, s13, w2, s2, top_k: int | None):
+        """The ``copy`` mode: a second, GEMV-packed copy of the experts (explicitly requested,
+        so failures raise)."""
+        from vllm_ling.ops import moe_decode
+
+        if top_k is None:
+            raise ValueError("decode='copy' needs top_k")
+        decoder = moe_decode.PackedLayoutDecode(w13, s13, w2, s2, top_k=top_k, clamp=self.clamp)
+        log_once(logger, logging.INFO, "moe-decode-copy",
+                 "MoE decode kernels on a packed copy of the experts (VLLM_LING_MOE_DECODE=copy): "
+                 "+%.1f MB per layer on top of humming's copy, batches <= %d tokens.",
+                 decoder.nbytes / 1e6, self.decode_max_tokens)
+        return decoder
 
     # -- tuning -------------------------------------------------------------------------
     def set_tuning_overrides(self, overrides: dict[str, dict] | None) -> None:
@@ -684,6 +749,8 @@ class HummingMxfp4Experts:
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"hidden states must be [T, {self.hidden_size}], got {tuple(x.shape)}")
         T, top_k = topk_ids.shape
+        if self.decoder is not None and 0 < T <= self.decode_max_tokens and top_k == self.decoder.top_k:
+            return self.decoder(x, topk_weights, topk_ids, swiglu_limit)
         plan = self.plan(T * top_k)
         key = (T * top_k, _effective_limit(swiglu_limit))
         if key in self._compiled:
@@ -808,7 +875,7 @@ def warmup_kernels(hidden_size: int, intermediate_size: int, num_experts: int, t
     before = count_cached_kernels(kernels_dir)
     t0 = time.perf_counter()
     tensors = random_mxfp4_experts(num_experts, hidden_size, intermediate_size, dev)
-    experts = HummingMxfp4Experts(**tensors, w4a8=w4a8, clamp=clamp)
+    experts = HummingMxfp4Experts(**tensors, w4a8=w4a8, clamp=clamp, top_k=top_k)  # + decode kernels
     del tensors
     build_s = time.perf_counter() - t0
     per_call = {}

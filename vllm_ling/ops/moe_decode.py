@@ -1,38 +1,41 @@
-"""Fused MXFP4 MoE decode kernels (gate_up + SwiGLU, down + weighted top-k sum).
+"""MoE decode kernels: routed MXFP4 experts for small batches in two fused CUDA kernels.
 
-Why: at 1-8 tokens a Ling MoE layer is a handful of GEMVs over 8 experts per token; humming's
-indexed GEMM path needs five launches (routing metadata, gate_up, SwiGLU, down, top-k sum)
-and spends ~30 us per layer at 1 token on 25 MB of weights (0.20 of the copy bandwidth,
-benchmarks/results/moe_stacked_h200.md). These two kernels index the experts straight from
-``topk_ids`` (no routing metadata), fuse SwiGLU into the gate_up kernel and the weighted
-top-k sum into the down kernel, and overlap the down kernel's weight loads with the gate_up
-kernel's tail (programmatic dependent launch on sm_90+).
+Why: at 1-8 tokens a Ling MoE layer is a set of GEMVs over 8 experts per token. humming's
+indexed GEMM needs five launches (routing metadata, gate_up, SwiGLU, down, top-k sum) and
+spends ~30 us per layer at 1 token on 25 MB of weights (0.20 of the H200 copy bandwidth).
+These kernels index the experts straight from ``topk_ids`` (no routing metadata), fuse
+SwiGLU (+ the per-layer clamp) into gate_up and the weighted top-k sum into down, and let
+the down kernel load its weights while gate_up finishes (programmatic dependent launch,
+sm_90+). Measured in benchmarks/results/moe_decode_h200.md.
+
+Two weight layouts, same math:
+
+- :class:`HummingLayoutDecode` (the default, ``VLLM_LING_MOE_DECODE=auto``) reads humming's
+  own transformed W4A16 tensors, so there is no second copy. In a k16 "slab" row of
+  humming's weight ([E, K/16, 2N] int32) the 16 bytes of lane (g, t) for a block of 64
+  output rows hold four ints, and int J is exactly the MMA A fragment of rows 16J..16J+15
+  (checked bit for bit against humming's transform on the GPU). A 64-row block is the
+  smallest unit a warp can read, so gate_up splits K over a cluster of CTAs that reduce in
+  distributed shared memory, and down runs one CTA per top-k slot in a cluster (sm_90+).
+- :class:`PackedLayoutDecode` (``VLLM_LING_MOE_DECODE=copy``) repacks the checkpoint's
+  codes once into a layout made for GEMV (:func:`pack_gate_up`, :func:`pack_down`: each
+  lane's 16 bytes are its fragments of 16 rows x 64 k, and 8 codes decode in 9 integer
+  instructions). Faster, but humming still needs its copy for larger batches: twice the
+  routed-expert memory.
+
+Math (``mma.m16n8k16`` BF16 -> FP32, weights as A, the token as B column 0): an MXFP4 code
+becomes a BF16 bit pattern worth ``v * 2**-126`` by moving its sign to bit 15 and its
+exponent/mantissa bits to bits 8..6 (codes +-0.5 become BF16 subnormals, which the tensor
+cores keep: a GPU test uses only those codes); activations are multiplied by 2**100 (exact)
+so products stay normal FP32 numbers; each group's E8M0 scale ``2**(s-127)`` times the
+``2**(126-100)`` correction is applied once per row and 32-k group to the FP32 result.
+Numerics: FP32 accumulation, SwiGLU output rounded to BF16 (as vLLM's intermediate cache),
+routed sum in FP32, output BF16. E8M0 exponents up to 228 are exact.
 
 The kernels are CUDA C++ compiled by humming-kernels' JIT runtime (NVRTC, humming's cache
-directory and file locks): :class:`humming.jit.runtime.KernelRuntime` is subclassed, no
-humming code is copied. No vLLM import.
-
-Math (one warp = 16 output rows x a K slice; ``mma.m16n8k16`` BF16 -> FP32):
-- weights are repacked ONCE (:func:`pack_gate_up`, :func:`pack_down`) so that each lane's
-  16 bytes of a (16 rows x 64 k) chunk are exactly its four MMA A-fragments. An MXFP4 code
-  becomes a BF16 bit pattern worth ``v * 2**-126`` (sign to bit 15, exponent/mantissa bits
-  to bits 8..6: codes +-0.5 are BF16 subnormals) with a rotate and a mask; the bits of each
-  32-bit word are placed so that 8 codes decode in 9 integer instructions (pairs 0..2 are
-  ``rotl(q, 0 | 4 | 10) & 0x81C081C0``, pair 3 needs two rotations);
-- activations enter as the MMA B column 0, multiplied by 2**100 (exact) so that products
-  stay normal FP32 numbers inside the tensor core; the k order inside a chunk is permuted
-  identically on both sides so that each lane reads 8 contiguous activations per group and
-  every MMA stays inside one 32-element scale group;
-- each group's E8M0 scale ``2**(s-127)`` times the ``2**(126-100)`` correction is applied
-  once per row and group to the FP32 MMA result; K slices are summed in shared memory.
-
-Numerics: products and sums in FP32 (tensor core), activations BF16 as given, SwiGLU
-output rounded to BF16 (as vLLM's intermediate cache), routed sum in FP32, output BF16.
-E8M0 exponents up to 228 are exact (checked at construction; real checkpoints sit near 127).
-
-Limits: BF16 activations, ``hidden % 64 == 0``, ``intermediate % 64 == 0``, int32 top-k
-ids (int64 are converted, one extra copy). Built for decode-sized batches; the caller picks
-the path by token count (see :data:`DEFAULT_MAX_TOKENS`).
+directory and file locks; :class:`humming.jit.runtime.KernelRuntime` is subclassed, no
+humming code is copied). No vLLM import. Limits: BF16 activations, hidden and intermediate
+multiples of 64, top_k <= 8 (cluster size), int32 top-k ids (others are converted).
 """
 
 from __future__ import annotations
@@ -56,7 +59,6 @@ LANES = 32
 X_SHIFT = 100
 # the kernels turn scale byte s into the float 2**(s - 127 + 126 - X_SHIFT), finite for s <= 228
 MAX_SCALE_EXP = 254 - (126 - X_SHIFT)
-DEFAULT_MAX_TOKENS = 8
 
 # Bit positions of each (pair, element, bit) inside a packed 32-bit word. bit order is
 # (sign, e1, e0, m) of the e2m1 code (code bits 3, 2, 1, 0). Target BF16 positions are
@@ -260,6 +262,23 @@ __device__ __forceinline__ float group_factor(u32 s) {
   return __int_as_float((int)((s + 26u) << 23));
 }
 
+// byte j of w as that factor: one byte permute (ALU) and one IMAD
+__device__ __forceinline__ float byte_factor(u32 w, int j) {
+  return __int_as_float((int)(__byte_perm(w, 0u, 0x4440u + j) * (1u << 23) + (26u << 23)));
+}
+
+// vLLM's routed-expert SwiGLU with the per-layer clamp: CLAMP_GATE_OUTPUT 0 clamps the gate
+// input (silu(min(g, L)) * clamp(u)), 1 clamps the gate output (min(silu(g), L) * clamp(u))
+__device__ __forceinline__ float swiglu(float g, float u, float limit, int has_limit) {
+  if (has_limit) {
+    u = fminf(fmaxf(u, -limit), limit);
+    if (!CLAMP_GATE_OUTPUT) g = fminf(g, limit);
+  }
+  float y = g / (1.f + expf(-g));
+  if (has_limit && CLAMP_GATE_OUTPUT) y = fminf(y, limit);
+  return y * u;
+}
+
 __device__ __forceinline__ u16 to_bf16(float v) {
   u16 r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
@@ -355,8 +374,7 @@ ling_moe_decode_gate_up(const uint4* __restrict__ w13, const u64* __restrict__ s
     float gs = 0.f, us = 0.f;
 #pragma unroll
     for (int w = 0; w < KS_A; ++w) { gs += red[w][0][threadIdx.x]; us += red[w][1][threadIdx.x]; }
-    if (has_limit) { gs = fminf(gs, limit); us = fminf(fmaxf(us, -limit), limit); }
-    const float y = gs / (1.f + expf(-gs)) * us;
+    const float y = swiglu(gs, us, limit, has_limit);
     act[(long long)a * I_ + tile * 16 + threadIdx.x] = to_bf16(y);
   }
 }
@@ -426,11 +444,14 @@ ling_moe_decode_down(const uint4* __restrict__ w2, const u32* __restrict__ s2,
 # distributed shared memory into its rank-0 CTA.
 _HUMMING_LAYOUT_KERNELS = r"""
 __device__ __forceinline__ void hl_decode(u32 q, u32 (&a)[4]) {
-  // nibble pair (p, p + 4) -> BF16x2 worth v * 2**-126 (sign to 15/31, e1 e0 m to 8..6 / 24..22)
-  a[0] = (__funnelshift_l(q, q, 12) & 0x80008000u) | (__funnelshift_l(q, q, 6) & 0x01C001C0u);
-  a[2] = (__funnelshift_l(q, q, 8) & 0x80008000u) | (__funnelshift_l(q, q, 2) & 0x01C001C0u);
-  a[1] = (__funnelshift_l(q, q, 4) & 0x80008000u) | (__funnelshift_l(q, q, 30) & 0x01C001C0u);
-  a[3] = (q & 0x80008000u) | (__funnelshift_l(q, q, 26) & 0x01C001C0u);
+  // nibble pair (p, p + 4) -> BF16x2 worth v * 2**-126 (sign to 15/31, e1 e0 m to 8..6 / 24..22).
+  // Plain shifts (no wrap is needed): the left shifts can go to the FMA pipe (IMAD.SHL), which
+  // leaves the ALU pipe two LOP3 per pair.
+  const u32 S = 0x80008000u, M = 0x01C001C0u;
+  a[0] = ((q << 12) & S) | ((q << 6) & M);
+  a[2] = ((q << 8) & S) | ((q << 2) & M);
+  a[1] = ((q << 4) & S) | (__umulhi(q, 1u << 30) & M);  // q >> 2 on the FMA pipe
+  a[3] = (q & S) | (__umulhi(q, 1u << 26) & M);          // q >> 6
 }
 
 __device__ __forceinline__ u32 cluster_rank() {
@@ -475,8 +496,9 @@ __device__ __forceinline__ void hl_group_mma(const uint4 w0, const uint4 w1, con
     mma_bf16(d, a, xb[0], xb[1], 0.f, 0.f, 0.f, 0.f);
     hl_decode(q1[J], a);
     mma_bf16(d, a, xb[2], xb[3], d[0], d[1], d[2], d[3]);
-    acc[J][0] = fmaf(group_factor((u32)(sc >> (16 * J)) & 0xFFu), d[0], acc[J][0]);
-    acc[J][1] = fmaf(group_factor((u32)(sc >> (16 * J + 8)) & 0xFFu), d[2], acc[J][1]);
+    const u32 half = J < 2 ? (u32)sc : (u32)(sc >> 32);
+    acc[J][0] = fmaf(byte_factor(half, 2 * (J & 1)), d[0], acc[J][0]);
+    acc[J][1] = fmaf(byte_factor(half, 2 * (J & 1) + 1), d[2], acc[J][1]);
   }
 }
 
@@ -522,21 +544,22 @@ ling_moe_hl_gate_up(const uint4* __restrict__ w13, const u64* __restrict__ s13,
     }
   }
   __syncthreads();
-  if (threadIdx.x < 128) {
-    const int m = threadIdx.x >> 6, f = threadIdx.x & 63;
+  for (int i = threadIdx.x; i < 128; i += blockDim.x) {  // CTAs may have < 128 threads
+    const int m = i >> 6, f = i & 63;
     float p = 0.f;
 #pragma unroll
     for (int k = 0; k < WPM_A; ++k) p += red[m][k][f];
     st_rank0(&cl_red[0][0][0], (rank * 2 + m) * 64 + f, p);
   }
   cluster_sync();
-  if (rank == 0 && threadIdx.x < 64) {
-    float gs = 0.f, us = 0.f;
+  if (rank == 0) {
+    for (int f = threadIdx.x; f < 64; f += blockDim.x) {
+      float gs = 0.f, us = 0.f;
 #pragma unroll
-    for (int r = 0; r < CL_A; ++r) { gs += cl_red[r][0][threadIdx.x]; us += cl_red[r][1][threadIdx.x]; }
-    if (has_limit) { gs = fminf(gs, limit); us = fminf(fmaxf(us, -limit), limit); }
-    const float y = gs / (1.f + expf(-gs)) * us;
-    act[(long long)a * I_ + 64 * blk + threadIdx.x] = to_bf16(y);
+      for (int r = 0; r < CL_A; ++r) { gs += cl_red[r][0][f]; us += cl_red[r][1][f]; }
+      const float y = swiglu(gs, us, limit, has_limit);
+      act[(long long)a * I_ + 64 * blk + f] = to_bf16(y);
+    }
   }
 }
 
@@ -583,139 +606,108 @@ ling_moe_hl_down(const uint4* __restrict__ w2, const u64* __restrict__ s2,
     }
   }
   __syncthreads();
-  if (threadIdx.x < 64) {
+  const float slot_weight = topk_w[a];
+  for (int f = threadIdx.x; f < 64; f += blockDim.x) {  // CTAs may have < 64 threads
     float p = 0.f;
 #pragma unroll
-    for (int k = 0; k < WPB; ++k) p += red[k][threadIdx.x];
-    st_rank0(&cl_red[0][0], slot * 64 + threadIdx.x, p * topk_w[a]);
+    for (int k = 0; k < WPB; ++k) p += red[k][f];
+    st_rank0(&cl_red[0][0], slot * 64 + f, p * slot_weight);
   }
   cluster_sync();
-  if (slot == 0 && threadIdx.x < 64) {
-    float s = 0.f;
+  if (slot == 0) {
+    for (int f = threadIdx.x; f < 64; f += blockDim.x) {
+      float s = 0.f;
 #pragma unroll
-    for (int r = 0; r < TOPK; ++r) s += cl_red[r][threadIdx.x];
-    out[(long long)tok * H_ + 64 * blk + threadIdx.x] = to_bf16(s);
+      for (int r = 0; r < TOPK; ++r) s += cl_red[r][f];
+      out[(long long)tok * H_ + 64 * blk + f] = to_bf16(s);
+    }
   }
 }
 """
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeKernelConfig:
-    """Launch shape of the two kernels (benchmark levers)."""
-
-    k_split_gate_up: int = 8   # warps per gate_up CTA, each owns H/64/k_split chunks
-    k_split_down: int = 2      # warps per slot in a down CTA
-    min_blocks_gate_up: int = 3
-    min_blocks_down: int = 1
-    use_pdl: bool = True
 
 
 def _defines(**values: int) -> str:
     return "".join(f"#define {k} {int(v)}\n" for k, v in values.items())
 
 
-def cuda_source(hidden: int, intermediate: int, top_k: int, cfg: DecodeKernelConfig) -> str:
-    return (_defines(H_=hidden, I_=intermediate, TOPK=top_k, KS_A=cfg.k_split_gate_up,
-                     KS_B=cfg.k_split_down, MINB_A=cfg.min_blocks_gate_up,
-                     MINB_B=cfg.min_blocks_down) + _HELPERS + _OWN_LAYOUT_KERNELS)
-
-
-def _kernel_classes():
-    """KernelRuntime subclasses, built on first use (humming is imported lazily)."""
-    global _KERNELS
-    if _KERNELS is not None:
-        return _KERNELS
-    from humming.jit.runtime import KernelRuntime
-
-    @dataclasses.dataclass(kw_only=True)
-    class _LingDecodeKernel(KernelRuntime):
-        disable_fast_math: ClassVar[bool] = True
-        source: str
-
-        def init_kernel(self):
-            self.code = self.source
-            self.kernel_expr = None
-            self.prepare()
-
-    @dataclasses.dataclass(kw_only=True)
-    class LingDecodeGateUp(_LingDecodeKernel):
-        name: ClassVar[str] = "ling_moe_decode_gate_up"
-
-    @dataclasses.dataclass(kw_only=True)
-    class LingDecodeDown(_LingDecodeKernel):
-        name: ClassVar[str] = "ling_moe_decode_down"
-
-    _KERNELS = (LingDecodeGateUp, LingDecodeDown, _LingDecodeKernel)
-    return _KERNELS
-
-
-_KERNELS = None
-
-_GATE_UP_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+_ARGS_GATE_UP = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                  ctypes.c_void_p, ctypes.c_float, ctypes.c_int)
-_DOWN_ARGS = (ctypes.c_void_p,) * 6
+_ARGS_DOWN = (ctypes.c_void_p,) * 6
+_KERNEL_NAMES = ("ling_moe_decode_gate_up", "ling_moe_decode_down",
+                 "ling_moe_hl_gate_up", "ling_moe_hl_down")
+_KERNEL_CLASSES: dict[str, type] = {}
 
 
-class FusedDecodeMxfp4Experts:
-    """Routed MXFP4 experts for decode-sized batches in two fused CUDA kernels.
+def _kernel(name: str, source: str, device: torch.device):
+    """A compiled kernel of ``source`` (cached per source by humming's KernelRuntime)."""
+    if not _KERNEL_CLASSES:
+        from humming.jit.runtime import KernelRuntime
 
-    Built from vLLM-layout tensors (uint8 codes [E, 2I, H/2] / [E, H, I/2], E8M0 scales),
-    which are repacked into new tensors (``self.w13``, ``self.s13``, ``self.w2``,
-    ``self.s2``; the inputs can be dropped after). ``forward(x, topk_weights, topk_ids,
-    swiglu_limit)`` returns the weighted routed sum [T, H] in BF16 (routed_scaling_factor
-    inside ``topk_weights``). Two launches, no host synchronisation: CUDA-graph capturable.
-    """
+        @dataclasses.dataclass(kw_only=True)
+        class _LingDecodeKernel(KernelRuntime):
+            disable_fast_math: ClassVar[bool] = True
+            source: str
 
-    def __init__(self, w13_weight: torch.Tensor, w13_weight_scale: torch.Tensor,
-                 w2_weight: torch.Tensor, w2_weight_scale: torch.Tensor, *, top_k: int,
-                 config: DecodeKernelConfig | None = None):
-        self.config = config or DecodeKernelConfig()
-        if w13_weight.device.type != "cuda":
-            raise ValueError(f"expert weights must be on a CUDA device, got {w13_weight.device}")
-        E, H, I = _check_shapes(w13_weight, w13_weight_scale, w2_weight, w2_weight_scale)
-        self.num_experts, self.hidden_size, self.intermediate_size, self.top_k = E, H, I, top_k
-        self.device = w13_weight.device
-        self.w13, self.s13 = pack_gate_up(w13_weight, w13_weight_scale)
-        self.w2, self.s2 = pack_down(w2_weight, w2_weight_scale)
-        major, _ = torch.cuda.get_device_capability(self.device)
-        self.use_pdl = self.config.use_pdl and major >= 9
-        gate_up_cls, down_cls, _ = _kernel_classes()
-        src = cuda_source(H, I, top_k, self.config)
-        with torch.cuda.device(self.device):
-            self._gate_up = gate_up_cls(source=src)
-            self._down = down_cls(source=src)
-        log_once(logger, logging.INFO, "fused-decode-moe",
-                 "Fused MXFP4 MoE decode kernels: %d experts, hidden %d, intermediate %d, top-%d "
-                 "(gate_up+SwiGLU, down+top-k sum%s)", E, H, I, top_k,
-                 ", programmatic dependent launch" if self.use_pdl else "")
+            def init_kernel(self):
+                self.code = self.source
+                self.kernel_expr = None
+                self.prepare()
 
-    def _launch(self, kernel, grid, threads, args, arg_types, stream, pdl: bool):
-        import cuda.bindings.driver as cbd
+        for kname in _KERNEL_NAMES:
+            _KERNEL_CLASSES[kname] = dataclasses.make_dataclass(
+                kname, [], bases=(_LingDecodeKernel,), kw_only=True,
+                namespace={"name": kname})
+    with torch.cuda.device(device):
+        return _KERNEL_CLASSES[name](source=source)
 
-        func = kernel.load_cubin()
-        cfg = cbd.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid[0], grid[1], 1
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
-        cfg.hStream = stream
-        kernel.set_pdl_launch_attribute(cfg, pdl)
-        (err,) = cbd.cuLaunchKernelEx(cfg, func, (args, arg_types), 0)
-        if err != cbd.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"{kernel.name} launch failed: {err}")
 
-    def with_config(self, config: DecodeKernelConfig) -> "FusedDecodeMxfp4Experts":
-        """The same packed weights with other launch shapes (benchmark levers)."""
-        other = object.__new__(FusedDecodeMxfp4Experts)
-        other.__dict__.update(self.__dict__)
-        other.config = config
-        major, _ = torch.cuda.get_device_capability(self.device)
-        other.use_pdl = config.use_pdl and major >= 9
-        gate_up_cls, down_cls, _ = _kernel_classes()
-        src = cuda_source(self.hidden_size, self.intermediate_size, self.top_k, config)
-        with torch.cuda.device(self.device):
-            other._gate_up = gate_up_cls(source=src)
-            other._down = down_cls(source=src)
-        return other
+def _launch(kernel, grid: tuple[int, int], threads: int, args, arg_types, stream: int,
+            cluster: int = 1, pdl: bool = False) -> None:
+    import cuda.bindings.driver as cbd
+
+    func = kernel.load_cubin()
+    cfg = cbd.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid[0], grid[1], 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+    cfg.hStream = stream
+    attrs = []
+    if cluster > 1:
+        attr = cbd.CUlaunchAttribute()
+        attr.id = cbd.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+        attrs.append(attr)
+    if pdl:
+        attr = cbd.CUlaunchAttribute()
+        attr.id = cbd.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    cfg.attrs, cfg.numAttrs = attrs, len(attrs)
+    (err,) = cbd.cuLaunchKernelEx(cfg, func, (args, arg_types), 0)
+    if err != cbd.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{kernel.name} launch failed: {err}")
+
+
+def _clamp_flag(clamp: str) -> int:
+    from vllm_ling.ops.moe import _CLAMP_MODES, CLAMP_GATE_OUTPUT
+
+    if clamp not in _CLAMP_MODES:
+        raise ValueError(f"clamp must be one of {_CLAMP_MODES}, got {clamp!r}")
+    return int(clamp == CLAMP_GATE_OUTPUT)
+
+
+def _limit(swiglu_limit: float | None) -> tuple[float, int]:
+    from vllm_ling.ops.moe import _effective_limit
+
+    limit = _effective_limit(swiglu_limit)
+    return (0.0, 0) if limit is None else (float(limit), 1)
+
+
+class _TwoKernelDecode:
+    """Shared forward of both decode variants: gate_up (+SwiGLU) then down (+top-k sum)."""
+
+    hidden_size: int
+    intermediate_size: int
+    top_k: int
 
     def _check(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
         H, K = self.hidden_size, self.top_k
@@ -728,33 +720,24 @@ class FusedDecodeMxfp4Experts:
                 swiglu_limit: float | None = None) -> torch.Tensor:
         """SwiGLU(x @ w13[e].T) per assignment: BF16 [T * top_k, I] (row = token * k + slot)."""
         self._check(x, topk_ids)
-        T, I, K = x.shape[0], self.intermediate_size, self.top_k
         x = x.contiguous()
         if x.data_ptr() % 16:
             x = x.clone()
         ids = topk_ids.to(torch.int32).contiguous()
-        act = torch.empty(T * K, I, dtype=torch.bfloat16, device=x.device)
-        if T:
-            has_limit = swiglu_limit is not None and swiglu_limit > 0
-            self._launch(self._gate_up, (I // TILE_ROWS, T * K), self.config.k_split_gate_up * 32,
-                         (self.w13.data_ptr(), self.s13.data_ptr(), x.data_ptr(), ids.data_ptr(),
-                          act.data_ptr(), float(swiglu_limit) if has_limit else 0.0, int(has_limit)),
-                         _GATE_UP_ARGS, torch.cuda.current_stream(x.device).cuda_stream, pdl=False)
+        act = torch.empty(x.shape[0] * self.top_k, self.intermediate_size, dtype=torch.bfloat16,
+                          device=x.device)
+        if x.shape[0]:
+            self._launch_gate_up(x, ids, act, *_limit(swiglu_limit),
+                                 torch.cuda.current_stream(x.device).cuda_stream)
         return act
 
-    def down(self, act: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor) -> torch.Tensor:
-        """sum_slot topk_weights * (act @ w2[e].T): BF16 [T, H]."""
-        T, H, K = topk_ids.shape[0], self.hidden_size, self.top_k
+    def down(self, act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """sum over slots of topk_weights * (act @ w2[e].T): BF16 [T, H]."""
         ids = topk_ids.to(torch.int32).contiguous()
         w = topk_weights.to(torch.float32).contiguous()
-        out = torch.empty(T, H, dtype=torch.bfloat16, device=act.device)
-        if T:
-            self._launch(self._down, (H // TILE_ROWS, T), K * self.config.k_split_down * 32,
-                         (self.w2.data_ptr(), self.s2.data_ptr(), act.data_ptr(), ids.data_ptr(),
-                          w.data_ptr(), out.data_ptr()),
-                         _DOWN_ARGS, torch.cuda.current_stream(act.device).cuda_stream,
-                         pdl=self.use_pdl)
+        out = torch.empty(ids.shape[0], self.hidden_size, dtype=torch.bfloat16, device=act.device)
+        if ids.shape[0]:
+            self._launch_down(act, w, ids, out, torch.cuda.current_stream(act.device).cuda_stream)
         return out
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -766,7 +749,76 @@ class FusedDecodeMxfp4Experts:
 
 
 # ---------------------------------------------------------------------------------------
-# Decode kernels on humming's transformed tensors
+# Variant 1: vllm-ling's own packed copy of the weights
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PackedDecodeConfig:
+    """Launch shape of the packed-layout kernels (benchmark levers)."""
+
+    k_split_gate_up: int = 8   # warps per gate_up CTA, each owns H/64/k_split chunks
+    k_split_down: int = 1      # warps per slot in a down CTA
+    min_blocks_gate_up: int = 3
+    min_blocks_down: int = 2
+    use_pdl: bool = True
+
+
+class PackedLayoutDecode(_TwoKernelDecode):
+    """Routed MXFP4 experts for decode-sized batches on a packed copy of the weights made for
+    GEMV (:func:`pack_gate_up` / :func:`pack_down`: each lane's 16 bytes are its MMA
+    fragments of 16 rows x 64 k; 8 codes decode in 9 integer instructions).
+
+    The copy is as large as the checkpoint's expert weights; humming keeps its own copy for
+    larger batches, so this doubles the routed-expert memory (the ``copy`` decode mode).
+    Inputs are vLLM-layout tensors (uint8 codes [E, 2I, H/2] / [E, H, I/2], E8M0 scales).
+    """
+
+    def __init__(self, w13_weight: torch.Tensor, w13_weight_scale: torch.Tensor,
+                 w2_weight: torch.Tensor, w2_weight_scale: torch.Tensor, *, top_k: int,
+                 clamp: str = "gate_input", config: PackedDecodeConfig | None = None):
+        if w13_weight.device.type != "cuda":
+            raise ValueError(f"expert weights must be on a CUDA device, got {w13_weight.device}")
+        E, H, I = _check_shapes(w13_weight, w13_weight_scale, w2_weight, w2_weight_scale)
+        self.num_experts, self.hidden_size, self.intermediate_size, self.top_k = E, H, I, top_k
+        self.device, self.clamp = w13_weight.device, clamp
+        self.w13, self.s13 = pack_gate_up(w13_weight, w13_weight_scale)
+        self.w2, self.s2 = pack_down(w2_weight, w2_weight_scale)
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.w13, self.s13, self.w2, self.s2))
+        self._build(config or PackedDecodeConfig())
+
+    def _build(self, config: PackedDecodeConfig) -> None:
+        self.config = config
+        self.use_pdl = config.use_pdl and torch.cuda.get_device_capability(self.device)[0] >= 9
+        src = (_defines(H_=self.hidden_size, I_=self.intermediate_size, TOPK=self.top_k,
+                        KS_A=config.k_split_gate_up, KS_B=config.k_split_down,
+                        MINB_A=config.min_blocks_gate_up, MINB_B=config.min_blocks_down,
+                        CLAMP_GATE_OUTPUT=_clamp_flag(self.clamp))
+               + _HELPERS + _OWN_LAYOUT_KERNELS)
+        self._gate_up = _kernel("ling_moe_decode_gate_up", src, self.device)
+        self._down = _kernel("ling_moe_decode_down", src, self.device)
+
+    def with_config(self, config: PackedDecodeConfig) -> "PackedLayoutDecode":
+        """The same packed weights with other launch shapes (benchmark levers)."""
+        other = object.__new__(PackedLayoutDecode)
+        other.__dict__.update(self.__dict__)
+        other._build(config)
+        return other
+
+    def _launch_gate_up(self, x, ids, act, limit, has_limit, stream):
+        c = self.config
+        _launch(self._gate_up, (self.intermediate_size // TILE_ROWS, ids.numel()), c.k_split_gate_up * 32,
+                (self.w13.data_ptr(), self.s13.data_ptr(), x.data_ptr(), ids.data_ptr(),
+                 act.data_ptr(), limit, has_limit), _ARGS_GATE_UP, stream)
+
+    def _launch_down(self, act, w, ids, out, stream):
+        _launch(self._down, (self.hidden_size // TILE_ROWS, ids.shape[0]),
+                self.top_k * self.config.k_split_down * 32,
+                (self.w2.data_ptr(), self.s2.data_ptr(), act.data_ptr(), ids.data_ptr(),
+                 w.data_ptr(), out.data_ptr()), _ARGS_DOWN, stream, pdl=self.use_pdl)
+
+
+# ---------------------------------------------------------------------------------------
+# Variant 2 (default): humming's own transformed weights, no copy
 # ---------------------------------------------------------------------------------------
 
 def humming_layout_positions(device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -812,8 +864,8 @@ def hl_decode_emulated(words: torch.Tensor) -> torch.Tensor:
     the CUDA kernels' rotations and masks."""
     q = words.to(torch.int64) & 0xFFFFFFFF
     s_m, m_m = 0x80008000, 0x01C001C0
-    pairs = [(_rotl(q, 12) & s_m) | (_rotl(q, 6) & m_m), (_rotl(q, 8) & s_m) | (_rotl(q, 2) & m_m),
-             (_rotl(q, 4) & s_m) | (_rotl(q, 30) & m_m), (q & s_m) | (_rotl(q, 26) & m_m)]
+    pairs = [((q << 12) & s_m) | ((q << 6) & m_m), ((q << 8) & s_m) | ((q << 2) & m_m),
+             ((q << 4) & s_m) | ((q >> 2) & m_m), (q & s_m) | ((q >> 6) & m_m)]
     bits = torch.stack(pairs, dim=-1)
     halves = torch.stack((bits & 0xFFFF, bits >> 16), dim=-1)
     return (halves << 16).to(torch.int32).view(torch.float32).double().mul(2.0 ** 126).float()
@@ -823,172 +875,118 @@ def hl_decode_emulated(words: torch.Tensor) -> torch.Tensor:
 class HummingDecodeConfig:
     """Launch shapes of the decode kernels on humming's layout (benchmark levers).
     gate_up: groups_per_warp * warps_per_matrix * cluster == hidden / 32;
-    down: groups_per_warp_down * warps_down == intermediate / 32 (cluster = top_k)."""
+    down: groups_per_warp_down divides intermediate / 32 (cluster = top_k)."""
 
     groups_per_warp: int = 4
     warps_per_matrix: int = 5
     cluster: int = 4
     min_blocks_gate_up: int = 3
-    groups_per_warp_down: int = 2
-    min_blocks_down: int = 2
+    groups_per_warp_down: int = 4
+    min_blocks_down: int = 4
     use_pdl: bool = True
 
 
-def default_humming_decode_config(hidden: int, intermediate: int) -> HummingDecodeConfig | None:
-    """A valid launch shape for these sizes (Ling's 2560/768 gets 4 x 5 x 4 and 2 x 12)."""
+def default_humming_decode_configs(hidden: int, intermediate: int) -> dict[str, HummingDecodeConfig] | None:
+    """Launch shapes for 1 token ("one") and for more ("many"), or None if none divides
+    these sizes. Ling (2560 / 768) gets the shapes measured fastest on the H200
+    (benchmarks/results/moe_decode_h200.md): 1 token 2 groups/warp x 5 warps x cluster
+    8 and 3 groups/warp down; more tokens 4 x 5 x 4 and 4 groups/warp down."""
     g1, g2 = hidden // 32, intermediate // 32
-    gate_up = next(((gpw, g1 // (gpw * cl), cl) for cl in (4, 2, 5, 8, 1) for gpw in (4, 2, 5, 3, 1)
-                    if g1 % (gpw * cl) == 0 and 1 <= g1 // (gpw * cl) <= 8), None)
-    down = next((gpw for gpw in (2, 3, 1, 4) if g2 % gpw == 0 and g2 // gpw <= 16), None)
-    if gate_up is None or down is None:
+
+    def gate_up(prefs):
+        return next(((gpw, g1 // (gpw * cl), cl) for cl, gpw in prefs
+                     if g1 % (gpw * cl) == 0 and 1 <= g1 // (gpw * cl) <= 8), None)
+
+    def down(prefs):
+        return next((gpw for gpw in prefs if g2 % gpw == 0 and g2 // gpw <= 16), None)
+
+    fallback = [(cl, gpw) for cl in (4, 2, 8, 1) for gpw in (4, 2, 5, 3, 1)]
+    one, many = gate_up([(8, 2)] + fallback), gate_up([(4, 4)] + fallback)
+    down_one, down_many = down((3, 2, 4, 1)), down((4, 3, 2, 6, 1))
+    if one is None or many is None or down_one is None or down_many is None:
         return None
-    return HummingDecodeConfig(groups_per_warp=gate_up[0], warps_per_matrix=gate_up[1],
-                               cluster=gate_up[2], groups_per_warp_down=down)
+    return {"one": HummingDecodeConfig(groups_per_warp=one[0], warps_per_matrix=one[1], cluster=one[2],
+                                       groups_per_warp_down=down_one, min_blocks_down=2),
+            "many": HummingDecodeConfig(groups_per_warp=many[0], warps_per_matrix=many[1],
+                                        cluster=many[2], groups_per_warp_down=down_many)}
 
 
 def humming_decode_support(experts, top_k: int) -> tuple[bool, str]:
     """Can the decode kernels read this HummingMxfp4Experts' tensors? (reason if not)"""
     if experts.w4a8:
         return False, "W4A8 layer (FP8 activations use humming's fused-scale layout)"
-    if top_k > 8:
-        return False, f"top_k {top_k} > 8 (one cluster CTA per slot, portable cluster size 8)"
+    if not 1 <= top_k <= 8:
+        return False, f"top_k {top_k} outside 1..8 (one cluster CTA per slot, portable cluster size 8)"
     H, I = experts.hidden_size, experts.intermediate_size
     if H % 64 or I % 64:
         return False, f"hidden {H} / intermediate {I} not multiples of 64"
-    major, _ = torch.cuda.get_device_capability(experts.device)
+    major, minor = torch.cuda.get_device_capability(experts.device)
     if major < 9:
-        return False, f"sm_{major}x has no thread-block clusters (needs sm_90+)"
+        return False, f"sm_{major}{minor} has no thread-block clusters (the kernels need sm_90+)"
     for sub, (n, k) in (("w13", (2 * I, H)), ("w2", (H, I))):
         cfg, t = experts.configs[sub], experts.tensors[sub]
-        flags = {name: bool(getattr(cfg, name)) for name in (
-            "use_raw_weight", "use_flat_weight", "use_native_dequant", "use_packed_k_layout",
-            "use_fused_e8m0_scale", "use_ldmatrix_dequant", "use_block_scaled_mma",
-            "should_apply_bs_on_c", "use_int_weight_scale")}
-        odd = [name for name, on in flags.items() if on]
+        odd = [name for name in ("use_raw_weight", "use_flat_weight", "use_native_dequant",
+                                 "use_packed_k_layout", "use_fused_e8m0_scale", "use_ldmatrix_dequant",
+                                 "use_block_scaled_mma", "should_apply_bs_on_c", "use_int_weight_scale")
+               if getattr(cfg, name)]
         if odd or cfg.pad_shape_n or cfg.pad_shape_k or "weight_scale_2" in t:
-            return False, f"{sub}: humming chose another layout ({', '.join(odd) or 'padded/secondary scale'})"
+            return False, f"{sub}: humming chose another layout ({', '.join(odd) or 'padding or a secondary scale'})"
         E = experts.num_experts
         if tuple(t["weight"].shape) != (E, k // 16, 2 * n) or tuple(t["weight_scale"].shape) != (E, k // 32, n):
             return False, (f"{sub}: unexpected humming tensor shapes {tuple(t['weight'].shape)} / "
                            f"{tuple(t['weight_scale'].shape)}")
-    if default_humming_decode_config(H, I) is None:
+    if default_humming_decode_configs(H, I) is None:
         return False, f"no launch shape divides hidden {H} / intermediate {I}"
-    return True, "decode kernels on humming's W4A16 layout"
+    return True, "fused decode kernels on humming's W4A16 layout"
 
 
-def _humming_kernel_classes():
-    global _HL_KERNELS
-    if _HL_KERNELS is None:
-        base = _kernel_classes()[2]
-
-        @dataclasses.dataclass(kw_only=True)
-        class LingHLGateUp(base):
-            name: ClassVar[str] = "ling_moe_hl_gate_up"
-
-        @dataclasses.dataclass(kw_only=True)
-        class LingHLDown(base):
-            name: ClassVar[str] = "ling_moe_hl_down"
-
-        _HL_KERNELS = (LingHLGateUp, LingHLDown)
-    return _HL_KERNELS
-
-
-_HL_KERNELS = None
-
-
-class HummingLayoutDecode:
+class HummingLayoutDecode(_TwoKernelDecode):
     """Decode-sized batches of a :class:`~vllm_ling.ops.moe.HummingMxfp4Experts` layer in two
-    fused kernels that read humming's own transformed weights (no second copy):
-    gate_up + SwiGLU, then down + weighted top-k sum. CUDA-graph capturable."""
+    fused kernels that read humming's own transformed weights (no second copy): gate_up +
+    SwiGLU (a cluster of CTAs splits K and reduces in distributed shared memory), then down
+    + weighted top-k sum (one CTA per top-k slot in a cluster). CUDA-graph capturable."""
 
-    def __init__(self, experts, top_k: int, config: HummingDecodeConfig | None = None):
+    def __init__(self, experts, top_k: int, configs: dict[str, HummingDecodeConfig] | None = None):
         ok, reason = humming_decode_support(experts, top_k)
         if not ok:
             raise ValueError(f"humming-layout decode kernels cannot run: {reason}")
         self.experts, self.top_k = experts, top_k
-        H, I = experts.hidden_size, experts.intermediate_size
-        self.config = config or default_humming_decode_config(H, I)
-        c = self.config
-        if (H // 32) != c.groups_per_warp * c.warps_per_matrix * c.cluster or (I // 32) % c.groups_per_warp_down:
-            raise ValueError(f"launch shape {c} does not divide hidden {H} / intermediate {I}")
-        self.warps_down = (I // 32) // c.groups_per_warp_down
-        src = (_defines(H_=H, I_=I, TOPK=top_k, N1=2 * I, GPW_A=c.groups_per_warp,
-                        WPM_A=c.warps_per_matrix, CL_A=c.cluster, MINB_A=c.min_blocks_gate_up,
-                        GPW_B=c.groups_per_warp_down, WPB=self.warps_down,
-                        MINB_B=c.min_blocks_down) + _HELPERS + _HUMMING_LAYOUT_KERNELS)
-        gate_up_cls, down_cls = _humming_kernel_classes()
-        with torch.cuda.device(experts.device):
-            self._gate_up = gate_up_cls(source=src)
-            self._down = down_cls(source=src)
+        self.hidden_size, self.intermediate_size = experts.hidden_size, experts.intermediate_size
+        self.device = experts.device
         w13, w2 = experts.tensors["w13"], experts.tensors["w2"]
         self._w13, self._s13 = w13["weight"], w13["weight_scale"]
         self._w2, self._s2 = w2["weight"], w2["weight_scale"]
+        self.configs = configs or default_humming_decode_configs(self.hidden_size, self.intermediate_size)
+        self._kernels = {key: self._build(c) for key, c in self.configs.items()}
+
+    def _build(self, c: HummingDecodeConfig):
+        H, I = self.hidden_size, self.intermediate_size
+        if H // 32 != c.groups_per_warp * c.warps_per_matrix * c.cluster or (I // 32) % c.groups_per_warp_down:
+            raise ValueError(f"launch shape {c} does not divide hidden {H} / intermediate {I}")
+        src = (_defines(H_=H, I_=I, TOPK=self.top_k, N1=2 * I, GPW_A=c.groups_per_warp,
+                        WPM_A=c.warps_per_matrix, CL_A=c.cluster, MINB_A=c.min_blocks_gate_up,
+                        GPW_B=c.groups_per_warp_down, WPB=(I // 32) // c.groups_per_warp_down,
+                        MINB_B=c.min_blocks_down, CLAMP_GATE_OUTPUT=_clamp_flag(self.experts.clamp))
+               + _HELPERS + _HUMMING_LAYOUT_KERNELS)
+        return (c, _kernel("ling_moe_hl_gate_up", src, self.device), _kernel("ling_moe_hl_down", src, self.device))
 
     def with_config(self, config: HummingDecodeConfig) -> "HummingLayoutDecode":
-        return HummingLayoutDecode(self.experts, self.top_k, config)
+        """One launch shape for every token count (benchmark levers)."""
+        return HummingLayoutDecode(self.experts, self.top_k, {"one": config, "many": config})
 
-    @staticmethod
-    def _launch(kernel, grid, threads, cluster, pdl, args, arg_types, stream):
-        import cuda.bindings.driver as cbd
+    def _pick(self, num_tokens: int):
+        return self._kernels["one" if num_tokens == 1 else "many"]
 
-        func = kernel.load_cubin()
-        cfg = cbd.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid[0], grid[1], 1
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
-        cfg.hStream = stream
-        attrs = []
-        attr = cbd.CUlaunchAttribute()
-        attr.id = cbd.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
-        attrs.append(attr)
-        if pdl:
-            attr = cbd.CUlaunchAttribute()
-            attr.id = cbd.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            attrs.append(attr)
-        cfg.attrs, cfg.numAttrs = attrs, len(attrs)
-        (err,) = cbd.cuLaunchKernelEx(cfg, func, (args, arg_types), 0)
-        if err != cbd.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"{kernel.name} launch failed: {err}")
+    def _launch_gate_up(self, x, ids, act, limit, has_limit, stream):
+        c, gate_up, _ = self._pick(x.shape[0])
+        _launch(gate_up, (c.cluster * (self.intermediate_size // 64), ids.numel()), 2 * c.warps_per_matrix * 32,
+                (self._w13.data_ptr(), self._s13.data_ptr(), x.data_ptr(), ids.data_ptr(), act.data_ptr(),
+                 limit, has_limit), _ARGS_GATE_UP, stream, cluster=c.cluster)
 
-    def gate_up(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                swiglu_limit: float | None = None) -> torch.Tensor:
-        H, I, K = self.experts.hidden_size, self.experts.intermediate_size, self.top_k
-        T = x.shape[0]
-        x = x.contiguous()
-        ids = topk_ids.to(torch.int32).contiguous()
-        act = torch.empty(T * K, I, dtype=torch.bfloat16, device=x.device)
-        if T:
-            c = self.config
-            has_limit = swiglu_limit is not None and swiglu_limit > 0
-            self._launch(self._gate_up, (c.cluster * (I // 64), T * K), 2 * c.warps_per_matrix * 32,
-                         c.cluster, False,
-                         (self._w13.data_ptr(), self._s13.data_ptr(), x.data_ptr(), ids.data_ptr(),
-                          act.data_ptr(), float(swiglu_limit) if has_limit else 0.0, int(has_limit)),
-                         _GATE_UP_ARGS, torch.cuda.current_stream(x.device).cuda_stream)
-        return act
-
-    def down(self, act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        H, K = self.experts.hidden_size, self.top_k
-        T = topk_ids.shape[0]
-        ids = topk_ids.to(torch.int32).contiguous()
-        w = topk_weights.to(torch.float32).contiguous()
-        out = torch.empty(T, H, dtype=torch.bfloat16, device=act.device)
-        if T:
-            self._launch(self._down, (K * (H // 64), T), self.warps_down * 32, K, self.config.use_pdl,
-                         (self._w2.data_ptr(), self._s2.data_ptr(), act.data_ptr(), ids.data_ptr(),
-                          w.data_ptr(), out.data_ptr()),
-                         _DOWN_ARGS, torch.cuda.current_stream(act.device).cuda_stream)
-        return out
-
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                swiglu_limit: float | None = None) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.experts.hidden_size:
-            raise ValueError(f"hidden states must be bfloat16 [T, {self.experts.hidden_size}], "
-                             f"got {x.dtype} {tuple(x.shape)}")
-        if tuple(topk_ids.shape) != (x.shape[0], self.top_k):
-            raise ValueError(f"topk_ids must be [{x.shape[0]}, {self.top_k}], got {tuple(topk_ids.shape)}")
-        ids = topk_ids.to(torch.int32).contiguous()
-        return self.down(self.gate_up(x, ids, swiglu_limit), topk_weights, ids)
-
-    __call__ = forward
+    def _launch_down(self, act, w, ids, out, stream):
+        c, _, down = self._pick(ids.shape[0])
+        warps = (self.intermediate_size // 32) // c.groups_per_warp_down
+        pdl = c.use_pdl and torch.cuda.get_device_capability(self.device)[0] >= 9
+        _launch(down, (self.top_k * (self.hidden_size // 64), ids.shape[0]), warps * 32,
+                (self._w2.data_ptr(), self._s2.data_ptr(), act.data_ptr(), ids.data_ptr(), w.data_ptr(),
+                 out.data_ptr()), _ARGS_DOWN, stream, cluster=self.top_k, pdl=pdl)

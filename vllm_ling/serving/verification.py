@@ -126,6 +126,20 @@ def check_moe_layers(target, draft, exp: Expectations, config) -> Check:
                  actual, "install humming-kernels 0.1.17 on an sm_75+ GPU, or opt out with VLLM_LING_MOE_BACKEND=vllm")
 
 
+def moe_decode_summary(target, draft) -> tuple[bool, str]:
+    """(every humming MoE layer has its decode kernels, per-status layer counts)."""
+    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
+
+    layers = _routed_expert_layers(target) + (_routed_expert_layers(draft) if draft is not None else [])
+    methods = [m.quant_method for _, m in layers if isinstance(m.quant_method, LingMxfp4MoEMethod)]
+    counts: dict[str, int] = {}
+    for qm in methods:
+        status = qm.decode_status or "not built"
+        counts[status] = counts.get(status, 0) + 1
+    detail = "; ".join(f"{v} x {k}" for k, v in sorted(counts.items())) or "no humming MoE layers"
+    return bool(methods) and all(qm.decode_active for qm in methods), detail
+
+
 def check_head(target, exp: Expectations) -> Check:
     from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
 
@@ -221,6 +235,8 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     moe_active = exp.moe_backend != "vllm" and by_name["moe_layers"].passed
     head_active = exp.fp8_head and by_name["lm_head"].passed
     mtp_active = exp.spec_method == "mtp" and by_name["draft_shares_target_modules"].passed
+    decode_requested = exp.moe_backend == "humming" and options.moe_decode != "off"
+    decode_active, decode_detail = moe_decode_summary(target, draft)
     return {
         "passed": all(c.passed for c in checks),
         "policy": options.verify,
@@ -233,6 +249,10 @@ def build_report(target, draft, vllm_config, options: LingOptions,
                             "active": moe_active and exp.moe_backend == "humming",
                             "detail": by_name["moe_layers"].actual if exp.moe_backend != "vllm"
                             else "opted out (VLLM_LING_MOE_BACKEND=vllm or --moe-backend): vLLM chooses"},
+            # Sub-path of moe_humming: fused kernels for batches <= VLLM_LING_MOE_DECODE_MAX_TOKENS.
+            "moe_decode_kernels": {"requested": decode_requested, "active": decode_requested and decode_active,
+                                   "detail": decode_detail if exp.moe_backend == "humming"
+                                   else "needs the humming MoE backend on CUDA"},
             "fp8_head": {"requested": options.fp8_head, "active": head_active,
                          "detail": by_name["lm_head"].actual},
             "mtp": {"requested": exp.spec_method == "mtp",

@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Fused MXFP4 decode kernels vs humming, one Ling MoE layer (H200).
+"""MoE decode kernels (vllm_ling.ops.moe_decode) vs humming's GEMM, one Ling MoE layer (H200).
 
 Per-layer time of the routed experts for 1, 2, 4, 8 and 16 tokens:
 - "stacked": N distinct layers (own weights, own routing) captured back to back in one CUDA
   graph, time / N -- what a decode step sees; "single": one layer per graph;
-- humming W4A16 (five launches, vllm_ling.ops.moe.HummingMxfp4Experts) and the fused decode
-  kernels (two launches, vllm_ling.ops.moe_decode) with launch-shape variants as levers;
+- humming W4A16 GEMM (five launches, HummingMxfp4Experts with decode="off") and the two-launch
+  decode kernels: on humming's own weights (the default, "humming layout"; "default" = the
+  per-token-count launch shapes the package picks) and on a GEMV-packed copy ("packed copy",
+  VLLM_LING_MOE_DECODE=copy), with launch-shape variants as levers;
 - bytes of weights + scales of the distinct experts touched, the device copy bandwidth
   measured in this run and the fraction of it reached, ratio to humming in this run;
 - the error of both paths against the float32 reference on the same MXFP4 weights.
-Writes benchmarks/results/moe_fused_decode_h200.md. No vLLM import.
+Writes benchmarks/results/moe_decode_h200.md. No vLLM import.
 """
 
 from __future__ import annotations
@@ -28,29 +30,38 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from moe import PER_EXPERT_BYTES, copy_bandwidth_gbs, log, stacked_time_us  # noqa: E402
 
 from vllm_ling.ops import moe  # noqa: E402
-from vllm_ling.ops.moe_decode import (DecodeKernelConfig, FusedDecodeMxfp4Experts,  # noqa: E402
-                                      HummingDecodeConfig, HummingLayoutDecode)
+from vllm_ling.ops.moe_decode import (HummingDecodeConfig, HummingLayoutDecode,  # noqa: E402
+                                      PackedDecodeConfig, PackedLayoutDecode)
 
 E, H, I, K = 512, 2560, 768, 8
 TARGET_US = {1: 20.0, 4: 45.0}
 HL_VARIANTS = {
     "default": HummingDecodeConfig(),
     "no PDL": HummingDecodeConfig(use_pdl=False),
-    "gate_up cluster 8 (2 groups/warp)": HummingDecodeConfig(groups_per_warp=2, cluster=8),
-    "gate_up cluster 2 (5 groups/warp, 8 warps/matrix)": HummingDecodeConfig(
+    "gate_up 2 groups/warp x cluster 8": HummingDecodeConfig(groups_per_warp=2, cluster=8),
+    "gate_up 2 groups/warp x cluster 8 min 4 CTAs/SM": HummingDecodeConfig(
+        groups_per_warp=2, cluster=8, min_blocks_gate_up=4),
+    "gate_up 1 group/warp x 10 warps x cluster 8": HummingDecodeConfig(
+        groups_per_warp=1, warps_per_matrix=10, cluster=8, min_blocks_gate_up=2),
+    "gate_up 5 groups/warp x 8 warps x cluster 2": HummingDecodeConfig(
         groups_per_warp=5, warps_per_matrix=8, cluster=2, min_blocks_gate_up=1),
-    "gate_up min 2 CTAs/SM": HummingDecodeConfig(min_blocks_gate_up=2),
     "down 3 groups/warp": HummingDecodeConfig(groups_per_warp_down=3),
     "down 1 group/warp": HummingDecodeConfig(groups_per_warp_down=1, min_blocks_down=1),
+    "down 4 groups/warp": HummingDecodeConfig(groups_per_warp_down=4, min_blocks_down=4),
+    "down 6 groups/warp": HummingDecodeConfig(groups_per_warp_down=6, min_blocks_down=4),
+    "down 3 groups/warp + gate_up 2 groups/warp x cluster 8": HummingDecodeConfig(
+        groups_per_warp=2, cluster=8, groups_per_warp_down=3),
+    "down 4 groups/warp + gate_up 2 groups/warp x cluster 8": HummingDecodeConfig(
+        groups_per_warp=2, cluster=8, groups_per_warp_down=4, min_blocks_down=4),
 }
 VARIANTS = {
-    "default": DecodeKernelConfig(),
-    "no PDL": DecodeKernelConfig(use_pdl=False),
-    "gate_up 4 warps/CTA": DecodeKernelConfig(k_split_gate_up=4, min_blocks_gate_up=4),
-    "gate_up 10 warps/CTA": DecodeKernelConfig(k_split_gate_up=10, min_blocks_gate_up=2),
-    "gate_up min 2 CTAs/SM": DecodeKernelConfig(min_blocks_gate_up=2),
-    "down 1 warp/slot": DecodeKernelConfig(k_split_down=1, min_blocks_down=2),
-    "down 3 warps/slot": DecodeKernelConfig(k_split_down=3),
+    "default": PackedDecodeConfig(),
+    "no PDL": PackedDecodeConfig(use_pdl=False),
+    "gate_up 4 warps/CTA": PackedDecodeConfig(k_split_gate_up=4, min_blocks_gate_up=4),
+    "gate_up 10 warps/CTA": PackedDecodeConfig(k_split_gate_up=10, min_blocks_gate_up=2),
+    "gate_up min 2 CTAs/SM": PackedDecodeConfig(min_blocks_gate_up=2),
+    "down 2 warps/slot": PackedDecodeConfig(k_split_down=2, min_blocks_down=1),
+    "down 3 warps/slot": PackedDecodeConfig(k_split_down=3),
 }
 
 
@@ -69,15 +80,15 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--hl-variants", default=",".join(HL_VARIANTS))
-    ap.add_argument("--out", default=str(REPO / "benchmarks/results/moe_fused_decode_h200.md"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks/results/moe_decode_h200.md"))
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth_gbs(dev)
     log(f"copy bandwidth {bw:,.0f} GB/s; building {args.layers} layers")
     raw = [moe.random_mxfp4_experts(E, H, I, dev, seed=i) for i in range(args.layers)]
-    fused = [FusedDecodeMxfp4Experts(**t, top_k=K) for t in raw]
-    humming = [moe.HummingMxfp4Experts(**t) for t in raw]
+    fused = [PackedLayoutDecode(**t, top_k=K) for t in raw]
+    humming = [moe.HummingMxfp4Experts(**t, decode="off") for t in raw]
     hl = [HummingLayoutDecode(h, K) for h in humming]
     ref_tensors = raw[0]
     del raw
@@ -100,14 +111,14 @@ def main() -> int:
         rows.append(("humming W4A16", T, h_si, h_st, touched))
         for name in variants:
             layers = fused if name == "default" else [f.with_config(VARIANTS[name]) for f in fused]
-            rows.append((f"fused decode (own layout), {name}", T, single(layers[0]), stacked(layers), touched))
+            rows.append((f"decode kernels, packed copy, {name}", T, single(layers[0]), stacked(layers), touched))
             log(f"T={T} {name}: {rows[-1][3]:.1f} us/layer stacked (humming {h_st:.1f})")
         for name in hl_variants:
             layers = hl if name == "default" else [d.with_config(HL_VARIANTS[name]) for d in hl]
-            rows.append((f"humming-layout decode, {name}", T, single(layers[0]), stacked(layers), touched))
+            rows.append((f"decode kernels, humming layout, {name}", T, single(layers[0]), stacked(layers), touched))
             log(f"T={T} humming layout {name}: {rows[-1][3]:.1f} us/layer stacked (humming {h_st:.1f})")
         # each fused kernel alone (stacked), default configs
-        for label, impl in (("own layout", fused), ("humming layout", hl)):
+        for label, impl in (("packed copy", fused), ("humming layout", hl)):
             acts = [f.gate_up(x, ids) for f, (x, _, ids) in zip(impl, inputs)]
             gu = stacked_time_us([functools.partial(f.gate_up, x, ids) for f, (x, _, ids) in zip(impl, inputs)],
                                  args.iters)
@@ -118,10 +129,10 @@ def main() -> int:
         ref = moe.experts_reference(x, ref_tensors["w13_weight"], ref_tensors["w2_weight"], w, ids, None,
                                     w13_scale=ref_tensors["w13_weight_scale"],
                                     w2_scale=ref_tensors["w2_weight_scale"])
-        for label, layer in (("humming W4A16", humming[0]), ("fused decode, own layout", fused[0]),
-                             ("humming-layout decode", hl[0])):
+        for label, layer in (("humming W4A16", humming[0]), ("decode kernels, packed copy", fused[0]),
+                             ("decode kernels, humming layout", hl[0])):
             errors.append((label, T, ((layer(x, w, ids).float() - ref).norm() / ref.norm()).item()))
-    lines = ["# Fused MXFP4 decode kernels vs humming, one Ling MoE layer (H200)", "",
+    lines = ["# MoE decode kernels vs humming's GEMM, one Ling MoE layer (H200)", "",
              f"512 experts, top-8, hidden 2560, intermediate 768, MXFP4 weights, BF16 activations, routed experts "
              f"only. Copy bandwidth measured in this run: **{bw:,.0f} GB/s**. CUDA-graph medians ({args.iters} "
              f"replays); 'stacked' = {args.layers} distinct layers in one graph, time / {args.layers}; 'single' = "
