@@ -8,7 +8,7 @@ documented default; a malformed value is an error naming the variable.
 |---|---|---|
 | VLLM_LING_MOE_BACKEND | humming | ``humming``: our Humming MXFP4 MoE (reference path on CPU); ``vllm``: opt out, vLLM picks (logged at WARNING, reported) |
 | VLLM_LING_MOE_DECODE | auto | batches of at most VLLM_LING_MOE_DECODE_MAX_TOKENS tokens: ``auto`` fused decode kernels on humming's weights where they run (sm_90+, W4A16; otherwise logged at WARNING and reported), ``copy`` on a second GEMV-packed copy of the experts (fastest, twice the expert memory), ``off`` humming's GEMM always |
-| VLLM_LING_MOE_DECODE_MAX_TOKENS | 8 | largest batch (tokens) that takes the decode kernels |
+| VLLM_LING_MOE_DECODE_MAX_TOKENS | 16 | largest batch (tokens) that takes the decode kernels |
 | VLLM_LING_MOE_W4A8 | 0 | ``1``: humming MoE with FP8 e4m3 per-token activations (the study's "W4A8"; sm_89+, an error elsewhere) |
 | VLLM_LING_FP8_HEAD | 1 | FP8 online-quantized target LM head; ``0`` opts out (BF16 head) |
 | VLLM_LING_MTP | 1 | default NEXTN MTP speculation when the user gives no speculative config; ``0`` off |
@@ -91,7 +91,7 @@ class LingOptions:
     moe_backend: str = "humming"
     moe_w4a8: bool = False
     moe_decode: str = "auto"
-    moe_decode_max_tokens: int = 8
+    moe_decode_max_tokens: int = 16
     fp8_head: bool = True
     mtp: bool = True
     num_spec_tokens: int = 3
@@ -104,7 +104,7 @@ class LingOptions:
             moe_backend=_choice("VLLM_LING_MOE_BACKEND", "humming", MOE_BACKENDS),
             moe_w4a8=_bool("VLLM_LING_MOE_W4A8", False),
             moe_decode=_choice("VLLM_LING_MOE_DECODE", "auto", MOE_DECODE_MODES),
-            moe_decode_max_tokens=_int("VLLM_LING_MOE_DECODE_MAX_TOKENS", 8, 0),
+            moe_decode_max_tokens=_int("VLLM_LING_MOE_DECODE_MAX_TOKENS", 16, 0),
             fp8_head=_bool("VLLM_LING_FP8_HEAD", True),
             mtp=_bool("VLLM_LING_MTP", True),
             num_spec_tokens=_int("VLLM_LING_NUM_SPEC_TOKENS", 3, 1),

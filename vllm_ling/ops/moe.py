@@ -53,10 +53,10 @@ CLAMP_GATE_OUTPUT = "gate_output"  # vLLM SwigluStepAndMul (shared expert): min(
 ROUTED_EXPERT_CLAMP = CLAMP_GATE_INPUT
 # Decode kernels for small batches (vllm_ling.ops.moe_decode): "auto" runs them on humming's
 # own weights where supported, "copy" on a second GEMV-packed copy (faster, 2x expert memory),
-# "off" never. Up to DEFAULT_DECODE_MAX_TOKENS tokens they beat humming's GEMM on the H200.
+# "off" never. Up to 16 tokens they beat humming's GEMM on the H200 (benchmarks/results/moe_decode_h200.md).
 DECODE_AUTO, DECODE_COPY, DECODE_OFF = "auto", "copy", "off"
 DECODE_MODES = (DECODE_AUTO, DECODE_COPY, DECODE_OFF)
-DEFAULT_DECODE_MAX_TOKENS = 8
+DEFAULT_DECODE_MAX_TOKENS = 16
 SHARED_EXPERT_CLAMP = CLAMP_GATE_OUTPUT
 _CLAMP_MODES = (CLAMP_GATE_INPUT, CLAMP_GATE_OUTPUT)
 
@@ -696,7 +696,7 @@ class HummingMxfp4Experts:
             self.decode_status = f"unavailable: {reason}"
             log_once(logger, logging.WARNING, f"moe-decode-off-{reason}",
                      "MoE decode kernels unavailable (%s): batches <= %d tokens run humming's "
-                     "indexed GEMM, ~1.3-1.9x slower per layer at 1-4 tokens on an H200.",
+                     "indexed GEMM, 1.3-1.8x slower per layer at 1-4 tokens on an H200.",
                      reason, self.decode_max_tokens)
             return None
         decoder = moe_decode.HummingLayoutDecode(self, top_k)
