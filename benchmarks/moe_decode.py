@@ -53,6 +53,10 @@ HL_VARIANTS = {
         groups_per_warp=2, cluster=8, groups_per_warp_down=3),
     "down 4 groups/warp + gate_up 2 groups/warp x cluster 8": HummingDecodeConfig(
         groups_per_warp=2, cluster=8, groups_per_warp_down=4, min_blocks_down=4),
+    "down 4 groups/warp + gate_up 2 groups/warp x cluster 8 min 4 CTAs/SM": HummingDecodeConfig(
+        groups_per_warp=2, cluster=8, min_blocks_gate_up=4, groups_per_warp_down=4, min_blocks_down=4),
+    "gate_up 5 groups/warp x 16 warps no cluster": HummingDecodeConfig(
+        groups_per_warp=5, warps_per_matrix=16, cluster=1, min_blocks_gate_up=1),
 }
 VARIANTS = {
     "default": PackedDecodeConfig(),
@@ -63,6 +67,9 @@ VARIANTS = {
     "down 2 warps/slot": PackedDecodeConfig(k_split_down=2, min_blocks_down=1),
     "down 3 warps/slot": PackedDecodeConfig(k_split_down=3),
 }
+
+
+assert not any("," in name for name in (*HL_VARIANTS, *VARIANTS)), "--variants splits names on commas"
 
 
 def routing(T: int, seed: int, dev):

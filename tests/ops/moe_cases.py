@@ -1,4 +1,4 @@
-"""Routings and hidden states shared by the GPU MoE tests (humming and the Triton decode path)."""
+"""Routings and hidden states shared by the GPU MoE tests (humming GEMM and decode kernels)."""
 
 from __future__ import annotations
 
