@@ -18,7 +18,7 @@ from vllm_ling.ops import moe
 
 import moe_cases  # tests/ops/moe_cases.py
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]  # weights: tests/ops/conftest.py
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
@@ -31,19 +31,6 @@ from vllm_ling.ops import moe_decode  # noqa: E402
 E, H, I, TOP_K = 512, 2560, 768, 8
 TOL = 1e-2
 DEV = torch.device("cuda")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return moe.random_mxfp4_experts(E, H, I, device=DEV, seed=1234)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from vllm_ling.ops import moe
 
 import moe_cases  # tests/ops/moe_cases.py
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]  # weights: tests/ops/conftest.py
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
@@ -37,19 +37,6 @@ TOL_W4A16 = 1e-2
 TOL_W4A8_SIM = 3e-2
 TOL_W4A8_FP32 = 1e-1
 DEV = torch.device("cuda")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return moe.random_mxfp4_experts(E, H, I, device=DEV, seed=1234)
 
 
 @pytest.fixture(scope="module")
