@@ -38,7 +38,6 @@ TARGET_US = {1: 20.0, 4: 45.0}
 HL_VARIANTS = {
     "default": HummingDecodeConfig(),
     "no PDL": HummingDecodeConfig(use_pdl=False),
-    "no L2 prefetch of the down weights": HummingDecodeConfig(prefetch_down=False),
     "gate_up 2 groups/warp x cluster 8": HummingDecodeConfig(groups_per_warp=2, cluster=8),
     "gate_up 2 groups/warp x cluster 8 min 4 CTAs/SM": HummingDecodeConfig(
         groups_per_warp=2, cluster=8, min_blocks_gate_up=4),

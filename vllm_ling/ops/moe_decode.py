@@ -443,29 +443,6 @@ ling_moe_decode_down(const uint4* __restrict__ w2, const u32* __restrict__ s2,
 # a cluster of CL CTAs splits K (gate_up) or the top-k slots (down) and reduces through
 # distributed shared memory into its rank-0 CTA.
 _HUMMING_LAYOUT_KERNELS = r"""
-// gate_up's weights are read once: evict them first, so the down weights prefetched below stay
-__device__ __forceinline__ uint4 ld_stream_evict_first(const uint4* p, u64 policy) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
-  return r;
-}
-
-__device__ __forceinline__ u64 evict_first_policy() {
-  u64 policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
-// while gate_up streams its weights, pull this assignment's down weights and scales into L2
-// (the down kernel then reads them from L2 instead of HBM): the CTAs of one assignment split
-// the expert's contiguous down region in 128-byte lines
-__device__ __forceinline__ void prefetch_l2(const char* base, long long bytes) {
-  const long long step = (long long)gridDim.x * blockDim.x * 128;
-  for (long long off = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 128; off < bytes; off += step)
-    asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(base + off));
-}
-
 __device__ __forceinline__ void hl_decode(u32 q, u32 (&a)[4]) {
   // nibble pair (p, p + 4) -> BF16x2 worth v * 2**-126 (sign to 15/31, e1 e0 m to 8..6 / 24..22).
   // Plain shifts (no wrap is needed): the left shifts can go to the FMA pipe (IMAD.SHL), which
@@ -529,8 +506,7 @@ __device__ __forceinline__ void hl_group_mma(const uint4 w0, const uint4 w1, con
 extern "C" __global__ void __launch_bounds__(2 * WPM_A * 32, MINB_A)
 ling_moe_hl_gate_up(const uint4* __restrict__ w13, const u64* __restrict__ s13,
                     const u32* __restrict__ x, const int* __restrict__ topk_ids,
-                    u16* __restrict__ act, float limit, int has_limit,
-                    const char* __restrict__ w2, const char* __restrict__ s2) {
+                    u16* __restrict__ act, float limit, int has_limit) {
   const int rank = (int)cluster_rank();
   const int blk = blockIdx.x / CL_A, a = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -540,19 +516,12 @@ ling_moe_hl_gate_up(const uint4* __restrict__ w13, const u64* __restrict__ s13,
   const long long e = topk_ids[a];
   uint4 w[GPW_A][2];
   u64 sc[GPW_A];
-  const u64 policy = evict_first_policy();
 #pragma unroll
   for (int i = 0; i < GPW_A; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      w[i][h] = ld_stream_evict_first(
-          w13 + (e * (H_ / 16) + 2 * (G0 + i) + h) * (N1 / 2) + 32 * nblk + lane, policy);
+      w[i][h] = ld_stream(w13 + (e * (H_ / 16) + 2 * (G0 + i) + h) * (N1 / 2) + 32 * nblk + lane);
     sc[i] = s13[((e * (H_ / 32) + G0 + i) * N1 + 64 * nblk + 8 * g) / 8];
-  }
-  if (PREFETCH_DOWN) {
-    const long long w2_bytes = (long long)(I_ / 16) * 2 * H_ * 4, s2_bytes = (long long)(I_ / 32) * H_;
-    prefetch_l2(w2 + e * w2_bytes, w2_bytes);
-    prefetch_l2(s2 + e * s2_bytes, s2_bytes);
   }
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");
@@ -664,7 +633,6 @@ def _defines(**values: int) -> str:
 _ARGS_GATE_UP = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                  ctypes.c_void_p, ctypes.c_float, ctypes.c_int)
 _ARGS_DOWN = (ctypes.c_void_p,) * 6
-_ARGS_HL_GATE_UP = _ARGS_GATE_UP + (ctypes.c_void_p, ctypes.c_void_p)
 _KERNEL_NAMES = ("ling_moe_decode_gate_up", "ling_moe_decode_down",
                  "ling_moe_hl_gate_up", "ling_moe_hl_down")
 _KERNEL_CLASSES: dict[str, type] = {}
@@ -916,7 +884,6 @@ class HummingDecodeConfig:
     groups_per_warp_down: int = 4
     min_blocks_down: int = 4
     use_pdl: bool = True
-    prefetch_down: bool = True  # gate_up prefetches each assignment's down weights into L2
 
 
 def default_humming_decode_configs(hidden: int, intermediate: int) -> dict[str, HummingDecodeConfig] | None:
@@ -999,8 +966,7 @@ class HummingLayoutDecode(_TwoKernelDecode):
         src = (_defines(H_=H, I_=I, TOPK=self.top_k, N1=2 * I, GPW_A=c.groups_per_warp,
                         WPM_A=c.warps_per_matrix, CL_A=c.cluster, MINB_A=c.min_blocks_gate_up,
                         GPW_B=c.groups_per_warp_down, WPB=(I // 32) // c.groups_per_warp_down,
-                        MINB_B=c.min_blocks_down, CLAMP_GATE_OUTPUT=_clamp_flag(self.experts.clamp),
-                        PREFETCH_DOWN=c.prefetch_down)
+                        MINB_B=c.min_blocks_down, CLAMP_GATE_OUTPUT=_clamp_flag(self.experts.clamp))
                + _HELPERS + _HUMMING_LAYOUT_KERNELS)
         return (c, _kernel("ling_moe_hl_gate_up", src, self.device), _kernel("ling_moe_hl_down", src, self.device))
 
@@ -1015,8 +981,7 @@ class HummingLayoutDecode(_TwoKernelDecode):
         c, gate_up, _ = self._pick(x.shape[0])
         _launch(gate_up, (c.cluster * (self.intermediate_size // 64), ids.numel()), 2 * c.warps_per_matrix * 32,
                 (self._w13.data_ptr(), self._s13.data_ptr(), x.data_ptr(), ids.data_ptr(), act.data_ptr(),
-                 limit, has_limit, self._w2.data_ptr(), self._s2.data_ptr()), _ARGS_HL_GATE_UP, stream,
-                cluster=c.cluster)
+                 limit, has_limit), _ARGS_GATE_UP, stream, cluster=c.cluster)
 
     def _launch_down(self, act, w, ids, out, stream):
         c, _, down = self._pick(ids.shape[0])
