@@ -1,8 +1,13 @@
-"""Routings and hidden states shared by the GPU MoE tests (humming GEMM and decode kernels)."""
+"""Routings, hidden states and fixtures shared by the GPU MoE tests (humming GEMM and decode
+kernels). Test modules import the fixtures by name (``from moe_cases import no_tf32, weights``):
+a tests/ops/conftest.py would shadow the top-level ``conftest`` other tests import from."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+LING_E, LING_H, LING_I = 512, 2560, 768
 
 
 def routing(kind: str, T: int, seed: int, device, num_experts: int, top_k: int):
@@ -29,3 +34,20 @@ def routing(kind: str, T: int, seed: int, device, num_experts: int, top_k: int):
 def hidden(T: int, seed: int, hidden_size: int, device, scale: float = 1.0):
     g = torch.Generator(device=device).manual_seed(seed)
     return (torch.randn(T, hidden_size, device=device, generator=g) * scale).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def no_tf32():
+    """The float32 references must not run their matmuls in TF32."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """Random MXFP4 routed experts at Ling shapes in vLLM's layout, on the GPU."""
+    from vllm_ling.ops import moe
+
+    return moe.random_mxfp4_experts(LING_E, LING_H, LING_I, device=torch.device("cuda"), seed=1234)

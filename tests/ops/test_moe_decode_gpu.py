@@ -17,8 +17,9 @@ import torch
 from vllm_ling.ops import moe
 
 import moe_cases  # tests/ops/moe_cases.py
+from moe_cases import no_tf32, weights  # noqa: F401  (fixtures)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]  # weights: tests/ops/conftest.py
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
