@@ -150,3 +150,28 @@ def test_decode_options_reach_the_method(loaded_tiny_models, monkeypatch):
     assert isinstance(method, LingMxfp4MoEMethod) and method.backend == HUMMING
     assert (method.decode, method.decode_max_tokens) == ("copy", 4)
     assert method.decode_status is None and not method.decode_active  # nothing built before loading
+
+
+def test_packed_copy_that_cannot_run_is_refused_before_loading(loaded_tiny_models, monkeypatch):
+    """An explicit VLLM_LING_MOE_DECODE=copy is refused (naming the option) where it cannot run:
+    on the CPU platform, with W4A8, or with sizes the kernels cannot tile."""
+    from vllm.platforms import current_platform
+
+    from vllm_ling.layers.moe_method import HummingUnavailable, choose_moe_method
+    from vllm_ling.ops import moe as moe_ops
+
+    _, target, _ = loaded_tiny_models
+    layer = target.model.layers[2].mlp.experts.routed_experts
+    prefix = "model.layers.2.mlp.experts"
+    with pytest.raises(HummingUnavailable, match="VLLM_LING_MOE_DECODE=copy cannot run .*CPU platform"):
+        choose_moe_method(layer, prefix, "humming", decode="copy")
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(moe_ops, "humming_status", lambda w4a8=False: (True, "pretend"))
+    with pytest.raises(HummingUnavailable, match="copy cannot run .*VLLM_LING_MOE_W4A8=1"):
+        choose_moe_method(layer, prefix, "humming", w4a8=True, decode="copy")
+    cfg = layer.moe_config
+    if cfg.hidden_dim % 64 == 0 and cfg.intermediate_size_per_partition % 64 == 0:
+        monkeypatch.setattr(cfg, "intermediate_size_per_partition", cfg.intermediate_size_per_partition + 32)
+    with pytest.raises(HummingUnavailable, match="not multiples of 64.*VLLM_LING_MOE_DECODE=auto"):
+        choose_moe_method(layer, prefix, "humming", decode="copy")
+    assert choose_moe_method(layer, prefix, "humming", decode="auto") is not None  # auto: best effort

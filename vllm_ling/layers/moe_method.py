@@ -104,10 +104,12 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
                 top_k=layer.moe_config.experts_per_token, decode=self.decode,
                 decode_max_tokens=self.decode_max_tokens)
         except Exception as exc:
+            hint = (" (or drop the packed copy: VLLM_LING_MOE_DECODE=auto)"
+                    if self.decode == moe_ops.DECODE_COPY else "")
             raise HummingUnavailable(
                 f"humming could not prepare the MXFP4 experts of {getattr(layer, 'layer_name', layer)}: "
                 f"{exc}. Fix the humming install/GPU, or opt out explicitly with "
-                "VLLM_LING_MOE_BACKEND=vllm") from exc
+                f"VLLM_LING_MOE_BACKEND=vllm{hint}") from exc
         # humming holds its own transformed copy; drop the checkpoint-layout tensors.
         for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"):
             getattr(layer, name).data = torch.empty(0, dtype=torch.uint8,
@@ -141,6 +143,8 @@ def choose_moe_method(layer, prefix: str, moe_backend_option: str, w4a8: bool = 
                  "Humming MoE is OFF by explicit choice (%s): vLLM selects the MXFP4 MoE "
                  "backend; the startup report marks moe_humming inactive.", reason)
         return None
+    if decode == moe_ops.DECODE_COPY:
+        _check_packed_copy_request(layer.moe_config, prefix, w4a8, current_platform.is_cpu())
     if current_platform.is_cpu():
         if w4a8:
             raise HummingUnavailable("VLLM_LING_MOE_W4A8=1 needs humming on an sm_89+ GPU; the CPU "
@@ -157,3 +161,19 @@ def choose_moe_method(layer, prefix: str, moe_backend_option: str, w4a8: bool = 
             "VLLM_LING_MOE_BACKEND=vllm (or vLLM's --moe-backend).")
     return LingMxfp4MoEMethod(layer.moe_config, HUMMING, w4a8=w4a8, decode=decode,
                               decode_max_tokens=decode_max_tokens)
+
+
+def _check_packed_copy_request(moe_config, prefix: str, w4a8: bool, on_cpu: bool) -> None:
+    """VLLM_LING_MOE_DECODE=copy is an explicit request: refuse it before weights load where it
+    cannot run instead of silently serving without it."""
+    hidden, inter = moe_config.hidden_dim, moe_config.intermediate_size_per_partition
+    why = None
+    if on_cpu:
+        why = "the CPU platform runs the plain-PyTorch reference (the decode kernels are CUDA-only)"
+    elif w4a8:
+        why = "the packed-copy kernels use BF16 activations and VLLM_LING_MOE_W4A8=1 asks for FP8"
+    elif hidden % 64 or inter % 64:
+        why = f"hidden {hidden} / expert intermediate {inter} per GPU are not multiples of 64"
+    if why is not None:
+        raise HummingUnavailable(f"VLLM_LING_MOE_DECODE=copy cannot run for {prefix}: {why}. "
+                                 "Use VLLM_LING_MOE_DECODE=auto (or off).")
