@@ -34,35 +34,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_ling.ops import lm_head as L  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import stacked_time_us  # noqa: E402
+
 MARGIN = 0.25
 
 
 def cuda_graph_us(fn, calls_per_graph: int = 10, replays: int = 25) -> float:
     """Median microseconds per call over graph replays (each replay runs fn() calls_per_graph
     times back to back, so launch gaps vanish as in a captured decode step)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls_per_graph)
-    del graph
-    return statistics.median(times)
+    return stacked_time_us([fn] * calls_per_graph, replays)
 
 
 def eager_us(fn, calls: int = 50) -> float:

@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from moe import PER_EXPERT_BYTES, copy_bandwidth_gbs, log, stacked_time_us  # noqa: E402
+from moe import PER_EXPERT_BYTES, copy_bandwidth_gbs, log  # noqa: E402
+from timing import stacked_time_us  # noqa: E402
 
 from vllm_ling.ops import moe  # noqa: E402
 from vllm_ling.ops.moe_decode import (HummingDecodeConfig, HummingLayoutDecode,  # noqa: E402

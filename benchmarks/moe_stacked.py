@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from moe import copy_bandwidth_gbs, stacked_time_us  # noqa: E402  (same probes as benchmarks/moe.py)
+from moe import copy_bandwidth_gbs  # noqa: E402  (same probe as benchmarks/moe.py)
+from timing import stacked_time_us  # noqa: E402
 
 from vllm_ling.ops.moe import HummingMxfp4Experts, random_mxfp4_experts  # noqa: E402
 

@@ -47,7 +47,8 @@ from typing import ClassVar
 
 import torch
 
-from vllm_ling.log import get_logger, log_once
+from vllm_ling.log import get_logger
+from vllm_ling.ops.moe import _CLAMP_MODES, CLAMP_GATE_OUTPUT, _effective_limit
 
 logger = get_logger("ops.moe_decode")
 
@@ -688,16 +689,12 @@ def _launch(kernel, grid: tuple[int, int], threads: int, args, arg_types, stream
 
 
 def _clamp_flag(clamp: str) -> int:
-    from vllm_ling.ops.moe import _CLAMP_MODES, CLAMP_GATE_OUTPUT
-
     if clamp not in _CLAMP_MODES:
         raise ValueError(f"clamp must be one of {_CLAMP_MODES}, got {clamp!r}")
     return int(clamp == CLAMP_GATE_OUTPUT)
 
 
 def _limit(swiglu_limit: float | None) -> tuple[float, int]:
-    from vllm_ling.ops.moe import _effective_limit
-
     limit = _effective_limit(swiglu_limit)
     return (0.0, 0) if limit is None else (float(limit), 1)
 
@@ -953,6 +950,7 @@ class HummingLayoutDecode(_TwoKernelDecode):
         self.experts, self.top_k = experts, top_k
         self.hidden_size, self.intermediate_size = experts.hidden_size, experts.intermediate_size
         self.device = experts.device
+        self._has_pdl = torch.cuda.get_device_capability(self.device)[0] >= 9
         w13, w2 = experts.tensors["w13"], experts.tensors["w2"]
         self._w13, self._s13 = w13["weight"], w13["weight_scale"]
         self._w2, self._s2 = w2["weight"], w2["weight_scale"]
@@ -986,7 +984,7 @@ class HummingLayoutDecode(_TwoKernelDecode):
     def _launch_down(self, act, w, ids, out, stream):
         c, _, down = self._pick(ids.shape[0])
         warps = (self.intermediate_size // 32) // c.groups_per_warp_down
-        pdl = c.use_pdl and torch.cuda.get_device_capability(self.device)[0] >= 9
+        pdl = c.use_pdl and self._has_pdl
         _launch(down, (self.top_k * (self.hidden_size // 64), ids.shape[0]), warps * 32,
                 (self._w2.data_ptr(), self._s2.data_ptr(), act.data_ptr(), ids.data_ptr(), w.data_ptr(),
                  out.data_ptr()), _ARGS_DOWN, stream, cluster=self.top_k, pdl=pdl)
