@@ -32,32 +32,32 @@ from timing import stacked_time_us  # noqa: E402
 
 from vllm_ling.ops import moe  # noqa: E402
 from vllm_ling.ops.moe_decode import (HummingDecodeConfig, HummingLayoutDecode,  # noqa: E402
-                                      PackedDecodeConfig, PackedLayoutDecode)
+                                      PackedDecodeConfig, PackedLayoutDecode, RegisterDown,
+                                      RegisterGateUp, StreamedDown, StreamedGateUp)
 
 E, H, I, K = 512, 2560, 768, 8
 TARGET_US = {1: 20.0, 4: 45.0}
+C, RG, SG, RD, SD = HummingDecodeConfig, RegisterGateUp, StreamedGateUp, RegisterDown, StreamedDown
 HL_VARIANTS = {
-    "default": HummingDecodeConfig(),
-    "no PDL": HummingDecodeConfig(use_pdl=False),
-    "gate_up 2 groups/warp x cluster 8": HummingDecodeConfig(groups_per_warp=2, cluster=8),
-    "gate_up 2 groups/warp x cluster 8 min 4 CTAs/SM": HummingDecodeConfig(
-        groups_per_warp=2, cluster=8, min_blocks_gate_up=4),
-    "gate_up 1 group/warp x 10 warps x cluster 8": HummingDecodeConfig(
-        groups_per_warp=1, warps_per_matrix=10, cluster=8, min_blocks_gate_up=2),
-    "gate_up 5 groups/warp x 8 warps x cluster 2": HummingDecodeConfig(
-        groups_per_warp=5, warps_per_matrix=8, cluster=2, min_blocks_gate_up=1),
-    "down 3 groups/warp": HummingDecodeConfig(groups_per_warp_down=3),
-    "down 1 group/warp": HummingDecodeConfig(groups_per_warp_down=1, min_blocks_down=1),
-    "down 4 groups/warp": HummingDecodeConfig(groups_per_warp_down=4, min_blocks_down=4),
-    "down 6 groups/warp": HummingDecodeConfig(groups_per_warp_down=6, min_blocks_down=4),
-    "down 3 groups/warp + gate_up 2 groups/warp x cluster 8": HummingDecodeConfig(
-        groups_per_warp=2, cluster=8, groups_per_warp_down=3),
-    "down 4 groups/warp + gate_up 2 groups/warp x cluster 8": HummingDecodeConfig(
-        groups_per_warp=2, cluster=8, groups_per_warp_down=4, min_blocks_down=4),
-    "down 4 groups/warp + gate_up 2 groups/warp x cluster 8 min 4 CTAs/SM": HummingDecodeConfig(
-        groups_per_warp=2, cluster=8, min_blocks_gate_up=4, groups_per_warp_down=4, min_blocks_down=4),
-    "gate_up 5 groups/warp x 16 warps no cluster": HummingDecodeConfig(
-        groups_per_warp=5, warps_per_matrix=16, cluster=1, min_blocks_gate_up=1),
+    "default": None,  # the package's per-token-count shapes
+    "no PDL": C(use_pdl=False),
+    "registers (previous default)": {"one": C(gate_up=RG(groups_per_warp=2, warps_per_matrix=5, cluster=8),
+                                              down=RD(groups_per_warp=3, min_blocks=2)),
+                                     "many": C(gate_up=RG(), down=RD())},
+    "register gate_up 4x5 cluster 4": C(gate_up=RG()),
+    "register gate_up 2x5 cluster 8 min 4": C(gate_up=RG(groups_per_warp=2, cluster=8, min_blocks=4)),
+    "streamed gate_up 4 blocks/CTA 3 stages min 5": C(gate_up=SG(stages=3, min_blocks=5)),
+    "streamed gate_up 4 blocks/CTA 6 stages min 3": C(gate_up=SG(stages=6, min_blocks=3)),
+    "streamed gate_up 4 blocks/CTA cluster 4": C(gate_up=SG(cluster=4)),
+    "streamed gate_up 4 blocks/CTA 2 groups/stage": C(gate_up=SG(groups_per_stage=2, min_blocks=3)),
+    "streamed gate_up 2 blocks/CTA min 8": C(gate_up=SG(blocks_per_cta=2, min_blocks=8)),
+    "streamed gate_up 6 blocks/CTA min 3": C(gate_up=SG(blocks_per_cta=6, min_blocks=3)),
+    "streamed gate_up 12 blocks/CTA min 2": C(gate_up=SG(blocks_per_cta=12, min_blocks=2)),
+    "register down 3 groups/warp min 2": C(down=RD(groups_per_warp=3, min_blocks=2)),
+    "register down 6 groups/warp": C(down=RD(groups_per_warp=6)),
+    "streamed down 5 blocks/CTA": C(down=SD()),
+    "streamed down 4 blocks/CTA 8 stages": C(down=SD(blocks_per_cta=4, stages=8, min_blocks=2)),
+    "streamed down 2 blocks/CTA 4 groups/stage": C(down=SD(blocks_per_cta=2, groups_per_stage=4, min_blocks=4)),
 }
 VARIANTS = {
     "default": PackedDecodeConfig(),
@@ -122,11 +122,13 @@ def main() -> int:
             rows.append((f"decode kernels, packed copy, {name}", T, single(layers[0]), stacked(layers), touched))
             log(f"T={T} {name}: {rows[-1][3]:.1f} us/layer stacked (humming {h_st:.1f})")
         for name in hl_variants:
-            layers = hl if name == "default" else [d.with_config(HL_VARIANTS[name]) for d in hl]
+            layers = hl if HL_VARIANTS[name] is None else [d.with_config(HL_VARIANTS[name]) for d in hl]
             rows.append((f"decode kernels, humming layout, {name}", T, single(layers[0]), stacked(layers), touched))
             log(f"T={T} humming layout {name}: {rows[-1][3]:.1f} us/layer stacked (humming {h_st:.1f})")
         # each fused kernel alone (stacked), default configs
-        for label, impl in (("packed copy", fused), ("humming layout", hl)):
+        previous = [d.with_config(HL_VARIANTS["registers (previous default)"]) for d in hl]
+        for label, impl in (("packed copy", fused), ("humming layout", hl),
+                            ("humming layout, registers (previous default)", previous)):
             acts = [f.gate_up(x, ids) for f, (x, _, ids) in zip(impl, inputs)]
             gu = stacked_time_us([functools.partial(f.gate_up, x, ids) for f, (x, _, ids) in zip(impl, inputs)],
                                  args.iters)

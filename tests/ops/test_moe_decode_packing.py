@@ -122,10 +122,26 @@ def test_humming_layout_scale_bytes_per_lane():
 
 
 def test_humming_launch_shapes():
-    cfgs = moe_decode.default_humming_decode_configs(2560, 768)  # Ling: the measured fastest
-    one, many = cfgs["one"], cfgs["many"]
-    assert (one.groups_per_warp, one.warps_per_matrix, one.cluster, one.groups_per_warp_down) == (2, 5, 8, 3)
-    assert (many.groups_per_warp, many.warps_per_matrix, many.cluster, many.groups_per_warp_down) == (4, 5, 4, 4)
-    for c in moe_decode.default_humming_decode_configs(256, 128).values():  # any valid split
-        assert c.groups_per_warp * c.warps_per_matrix * c.cluster == 8 and 4 % c.groups_per_warp_down == 0
-    assert moe_decode.default_humming_decode_configs(2560 + 32, 768) is None  # 81 groups: no split
+    D = moe_decode
+    cfgs = D.default_humming_decode_configs(2560, 768)  # Ling: the measured fastest
+    for key, down_groups in (("one", 3), ("many", 4)):
+        assert cfgs[key].gate_up == D.StreamedGateUp(cluster=8, blocks_per_cta=4, groups_per_stage=1, stages=4)
+        assert cfgs[key].down.groups_per_warp == down_groups and isinstance(cfgs[key].down, D.RegisterDown)
+    smem = 227 * 1024
+    for H, I in ((2560, 768), (256, 128), (2560 + 32, 768), (7168, 2048), (4096, 1536), (64, 64 * 7)):
+        for c in D.default_humming_decode_configs(H, I).values():  # every size gets a shape that runs
+            assert c.problems(H, I, 8, smem) == [], (H, I, c)
+    bad = D.HummingDecodeConfig(gate_up=D.StreamedGateUp(blocks_per_cta=5, stages=40),
+                                down=D.RegisterDown(groups_per_warp=5))
+    problems = " ".join(bad.problems(2560, 768, 8, smem))
+    assert "blocks_per_cta 5 does not divide 12" in problems and "shared memory" in problems
+    assert "groups_per_warp 5 does not divide 24" in problems
+    assert D.RegisterGateUp(groups_per_warp=3).problems(2560, 768, 8, smem)
+    assert D.StreamedDown(blocks_per_cta=3, groups_per_stage=5).problems(2560, 768, 8, smem)
+
+
+def test_streamed_shared_memory_fits_two_ctas_per_sm_for_ling():
+    """The default streamed gate_up shape leaves room for its min_blocks CTAs per H200 SM
+    (228 KB, 1 KB reserved per CTA)."""
+    shape = moe_decode.default_humming_decode_configs(2560, 768)["many"].gate_up
+    assert shape.min_blocks * (shape.smem(2560, 768, 8) + 1024) <= 228 * 1024

@@ -443,7 +443,7 @@ ling_moe_decode_down(const uint4* __restrict__ w2, const u32* __restrict__ s2,
 # One warp: one 64-row block of one matrix x GPW scale groups; a CTA: WPM warps per matrix;
 # a cluster of CL CTAs splits K (gate_up) or the top-k slots (down) and reduces through
 # distributed shared memory into its rank-0 CTA.
-_HUMMING_LAYOUT_KERNELS = r"""
+_HUMMING_LAYOUT_HELPERS = r"""
 __device__ __forceinline__ void hl_decode(u32 q, u32 (&a)[4]) {
   // nibble pair (p, p + 4) -> BF16x2 worth v * 2**-126 (sign to 15/31, e1 e0 m to 8..6 / 24..22).
   // Plain shifts (no wrap is needed): the left shifts can go to the FMA pipe (IMAD.SHL), which
@@ -503,6 +503,9 @@ __device__ __forceinline__ void hl_group_mma(const uint4 w0, const uint4 w1, con
   }
 }
 
+"""
+
+_HL_GATE_UP_KERNEL = r"""
 // grid (CL_A * I/64, T * TOPK), cluster (CL_A, 1, 1), 2 * WPM_A warps (gate warps, then up)
 extern "C" __global__ void __launch_bounds__(2 * WPM_A * 32, MINB_A)
 ling_moe_hl_gate_up(const uint4* __restrict__ w13, const u64* __restrict__ s13,
@@ -564,6 +567,9 @@ ling_moe_hl_gate_up(const uint4* __restrict__ w13, const u64* __restrict__ s13,
   }
 }
 
+"""
+
+_HL_DOWN_KERNEL = r"""
 // grid (TOPK * H/64, T), cluster (TOPK, 1, 1): CTA rank = top-k slot; WPB warps split K
 extern "C" __global__ void __launch_bounds__(WPB * 32, MINB_B)
 ling_moe_hl_down(const uint4* __restrict__ w2, const u64* __restrict__ s2,
@@ -627,6 +633,285 @@ ling_moe_hl_down(const uint4* __restrict__ w2, const u64* __restrict__ s2,
 """
 
 
+# Streamed kernels on humming's layout: one producer warp per CTA copies whole pieces of slab
+# rows into a ring of ST shared-memory stages (cp.async.bulk, one instruction per piece,
+# mbarrier completion, sm_90+) while the consumer warps decode from shared memory. Unlike the
+# register kernels above, a CTA keeps ST stages of weights in flight while it computes, and a
+# gate_up CTA reads each slab row in full (12 KB contiguous for Ling) instead of 512-byte
+# pieces. Consumer warp (b, kw): block b, group kw of every stage (GPS groups per stage).
+# Partial sums go straight to the cluster rank that owns their rows (distributed shared memory).
+_STREAM_HELPERS = r"""
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+
+// global -> this CTA's shared memory, completion counted in bytes on `bar`
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void st_rank(float* arr, int idx, u32 rank, float v) {
+  u32 local = smem_u32(arr + idx), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
+}
+
+__device__ __forceinline__ void consumers_sync(int threads) {
+  asm volatile("bar.sync 1, %0;" :: "r"(threads) : "memory");
+}
+
+#define ALIGN128(n) (((n) + 127) / 128 * 128)
+"""
+
+_HS_GATE_UP_KERNEL = r"""
+// gate_up: grid (CL_S * I/64/BPC_S, T * TOPK), cluster (CL_S, 1, 1); rank = K part, a CTA
+// owns BPC_S consecutive 64-row blocks of the gate and of the up rows
+#define NB_S (I_ / 64)
+#define CONS_S (BPC_S * GPS_S)
+#define GPC_S (H_ / 32 / CL_S)
+#define NS_S (GPC_S / GPS_S)
+#define SLAB_S (N1 * 8)
+#define PIECE_S (BPC_S * 512)
+#define STW_S (GPS_S * 4 * PIECE_S)
+#define STS_S (GPS_S * 2 * BPC_S * 64)
+#define STAGE_S ALIGN128(STW_S + STS_S)
+#define ROWS_S (BPC_S * 64)
+#define RPR_S ((ROWS_S + CL_S - 1) / CL_S)
+#define RED_S ALIGN128(CL_S * GPS_S * 2 * RPR_S * 4)
+#define XS_S ALIGN128(GPC_S * 64)
+
+extern "C" __global__ void __launch_bounds__(32 * (CONS_S + 1), MINB_S)
+ling_moe_hs_gate_up(const unsigned char* __restrict__ w13, const unsigned char* __restrict__ s13,
+                    const u32* __restrict__ x, const int* __restrict__ topk_ids,
+                    u16* __restrict__ act, float limit, int has_limit) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* ring = smem;
+  float* red = reinterpret_cast<float*>(smem + ST_S * STAGE_S);
+  u32* xs = reinterpret_cast<u32*>(smem + ST_S * STAGE_S + RED_S);
+  u64* full = reinterpret_cast<u64*>(smem + ST_S * STAGE_S + RED_S + XS_S);
+  u64* empty = full + ST_S;
+  const u32 rank = cluster_rank();
+  const int b0 = (blockIdx.x / CL_S) * BPC_S, a = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const long long e = topk_ids[a];
+  const int G0 = (int)rank * GPC_S;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < ST_S; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CONS_S); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // every CTA of the cluster must run before others write into its shared memory
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  __syncthreads();
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  if (warp == CONS_S) {
+    if (lane == 0) {
+      for (int i = 0; i < NS_S; ++i) {
+        const int s = i % ST_S;
+        if (i >= ST_S) mbar_wait(&empty[s], ((i / ST_S) - 1) & 1);
+        unsigned char* st = ring + s * STAGE_S;
+        mbar_expect_tx(&full[s], STW_S + STS_S);
+#pragma unroll
+        for (int q = 0; q < GPS_S; ++q) {
+          const long long G = G0 + i * GPS_S + q;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int m = 0; m < 2; ++m)  // gate rows, up rows
+              bulk_load(st + ((4 * q + 2 * h + m) * PIECE_S),
+                        w13 + (e * (H_ / 16) + 2 * G + h) * SLAB_S + (m * NB_S + b0) * 512, PIECE_S, &full[s]);
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+            bulk_load(st + STW_S + (2 * q + m) * BPC_S * 64, s13 + (e * (H_ / 32) + G) * N1 + 64 * (m * NB_S + b0),
+                      BPC_S * 64, &full[s]);
+        }
+      }
+    }
+    __syncwarp();
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+  } else {
+    const int b = warp % BPC_S, kw = warp / BPC_S;
+    const u32* xr = x + (long long)(a / TOPK) * (H_ / 2) + G0 * 16;
+    for (int i = threadIdx.x; i < GPC_S * 16; i += CONS_S * 32) xs[i] = xr[i];
+    consumers_sync(CONS_S * 32);
+    float ag[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
+    float au[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll 1
+    for (int i = 0; i < NS_S; ++i) {
+      const int s = i % ST_S;
+      mbar_wait(&full[s], (i / ST_S) & 1);
+      const uint4* wv = reinterpret_cast<const uint4*>(ring + s * STAGE_S + kw * 4 * PIECE_S) + 32 * b + lane;
+      const uint4 g0 = wv[0], u0 = wv[PIECE_S / 16], g1 = wv[2 * PIECE_S / 16], u1 = wv[3 * PIECE_S / 16];
+      const unsigned char* sv = ring + s * STAGE_S + STW_S + kw * 2 * BPC_S * 64 + 64 * b + 8 * g;
+      const u64 sg = *reinterpret_cast<const u64*>(sv);
+      const u64 su = *reinterpret_cast<const u64*>(sv + BPC_S * 64);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[s]);
+      u32 xb[4];
+      hl_load_x(xs, i * GPS_S + kw, g, t, xb);
+      hl_group_mma(g0, g1, xb, sg, ag);
+      hl_group_mma(u0, u1, xb, su, au);
+    }
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    if (t == 0) {
+      const int part = (int)rank * GPS_S + kw;
+#pragma unroll
+      for (int J = 0; J < 4; ++J) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = 64 * b + 16 * J + 8 * hh + g;
+          const u32 owner = row / RPR_S;
+          const int f = row % RPR_S;
+          st_rank(red, (part * 2) * RPR_S + f, owner, ag[J][hh]);
+          st_rank(red, (part * 2 + 1) * RPR_S + f, owner, au[J][hh]);
+        }
+      }
+    }
+  }
+  cluster_sync();
+  for (int f = threadIdx.x; f < RPR_S; f += blockDim.x) {
+    const int row = (int)rank * RPR_S + f;
+    if (row < ROWS_S) {
+      float gs = 0.f, us = 0.f;
+#pragma unroll
+      for (int p = 0; p < CL_S * GPS_S; ++p) { gs += red[(2 * p) * RPR_S + f]; us += red[(2 * p + 1) * RPR_S + f]; }
+      act[(long long)a * I_ + 64 * b0 + row] = to_bf16(swiglu(gs, us, limit, has_limit));
+    }
+  }
+}
+
+"""
+
+_HS_DOWN_KERNEL = r"""
+// down: grid (TOPK * H/64/BPC_D, T), cluster (TOPK, 1, 1); rank = top-k slot, a CTA owns
+// BPC_D consecutive 64-row blocks of the output
+#define CONS_D (BPC_D * GPS_D)
+#define SLAB_D (H_ * 8)
+#define PIECE_D (BPC_D * 512)
+#define STW_D (GPS_D * 2 * PIECE_D)
+#define STS_D (GPS_D * BPC_D * 64)
+#define STAGE_D ALIGN128(STW_D + STS_D)
+#define NS_D (I_ / 32 / GPS_D)
+#define ROWS_D (BPC_D * 64)
+#define RPR_D ((ROWS_D + TOPK - 1) / TOPK)
+#define RED_D ALIGN128(TOPK * GPS_D * RPR_D * 4)
+#define XS_D ALIGN128(I_ * 2)
+
+extern "C" __global__ void __launch_bounds__(32 * (CONS_D + 1), MINB_D)
+ling_moe_hs_down(const unsigned char* __restrict__ w2, const unsigned char* __restrict__ s2,
+                 const u32* __restrict__ act, const int* __restrict__ topk_ids,
+                 const float* __restrict__ topk_w, u16* __restrict__ out) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* ring = smem;
+  float* red = reinterpret_cast<float*>(smem + ST_D * STAGE_D);
+  u32* xs = reinterpret_cast<u32*>(smem + ST_D * STAGE_D + RED_D);
+  u64* full = reinterpret_cast<u64*>(smem + ST_D * STAGE_D + RED_D + XS_D);
+  u64* empty = full + ST_D;
+  const u32 slot = cluster_rank();
+  const int blk0 = (blockIdx.x / TOPK) * BPC_D, tok = blockIdx.y;
+  const int a = tok * TOPK + (int)slot;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const long long e = topk_ids[a];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < ST_D; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CONS_D); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  __syncthreads();
+  if (warp == CONS_D) {
+    // the weights depend only on topk_ids (written before the gate_up kernel started)
+    if (lane == 0) {
+      for (int i = 0; i < NS_D; ++i) {
+        const int s = i % ST_D;
+        if (i >= ST_D) mbar_wait(&empty[s], ((i / ST_D) - 1) & 1);
+        unsigned char* st = ring + s * STAGE_D;
+        mbar_expect_tx(&full[s], STW_D + STS_D);
+#pragma unroll
+        for (int q = 0; q < GPS_D; ++q) {
+          const long long G = i * GPS_D + q;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            bulk_load(st + (2 * q + h) * PIECE_D, w2 + (e * (I_ / 16) + 2 * G + h) * SLAB_D + blk0 * 512,
+                      PIECE_D, &full[s]);
+          bulk_load(st + STW_D + q * BPC_D * 64, s2 + (e * (I_ / 32) + G) * H_ + 64 * blk0, BPC_D * 64,
+                    &full[s]);
+        }
+      }
+    }
+    __syncwarp();
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+  } else {
+    const int b = warp % BPC_D, kw = warp / BPC_D;
+#if __CUDA_ARCH__ >= 900
+    // the activations are the gate_up kernel's output
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    const u32* ar = act + (long long)a * (I_ / 2);
+    for (int i = threadIdx.x; i < I_ / 2; i += CONS_D * 32) xs[i] = ar[i];
+    consumers_sync(CONS_D * 32);
+    float acc[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll 1
+    for (int i = 0; i < NS_D; ++i) {
+      const int s = i % ST_D;
+      mbar_wait(&full[s], (i / ST_D) & 1);
+      const uint4* wv = reinterpret_cast<const uint4*>(ring + s * STAGE_D + kw * 2 * PIECE_D);
+      const uint4 w0 = wv[32 * b + lane], w1 = wv[PIECE_D / 16 + 32 * b + lane];
+      const u64 sc = *reinterpret_cast<const u64*>(ring + s * STAGE_D + STW_D + kw * BPC_D * 64 + 64 * b + 8 * g);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[s]);
+      u32 xb[4];
+      hl_load_x(xs, i * GPS_D + kw, g, t, xb);
+      hl_group_mma(w0, w1, xb, sc, acc);
+    }
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    if (t == 0) {
+      const float wt = topk_w[a];
+      const int part = (int)slot * GPS_D + kw;
+#pragma unroll
+      for (int J = 0; J < 4; ++J) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = 64 * b + 16 * J + 8 * hh + g;
+          st_rank(red, part * RPR_D + row % RPR_D, row / RPR_D, acc[J][hh] * wt);
+        }
+      }
+    }
+  }
+  cluster_sync();
+  for (int f = threadIdx.x; f < RPR_D; f += blockDim.x) {
+    const int row = (int)slot * RPR_D + f;
+    if (row < ROWS_D) {
+      float s = 0.f;
+#pragma unroll
+      for (int p = 0; p < TOPK * GPS_D; ++p) s += red[p * RPR_D + f];
+      out[(long long)tok * H_ + 64 * blk0 + row] = to_bf16(s);
+    }
+  }
+}
+"""
+
+
 def _defines(**values: int) -> str:
     return "".join(f"#define {k} {int(v)}\n" for k, v in values.items())
 
@@ -635,7 +920,7 @@ _ARGS_GATE_UP = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_voi
                  ctypes.c_void_p, ctypes.c_float, ctypes.c_int)
 _ARGS_DOWN = (ctypes.c_void_p,) * 6
 _KERNEL_NAMES = ("ling_moe_decode_gate_up", "ling_moe_decode_down",
-                 "ling_moe_hl_gate_up", "ling_moe_hl_down")
+                 "ling_moe_hl_gate_up", "ling_moe_hl_down", "ling_moe_hs_gate_up", "ling_moe_hs_down")
 _KERNEL_CLASSES: dict[str, type] = {}
 
 
@@ -662,12 +947,31 @@ def _kernel(name: str, source: str, device: torch.device):
         return _KERNEL_CLASSES[name](source=source)
 
 
+_DYNAMIC_SMEM_SET: dict[int, int] = {}  # CUfunction handle -> dynamic shared memory allowed
+
+
+def _allow_dynamic_smem(func, nbytes: int) -> None:
+    import cuda.bindings.driver as cbd
+
+    key = int(func)
+    if _DYNAMIC_SMEM_SET.get(key, 48 * 1024) >= nbytes:
+        return
+    (err,) = cbd.cuFuncSetAttribute(
+        func, cbd.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+    if err != cbd.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cannot allow {nbytes} bytes of dynamic shared memory: {err}")
+    _DYNAMIC_SMEM_SET[key] = nbytes
+
+
 def _launch(kernel, grid: tuple[int, int], threads: int, args, arg_types, stream: int,
-            cluster: int = 1, pdl: bool = False) -> None:
+            cluster: int = 1, pdl: bool = False, smem: int = 0) -> None:
     import cuda.bindings.driver as cbd
 
     func = kernel.load_cubin()
+    if smem:
+        _allow_dynamic_smem(func, smem)
     cfg = cbd.CUlaunchConfig()
+    cfg.sharedMemBytes = smem
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid[0], grid[1], 1
     cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
     cfg.hStream = stream
@@ -868,44 +1172,220 @@ def hl_decode_emulated(words: torch.Tensor) -> torch.Tensor:
     return (halves << 16).to(torch.int32).view(torch.float32).double().mul(2.0 ** 126).float()
 
 
-@dataclasses.dataclass(frozen=True)
-class HummingDecodeConfig:
-    """Launch shapes of the decode kernels on humming's layout (benchmark levers).
-    gate_up: groups_per_warp * warps_per_matrix * cluster == hidden / 32;
-    down: groups_per_warp_down divides intermediate / 32 (cluster = top_k)."""
+def _align128(n: int) -> int:
+    return (n + 127) // 128 * 128
 
+
+class _KernelShape:
+    """Launch shape of one decode kernel on humming's layout; subclasses say how to build
+    and launch it. ``problems`` lists why a shape cannot run given sizes (empty: it can)."""
+
+    kernel_name: ClassVar[str]
+    streamed: ClassVar[bool] = False
+
+    def source(self, hidden: int, intermediate: int, top_k: int, clamp_flag: int) -> str:
+        body = {"ling_moe_hl_gate_up": _HL_GATE_UP_KERNEL, "ling_moe_hl_down": _HL_DOWN_KERNEL,
+                "ling_moe_hs_gate_up": _HS_GATE_UP_KERNEL, "ling_moe_hs_down": _HS_DOWN_KERNEL}[self.kernel_name]
+        return (_defines(H_=hidden, I_=intermediate, TOPK=top_k, N1=2 * intermediate,
+                         CLAMP_GATE_OUTPUT=clamp_flag, **self._defines(hidden, intermediate))
+                + _HELPERS + _HUMMING_LAYOUT_HELPERS + (_STREAM_HELPERS if self.streamed else "") + body)
+
+    def smem(self, hidden: int, intermediate: int, top_k: int) -> int:
+        return 0
+
+    def _defines(self, hidden: int, intermediate: int) -> dict[str, int]:
+        raise NotImplementedError
+
+    def problems(self, hidden: int, intermediate: int, top_k: int, smem_limit: int) -> list[str]:
+        out = []
+        threads, smem = self.threads(hidden, intermediate), self.smem(hidden, intermediate, top_k)
+        if threads > 1024:
+            out.append(f"{threads} threads per CTA")
+        if smem > smem_limit:
+            out.append(f"{smem} bytes of shared memory per CTA (> {smem_limit})")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterGateUp(_KernelShape):
+    """gate_up + SwiGLU, weights loaded straight into registers: a warp reads one 64-row block
+    x ``groups_per_warp`` scale groups; ``warps_per_matrix`` warps per CTA and matrix; a
+    cluster of ``cluster`` CTAs splits K (groups_per_warp * warps_per_matrix * cluster ==
+    hidden / 32)."""
+
+    kernel_name: ClassVar[str] = "ling_moe_hl_gate_up"
     groups_per_warp: int = 4
     warps_per_matrix: int = 5
     cluster: int = 4
-    min_blocks_gate_up: int = 3
-    groups_per_warp_down: int = 4
-    min_blocks_down: int = 4
+    min_blocks: int = 3
+
+    def _defines(self, hidden, intermediate):
+        return dict(GPW_A=self.groups_per_warp, WPM_A=self.warps_per_matrix, CL_A=self.cluster,
+                    MINB_A=self.min_blocks)
+
+    def threads(self, hidden, intermediate):
+        return 2 * self.warps_per_matrix * 32
+
+    def grid_x(self, hidden, intermediate, top_k):
+        return self.cluster * (intermediate // 64)
+
+    def cluster_size(self, top_k):
+        return self.cluster
+
+    def problems(self, hidden, intermediate, top_k, smem_limit):
+        out = super().problems(hidden, intermediate, top_k, smem_limit)
+        if hidden // 32 != self.groups_per_warp * self.warps_per_matrix * self.cluster:
+            out.append(f"groups_per_warp * warps_per_matrix * cluster != {hidden // 32} groups")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedGateUp(_KernelShape):
+    """gate_up + SwiGLU, weights streamed through ``stages`` shared-memory stages by a producer
+    warp (bulk copies): a CTA owns ``blocks_per_cta`` 64-row blocks of the gate and of the up
+    rows (one consumer warp per block and group of a stage), a cluster of ``cluster`` CTAs
+    splits K. ``blocks_per_cta`` divides intermediate / 64, ``cluster * groups_per_stage``
+    divides hidden / 32."""
+
+    kernel_name: ClassVar[str] = "ling_moe_hs_gate_up"
+    streamed: ClassVar[bool] = True
+    cluster: int = 8
+    blocks_per_cta: int = 4
+    groups_per_stage: int = 1
+    stages: int = 4
+    min_blocks: int = 4
+
+    def _defines(self, hidden, intermediate):
+        return dict(CL_S=self.cluster, BPC_S=self.blocks_per_cta, GPS_S=self.groups_per_stage,
+                    ST_S=self.stages, MINB_S=self.min_blocks)
+
+    def threads(self, hidden, intermediate):
+        return 32 * (self.blocks_per_cta * self.groups_per_stage + 1)
+
+    def grid_x(self, hidden, intermediate, top_k):
+        return self.cluster * (intermediate // 64 // self.blocks_per_cta)
+
+    def cluster_size(self, top_k):
+        return self.cluster
+
+    def smem(self, hidden, intermediate, top_k):
+        bpc, gps, cl = self.blocks_per_cta, self.groups_per_stage, self.cluster
+        stage = _align128(gps * 4 * bpc * 512 + gps * 2 * bpc * 64)
+        red = _align128(cl * gps * 2 * -(-bpc * 64 // cl) * 4)
+        return self.stages * stage + red + _align128(hidden // 32 // cl * 64) + 16 * self.stages
+
+    def problems(self, hidden, intermediate, top_k, smem_limit):
+        out = super().problems(hidden, intermediate, top_k, smem_limit)
+        if (intermediate // 64) % self.blocks_per_cta:
+            out.append(f"blocks_per_cta {self.blocks_per_cta} does not divide {intermediate // 64} blocks")
+        if (hidden // 32) % (self.cluster * self.groups_per_stage):
+            out.append(f"cluster * groups_per_stage does not divide {hidden // 32} groups")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterDown(_KernelShape):
+    """down + weighted top-k sum, weights straight into registers: one CTA per top-k slot in a
+    cluster, a warp reads one 64-row block x ``groups_per_warp`` groups (divides
+    intermediate / 32)."""
+
+    kernel_name: ClassVar[str] = "ling_moe_hl_down"
+    groups_per_warp: int = 4
+    min_blocks: int = 4
+
+    def _defines(self, hidden, intermediate):
+        return dict(GPW_B=self.groups_per_warp, WPB=(intermediate // 32) // self.groups_per_warp,
+                    MINB_B=self.min_blocks)
+
+    def threads(self, hidden, intermediate):
+        return 32 * ((intermediate // 32) // self.groups_per_warp)
+
+    def grid_x(self, hidden, intermediate, top_k):
+        return top_k * (hidden // 64)
+
+    def cluster_size(self, top_k):
+        return top_k
+
+    def problems(self, hidden, intermediate, top_k, smem_limit):
+        out = super().problems(hidden, intermediate, top_k, smem_limit)
+        if (intermediate // 32) % self.groups_per_warp:
+            out.append(f"groups_per_warp {self.groups_per_warp} does not divide {intermediate // 32} groups")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedDown(_KernelShape):
+    """down + weighted top-k sum, weights streamed through shared-memory stages: one CTA per
+    top-k slot in a cluster owns ``blocks_per_cta`` 64-row blocks of the output (divides
+    hidden / 64); ``groups_per_stage`` divides intermediate / 32."""
+
+    kernel_name: ClassVar[str] = "ling_moe_hs_down"
+    streamed: ClassVar[bool] = True
+    blocks_per_cta: int = 5
+    groups_per_stage: int = 2
+    stages: int = 4
+    min_blocks: int = 3
+
+    def _defines(self, hidden, intermediate):
+        return dict(BPC_D=self.blocks_per_cta, GPS_D=self.groups_per_stage, ST_D=self.stages,
+                    MINB_D=self.min_blocks)
+
+    def threads(self, hidden, intermediate):
+        return 32 * (self.blocks_per_cta * self.groups_per_stage + 1)
+
+    def grid_x(self, hidden, intermediate, top_k):
+        return top_k * (hidden // 64 // self.blocks_per_cta)
+
+    def cluster_size(self, top_k):
+        return top_k
+
+    def smem(self, hidden, intermediate, top_k):
+        bpc, gps = self.blocks_per_cta, self.groups_per_stage
+        stage = _align128(gps * 2 * bpc * 512 + gps * bpc * 64)
+        red = _align128(top_k * gps * -(-bpc * 64 // top_k) * 4)
+        return self.stages * stage + red + _align128(intermediate * 2) + 16 * self.stages
+
+    def problems(self, hidden, intermediate, top_k, smem_limit):
+        out = super().problems(hidden, intermediate, top_k, smem_limit)
+        if (hidden // 64) % self.blocks_per_cta:
+            out.append(f"blocks_per_cta {self.blocks_per_cta} does not divide {hidden // 64} blocks")
+        if (intermediate // 32) % self.groups_per_stage:
+            out.append(f"groups_per_stage {self.groups_per_stage} does not divide {intermediate // 32} groups")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HummingDecodeConfig:
+    """The two kernels' launch shapes on humming's layout (benchmark levers) and whether the
+    down kernel may start while gate_up finishes (programmatic dependent launch)."""
+
+    gate_up: RegisterGateUp | StreamedGateUp = StreamedGateUp()
+    down: RegisterDown | StreamedDown = RegisterDown()
     use_pdl: bool = True
 
+    def problems(self, hidden: int, intermediate: int, top_k: int, smem_limit: int) -> list[str]:
+        return [f"{name}: {p}" for name, shape in (("gate_up", self.gate_up), ("down", self.down))
+                for p in shape.problems(hidden, intermediate, top_k, smem_limit)]
 
-def default_humming_decode_configs(hidden: int, intermediate: int) -> dict[str, HummingDecodeConfig] | None:
-    """Launch shapes for 1 token ("one") and for more ("many"), or None if none divides
-    these sizes. Ling (2560 / 768) gets the shapes measured fastest on the H200
-    (benchmarks/results/moe_decode_h200.md): 1 token 2 groups/warp x 5 warps x cluster
-    8 and 3 groups/warp down; more tokens 4 x 5 x 4 and 4 groups/warp down."""
+
+def _divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, cap + 1) if n % d == 0)
+
+
+def default_humming_decode_configs(hidden: int, intermediate: int) -> dict[str, HummingDecodeConfig]:
+    """Launch shapes for 1 token ("one") and for more ("many"). Ling (2560 / 768) gets the
+    shapes measured fastest on the H200 (benchmarks/results/moe_decode_h200.md): streamed
+    gate_up, 4 blocks per CTA, cluster 8; register down, 3 groups per warp for 1 token and 4
+    for more. Other sizes get the nearest shapes that divide them."""
     g1, g2 = hidden // 32, intermediate // 32
+    gate_up = StreamedGateUp(cluster=_divisor_at_most(g1, 8), blocks_per_cta=_divisor_at_most(intermediate // 64, 4))
 
-    def gate_up(prefs):
-        return next(((gpw, g1 // (gpw * cl), cl) for cl, gpw in prefs
-                     if g1 % (gpw * cl) == 0 and 1 <= g1 // (gpw * cl) <= 8), None)
+    def down_groups(prefer: int) -> int:  # a divisor of g2, near `prefer`, <= 32 warps per CTA
+        small = _divisor_at_most(g2, prefer)
+        return small if g2 // small <= 32 else min(d for d in range(prefer, g2 + 1) if g2 % d == 0 and g2 // d <= 32)
 
-    def down(prefs):
-        return next((gpw for gpw in prefs if g2 % gpw == 0 and g2 // gpw <= 16), None)
-
-    fallback = [(cl, gpw) for cl in (4, 2, 8, 1) for gpw in (4, 2, 5, 3, 1)]
-    one, many = gate_up([(8, 2)] + fallback), gate_up([(4, 4)] + fallback)
-    down_one, down_many = down((3, 2, 4, 1)), down((4, 3, 2, 6, 1))
-    if one is None or many is None or down_one is None or down_many is None:
-        return None
-    return {"one": HummingDecodeConfig(groups_per_warp=one[0], warps_per_matrix=one[1], cluster=one[2],
-                                       groups_per_warp_down=down_one, min_blocks_down=2),
-            "many": HummingDecodeConfig(groups_per_warp=many[0], warps_per_matrix=many[1],
-                                        cluster=many[2], groups_per_warp_down=down_many)}
+    return {"one": HummingDecodeConfig(gate_up=gate_up, down=RegisterDown(groups_per_warp=down_groups(3), min_blocks=2)),
+            "many": HummingDecodeConfig(gate_up=gate_up, down=RegisterDown(groups_per_warp=down_groups(4)))}
 
 
 def humming_decode_support(experts, top_k: int) -> tuple[bool, str]:
@@ -932,8 +1412,11 @@ def humming_decode_support(experts, top_k: int) -> tuple[bool, str]:
         if tuple(t["weight"].shape) != (E, k // 16, 2 * n) or tuple(t["weight_scale"].shape) != (E, k // 32, n):
             return False, (f"{sub}: unexpected humming tensor shapes {tuple(t['weight'].shape)} / "
                            f"{tuple(t['weight_scale'].shape)}")
-    if default_humming_decode_configs(H, I) is None:
-        return False, f"no launch shape divides hidden {H} / intermediate {I}"
+    limit = torch.cuda.get_device_properties(experts.device).shared_memory_per_block_optin
+    for key, cfg in default_humming_decode_configs(H, I).items():
+        problems = cfg.problems(H, I, top_k, limit)
+        if problems:
+            return False, f"launch shape for {key} token(s): {'; '.join(problems)}"
     return True, "fused decode kernels on humming's W4A16 layout"
 
 
@@ -941,7 +1424,9 @@ class HummingLayoutDecode(_TwoKernelDecode):
     """Decode-sized batches of a :class:`~vllm_ling.ops.moe.HummingMxfp4Experts` layer in two
     fused kernels that read humming's own transformed weights (no second copy): gate_up +
     SwiGLU (a cluster of CTAs splits K and reduces in distributed shared memory), then down
-    + weighted top-k sum (one CTA per top-k slot in a cluster). CUDA-graph capturable."""
+    + weighted top-k sum (one CTA per top-k slot in a cluster). Each kernel comes in two
+    forms (weights into registers, or streamed through shared memory); ``configs`` picks them
+    per token count ("one", "many"). CUDA-graph capturable."""
 
     def __init__(self, experts, top_k: int, configs: dict[str, HummingDecodeConfig] | None = None):
         ok, reason = humming_decode_support(experts, top_k)
@@ -951,6 +1436,7 @@ class HummingLayoutDecode(_TwoKernelDecode):
         self.hidden_size, self.intermediate_size = experts.hidden_size, experts.intermediate_size
         self.device = experts.device
         self._has_pdl = torch.cuda.get_device_capability(self.device)[0] >= 9
+        self._smem_limit = torch.cuda.get_device_properties(self.device).shared_memory_per_block_optin
         w13, w2 = experts.tensors["w13"], experts.tensors["w2"]
         self._w13, self._s13 = w13["weight"], w13["weight_scale"]
         self._w2, self._s2 = w2["weight"], w2["weight_scale"]
@@ -958,33 +1444,36 @@ class HummingLayoutDecode(_TwoKernelDecode):
         self._kernels = {key: self._build(c) for key, c in self.configs.items()}
 
     def _build(self, c: HummingDecodeConfig):
-        H, I = self.hidden_size, self.intermediate_size
-        if H // 32 != c.groups_per_warp * c.warps_per_matrix * c.cluster or (I // 32) % c.groups_per_warp_down:
-            raise ValueError(f"launch shape {c} does not divide hidden {H} / intermediate {I}")
-        src = (_defines(H_=H, I_=I, TOPK=self.top_k, N1=2 * I, GPW_A=c.groups_per_warp,
-                        WPM_A=c.warps_per_matrix, CL_A=c.cluster, MINB_A=c.min_blocks_gate_up,
-                        GPW_B=c.groups_per_warp_down, WPB=(I // 32) // c.groups_per_warp_down,
-                        MINB_B=c.min_blocks_down, CLAMP_GATE_OUTPUT=_clamp_flag(self.experts.clamp))
-               + _HELPERS + _HUMMING_LAYOUT_KERNELS)
-        return (c, _kernel("ling_moe_hl_gate_up", src, self.device), _kernel("ling_moe_hl_down", src, self.device))
+        H, I, K = self.hidden_size, self.intermediate_size, self.top_k
+        problems = c.problems(H, I, K, self._smem_limit)
+        if problems:
+            raise ValueError(f"launch shape {c} cannot run hidden {H} / intermediate {I}: {'; '.join(problems)}")
+        clamp = _clamp_flag(self.experts.clamp)
+        return (c, *(_kernel(shape.kernel_name, shape.source(H, I, K, clamp), self.device)
+                     for shape in (c.gate_up, c.down)))
 
-    def with_config(self, config: HummingDecodeConfig) -> "HummingLayoutDecode":
-        """One launch shape for every token count (benchmark levers)."""
-        return HummingLayoutDecode(self.experts, self.top_k, {"one": config, "many": config})
+    def with_config(self, config: "HummingDecodeConfig | dict[str, HummingDecodeConfig]") -> "HummingLayoutDecode":
+        """Other launch shapes on the same weights (benchmark levers): one config for every
+        token count, or a {"one": ..., "many": ...} dict."""
+        configs = config if isinstance(config, dict) else {"one": config, "many": config}
+        return HummingLayoutDecode(self.experts, self.top_k, configs)
 
     def _pick(self, num_tokens: int):
         return self._kernels["one" if num_tokens == 1 else "many"]
 
+    def _launch_shape(self, shape: _KernelShape, kernel, rows: int, args, arg_types, stream, pdl: bool):
+        H, I, K = self.hidden_size, self.intermediate_size, self.top_k
+        _launch(kernel, (shape.grid_x(H, I, K), rows), shape.threads(H, I), args, arg_types, stream,
+                cluster=shape.cluster_size(K), pdl=pdl, smem=shape.smem(H, I, K))
+
     def _launch_gate_up(self, x, ids, act, limit, has_limit, stream):
         c, gate_up, _ = self._pick(x.shape[0])
-        _launch(gate_up, (c.cluster * (self.intermediate_size // 64), ids.numel()), 2 * c.warps_per_matrix * 32,
-                (self._w13.data_ptr(), self._s13.data_ptr(), x.data_ptr(), ids.data_ptr(), act.data_ptr(),
-                 limit, has_limit), _ARGS_GATE_UP, stream, cluster=c.cluster)
+        self._launch_shape(c.gate_up, gate_up, ids.numel(),
+                           (self._w13.data_ptr(), self._s13.data_ptr(), x.data_ptr(), ids.data_ptr(),
+                            act.data_ptr(), limit, has_limit), _ARGS_GATE_UP, stream, pdl=False)
 
     def _launch_down(self, act, w, ids, out, stream):
         c, _, down = self._pick(ids.shape[0])
-        warps = (self.intermediate_size // 32) // c.groups_per_warp_down
-        pdl = c.use_pdl and self._has_pdl
-        _launch(down, (self.top_k * (self.hidden_size // 64), ids.shape[0]), warps * 32,
-                (self._w2.data_ptr(), self._s2.data_ptr(), act.data_ptr(), ids.data_ptr(), w.data_ptr(),
-                 out.data_ptr()), _ARGS_DOWN, stream, cluster=self.top_k, pdl=pdl)
+        self._launch_shape(c.down, down, ids.shape[0],
+                           (self._w2.data_ptr(), self._s2.data_ptr(), act.data_ptr(), ids.data_ptr(),
+                            w.data_ptr(), out.data_ptr()), _ARGS_DOWN, stream, pdl=c.use_pdl and self._has_pdl)
