@@ -3,7 +3,7 @@
 
 "humming W4A16" / "humming W4A8" rows are humming's indexed GEMM at every batch size
 (decode="off"); the "default" row is what the server runs (decode kernels of
-vllm_ling.ops.moe_decode for <= 16 tokens, the GEMM above; their levers are in
+vllm_ling.ops.moe_decode for <= 32 tokens, the GEMM above; their levers are in
 benchmarks/moe_decode.py).
 
 Measures, in one run:
@@ -46,8 +46,8 @@ E, H, I, TOP_K = 512, 2560, 768, 8
 TOKENS = (1, 4, 16)
 PER_EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // 32) + (H * I // 2 + H * I // 32)
 TARGET_US = {1: 20.0, 4: 45.0}
-# The production object (HummingMxfp4Experts with top_k): decode kernels for <= 16 tokens.
-DEFAULT_PATH = "humming W4A16, default (decode kernels <= 16 tokens)"
+# The production object (HummingMxfp4Experts with top_k): decode kernels for <= 32 tokens.
+DEFAULT_PATH = "humming W4A16, default (decode kernels <= 32 tokens)"
 REFERENCE_US = {"W4A16": {1: 29.1, 4: 59.0, 16: 162.8}, "W4A8": {1: 26.9, 4: 49.5, 16: 125.3},
                 "naive BF16": {1: 191.0}}
 
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
                                      "gbs": mb * 1e3 / us, "speedup": base_us[T] / us})
             log(f"humming {mode} T={T}: {us:.1f} us")
         save()
-        if mode == "W4A16":  # what a server runs: decode kernels up to 16 tokens, the GEMM above
+        if mode == "W4A16":  # what a server runs: decode kernels up to 32 tokens, the GEMM above
             default = moe.HummingMxfp4Experts(**tensors, top_k=TOP_K)
             for T in TOKENS:
                 us = time_fn(default, inputs[T], args.iters)

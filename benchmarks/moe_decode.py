@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """MoE decode kernels (vllm_ling.ops.moe_decode) vs humming's GEMM, one Ling MoE layer (H200).
 
-Per-layer time of the routed experts for 1, 2, 4, 8 and 16 tokens:
+Per-layer time of the routed experts for 1, 2, 4, 8, 16 and 32 tokens (32 is above the
+default dispatch threshold, VLLM_LING_MOE_DECODE_MAX_TOKENS=16: it shows the crossover):
 - "stacked": N distinct layers (own weights, own routing) captured back to back in one CUDA
-  graph, time / N -- what a decode step sees; "single": one layer per graph;
+  graph, time / N -- what a decode step sees, and the figure the targets apply to; "single":
+  one layer per graph (adds the graph launch);
 - humming W4A16 GEMM (five launches, HummingMxfp4Experts with decode="off") and the two-launch
   decode kernels: on humming's own weights (the default, "humming layout"; "default" = the
   per-token-count launch shapes the package picks) and on a GEMV-packed copy ("packed copy",
@@ -33,31 +35,23 @@ from timing import stacked_time_us  # noqa: E402
 from vllm_ling.ops import moe  # noqa: E402
 from vllm_ling.ops.moe_decode import (HummingDecodeConfig, HummingLayoutDecode,  # noqa: E402
                                       PackedDecodeConfig, PackedLayoutDecode, RegisterDown,
-                                      RegisterGateUp, StreamedDown, StreamedGateUp)
+                                      StreamedGateUp)
 
 E, H, I, K = 512, 2560, 768, 8
 TARGET_US = {1: 20.0, 4: 45.0}
-C, RG, SG, RD, SD = HummingDecodeConfig, RegisterGateUp, StreamedGateUp, RegisterDown, StreamedDown
+C, SG, RD = HummingDecodeConfig, StreamedGateUp, RegisterDown
 HL_VARIANTS = {
     "default": None,  # the package's per-token-count shapes
     "no PDL": C(use_pdl=False),
-    "registers (previous default)": {"one": C(gate_up=RG(groups_per_warp=2, warps_per_matrix=5, cluster=8),
-                                              down=RD(groups_per_warp=3, min_blocks=2)),
-                                     "many": C(gate_up=RG(), down=RD())},
-    "register gate_up 4x5 cluster 4": C(gate_up=RG()),
-    "register gate_up 2x5 cluster 8 min 4": C(gate_up=RG(groups_per_warp=2, cluster=8, min_blocks=4)),
-    "streamed gate_up 4 blocks/CTA 3 stages min 5": C(gate_up=SG(stages=3, min_blocks=5)),
-    "streamed gate_up 4 blocks/CTA 6 stages min 3": C(gate_up=SG(stages=6, min_blocks=3)),
-    "streamed gate_up 4 blocks/CTA cluster 4": C(gate_up=SG(cluster=4)),
-    "streamed gate_up 4 blocks/CTA 2 groups/stage": C(gate_up=SG(groups_per_stage=2, min_blocks=3)),
-    "streamed gate_up 2 blocks/CTA min 8": C(gate_up=SG(blocks_per_cta=2, min_blocks=8)),
-    "streamed gate_up 6 blocks/CTA min 3": C(gate_up=SG(blocks_per_cta=6, min_blocks=3)),
-    "streamed gate_up 12 blocks/CTA min 2": C(gate_up=SG(blocks_per_cta=12, min_blocks=2)),
-    "register down 3 groups/warp min 2": C(down=RD(groups_per_warp=3, min_blocks=2)),
-    "register down 6 groups/warp": C(down=RD(groups_per_warp=6)),
-    "streamed down 5 blocks/CTA": C(down=SD()),
-    "streamed down 4 blocks/CTA 8 stages": C(down=SD(blocks_per_cta=4, stages=8, min_blocks=2)),
-    "streamed down 2 blocks/CTA 4 groups/stage": C(down=SD(blocks_per_cta=2, groups_per_stage=4, min_blocks=4)),
+    "gate_up cluster 4": C(gate_up=SG(cluster=4)),
+    "gate_up 3 stages min 5 CTAs/SM": C(gate_up=SG(stages=3, min_blocks=5)),
+    "gate_up 6 stages min 3 CTAs/SM": C(gate_up=SG(stages=6, min_blocks=3)),
+    "gate_up 2 groups/stage": C(gate_up=SG(groups_per_stage=2, min_blocks=3)),
+    "gate_up 2 blocks/CTA min 8 CTAs/SM": C(gate_up=SG(blocks_per_cta=2, min_blocks=8)),
+    "gate_up 6 blocks/CTA min 3 CTAs/SM": C(gate_up=SG(blocks_per_cta=6, min_blocks=3)),
+    "gate_up 12 blocks/CTA min 2 CTAs/SM": C(gate_up=SG(blocks_per_cta=12, min_blocks=2)),
+    "down 3 groups/warp min 2 CTAs/SM": C(down=RD(groups_per_warp=3, min_blocks=2)),
+    "down 6 groups/warp": C(down=RD(groups_per_warp=6)),
 }
 VARIANTS = {
     "default": PackedDecodeConfig(),
@@ -85,7 +79,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--tokens", default="1,2,4,8,16")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--hl-variants", default=",".join(HL_VARIANTS))
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/moe_decode_h200.md"))
@@ -126,9 +120,7 @@ def main() -> int:
             rows.append((f"decode kernels, humming layout, {name}", T, single(layers[0]), stacked(layers), touched))
             log(f"T={T} humming layout {name}: {rows[-1][3]:.1f} us/layer stacked (humming {h_st:.1f})")
         # each fused kernel alone (stacked), default configs
-        previous = [d.with_config(HL_VARIANTS["registers (previous default)"]) for d in hl]
-        for label, impl in (("packed copy", fused), ("humming layout", hl),
-                            ("humming layout, registers (previous default)", previous)):
+        for label, impl in (("packed copy", fused), ("humming layout", hl)):
             acts = [f.gate_up(x, ids) for f, (x, _, ids) in zip(impl, inputs)]
             gu = stacked_time_us([functools.partial(f.gate_up, x, ids) for f, (x, _, ids) in zip(impl, inputs)],
                                  args.iters)

@@ -127,6 +127,11 @@ def test_decode_options_reach_the_method(loaded_tiny_models, monkeypatch):
     from vllm_ling.layers.moe_method import HUMMING, LingMxfp4MoEMethod, choose_moe_method
     from vllm_ling.options import LingOptionError, LingOptions
 
+    from vllm_ling.ops import moe as moe_ops
+
+    monkeypatch.delenv("VLLM_LING_MOE_DECODE_MAX_TOKENS", raising=False)
+    defaults = LingOptions.from_env()  # the option's default is the ops' default (measured crossover)
+    assert defaults.moe_decode_max_tokens == moe_ops.DEFAULT_DECODE_MAX_TOKENS == 32
     monkeypatch.setenv("VLLM_LING_MOE_DECODE", "copy")
     monkeypatch.setenv("VLLM_LING_MOE_DECODE_MAX_TOKENS", "4")
     opts = LingOptions.from_env()

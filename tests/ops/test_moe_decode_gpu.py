@@ -40,17 +40,13 @@ def humming_layer(weights):
 
 
 D = moe_decode
-# every kernel form for every token count (the default mixes them per kernel)
-ALL_STREAMED = D.HummingDecodeConfig(gate_up=D.StreamedGateUp(), down=D.StreamedDown())
-ALL_REGISTERS = D.HummingDecodeConfig(gate_up=D.RegisterGateUp(), down=D.RegisterDown())
 
 
-@pytest.fixture(scope="module", params=["packed_copy", "humming_layout", "humming_streamed", "humming_registers"])
+@pytest.fixture(scope="module", params=["packed_copy", "humming_layout"])
 def fused(request, weights, humming_layer):
     if request.param == "packed_copy":
         return moe_decode.PackedLayoutDecode(**weights, top_k=TOP_K)
-    cfg = {"humming_streamed": ALL_STREAMED, "humming_registers": ALL_REGISTERS}.get(request.param)
-    return moe_decode.HummingLayoutDecode(humming_layer, TOP_K, cfg and {"one": cfg, "many": cfg})
+    return moe_decode.HummingLayoutDecode(humming_layer, TOP_K)
 
 
 def test_our_reading_of_humming_layout(weights, humming_layer):
@@ -114,17 +110,14 @@ def test_int64_ids_and_launch_variants_agree(weights, fused):
     if isinstance(fused, moe_decode.PackedLayoutDecode):
         configs = (moe_decode.PackedDecodeConfig(k_split_gate_up=4, k_split_down=1, use_pdl=False),
                    moe_decode.PackedDecodeConfig(k_split_gate_up=10, k_split_down=3, min_blocks_gate_up=2))
-    else:
-        configs = (D.HummingDecodeConfig(gate_up=D.RegisterGateUp(groups_per_warp=2, warps_per_matrix=5, cluster=8),
-                                         down=D.RegisterDown(groups_per_warp=3), use_pdl=False),
-                   D.HummingDecodeConfig(gate_up=D.RegisterGateUp(groups_per_warp=5, warps_per_matrix=8, cluster=2,
-                                                                  min_blocks=1),
-                                         down=D.RegisterDown(groups_per_warp=1)),
+    else:  # the default's launch shapes differ for 1 token: both, and other streaming shapes
+        configs = (*fused.configs.values(),
                    D.HummingDecodeConfig(gate_up=D.StreamedGateUp(cluster=4, blocks_per_cta=6, stages=3,
                                                                   groups_per_stage=2, min_blocks=2),
-                                         down=D.StreamedDown(blocks_per_cta=4, groups_per_stage=1), use_pdl=False),
+                                         down=D.RegisterDown(groups_per_warp=1), use_pdl=False),
                    D.HummingDecodeConfig(gate_up=D.StreamedGateUp(blocks_per_cta=12, stages=2, min_blocks=2),
-                                         down=D.StreamedDown(blocks_per_cta=10, groups_per_stage=1, stages=2)))
+                                         down=D.RegisterDown(groups_per_warp=6)),
+                   D.HummingDecodeConfig(gate_up=D.StreamedGateUp(blocks_per_cta=1, cluster=2, stages=8)))
     for cfg in configs:
         out = fused.with_config(cfg)(x, w, ids)
         assert _rel(out, base.float()) < 2e-3, cfg  # only the FP32 summation order differs
@@ -140,7 +133,7 @@ def test_clamp_is_honoured(weights, fused):
     assert _rel(fused(x, w, ids, None), unclamped) < TOL
 
 
-@pytest.mark.parametrize("impl", ["packed_copy", "humming_layout", "humming_streamed", "humming_registers"])
+@pytest.mark.parametrize("impl", ["packed_copy", "humming_layout"])
 @pytest.mark.parametrize("codes", ["half_codes", "all_codes"])
 def test_every_code_and_edge_scales(codes, impl):
     e, h, i, k = 4, 256, 128, 2  # humming pads N to 256: the smallest unpadded shapes
@@ -159,13 +152,7 @@ def test_every_code_and_edge_scales(codes, impl):
     if impl == "packed_copy":
         fused = moe_decode.PackedLayoutDecode(**tensors, top_k=k)
     else:  # top_k 2: 2-CTA clusters in down
-        cfg = {"humming_layout": None,
-               "humming_streamed": D.HummingDecodeConfig(gate_up=D.StreamedGateUp(cluster=4, blocks_per_cta=2),
-                                                         down=D.StreamedDown(blocks_per_cta=2)),
-               "humming_registers": D.HummingDecodeConfig(
-                   gate_up=D.RegisterGateUp(groups_per_warp=2, warps_per_matrix=1, cluster=4),
-                   down=D.RegisterDown(groups_per_warp=2))}[impl]
-        fused = moe_decode.HummingLayoutDecode(moe.HummingMxfp4Experts(**tensors), k, cfg and {"one": cfg, "many": cfg})
+        fused = moe_decode.HummingLayoutDecode(moe.HummingMxfp4Experts(**tensors), k)
     ids = torch.tensor([[0, 3], [1, 2], [3, 3]], dtype=torch.int32, device=DEV)
     w = torch.tensor([[0.7, 0.3], [1.0, 0.5], [0.25, 0.25]], device=DEV)
     x = moe_cases.hidden(3, 11, h, DEV) * 2.0 ** -40 if codes == "all_codes" else moe_cases.hidden(3, 11, h, DEV)

@@ -136,8 +136,8 @@ def test_humming_launch_shapes():
     problems = " ".join(bad.problems(2560, 768, 8, smem))
     assert "blocks_per_cta 5 does not divide 12" in problems and "shared memory" in problems
     assert "groups_per_warp 5 does not divide 24" in problems
-    assert D.RegisterGateUp(groups_per_warp=3).problems(2560, 768, 8, smem)
-    assert D.StreamedDown(blocks_per_cta=3, groups_per_stage=5).problems(2560, 768, 8, smem)
+    assert "cluster * groups_per_stage does not divide 80" in " ".join(D.StreamedGateUp(cluster=3).problems(2560, 768, 8, smem))
+    assert D.RegisterDown(groups_per_warp=1).problems(2560, 768 * 2, 8, smem) == ["1536 threads per CTA"]
 
 
 def test_streamed_shared_memory_fits_two_ctas_per_sm_for_ling():

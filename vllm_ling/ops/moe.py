@@ -53,10 +53,11 @@ CLAMP_GATE_OUTPUT = "gate_output"  # vLLM SwigluStepAndMul (shared expert): min(
 ROUTED_EXPERT_CLAMP = CLAMP_GATE_INPUT
 # Decode kernels for small batches (vllm_ling.ops.moe_decode): "auto" runs them on humming's
 # own weights where supported, "copy" on a second GEMV-packed copy (faster, 2x expert memory),
-# "off" never. Up to 16 tokens they beat humming's GEMM on the H200 (benchmarks/results/moe_decode_h200.md).
+# "off" never. Up to 32 tokens (the largest batch measured) they beat humming's GEMM on the H200
+# (1.30x at 32; benchmarks/results/moe_decode_h200.md).
 DECODE_AUTO, DECODE_COPY, DECODE_OFF = "auto", "copy", "off"
 DECODE_MODES = (DECODE_AUTO, DECODE_COPY, DECODE_OFF)
-DEFAULT_DECODE_MAX_TOKENS = 16
+DEFAULT_DECODE_MAX_TOKENS = 32  # = vllm_ling.options.MOE_DECODE_MAX_TOKENS
 SHARED_EXPERT_CLAMP = CLAMP_GATE_OUTPUT
 _CLAMP_MODES = (CLAMP_GATE_INPUT, CLAMP_GATE_OUTPUT)
 

@@ -16,7 +16,9 @@ Two weight layouts, same math:
   output rows hold four ints, and int J is exactly the MMA A fragment of rows 16J..16J+15
   (checked bit for bit against humming's transform on the GPU). A 64-row block is the
   smallest unit a warp can read, so gate_up splits K over a cluster of CTAs that reduce in
-  distributed shared memory, and down runs one CTA per top-k slot in a cluster (sm_90+).
+  distributed shared memory and streams its weights through shared-memory stages filled
+  by bulk copies (:class:`StreamedGateUp`); down runs one CTA per top-k slot in a cluster
+  and loads its weights into registers (:class:`RegisterDown`). sm_90+.
 - :class:`PackedLayoutDecode` (``VLLM_LING_MOE_DECODE=copy``) repacks the checkpoint's
   codes once into a layout made for GEMV (:func:`pack_gate_up`, :func:`pack_down`: each
   lane's 16 bytes are its fragments of 16 rows x 64 k, and 8 codes decode in 9 integer
@@ -440,9 +442,7 @@ ling_moe_decode_down(const uint4* __restrict__ w2, const u32* __restrict__ s2,
 # 16 bytes of lane (g, t) for a block of 64 output rows hold four ints; int J is exactly the MMA
 # A fragment of rows 16J..16J+15 (nibble pairs (0,4), (1,5), (2,6), (3,7) = a0, a2, a1, a3).
 # Scales of rows 16J+g / 16J+8+g of a block are the bytes 8g + 2J / 8g + 2J + 1.
-# One warp: one 64-row block of one matrix x GPW scale groups; a CTA: WPM warps per matrix;
-# a cluster of CL CTAs splits K (gate_up) or the top-k slots (down) and reduces through
-# distributed shared memory into its rank-0 CTA.
+# A warp's unit of work is one 64-row block x some scale groups (hl_group_mma per group).
 _HUMMING_LAYOUT_HELPERS = r"""
 __device__ __forceinline__ void hl_decode(u32 q, u32 (&a)[4]) {
   // nibble pair (p, p + 4) -> BF16x2 worth v * 2**-126 (sign to 15/31, e1 e0 m to 8..6 / 24..22).
@@ -505,72 +505,11 @@ __device__ __forceinline__ void hl_group_mma(const uint4 w0, const uint4 w1, con
 
 """
 
-_HL_GATE_UP_KERNEL = r"""
-// grid (CL_A * I/64, T * TOPK), cluster (CL_A, 1, 1), 2 * WPM_A warps (gate warps, then up)
-extern "C" __global__ void __launch_bounds__(2 * WPM_A * 32, MINB_A)
-ling_moe_hl_gate_up(const uint4* __restrict__ w13, const u64* __restrict__ s13,
-                    const u32* __restrict__ x, const int* __restrict__ topk_ids,
-                    u16* __restrict__ act, float limit, int has_limit) {
-  const int rank = (int)cluster_rank();
-  const int blk = blockIdx.x / CL_A, a = blockIdx.y;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int mat = warp / WPM_A, wi = warp % WPM_A;
-  const int nblk = blk + mat * (I_ / 64);
-  const int G0 = (rank * WPM_A + wi) * GPW_A;
-  const long long e = topk_ids[a];
-  uint4 w[GPW_A][2];
-  u64 sc[GPW_A];
-#pragma unroll
-  for (int i = 0; i < GPW_A; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      w[i][h] = ld_stream(w13 + (e * (H_ / 16) + 2 * (G0 + i) + h) * (N1 / 2) + 32 * nblk + lane);
-    sc[i] = s13[((e * (H_ / 32) + G0 + i) * N1 + 64 * nblk + 8 * g) / 8];
-  }
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-  const u32* xr = x + (long long)(a / TOPK) * (H_ / 2);
-  float acc[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
-#pragma unroll
-  for (int i = 0; i < GPW_A; ++i) {
-    u32 xb[4];
-    hl_load_x(xr, G0 + i, g, t, xb);
-    hl_group_mma(w[i][0], w[i][1], xb, sc[i], acc);
-  }
-  __shared__ float red[2][WPM_A][64];
-  __shared__ float cl_red[CL_A][2][64];
-  if (t == 0) {
-#pragma unroll
-    for (int J = 0; J < 4; ++J) {
-      red[mat][wi][16 * J + g] = acc[J][0];
-      red[mat][wi][16 * J + 8 + g] = acc[J][1];
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < 128; i += blockDim.x) {  // CTAs may have < 128 threads
-    const int m = i >> 6, f = i & 63;
-    float p = 0.f;
-#pragma unroll
-    for (int k = 0; k < WPM_A; ++k) p += red[m][k][f];
-    st_rank0(&cl_red[0][0][0], (rank * 2 + m) * 64 + f, p);
-  }
-  cluster_sync();
-  if (rank == 0) {
-    for (int f = threadIdx.x; f < 64; f += blockDim.x) {
-      float gs = 0.f, us = 0.f;
-#pragma unroll
-      for (int r = 0; r < CL_A; ++r) { gs += cl_red[r][0][f]; us += cl_red[r][1][f]; }
-      const float y = swiglu(gs, us, limit, has_limit);
-      act[(long long)a * I_ + 64 * blk + f] = to_bf16(y);
-    }
-  }
-}
-
-"""
-
 _HL_DOWN_KERNEL = r"""
-// grid (TOPK * H/64, T), cluster (TOPK, 1, 1): CTA rank = top-k slot; WPB warps split K
+// down + weighted top-k sum, weights loaded straight into registers (a warp: one 64-row block x
+// GPW_B groups, the loads of all its groups in flight at once). grid (TOPK * H/64, T), cluster
+// (TOPK, 1, 1): CTA rank = top-k slot; WPB warps split K; slots reduce into rank 0 through
+// distributed shared memory.
 extern "C" __global__ void __launch_bounds__(WPB * 32, MINB_B)
 ling_moe_hl_down(const uint4* __restrict__ w2, const u64* __restrict__ s2,
                  const u16* __restrict__ act, const int* __restrict__ topk_ids,
@@ -633,13 +572,13 @@ ling_moe_hl_down(const uint4* __restrict__ w2, const u64* __restrict__ s2,
 """
 
 
-# Streamed kernels on humming's layout: one producer warp per CTA copies whole pieces of slab
-# rows into a ring of ST shared-memory stages (cp.async.bulk, one instruction per piece,
-# mbarrier completion, sm_90+) while the consumer warps decode from shared memory. Unlike the
-# register kernels above, a CTA keeps ST stages of weights in flight while it computes, and a
-# gate_up CTA reads each slab row in full (12 KB contiguous for Ling) instead of 512-byte
-# pieces. Consumer warp (b, kw): block b, group kw of every stage (GPS groups per stage).
-# Partial sums go straight to the cluster rank that owns their rows (distributed shared memory).
+# gate_up on humming's layout with its weights streamed through shared memory: a producer warp
+# copies pieces of slab rows (cp.async.bulk, one instruction per piece, completion counted on an
+# mbarrier; sm_90+) into a ring of ST_S stages while consumer warps decode from shared memory, so
+# a CTA keeps ST_S stages in flight while it computes (loading every weight of a warp into
+# registers up front, as the down kernel does, measured 3-4 us slower at 4 tokens and 13 us at
+# 16). Consumer warp (b, kw): gate and up rows of block b, group kw of every stage. Partial
+# sums go straight to the cluster rank that owns their rows (distributed shared memory).
 _STREAM_HELPERS = r"""
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -751,16 +690,17 @@ ling_moe_hs_gate_up(const unsigned char* __restrict__ w13, const unsigned char* 
     __syncwarp();
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
   } else {
+    // consumer warp: gate and up rows of block b, group kw of each stage
     const int b = warp % BPC_S, kw = warp / BPC_S;
     const u32* xr = x + (long long)(a / TOPK) * (H_ / 2) + G0 * 16;
     for (int i = threadIdx.x; i < GPC_S * 16; i += CONS_S * 32) xs[i] = xr[i];
     consumers_sync(CONS_S * 32);
-    float ag[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
-    float au[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
+    float ag[4][2] = {}, au[4][2] = {};
 #pragma unroll 1
     for (int i = 0; i < NS_S; ++i) {
       const int s = i % ST_S;
       mbar_wait(&full[s], (i / ST_S) & 1);
+      // stage layout: weights [group][slab 0: gate, up][slab 1: gate, up], scales [group][gate, up]
       const uint4* wv = reinterpret_cast<const uint4*>(ring + s * STAGE_S + kw * 4 * PIECE_S) + 32 * b + lane;
       const uint4 g0 = wv[0], u0 = wv[PIECE_S / 16], g1 = wv[2 * PIECE_S / 16], u1 = wv[3 * PIECE_S / 16];
       const unsigned char* sv = ring + s * STAGE_S + STW_S + kw * 2 * BPC_S * 64 + 64 * b + 8 * g;
@@ -774,7 +714,7 @@ ling_moe_hs_gate_up(const unsigned char* __restrict__ w13, const unsigned char* 
       hl_group_mma(u0, u1, xb, su, au);
     }
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-    if (t == 0) {
+    if (t == 0) {  // partial sums to the rank that owns their rows
       const int part = (int)rank * GPS_S + kw;
 #pragma unroll
       for (int J = 0; J < 4; ++J) {
@@ -782,9 +722,8 @@ ling_moe_hs_gate_up(const unsigned char* __restrict__ w13, const unsigned char* 
         for (int hh = 0; hh < 2; ++hh) {
           const int row = 64 * b + 16 * J + 8 * hh + g;
           const u32 owner = row / RPR_S;
-          const int f = row % RPR_S;
-          st_rank(red, (part * 2) * RPR_S + f, owner, ag[J][hh]);
-          st_rank(red, (part * 2 + 1) * RPR_S + f, owner, au[J][hh]);
+          st_rank(red, (part * 2) * RPR_S + row % RPR_S, owner, ag[J][hh]);
+          st_rank(red, (part * 2 + 1) * RPR_S + row % RPR_S, owner, au[J][hh]);
         }
       }
     }
@@ -803,113 +742,6 @@ ling_moe_hs_gate_up(const unsigned char* __restrict__ w13, const unsigned char* 
 
 """
 
-_HS_DOWN_KERNEL = r"""
-// down: grid (TOPK * H/64/BPC_D, T), cluster (TOPK, 1, 1); rank = top-k slot, a CTA owns
-// BPC_D consecutive 64-row blocks of the output
-#define CONS_D (BPC_D * GPS_D)
-#define SLAB_D (H_ * 8)
-#define PIECE_D (BPC_D * 512)
-#define STW_D (GPS_D * 2 * PIECE_D)
-#define STS_D (GPS_D * BPC_D * 64)
-#define STAGE_D ALIGN128(STW_D + STS_D)
-#define NS_D (I_ / 32 / GPS_D)
-#define ROWS_D (BPC_D * 64)
-#define RPR_D ((ROWS_D + TOPK - 1) / TOPK)
-#define RED_D ALIGN128(TOPK * GPS_D * RPR_D * 4)
-#define XS_D ALIGN128(I_ * 2)
-
-extern "C" __global__ void __launch_bounds__(32 * (CONS_D + 1), MINB_D)
-ling_moe_hs_down(const unsigned char* __restrict__ w2, const unsigned char* __restrict__ s2,
-                 const u32* __restrict__ act, const int* __restrict__ topk_ids,
-                 const float* __restrict__ topk_w, u16* __restrict__ out) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* ring = smem;
-  float* red = reinterpret_cast<float*>(smem + ST_D * STAGE_D);
-  u32* xs = reinterpret_cast<u32*>(smem + ST_D * STAGE_D + RED_D);
-  u64* full = reinterpret_cast<u64*>(smem + ST_D * STAGE_D + RED_D + XS_D);
-  u64* empty = full + ST_D;
-  const u32 slot = cluster_rank();
-  const int blk0 = (blockIdx.x / TOPK) * BPC_D, tok = blockIdx.y;
-  const int a = tok * TOPK + (int)slot;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const long long e = topk_ids[a];
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < ST_D; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CONS_D); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-  __syncthreads();
-  if (warp == CONS_D) {
-    // the weights depend only on topk_ids (written before the gate_up kernel started)
-    if (lane == 0) {
-      for (int i = 0; i < NS_D; ++i) {
-        const int s = i % ST_D;
-        if (i >= ST_D) mbar_wait(&empty[s], ((i / ST_D) - 1) & 1);
-        unsigned char* st = ring + s * STAGE_D;
-        mbar_expect_tx(&full[s], STW_D + STS_D);
-#pragma unroll
-        for (int q = 0; q < GPS_D; ++q) {
-          const long long G = i * GPS_D + q;
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            bulk_load(st + (2 * q + h) * PIECE_D, w2 + (e * (I_ / 16) + 2 * G + h) * SLAB_D + blk0 * 512,
-                      PIECE_D, &full[s]);
-          bulk_load(st + STW_D + q * BPC_D * 64, s2 + (e * (I_ / 32) + G) * H_ + 64 * blk0, BPC_D * 64,
-                    &full[s]);
-        }
-      }
-    }
-    __syncwarp();
-    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-  } else {
-    const int b = warp % BPC_D, kw = warp / BPC_D;
-#if __CUDA_ARCH__ >= 900
-    // the activations are the gate_up kernel's output
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-    const u32* ar = act + (long long)a * (I_ / 2);
-    for (int i = threadIdx.x; i < I_ / 2; i += CONS_D * 32) xs[i] = ar[i];
-    consumers_sync(CONS_D * 32);
-    float acc[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
-#pragma unroll 1
-    for (int i = 0; i < NS_D; ++i) {
-      const int s = i % ST_D;
-      mbar_wait(&full[s], (i / ST_D) & 1);
-      const uint4* wv = reinterpret_cast<const uint4*>(ring + s * STAGE_D + kw * 2 * PIECE_D);
-      const uint4 w0 = wv[32 * b + lane], w1 = wv[PIECE_D / 16 + 32 * b + lane];
-      const u64 sc = *reinterpret_cast<const u64*>(ring + s * STAGE_D + STW_D + kw * BPC_D * 64 + 64 * b + 8 * g);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[s]);
-      u32 xb[4];
-      hl_load_x(xs, i * GPS_D + kw, g, t, xb);
-      hl_group_mma(w0, w1, xb, sc, acc);
-    }
-    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-    if (t == 0) {
-      const float wt = topk_w[a];
-      const int part = (int)slot * GPS_D + kw;
-#pragma unroll
-      for (int J = 0; J < 4; ++J) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = 64 * b + 16 * J + 8 * hh + g;
-          st_rank(red, part * RPR_D + row % RPR_D, row / RPR_D, acc[J][hh] * wt);
-        }
-      }
-    }
-  }
-  cluster_sync();
-  for (int f = threadIdx.x; f < RPR_D; f += blockDim.x) {
-    const int row = (int)slot * RPR_D + f;
-    if (row < ROWS_D) {
-      float s = 0.f;
-#pragma unroll
-      for (int p = 0; p < TOPK * GPS_D; ++p) s += red[p * RPR_D + f];
-      out[(long long)tok * H_ + 64 * blk0 + row] = to_bf16(s);
-    }
-  }
-}
-"""
 
 
 def _defines(**values: int) -> str:
@@ -919,8 +751,7 @@ def _defines(**values: int) -> str:
 _ARGS_GATE_UP = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                  ctypes.c_void_p, ctypes.c_float, ctypes.c_int)
 _ARGS_DOWN = (ctypes.c_void_p,) * 6
-_KERNEL_NAMES = ("ling_moe_decode_gate_up", "ling_moe_decode_down",
-                 "ling_moe_hl_gate_up", "ling_moe_hl_down", "ling_moe_hs_gate_up", "ling_moe_hs_down")
+_KERNEL_NAMES = ("ling_moe_decode_gate_up", "ling_moe_decode_down", "ling_moe_hs_gate_up", "ling_moe_hl_down")
 _KERNEL_CLASSES: dict[str, type] = {}
 
 
@@ -1181,14 +1012,12 @@ class _KernelShape:
     and launch it. ``problems`` lists why a shape cannot run given sizes (empty: it can)."""
 
     kernel_name: ClassVar[str]
-    streamed: ClassVar[bool] = False
+    kernel_source: ClassVar[str]  # helpers beyond _HELPERS + _HUMMING_LAYOUT_HELPERS, then the kernel
 
     def source(self, hidden: int, intermediate: int, top_k: int, clamp_flag: int) -> str:
-        body = {"ling_moe_hl_gate_up": _HL_GATE_UP_KERNEL, "ling_moe_hl_down": _HL_DOWN_KERNEL,
-                "ling_moe_hs_gate_up": _HS_GATE_UP_KERNEL, "ling_moe_hs_down": _HS_DOWN_KERNEL}[self.kernel_name]
         return (_defines(H_=hidden, I_=intermediate, TOPK=top_k, N1=2 * intermediate,
                          CLAMP_GATE_OUTPUT=clamp_flag, **self._defines(hidden, intermediate))
-                + _HELPERS + _HUMMING_LAYOUT_HELPERS + (_STREAM_HELPERS if self.streamed else "") + body)
+                + _HELPERS + _HUMMING_LAYOUT_HELPERS + self.kernel_source)
 
     def smem(self, hidden: int, intermediate: int, top_k: int) -> int:
         return 0
@@ -1207,39 +1036,6 @@ class _KernelShape:
 
 
 @dataclasses.dataclass(frozen=True)
-class RegisterGateUp(_KernelShape):
-    """gate_up + SwiGLU, weights loaded straight into registers: a warp reads one 64-row block
-    x ``groups_per_warp`` scale groups; ``warps_per_matrix`` warps per CTA and matrix; a
-    cluster of ``cluster`` CTAs splits K (groups_per_warp * warps_per_matrix * cluster ==
-    hidden / 32)."""
-
-    kernel_name: ClassVar[str] = "ling_moe_hl_gate_up"
-    groups_per_warp: int = 4
-    warps_per_matrix: int = 5
-    cluster: int = 4
-    min_blocks: int = 3
-
-    def _defines(self, hidden, intermediate):
-        return dict(GPW_A=self.groups_per_warp, WPM_A=self.warps_per_matrix, CL_A=self.cluster,
-                    MINB_A=self.min_blocks)
-
-    def threads(self, hidden, intermediate):
-        return 2 * self.warps_per_matrix * 32
-
-    def grid_x(self, hidden, intermediate, top_k):
-        return self.cluster * (intermediate // 64)
-
-    def cluster_size(self, top_k):
-        return self.cluster
-
-    def problems(self, hidden, intermediate, top_k, smem_limit):
-        out = super().problems(hidden, intermediate, top_k, smem_limit)
-        if hidden // 32 != self.groups_per_warp * self.warps_per_matrix * self.cluster:
-            out.append(f"groups_per_warp * warps_per_matrix * cluster != {hidden // 32} groups")
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
 class StreamedGateUp(_KernelShape):
     """gate_up + SwiGLU, weights streamed through ``stages`` shared-memory stages by a producer
     warp (bulk copies): a CTA owns ``blocks_per_cta`` 64-row blocks of the gate and of the up
@@ -1248,7 +1044,7 @@ class StreamedGateUp(_KernelShape):
     divides hidden / 32."""
 
     kernel_name: ClassVar[str] = "ling_moe_hs_gate_up"
-    streamed: ClassVar[bool] = True
+    kernel_source: ClassVar[str] = _STREAM_HELPERS + _HS_GATE_UP_KERNEL
     cluster: int = 8
     blocks_per_cta: int = 4
     groups_per_stage: int = 1
@@ -1290,6 +1086,7 @@ class RegisterDown(_KernelShape):
     intermediate / 32)."""
 
     kernel_name: ClassVar[str] = "ling_moe_hl_down"
+    kernel_source: ClassVar[str] = _HL_DOWN_KERNEL
     groups_per_warp: int = 4
     min_blocks: int = 4
 
@@ -1314,53 +1111,12 @@ class RegisterDown(_KernelShape):
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamedDown(_KernelShape):
-    """down + weighted top-k sum, weights streamed through shared-memory stages: one CTA per
-    top-k slot in a cluster owns ``blocks_per_cta`` 64-row blocks of the output (divides
-    hidden / 64); ``groups_per_stage`` divides intermediate / 32."""
-
-    kernel_name: ClassVar[str] = "ling_moe_hs_down"
-    streamed: ClassVar[bool] = True
-    blocks_per_cta: int = 5
-    groups_per_stage: int = 2
-    stages: int = 4
-    min_blocks: int = 3
-
-    def _defines(self, hidden, intermediate):
-        return dict(BPC_D=self.blocks_per_cta, GPS_D=self.groups_per_stage, ST_D=self.stages,
-                    MINB_D=self.min_blocks)
-
-    def threads(self, hidden, intermediate):
-        return 32 * (self.blocks_per_cta * self.groups_per_stage + 1)
-
-    def grid_x(self, hidden, intermediate, top_k):
-        return top_k * (hidden // 64 // self.blocks_per_cta)
-
-    def cluster_size(self, top_k):
-        return top_k
-
-    def smem(self, hidden, intermediate, top_k):
-        bpc, gps = self.blocks_per_cta, self.groups_per_stage
-        stage = _align128(gps * 2 * bpc * 512 + gps * bpc * 64)
-        red = _align128(top_k * gps * -(-bpc * 64 // top_k) * 4)
-        return self.stages * stage + red + _align128(intermediate * 2) + 16 * self.stages
-
-    def problems(self, hidden, intermediate, top_k, smem_limit):
-        out = super().problems(hidden, intermediate, top_k, smem_limit)
-        if (hidden // 64) % self.blocks_per_cta:
-            out.append(f"blocks_per_cta {self.blocks_per_cta} does not divide {hidden // 64} blocks")
-        if (intermediate // 32) % self.groups_per_stage:
-            out.append(f"groups_per_stage {self.groups_per_stage} does not divide {intermediate // 32} groups")
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
 class HummingDecodeConfig:
     """The two kernels' launch shapes on humming's layout (benchmark levers) and whether the
     down kernel may start while gate_up finishes (programmatic dependent launch)."""
 
-    gate_up: RegisterGateUp | StreamedGateUp = StreamedGateUp()
-    down: RegisterDown | StreamedDown = RegisterDown()
+    gate_up: StreamedGateUp = StreamedGateUp()
+    down: RegisterDown = RegisterDown()
     use_pdl: bool = True
 
     def problems(self, hidden: int, intermediate: int, top_k: int, smem_limit: int) -> list[str]:
