@@ -11,6 +11,8 @@ O(1) (the ``half_codes`` case uses only the codes +-0.5, which the decode turns 
 subnormals: flushing them would give 100 % error).
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -58,6 +60,19 @@ def test_our_reading_of_humming_layout(weights, humming_layer):
         assert torch.equal(moe_decode.humming_layout_scales(weights[sc]), t["weight_scale"].view(torch.uint8)), sub
     ok, reason = moe_decode.humming_decode_support(humming_layer, TOP_K)
     assert ok, reason
+
+
+def test_support_refuses_tensors_the_bulk_copies_cannot_read(humming_layer):
+    """The streamed kernel bulk-copies raw rows in 16-byte units: a misaligned or strided
+    humming tensor is refused with the reason (HummingMxfp4Experts then logs it and keeps
+    humming's GEMM) instead of faulting."""
+    w = humming_layer.tensors["w13"]["weight"]
+    shifted = torch.empty(w.numel() + 1, dtype=w.dtype, device=w.device)[1:].view(w.shape)  # 4-byte offset
+    for bad in (shifted, w.transpose(1, 2).contiguous().transpose(1, 2)):
+        other = copy.copy(humming_layer)
+        other.tensors = {**humming_layer.tensors, "w13": {**humming_layer.tensors["w13"], "weight": bad}}
+        ok, reason = moe_decode.humming_decode_support(other, TOP_K)
+        assert not ok and reason == "w13 weight is not a contiguous, 16-byte aligned tensor"
 
 
 @pytest.mark.parametrize("mode", ["auto", "copy", "off"])

@@ -1168,6 +1168,9 @@ def humming_decode_support(experts, top_k: int) -> tuple[bool, str]:
         if tuple(t["weight"].shape) != (E, k // 16, 2 * n) or tuple(t["weight_scale"].shape) != (E, k // 32, n):
             return False, (f"{sub}: unexpected humming tensor shapes {tuple(t['weight'].shape)} / "
                            f"{tuple(t['weight_scale'].shape)}")
+        for name in ("weight", "weight_scale"):  # read as raw rows, bulk-copied in 16-byte units
+            if not t[name].is_contiguous() or t[name].data_ptr() % 16:
+                return False, f"{sub} {name} is not a contiguous, 16-byte aligned tensor"
     limit = torch.cuda.get_device_properties(experts.device).shared_memory_per_block_optin
     for key, cfg in default_humming_decode_configs(H, I).items():
         problems = cfg.problems(H, I, top_k, limit)
