@@ -8,7 +8,7 @@ documented default; a malformed value is an error naming the variable.
 |---|---|---|
 | VLLM_LING_MOE_BACKEND | humming | ``humming``: our Humming MXFP4 MoE (reference path on CPU); ``vllm``: opt out, vLLM picks (logged at WARNING, reported) |
 | VLLM_LING_MOE_DECODE | auto | batches of at most VLLM_LING_MOE_DECODE_MAX_TOKENS tokens: ``auto`` fused decode kernels on humming's weights where they run (sm_90+, W4A16; otherwise logged at WARNING and reported), ``copy`` on a second GEMV-packed copy of the experts (fastest, twice the expert memory), ``off`` humming's GEMM always |
-| VLLM_LING_MOE_DECODE_MAX_TOKENS | 32 | largest batch (tokens) that takes the decode kernels (they beat humming's GEMM up to 32 tokens on the H200, the largest batch measured) |
+| VLLM_LING_MOE_DECODE_MAX_TOKENS | 32 | largest batch (tokens) that takes the decode kernels (they beat humming's GEMM up to 32 tokens on the H200, the largest batch measured); 0..4096 |
 | VLLM_LING_MOE_W4A8 | 0 | ``1``: humming MoE with FP8 e4m3 per-token activations (the study's "W4A8"; sm_89+, an error elsewhere) |
 | VLLM_LING_FP8_HEAD | 1 | FP8 online-quantized target LM head; ``0`` opts out (BF16 head) |
 | VLLM_LING_MTP | 1 | default NEXTN MTP speculation when the user gives no speculative config; ``0`` off |
@@ -26,6 +26,9 @@ import os
 MOE_BACKENDS = ("humming", "vllm")
 MOE_DECODE_MODES = ("auto", "copy", "off")  # vllm_ling.ops.moe.DECODE_MODES (no torch import here)
 MOE_DECODE_MAX_TOKENS = 32  # vllm_ling.ops.moe.DEFAULT_DECODE_MAX_TOKENS
+# the decode kernels launch one grid row per (token, top-k slot): tokens x top_k (<= 8) must stay
+# within CUDA's 65535 grid rows; past ~32 tokens humming's GEMM is the faster path anyway
+MOE_DECODE_MAX_TOKENS_LIMIT = 4096
 VERIFY_POLICIES = ("strict", "warn", "off")
 
 
@@ -74,7 +77,7 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _int(name: str, default: int, minimum: int) -> int:
+def _int(name: str, default: int, minimum: int, maximum: int | None = None, why_max: str = "") -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -84,6 +87,8 @@ def _int(name: str, default: int, minimum: int) -> int:
         raise LingOptionError(f"{name}={raw!r} is not an integer") from None
     if value < minimum:
         raise LingOptionError(f"{name}={value} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise LingOptionError(f"{name}={value} must be <= {maximum} ({why_max})")
     return value
 
 
@@ -105,7 +110,8 @@ class LingOptions:
             moe_backend=_choice("VLLM_LING_MOE_BACKEND", "humming", MOE_BACKENDS),
             moe_w4a8=_bool("VLLM_LING_MOE_W4A8", False),
             moe_decode=_choice("VLLM_LING_MOE_DECODE", "auto", MOE_DECODE_MODES),
-            moe_decode_max_tokens=_int("VLLM_LING_MOE_DECODE_MAX_TOKENS", MOE_DECODE_MAX_TOKENS, 0),
+            moe_decode_max_tokens=_int("VLLM_LING_MOE_DECODE_MAX_TOKENS", MOE_DECODE_MAX_TOKENS, 0,
+                                        MOE_DECODE_MAX_TOKENS_LIMIT, "one kernel grid row per token and top-k slot"),
             fp8_head=_bool("VLLM_LING_FP8_HEAD", True),
             mtp=_bool("VLLM_LING_MTP", True),
             num_spec_tokens=_int("VLLM_LING_NUM_SPEC_TOKENS", 3, 1),

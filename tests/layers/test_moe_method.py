@@ -143,6 +143,9 @@ def test_decode_options_reach_the_method(loaded_tiny_models, monkeypatch):
     monkeypatch.setenv("VLLM_LING_MOE_DECODE_MAX_TOKENS", "-1")
     with pytest.raises(LingOptionError, match="VLLM_LING_MOE_DECODE_MAX_TOKENS=-1 must be >= 0"):
         LingOptions.from_env()
+    monkeypatch.setenv("VLLM_LING_MOE_DECODE_MAX_TOKENS", "8193")  # 8 slots x 8193 > 65535 grid rows
+    with pytest.raises(LingOptionError, match="VLLM_LING_MOE_DECODE_MAX_TOKENS=8193 must be <= 4096"):
+        LingOptions.from_env()
 
     _, target, _ = loaded_tiny_models
     layer = target.model.layers[2].mlp.experts.routed_experts

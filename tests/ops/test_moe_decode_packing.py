@@ -145,3 +145,12 @@ def test_streamed_shared_memory_fits_two_ctas_per_sm_for_ling():
     (228 KB, 1 KB reserved per CTA)."""
     shape = moe_decode.default_humming_decode_configs(2560, 768)["many"].gate_up
     assert shape.min_blocks * (shape.smem(2560, 768, 8) + 1024) <= 228 * 1024
+
+
+def test_decode_batch_limit_is_checked_before_anything_loads():
+    """One grid row per (token, slot): a threshold past CUDA's 65535 rows is refused up front."""
+    from vllm_ling.ops import moe
+
+    w = torch.zeros(1, 128, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="decode_max_tokens 8192 x top_k 8 exceeds"):
+        moe.HummingMxfp4Experts(w, w[..., :4], w, w[..., :4], top_k=8, decode_max_tokens=8192)

@@ -605,6 +605,9 @@ class HummingMxfp4Experts:
             raise ValueError(f"clamp must be one of {_CLAMP_MODES}, got {clamp!r}")
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        if decode != DECODE_OFF and top_k and decode_max_tokens * top_k > 65535:
+            raise ValueError(f"decode_max_tokens {decode_max_tokens} x top_k {top_k} exceeds the decode kernels' "
+                             "65535 grid rows (one per token and slot)")
         for label, impl in (("routing_impl", routing_impl), ("reduce_impl", reduce_impl)):
             if impl not in ("auto", "torch", "triton"):
                 raise ValueError(f"{label} must be auto, torch or triton, got {impl!r}")
