@@ -700,7 +700,7 @@ class HummingMxfp4Experts:
             self.decode_status = f"unavailable: {reason}"
             log_once(logger, logging.WARNING, f"moe-decode-off-{reason}",
                      "MoE decode kernels unavailable (%s): batches <= %d tokens run humming's "
-                     "indexed GEMM, 1.3-1.8x slower per layer at 1-4 tokens on an H200.",
+                     "indexed GEMM, 1.4-1.8x slower per layer at 1-4 tokens on an H200.",
                      reason, self.decode_max_tokens)
             return None
         decoder = moe_decode.HummingLayoutDecode(self, top_k)

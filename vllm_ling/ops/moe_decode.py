@@ -466,10 +466,12 @@ __device__ __forceinline__ void cluster_sync() {
                "barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// store v into float slot `idx` of rank-0's array `arr` (shared memory of the cluster's CTA 0)
-__device__ __forceinline__ void st_rank0(float* arr, int idx, float v) {
-  u32 local = (u32)__cvta_generic_to_shared(arr + idx), remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(local));
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// store v into float slot `idx` of `arr` in the shared memory of the cluster's CTA `rank`
+__device__ __forceinline__ void st_rank(float* arr, int idx, u32 rank, float v) {
+  u32 local = smem_u32(arr + idx), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
   asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
 }
 
@@ -557,7 +559,7 @@ ling_moe_hl_down(const uint4* __restrict__ w2, const u64* __restrict__ s2,
     float p = 0.f;
 #pragma unroll
     for (int k = 0; k < WPB; ++k) p += red[k][f];
-    st_rank0(&cl_red[0][0], slot * 64 + f, p * slot_weight);
+    st_rank(&cl_red[0][0], slot * 64 + f, 0, p * slot_weight);
   }
   cluster_sync();
   if (slot == 0) {
@@ -580,8 +582,6 @@ ling_moe_hl_down(const uint4* __restrict__ w2, const u64* __restrict__ s2,
 # 16). Consumer warp (b, kw): gate and up rows of block b, group kw of every stage. Partial
 # sums go straight to the cluster rank that owns their rows (distributed shared memory).
 _STREAM_HELPERS = r"""
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(count) : "memory");
 }
@@ -607,12 +607,6 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-
-__device__ __forceinline__ void st_rank(float* arr, int idx, u32 rank, float v) {
-  u32 local = smem_u32(arr + idx), remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
 }
 
 __device__ __forceinline__ void consumers_sync(int threads) {
@@ -1065,6 +1059,7 @@ class StreamedGateUp(_KernelShape):
         return self.cluster
 
     def smem(self, hidden, intermediate, top_k):
+        # the kernel's layout: ST_S stages of STAGE_S, RED_S, XS_S, then 2 x ST_S mbarriers
         bpc, gps, cl = self.blocks_per_cta, self.groups_per_stage, self.cluster
         stage = _align128(gps * 4 * bpc * 512 + gps * 2 * bpc * 64)
         red = _align128(cl * gps * 2 * -(-bpc * 64 // cl) * 4)
