@@ -19,7 +19,9 @@ Measures, in one run:
 - JIT time: cold (fresh cache directory, a new process) and warm (a second process on the
   same cache), with the number of kernels compiled;
 - levers: CUDA graph vs eager, fused Triton vs PyTorch routing metadata, variants of
-  humming's heuristic tuning entries.
+  humming's heuristic tuning entries;
+- humming's GEMM and the default path with 8 distinct layers in one CUDA graph (per layer =
+  graph time / 8), what a decode step replays.
 
 Prints a Markdown table and writes it (``--out``, default benchmarks/results/moe_h200.md)
 plus the raw numbers as JSON (``--json``). Imports only vllm_ling.ops (no vLLM).
@@ -28,6 +30,7 @@ plus the raw numbers as JSON (``--json``). Imports only vllm_ling.ops (no vLLM).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -41,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from timing import stacked_time_us  # noqa: E402  (benchmarks/timing.py)
 
 E, H, I, TOP_K = 512, 2560, 768, 8
 TOKENS = (1, 4, 16)
@@ -221,6 +225,19 @@ def markdown(results: dict) -> str:
         for b in results["breakdown"]:
             lines.append(f"| {b['path']} | {b['tokens']} | {b['step']} | {b['us']:.1f} |")
         lines.append("")
+    if results.get("stacked"):
+        n = results["stacked_layers"]
+        lines += [f"## Per layer with {n} distinct layers in one CUDA graph (graph time / {n})", "",
+                  "What a decode step replays; the table above times one layer per graph, which also "
+                  "carries part of the graph launch.", "",
+                  "| path | tokens | time (us) | weights+scales touched (MB) | fraction of copy BW | target (us) "
+                  "| reference (us) |", "|---|---|---|---|---|---|---|"]
+        for row in results["stacked"]:
+            target = TARGET_US.get(row["tokens"]) if row["path"] == DEFAULT_PATH else None
+            ref = REFERENCE_US.get(row["path"].replace("humming ", ""), {}).get(row["tokens"])
+            lines.append(f"| {row['path']} | {row['tokens']} | {row['us']:.1f} | {row['mb']:.1f} | "
+                         f"{row['mb'] * 1e3 / row['us'] / bw:.3f} | {target or '-'} | {ref or '-'} |")
+        lines.append("")
     jit = results.get("jit")
     if jit:
         lines += ["## JIT (humming NVRTC kernels, token counts 1/4/16, W4A16 then W4A8)", "",
@@ -252,6 +269,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=None, help="fresh humming cache dir for the JIT runs")
     ap.add_argument("--skip-jit", action="store_true")
     ap.add_argument("--lever-budget-s", type=float, default=120.0)
+    ap.add_argument("--stacked-layers", type=int, default=8, help="0: skip the stacked-graph table")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -427,8 +445,34 @@ def main(argv=None) -> int:
                 save()
             ex.set_tuning_overrides(None)
     save()
+    if args.stacked_layers and "W4A16" in experts:
+        del experts
+        torch.cuda.empty_cache()
+        results["stacked"] = stacked_rows(moe, inputs, args.stacked_layers, args.iters, dev)
+        results["stacked_layers"] = args.stacked_layers
+        save()
     print(markdown(results))
     return 0
+
+
+def stacked_rows(moe, inputs, n_layers: int, iters: int, dev) -> list[dict]:
+    """humming's GEMM and the default path with ``n_layers`` distinct layers (own weights, own
+    routing) captured back to back in one CUDA graph: graph time / n_layers, what a decode step
+    replays (a one-layer graph also carries part of the graph launch)."""
+    layers = [moe.HummingMxfp4Experts(**moe.random_mxfp4_experts(E, H, I, device=dev, seed=100 + i), top_k=TOP_K)
+              for i in range(n_layers)]
+    rows = []
+    for T in TOKENS:
+        routes = [inputs[T][i % len(inputs[T])] for i in range(n_layers)]
+        mb = distinct_bytes(routes) / 1e6
+        # the dispatch by batch size happens at capture: 0 sends every batch to humming's GEMM
+        for path, max_tokens in (("humming W4A16", 0), (DEFAULT_PATH, moe.DEFAULT_DECODE_MAX_TOKENS)):
+            for layer in layers:
+                layer.decode_max_tokens = max_tokens
+            us = stacked_time_us([functools.partial(layer, *r) for layer, r in zip(layers, routes)], iters)
+            rows.append({"path": path, "tokens": T, "us": us, "mb": mb})
+            log(f"stacked {path} T={T}: {us:.1f} us/layer")
+    return rows
 
 
 if __name__ == "__main__":
