@@ -1,0 +1,96 @@
+"""Platform-independent parts of the dense FP8 W8A16 path: config selection per architecture,
+config validity for every Ling shape, the reference, the launcher's input checks (CPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from vllm_ling.models.dense_linears import distinct_decode_shapes
+from vllm_ling.ops.dense_fp8 import W8A16Config, reference_linear, select_config, w8a16_linear
+from vllm_ling.ops.dense_fp8 import tuned_configs as T
+from vllm_ling.ops.fp8 import block_fp8_quantize
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "vllm_ling", "data", "ling3_flash_fp4_config.json")
+SHAPES = distinct_decode_shapes(json.load(open(CONFIG)))
+ARCHS = [(9, 0), (10, 0), (12, 1), (8, 9)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_shape_and_row_count_gets_a_runnable_config(arch):
+    for n, k in SHAPES:
+        for rows in range(1, 33):
+            config, source = select_config(n, k, rows, arch, 132 if arch[0] == 9 else 48)
+            assert config.problems(n, k) == [], (n, k, rows, config)
+            if arch[0] < 9:
+                assert not config.pdl and not config.prefetch_l2, "sm_90 levers chosen for an older arch"
+            assert source
+
+
+def test_unknown_arch_falls_back_to_the_heuristic_with_one_warning(caplog):
+    logging.getLogger("vllm.ling").propagate = True
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        config, source = select_config(2560, 4096, 1, (12, 1), 48)
+        select_config(2560, 4096, 4, (12, 1), 48)
+    assert "no table for sm_121" in source
+    warnings = [r for r in caplog.records if "sm_121" in r.getMessage()]
+    assert len(warnings) <= 1  # once per process (an earlier test may have logged it already)
+    assert config == T.heuristic_config(2560, 4096, 1, 48, (12, 1))
+
+
+def test_tuned_entries_are_valid_for_their_shapes():
+    for arch, table in T.TUNED.items():
+        for (n, k), buckets in table.items():
+            assert (n, k) in SHAPES, f"sm_{arch}: tuned shape {n}x{k} is not a Ling decode shape"
+            bounds = [b for b, _ in buckets]
+            assert bounds == sorted(bounds)
+            for _, config in buckets:
+                assert config.problems(n, k) == []
+
+
+def test_split_k_fills_the_sms_at_one_row():
+    config = T.heuristic_config(2560, 4096, 1, 132, (9, 0))
+    programs = -(-2560 // config.block_n) * config.split_k
+    assert programs >= 132 and config.split_k > 1
+
+
+def test_config_problems_name_the_cause():
+    assert any("k_steps" in p for p in W8A16Config(32, 2, 4, 2).problems(256, 384))
+    assert any("block_n" in p for p in W8A16Config(48, 1, 4, 2).problems(256, 256))
+    assert any("use_dot" in p for p in W8A16Config(64, 1, 4, 2, block_m=8, use_dot=True).problems(256, 256))
+    assert any("multiple of 128" in p for p in W8A16Config(64, 1, 4, 2).problems(256, 200))
+
+
+def test_reference_matches_a_hand_computed_product():
+    # one 128x128 block with scale 2**-3, one with 2**2; w codes = +-1, +-0.5
+    w = torch.zeros((2, 256))
+    w[0, :128], w[0, 128:] = 1.0, -0.5
+    w[1, :] = 0.5
+    q = w.to(torch.float8_e4m3fn)
+    s = torch.tensor([[2.0**-3, 2.0**2]])
+    x = torch.ones((1, 256), dtype=torch.bfloat16)
+    out = reference_linear(x, q, s)
+    assert out.tolist() == [[128 * 2.0**-3 - 64 * 4.0, 64 * 2.0**-3 + 64 * 4.0]]
+
+
+def test_reference_agrees_with_quantized_weights():
+    w = torch.randn(384, 256) * 0.02
+    q, s = block_fp8_quantize(w)
+    x = torch.randn(3, 256)
+    err = (reference_linear(x, q, s) - x @ w.t()).abs().max()
+    assert err < 0.0625 * (x.abs() @ w.abs().t()).max()
+
+
+def test_launcher_rejects_bad_inputs_before_touching_a_gpu():
+    q = torch.zeros((256, 256), dtype=torch.float8_e4m3fn)
+    s = torch.ones((2, 2))
+    with pytest.raises(ValueError, match="BF16"):
+        w8a16_linear(torch.zeros((1, 256)), q, s)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        w8a16_linear(torch.zeros((1, 256), dtype=torch.bfloat16), q.float(), s)
+    with pytest.raises(ValueError, match="scale"):
+        w8a16_linear(torch.zeros((1, 256), dtype=torch.bfloat16), q, torch.ones((2, 3)))

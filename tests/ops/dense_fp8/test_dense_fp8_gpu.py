@@ -1,0 +1,183 @@
+"""The W8A16 block-FP8 kernel against the float64 plain-PyTorch reference (GPU only).
+
+Every dense block-FP8 linear shape of Ling-3.0-flash (vLLM's merges, target + NEXTN layer) at
+1..32 rows with the configs the table/heuristic selects, plus explicit configs covering each
+kernel path (fp32 FMAs on 1/2/4/8 rows, tensor cores, split-K 1..8, PDL and L2 prefetch on
+and off); all 256 e4m3 codes (+-0, subnormals, NaN); extreme block scales; CUDA-graph capture.
+
+Tolerance per output, with ``S = |x| @ |w * scale|.T`` (float64): ``2**-8 |ref| + 2**-14 S``:
+half a BF16 step of the output (the kernel rounds once, from fp32) plus fp32 summation of up
+to 6,144 exact products (each term ``w * x * scale`` is exact in fp32 for power-of-two scales;
+worst-case reordering error of the fp32 sums is far below 2**-14 S at these K). Outputs are
+poisoned with NaN before each call, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from vllm_ling.models.dense_linears import distinct_decode_shapes
+from vllm_ling.ops.dense_fp8 import W8A16Config, unavailable_reason, w8a16_linear
+from vllm_ling.ops.dense_fp8.reference import magnitude_bound, reference_linear
+from vllm_ling.ops.fp8 import block_fp8_quantize
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or unavailable_reason() is not None:
+    pytest.skip(f"needs a CUDA GPU the kernel runs on ({unavailable_reason()})", allow_module_level=True)
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "vllm_ling", "data", "ling3_flash_fp4_config.json")
+SHAPES = distinct_decode_shapes(json.load(open(CONFIG)))
+ROWS = (1, 2, 3, 4, 8, 16, 17, 32)
+DEV = torch.device("cuda")
+
+
+def _weights(n, k, gen, std=0.02):
+    return block_fp8_quantize(torch.randn((n, k), device=DEV, generator=gen) * std)
+
+
+def _check(x, q, s, config=None, out=None):
+    out = torch.full((x.shape[0], q.shape[0]), float("nan"), dtype=torch.bfloat16, device=DEV) if out is None else out
+    got = w8a16_linear(x, q, s, out=out, config=config).double()
+    ref = reference_linear(x, q, s, dtype=torch.float64)
+    tol = 2.0**-8 * ref.abs() + 2.0**-14 * magnitude_bound(x, q, s)
+    bad = ~((got - ref).abs() <= tol)  # NaN fails
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs off; worst {(got - ref).abs().max().item():.3g}"
+                           f" config {config}")
+    return got
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_ling_shape_with_selected_config(shape):
+    gen = torch.Generator(device=DEV).manual_seed(shape[0] * 7 + shape[1])
+    q, s = _weights(*shape, gen)
+    for rows in ROWS:
+        x = torch.randn((rows, shape[1]), device=DEV, generator=gen).to(torch.bfloat16)
+        _check(x, q, s)
+
+
+PATH_CONFIGS = [
+    W8A16Config(block_n=32, k_steps=1, num_warps=4, num_stages=2),
+    W8A16Config(block_n=8, k_steps=2, num_warps=2, num_stages=2, split_k=4),
+    W8A16Config(block_n=64, k_steps=1, num_warps=4, num_stages=2, split_k=2, pdl=False),
+    W8A16Config(block_n=16, k_steps=1, num_warps=4, num_stages=2, block_m=2, prefetch_l2=False),
+    W8A16Config(block_n=16, k_steps=1, num_warps=4, num_stages=2, block_m=4, split_k=2),
+    W8A16Config(block_n=16, k_steps=1, num_warps=4, num_stages=2, block_m=8, pdl=False, prefetch_l2=False),
+    W8A16Config(block_n=64, k_steps=1, num_warps=4, num_stages=3, block_m=16, use_dot=True),
+    W8A16Config(block_n=64, k_steps=1, num_warps=4, num_stages=4, block_m=32, use_dot=True, split_k=4),
+    W8A16Config(block_n=128, k_steps=2, num_warps=8, num_stages=3, block_m=16, use_dot=True, split_k=2),
+    W8A16Config(block_n=16, k_steps=1, num_warps=4, num_stages=3, block_m=16, use_dot=True, split_k=8,
+                pdl=False, prefetch_l2=False),
+]
+
+
+@pytest.mark.parametrize("config", PATH_CONFIGS, ids=lambda c: f"m{c.block_m}n{c.block_n}sk{c.split_k}"
+                         f"{'dot' if c.use_dot else 'fma'}{'P' if c.pdl else ''}{'L' if c.prefetch_l2 else ''}")
+def test_kernel_paths(config):
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    # 576 rows: a partial last 128-row scale block (kv_a_proj_with_mqa); K = 2048 splits 8 ways
+    for n, k in ((576, 2048), (2560, 1024)):
+        q, s = _weights(n, k, gen)
+        for rows in (1, 3, config.block_m, 2 * config.block_m + 1):
+            x = torch.randn((rows, k), device=DEV, generator=gen).to(torch.bfloat16)
+            _check(x, q, s, config)
+
+
+def test_all_e4m3_codes_including_zero_subnormal_and_nan():
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    n, k = 256, 1024
+    codes = (torch.arange(n, device=DEV)[:, None] * 5 + torch.arange(k, device=DEV)[None, :]) % 256
+    nan_codes = (codes == 0x7F) | (codes == 0xFF)
+    finite = torch.where(nan_codes, torch.zeros_like(codes), codes).to(torch.uint8).view(torch.float8_e4m3fn)
+    assert set(codes.unique().tolist()) == set(range(256))
+    s = torch.exp2(torch.randint(-12, 4, (2, 8), device=DEV, generator=gen).float())
+    for config in (None, PATH_CONFIGS[1], PATH_CONFIGS[6]):
+        for rows in (1, 4):
+            x = torch.randn((rows, k), device=DEV, generator=gen).to(torch.bfloat16)
+            _check(x, finite, s, config)
+    # NaN codes (0x7F, 0xFF) make exactly their rows' outputs NaN
+    q = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    x = torch.randn((2, k), device=DEV, generator=gen).to(torch.bfloat16)
+    got = w8a16_linear(x, q, s)
+    assert torch.equal(torch.isnan(got[0]), nan_codes.any(dim=1))
+
+
+def test_subnormal_only_weights():
+    # codes 0x01..0x07 (and their negatives) are e4m3 subnormals: 2**-9 .. 7 * 2**-9
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    n, k = 256, 512
+    mags = torch.randint(1, 8, (n, k), device=DEV, generator=gen)
+    sign = torch.randint(0, 2, (n, k), device=DEV, generator=gen) * 0x80
+    q = (mags + sign).to(torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.ones((2, 4), device=DEV)
+    x = torch.randn((1, k), device=DEV, generator=gen).to(torch.bfloat16)
+    _check(x, q, s)
+
+
+@pytest.mark.parametrize("lo,hi", [(-60, -40), (40, 60), (-60, 60)])
+def test_extreme_block_scales(lo, hi):
+    gen = torch.Generator(device=DEV).manual_seed(5 + hi)
+    n, k = 512, 2048
+    q, _ = _weights(n, k, gen, std=1.0)
+    s = torch.exp2(torch.randint(lo, hi + 1, (n // 128, k // 128), device=DEV, generator=gen).float())
+    for config in (None, PATH_CONFIGS[1], PATH_CONFIGS[7]):
+        for rows in (1, 4, 32):
+            x = torch.randn((rows, k), device=DEV, generator=gen).to(torch.bfloat16)
+            _check(x, q, s, config)
+
+
+def test_non_power_of_two_scales():
+    # checkpoints without scale_fmt ue8m0 carry any fp32 scale: products are then rounded
+    # once in fp32, still far inside the tolerance
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    q, s = block_fp8_quantize(torch.randn((1536, 2560), device=DEV, generator=gen) * 0.02, ue8m0=False)
+    for rows in (1, 4, 16):
+        _check(torch.randn((rows, 2560), device=DEV, generator=gen).to(torch.bfloat16), q, s)
+
+
+def test_cuda_graph_capture_and_replay():
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    layers = [(_weights(12288, 2560, gen), None), (_weights(2560, 4096, gen), PATH_CONFIGS[1]),
+              (_weights(1536, 2560, gen), PATH_CONFIGS[7])]
+    for rows in (1, 4):
+        xs = [torch.randn((rows, w[0].shape[1]), device=DEV, generator=gen).to(torch.bfloat16) for w, _ in layers]
+        outs = [torch.empty((rows, w[0].shape[0]), dtype=torch.bfloat16, device=DEV) for w, _ in layers]
+
+        def step():
+            for (w, c), x, o in zip(layers, xs, outs):
+                w8a16_linear(x, *w, out=o, config=c)
+
+        step()  # grows the split-K workspace before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(2):
+            for x in xs:
+                x.copy_(torch.randn(x.shape, device=DEV, generator=gen).to(torch.bfloat16))
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            first = [o.clone() for o in outs]
+            for ((w, c), x, o) in zip(layers, xs, outs):
+                eager = _check(x, *w, config=c)
+                assert torch.equal(o.double(), eager), "graph replay differs from the eager call"
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(first, outs)), "replays are not bitwise repeatable"
+
+
+def test_rejects_bad_inputs_before_launch():
+    q = torch.zeros((256, 384), dtype=torch.float8_e4m3fn, device=DEV)
+    s = torch.ones((2, 3), device=DEV)
+    x = torch.zeros((1, 384), dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="k_steps"):
+        w8a16_linear(x, q, s, config=dataclasses.replace(PATH_CONFIGS[0], k_steps=2))
+    with pytest.raises(ValueError, match="scale"):
+        w8a16_linear(x, q, torch.ones((2, 2), device=DEV))

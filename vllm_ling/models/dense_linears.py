@@ -1,0 +1,94 @@
+"""The dense block-FP8 linears of a Ling-3.0 ``-fp4`` model as vLLM 0.32 builds them (TP=1).
+
+Derived from the checkpoint's tensors (:mod:`checkpoint_format`) and the merges vLLM's
+``bailing_moe_v3.py`` makes (``packed_modules_mapping``: ``qkv_proj`` = q, k, v when ``b_proj``
+is left in BF16 by ``modules_to_not_convert``, else ``qkvb_proj`` = q, k, v, b;
+``gate_up_proj`` = gate, up; the MTP layer's ``eh_proj`` is a ``ReplicatedLinear``). Each
+entry is one weight shape [N, K] with the layers that use it; these are the GEMMs the dense
+FP8 decode kernels must cover. ``kv_b_proj`` is listed with ``decode=False``: vLLM's MLA
+dequantizes it at load into BF16 W_UK / W_UV and never runs it as a linear at decode.
+No vLLM or torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_ling.models.checkpoint_format import FP8_BLOCK, checkpoint_specs, is_kda_layer, is_not_converted
+
+_MERGES = {  # checkpoint projection -> vLLM module it is stacked into (suffix match)
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+@dataclass(frozen=True)
+class DenseLinear:
+    module: str                # vLLM module path without "model.layers.{i}.", e.g. "self_attn.qkv_proj"
+    out_features: int          # N (merged)
+    in_features: int           # K
+    layers: tuple[int, ...]    # layer indices (the NEXTN layer is num_hidden_layers)
+    members: tuple[str, ...]   # checkpoint projections stacked into it, in order
+    tensor_class: str          # checkpoint_format's class ("kda_attention", "shared_expert", ...)
+    decode: bool = True        # run as a linear in a decode step
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def weight_bytes(self) -> int:
+        """e4m3 weight plus fp32 block scales, for one layer."""
+        blocks = -(-self.out_features // 128) * -(-self.in_features // 128)
+        return self.out_features * self.in_features + 4 * blocks
+
+
+def _vllm_module(module: str, layer: int, kda_layer: bool, b_proj_separate: bool) -> tuple[str, str]:
+    """(vLLM module suffix, checkpoint projection) for a checkpoint module of one layer."""
+    local = module.split(f"model.layers.{layer}.", 1)[1].replace("attention.", "self_attn.", 1)
+    parent, _, proj = local.rpartition(".")
+    if kda_layer and parent == "self_attn" and proj in _QKV + ("b_proj",):
+        if proj == "b_proj" and b_proj_separate:
+            return local, proj
+        return f"{parent}.{'qkv_proj' if b_proj_separate else 'qkvb_proj'}", proj
+    if proj in _MERGES:
+        return f"{parent}.{_MERGES[proj]}".lstrip("."), proj
+    return local, proj
+
+
+def dense_fp8_linears(config: dict[str, Any], include_mtp: bool = True) -> list[DenseLinear]:
+    """Every dense block-FP8 linear shape with the layers that use it (target, then NEXTN)."""
+    n_layers = config["num_hidden_layers"]
+    skip = (config.get("quantization_config") or {}).get("modules_to_not_convert") or []
+    merged: dict[tuple[int, str], dict] = {}
+
+    for spec in checkpoint_specs(config, include_mtp=include_mtp):
+        if spec.kind != FP8_BLOCK or spec.layer is None:
+            continue
+        module = spec.name[: -len(".weight")]
+        layer = spec.layer
+        kda = layer < n_layers and is_kda_layer(layer, config)
+        b_separate = is_not_converted(f"model.layers.{layer}.attention.b_proj", skip)
+        vllm_name, proj = _vllm_module(module, layer, kda, b_separate)
+        entry = merged.setdefault((layer, vllm_name), {"n": 0, "k": spec.shape[1], "members": [],
+                                                       "cls": spec.tensor_class})
+        entry["n"] += spec.shape[0]
+        entry["members"].append(proj)
+        if entry["k"] != spec.shape[1]:
+            raise ValueError(f"{module}: K={spec.shape[1]} differs from the other members of {vllm_name}")
+    by_shape: dict[tuple[str, int, int, tuple[str, ...]], dict] = {}
+    for (layer, name), e in merged.items():
+        key = (name, e["n"], e["k"], tuple(e["members"]))
+        by_shape.setdefault(key, {"layers": [], "cls": e["cls"].removeprefix("mtp_")})["layers"].append(layer)
+    out = [DenseLinear(module=name, out_features=n, in_features=k, layers=tuple(sorted(v["layers"])),
+                       members=members, tensor_class=v["cls"], decode=not name.endswith("kv_b_proj"))
+           for (name, n, k, members), v in by_shape.items()]
+    return sorted(out, key=lambda d: (d.layers[0], d.module))
+
+
+def distinct_decode_shapes(config: dict[str, Any], include_mtp: bool = True) -> list[tuple[int, int]]:
+    """The distinct [N, K] weight shapes run as dense FP8 linears at decode, largest first."""
+    shapes = {d.shape for d in dense_fp8_linears(config, include_mtp) if d.decode}
+    return sorted(shapes, key=lambda s: (-s[0] * s[1], s))

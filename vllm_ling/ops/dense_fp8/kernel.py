@@ -1,0 +1,206 @@
+"""Weight-only FP8 (W8A16) linear for block-scaled e4m3 weights: one Triton kernel.
+
+``out[m, n] = sum_k x[m, k] * w[n, k] * scale[n // 128, k // 128]`` with BF16 activations,
+e4m3 weights, fp32 block scales (128 x 128, UE8M0 or any fp32), fp32 accumulation and a BF16
+output. No activation quantization: at decode sizes the weights are the bytes, and skipping
+the per-token-group quant kernel saves a launch and its error.
+
+Why this shape of kernel (decode, 1..32 rows): the time is the weight bytes over the memory
+bandwidth plus latency, so the kernel is built to keep the memory system busy:
+
+- each program owns ``BLOCK_N`` output rows (8..128, a divisor of 128, so a program's rows share
+  one scale row and the scale of a 128-wide k-step is one scalar) and walks all of K in steps of
+  ``K_STEPS`` x 128 bytes per row; small ``BLOCK_N`` gives enough programs to fill every SM at
+  one row (N=2560 -> 320 programs at BLOCK_N=8);
+- ``PREFETCH_L2`` (sm_90+): before anything else a program asks the bulk-copy engine to pull
+  its whole weight slab into L2 (``cp.async.bulk.prefetch.L2``, no registers held), so the
+  DRAM reads are all in flight at once and the loop's loads hit L2;
+- ``USE_PDL`` (sm_90+, programmatic dependent launch): the program lets the next kernel launch
+  at once and waits for the previous kernel only before it reads ``x`` (weights and scales are
+  constants), so its weight prefetch overlaps the previous kernel's tail;
+- one row and small batches (``USE_DOT=False``): fp32 multiply-adds into a [rows, BLOCK_N, 128]
+  accumulator, reduced once at the end (no per-step cross-thread reduction); more rows
+  (``USE_DOT=True``): e4m3 -> BF16 (exact) weights on the tensor cores, rows padded to
+  ``BLOCK_M`` >= 16.
+
+Numerics: every product ``w * x`` is exact in fp32 (4- and 8-bit mantissas); a power-of-two
+scale keeps it exact; only the fp32 summation order and the final BF16 rounding differ from
+the plain-PyTorch reference (``reference.py``). No vLLM import; Triton is optional (``None``
+without it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+    tl = None
+
+QUANT_BLOCK = 128
+
+
+def triton_features() -> dict[str, bool]:
+    """What the installed Triton offers for the levers above (empty dict without Triton)."""
+    if triton is None:
+        return {}
+    gdc = getattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait", None) is not None
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        launch_pdl = "launch_pdl" in CUDAOptions.__dataclass_fields__
+    except Exception:  # noqa: BLE001 - another backend layout: no PDL
+        launch_pdl = False
+    return {"pdl": gdc and launch_pdl, "inline_asm": hasattr(tl, "inline_asm_elementwise")}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _prefetch_rows_l2(w_ptr, rows_n, stride_wn, BLOCK_N: tl.constexpr, PIECES: tl.constexpr,
+                          PIECE_BYTES: tl.constexpr):
+        # [BLOCK_N, PIECES] bulk prefetches of PIECE_BYTES each cover the program's rows.
+        piece = tl.arange(0, PIECES)
+        addr = (w_ptr + rows_n[:, None] * stride_wn + piece[None, :] * PIECE_BYTES).to(tl.int64)
+        nbytes = tl.full([BLOCK_N, PIECES], PIECE_BYTES, tl.int32)
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+            "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _row_fma(acc, w, x_row_ptrs, s_ptrs):
+        # acc += w * (x * scale): the scale goes on x (one multiply per x value, shared by the
+        # weight rows a thread holds); x and scales come in the weight tile's layout.
+        return acc + w * (tl.load(x_row_ptrs).to(tl.float32) * tl.load(s_ptrs))
+
+    @triton.jit
+    def _store_row(out_ptr, ws_ptr, row, acc, offs_n, mask_n, N, M, pid_k, SPLIT_K: tl.constexpr):
+        res = tl.sum(acc, axis=1)
+        mask = mask_n & ((offs_n * 0 + row) < M)
+        if SPLIT_K == 1:
+            tl.store(out_ptr + row * N + offs_n, res.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(ws_ptr + (pid_k * M + row) * N + offs_n, res, mask=mask)
+
+    @triton.jit
+    def _w8a16_block_fp8_kernel(
+        x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
+        M, N, K,
+        stride_xm, stride_wn, stride_sn,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
+        USE_DOT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
+        PIECES: tl.constexpr, PIECE_BYTES: tl.constexpr,
+    ):
+        # out is a contiguous [M, N] BF16 tensor; ws an fp32 [SPLIT_K, M, N] workspace and cnt
+        # one int32 ticket per (n tile, m tile), zero between calls (the last program resets it).
+        QB: tl.constexpr = 128
+        KK: tl.constexpr = K_STEPS * QB
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        # Rows past N re-read the program's first row instead of predicating every load.
+        rows_n = tl.where(mask_n, offs_n, pid_n * BLOCK_N).to(tl.int64)
+        k_blocks = K // QB
+        kb_per = k_blocks // SPLIT_K
+        kb_lo = pid_k * kb_per
+        if PREFETCH_L2:
+            _prefetch_rows_l2(w_ptr + pid_k * (PIECES * PIECE_BYTES), rows_n, stride_wn,
+                              BLOCK_N, PIECES, PIECE_BYTES)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()  # x may be the previous kernel's output
+        s_row = s_ptr + ((pid_n * BLOCK_N) // QB) * stride_sn  # BLOCK_N divides 128: one scale row
+        m0 = pid_m * BLOCK_M
+        if USE_DOT:
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < M
+            rows_m = tl.where(mask_m, offs_m, 0).to(tl.int64)
+            offs_k = tl.arange(0, QB)
+            w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+            x_ptrs = x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None]  # [QB, BLOCK_M]
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for kb in range(kb_lo, kb_lo + kb_per, K_STEPS):
+                for j in tl.static_range(K_STEPS):
+                    w = tl.load(w_ptrs + (kb + j) * QB, eviction_policy="evict_first")
+                    xt = tl.load(x_ptrs + (kb + j) * QB)
+                    acc += tl.dot(w.to(tl.bfloat16), xt) * tl.load(s_row + kb + j)
+            if SPLIT_K == 1:
+                tl.store(out_ptr + offs_m[None, :] * N + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                         mask=mask_n[:, None] & mask_m[None, :])
+            else:
+                tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc,
+                         mask=mask_n[:, None] & mask_m[None, :])
+        else:
+            # BLOCK_M (1, 2, 4 or 8) activation rows, one fp32 accumulator each, reduced over k
+            # once at the end; the e4m3 -> fp32 conversion of a weight is shared by the rows.
+            offs_kk = tl.arange(0, KK)
+            zero_n = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+            w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_kk[None, :]
+            s_ptrs = s_row + (offs_kk // QB)[None, :] + zero_n
+            x_ptrs = x_ptr + offs_kk[None, :] + zero_n
+            # rows past M re-read row M-1 (their results are not stored)
+            x0 = x_ptrs + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm
+            x1 = x_ptrs + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm
+            x2 = x_ptrs + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm
+            x3 = x_ptrs + tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_xm
+            x4 = x_ptrs + tl.minimum(m0 + 4, M - 1).to(tl.int64) * stride_xm
+            x5 = x_ptrs + tl.minimum(m0 + 5, M - 1).to(tl.int64) * stride_xm
+            x6 = x_ptrs + tl.minimum(m0 + 6, M - 1).to(tl.int64) * stride_xm
+            x7 = x_ptrs + tl.minimum(m0 + 7, M - 1).to(tl.int64) * stride_xm
+            a0 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
+            a1 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
+            a2 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
+            a3 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
+            a4 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
+            a5 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
+            a6 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
+            a7 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
+            for kb in range(kb_lo, kb_lo + kb_per, K_STEPS):
+                off = kb * QB
+                w = tl.load(w_ptrs + off, eviction_policy="evict_first").to(tl.float32)
+                a0 = _row_fma(a0, w, x0 + off, s_ptrs + kb)
+                if BLOCK_M > 1:
+                    a1 = _row_fma(a1, w, x1 + off, s_ptrs + kb)
+                if BLOCK_M > 2:
+                    a2 = _row_fma(a2, w, x2 + off, s_ptrs + kb)
+                    a3 = _row_fma(a3, w, x3 + off, s_ptrs + kb)
+                if BLOCK_M > 4:
+                    a4 = _row_fma(a4, w, x4 + off, s_ptrs + kb)
+                    a5 = _row_fma(a5, w, x5 + off, s_ptrs + kb)
+                    a6 = _row_fma(a6, w, x6 + off, s_ptrs + kb)
+                    a7 = _row_fma(a7, w, x7 + off, s_ptrs + kb)
+            _store_row(out_ptr, ws_ptr, m0, a0, offs_n, mask_n, N, M, pid_k, SPLIT_K)
+            if BLOCK_M > 1:
+                _store_row(out_ptr, ws_ptr, m0 + 1, a1, offs_n, mask_n, N, M, pid_k, SPLIT_K)
+            if BLOCK_M > 2:
+                _store_row(out_ptr, ws_ptr, m0 + 2, a2, offs_n, mask_n, N, M, pid_k, SPLIT_K)
+                _store_row(out_ptr, ws_ptr, m0 + 3, a3, offs_n, mask_n, N, M, pid_k, SPLIT_K)
+            if BLOCK_M > 4:
+                _store_row(out_ptr, ws_ptr, m0 + 4, a4, offs_n, mask_n, N, M, pid_k, SPLIT_K)
+                _store_row(out_ptr, ws_ptr, m0 + 5, a5, offs_n, mask_n, N, M, pid_k, SPLIT_K)
+                _store_row(out_ptr, ws_ptr, m0 + 6, a6, offs_n, mask_n, N, M, pid_k, SPLIT_K)
+                _store_row(out_ptr, ws_ptr, m0 + 7, a7, offs_n, mask_n, N, M, pid_k, SPLIT_K)
+        if SPLIT_K > 1:
+            # Split-K: the last of the SPLIT_K programs of this tile (ticket) sums the fp32
+            # partials in a fixed order, writes BF16 and resets the ticket for the next call.
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            tile = pid_m * tl.num_programs(0) + pid_n
+            ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT_K - 1:
+                offs_r = m0 + tl.arange(0, BLOCK_M)
+                mask = (offs_r < M)[:, None] & mask_n[None, :]
+                part = ws_ptr + offs_r[:, None] * N + offs_n[None, :]
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for p in tl.static_range(SPLIT_K):
+                    total += tl.load(part + p * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs_r[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
+                         mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+else:
+    _w8a16_block_fp8_kernel = None

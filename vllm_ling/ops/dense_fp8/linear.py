@@ -1,0 +1,132 @@
+"""Launch the W8A16 block-FP8 kernel: checks, config selection, PDL/prefetch availability.
+
+``w8a16_linear(x, weight, scale)`` computes ``x @ (weight * scale).T`` for BF16 ``x`` [M, K],
+an e4m3 ``weight`` [N, K] and fp32 block scales [ceil(N/128), K/128] (the checkpoint's
+``weight_scale_inv``, used as is). CUDA-graph capturable (no host sync, no allocation
+besides the output when ``out`` is not given). No vLLM import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from vllm_ling.ops.dense_fp8 import kernel as K
+from vllm_ling.ops.dense_fp8.tuned_configs import QUANT_BLOCK, W8A16Config, select_config
+
+
+def unavailable_reason(device: torch.device | str | None = None) -> str | None:
+    """Why the kernel cannot run on ``device`` (None when it can)."""
+    if K.triton is None:
+        return "triton is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"sm_{major}{minor} has no e4m3 conversion (needs sm_89+)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[tuple[int, int], int]:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+def device_facts(device: torch.device) -> tuple[tuple[int, int], int]:
+    """(compute capability, SM count) of a CUDA device, cached."""
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def effective_config(config: W8A16Config, capability: tuple[int, int]) -> W8A16Config:
+    """``config`` with the sm_90+ levers switched off where the chip or Triton lacks them."""
+    feats = K.triton_features()
+    hopper_plus = capability[0] >= 9
+    return dataclasses.replace(
+        config,
+        pdl=config.pdl and hopper_plus and feats.get("pdl", False),
+        prefetch_l2=config.prefetch_l2 and hopper_plus and feats.get("inline_asm", False),
+    )
+
+
+def _prefetch_split(config: W8A16Config, k: int) -> tuple[int, int]:
+    """(pieces per row, bytes per piece) so that about one bulk prefetch per thread covers the
+    program's part of its rows (K / split_k bytes each); pieces is a power of two and each
+    piece a multiple of 16 bytes."""
+    span = k // config.split_k
+    pieces = max(1, (config.num_warps * 32) // config.block_n)
+    while pieces > 1 and (span % pieces or (span // pieces) % 16):
+        pieces //= 2
+    return pieces, span // pieces
+
+
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A persistent buffer per (device, kind) that only grows: split-K partials (fp32) and
+    tickets (int32, zero between calls). Allocated on the first (eager) call of a size, so a
+    CUDA graph captured after a warm-up call of the same row count allocates nothing."""
+    key = (device, kind)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("dense FP8 split-K workspace must grow during CUDA-graph capture: run the "
+                               "same row count once before capturing")
+        buf = torch.zeros(max(numel, 1), dtype=dtype, device=device)
+        _WORKSPACES[key] = buf
+    return buf
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 out: torch.Tensor | None = None, config: W8A16Config | None = None) -> torch.Tensor:
+    """``x @ (weight * scale).T`` in BF16 (fp32 accumulation); ``config`` overrides the table."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be a 2-D BF16 tensor with unit stride on K, got {x.dtype} {tuple(x.shape)}")
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [N, K] float8_e4m3fn tensor, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    n, k = weight.shape
+    m = x.shape[0]
+    if x.shape[1] != k:
+        raise ValueError(f"x has K={x.shape[1]}, weight has K={k}")
+    expected = (-(-n // QUANT_BLOCK), -(-k // QUANT_BLOCK))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != expected or scale.stride(1) != 1:
+        raise ValueError(f"scale must be float32 {expected} with unit stride on K, got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+    capability, sm_count = device_facts(x.device)
+    if config is None:
+        config, _ = select_config(n, k, m, capability, sm_count)
+    problems = config.problems(n, k)
+    if problems:
+        raise ValueError(f"W8A16 config {config} cannot run a {n}x{k} weight: {'; '.join(problems)}")
+    config = effective_config(config, capability)
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    elif out.shape != (m, n) or not out.is_contiguous() or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be a contiguous BF16 [{m}, {n}] tensor")
+    if m == 0:
+        return out
+    grid = (-(-n // config.block_n), -(-m // config.block_m), config.split_k)
+    if config.split_k > 1:
+        partials = _workspace(x.device, "partials", config.split_k * m * n, torch.float32)
+        tickets = _workspace(x.device, "tickets", grid[0] * grid[1], torch.int32)
+    else:
+        partials = tickets = out  # unused
+    pieces, piece_bytes = _prefetch_split(config, k)
+    extra = {"launch_pdl": True} if config.pdl else {}
+    K._w8a16_block_fp8_kernel[grid](
+        x, weight, scale, out, partials, tickets,
+        m, n, k,
+        x.stride(0), weight.stride(0), scale.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, K_STEPS=config.k_steps, SPLIT_K=config.split_k,
+        USE_DOT=config.use_dot, USE_PDL=config.pdl, PREFETCH_L2=config.prefetch_l2,
+        PIECES=pieces, PIECE_BYTES=piece_bytes,
+        num_warps=config.num_warps, num_stages=config.num_stages, **extra,
+    )
+    return out
