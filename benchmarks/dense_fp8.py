@@ -91,23 +91,27 @@ def sweep_candidates(rows: int, n: int, k: int, sm_count: int) -> list[W8A16Conf
 
     splits = [s for s in (1, 2, 4, 8) if kb % s == 0]
     if rows == 1:
-        for bn in (16, 32, 64):
-            for ks in (1, 2):
+        for bn, warps in ((8, 2), (16, 4), (32, 4), (32, 8), (64, 8)):
+            for ks in (2, 4, 8):
                 for sk in splits:
-                    add(block_n=bn, k_steps=ks, num_warps=4, num_stages=2, split_k=sk)
-        for sk in splits:
-            add(block_n=8, k_steps=2, num_warps=2, num_stages=2, split_k=sk)
-            add(block_n=64, k_steps=1, num_warps=4, num_stages=3, block_m=16, use_dot=True, split_k=sk)
-    else:
+                    add(block_n=bn, k_steps=ks, num_warps=warps, num_stages=2, split_k=sk)
+    elif rows == 2:
+        for bn, warps in ((16, 4), (32, 8)):  # (32 rows, 4 warps) spills at 8 k-steps
+            for ks in (2, 4, 8):
+                for sk in splits:
+                    add(block_n=bn, k_steps=ks, num_warps=warps, num_stages=2, block_m=2, split_k=sk)
+    elif rows <= 4:
+        for bm, bn, warps, ks in ((4, 16, 4, 2), (4, 16, 4, 4), (4, 32, 8, 2), (4, 32, 8, 4), (2, 16, 4, 4),
+                                  (2, 32, 8, 4)):
+            for sk in splits:
+                add(block_n=bn, k_steps=ks, num_warps=warps, num_stages=2, block_m=bm, split_k=sk)
+    else:  # the tensor-core path; the first H200 run swept it (TUNED)
         bm = max(16, 1 << (rows - 1).bit_length())
         for bn, warps in ((32, 4), (64, 4), (128, 8)):
             for sk in splits:
                 for stages in (3, 4):
                     add(block_n=bn, k_steps=1, num_warps=warps, num_stages=stages, block_m=bm, use_dot=True,
                         split_k=sk)
-        if rows == 2:
-            for sk in splits:
-                add(block_n=32, k_steps=1, num_warps=4, num_stages=2, block_m=2, split_k=sk)
     return out
 
 
@@ -137,6 +141,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 2, 4],
+                        help="with --sweep: the row counts to sweep (others use the table)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "dense_fp8_h200.md"))
@@ -195,7 +201,7 @@ def main(argv=None) -> int:
             row = dict(n=n, k=k, module=sh.module, layers=sh.layers, rows=rows, bytes=nbytes)
             table_cfg, source = select_config(n, k, rows, capability, sm_count)
             chosen = table_cfg
-            if args.sweep:
+            if args.sweep and rows in args.sweep_rows:
                 cands = sweep_candidates(rows, n, k, sm_count)
                 if table_cfg not in cands:
                     cands.append(table_cfg)

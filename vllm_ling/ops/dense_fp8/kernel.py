@@ -18,10 +18,13 @@ bandwidth plus latency, so the kernel is built to keep the memory system busy:
 - ``USE_PDL`` (sm_90+, programmatic dependent launch): the program lets the next kernel launch
   at once and waits for the previous kernel only before it reads ``x`` (weights and scales are
   constants), so its weight prefetch overlaps the previous kernel's tail;
-- one row and small batches (``USE_DOT=False``): fp32 multiply-adds into a [rows, BLOCK_N, 128]
-  accumulator, reduced once at the end (no per-step cross-thread reduction); more rows
-  (``USE_DOT=True``): e4m3 -> BF16 (exact) weights on the tensor cores, rows padded to
-  ``BLOCK_M`` >= 16.
+- 1, 2 or 4 rows (``USE_DOT=False``): fp32 multiply-adds on a [BLOCK_N, K_STEPS x 128] tile
+  reduced over k each step into a [BLOCK_N] accumulator per row, so the bytes in flight per
+  thread (up to 256) do not cost accumulator registers (the first H200 run, which kept a
+  [BLOCK_N, 128] fp32 accumulator, was latency-bound at ~0.35 of the copy bandwidth);
+  more rows (``USE_DOT=True``): e4m3 -> BF16 (exact) weights on the tensor cores, rows padded
+  to ``BLOCK_M`` >= 16 (the e4m3 -> BF16 conversion goes through the F2F unit, about one
+  instruction per weight byte; converting by bit moves doubled the instruction count in SASS).
 
 Numerics: every product ``w * x`` is exact in fp32 (4- and 8-bit mantissas); a power-of-two
 scale keeps it exact; only the fp32 summation order and the final BF16 rounding differ from
@@ -71,14 +74,14 @@ if triton is not None:
             "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _row_fma(acc, w, x_row_ptrs, s_ptrs):
-        # acc += w * (x * scale): the scale goes on x (one multiply per x value, shared by the
-        # weight rows a thread holds); x and scales come in the weight tile's layout.
-        return acc + w * (tl.load(x_row_ptrs).to(tl.float32) * tl.load(s_ptrs))
+    def _row_dot(acc, w, x_row_ptrs, sc):
+        # acc[n] += sum_k w[n, k] * (x[k] * scale[k]): x and the scales come in the weight
+        # tile's layout (broadcast over rows, L1 hits), the tile is reduced over k at once, so
+        # the accumulator stays [BLOCK_N] however many bytes a tile holds.
+        return acc + tl.sum(w * (tl.load(x_row_ptrs).to(tl.float32) * sc), axis=1)
 
     @triton.jit
-    def _store_row(out_ptr, ws_ptr, row, acc, offs_n, mask_n, N, M, pid_k, SPLIT_K: tl.constexpr):
-        res = tl.sum(acc, axis=1)
+    def _store_row(out_ptr, ws_ptr, row, res, offs_n, mask_n, N, M, pid_k, SPLIT_K: tl.constexpr):
         mask = mask_n & ((offs_n * 0 + row) < M)
         if SPLIT_K == 1:
             tl.store(out_ptr + row * N + offs_n, res.to(out_ptr.dtype.element_ty), mask=mask)
@@ -136,8 +139,7 @@ if triton is not None:
                 tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc,
                          mask=mask_n[:, None] & mask_m[None, :])
         else:
-            # BLOCK_M (1, 2, 4 or 8) activation rows, one fp32 accumulator each, reduced over k
-            # once at the end; the e4m3 -> fp32 conversion of a weight is shared by the rows.
+            # BLOCK_M (1, 2 or 4) activation rows share each converted weight tile.
             offs_kk = tl.arange(0, KK)
             zero_n = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
             w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_kk[None, :]
@@ -148,43 +150,26 @@ if triton is not None:
             x1 = x_ptrs + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm
             x2 = x_ptrs + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm
             x3 = x_ptrs + tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_xm
-            x4 = x_ptrs + tl.minimum(m0 + 4, M - 1).to(tl.int64) * stride_xm
-            x5 = x_ptrs + tl.minimum(m0 + 5, M - 1).to(tl.int64) * stride_xm
-            x6 = x_ptrs + tl.minimum(m0 + 6, M - 1).to(tl.int64) * stride_xm
-            x7 = x_ptrs + tl.minimum(m0 + 7, M - 1).to(tl.int64) * stride_xm
-            a0 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
-            a1 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
-            a2 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
-            a3 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
-            a4 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
-            a5 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
-            a6 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
-            a7 = tl.zeros((BLOCK_N, KK), dtype=tl.float32)
+            a0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            a1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            a2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            a3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for kb in range(kb_lo, kb_lo + kb_per, K_STEPS):
                 off = kb * QB
                 w = tl.load(w_ptrs + off, eviction_policy="evict_first").to(tl.float32)
-                a0 = _row_fma(a0, w, x0 + off, s_ptrs + kb)
+                sc = tl.load(s_ptrs + kb)
+                a0 = _row_dot(a0, w, x0 + off, sc)
                 if BLOCK_M > 1:
-                    a1 = _row_fma(a1, w, x1 + off, s_ptrs + kb)
+                    a1 = _row_dot(a1, w, x1 + off, sc)
                 if BLOCK_M > 2:
-                    a2 = _row_fma(a2, w, x2 + off, s_ptrs + kb)
-                    a3 = _row_fma(a3, w, x3 + off, s_ptrs + kb)
-                if BLOCK_M > 4:
-                    a4 = _row_fma(a4, w, x4 + off, s_ptrs + kb)
-                    a5 = _row_fma(a5, w, x5 + off, s_ptrs + kb)
-                    a6 = _row_fma(a6, w, x6 + off, s_ptrs + kb)
-                    a7 = _row_fma(a7, w, x7 + off, s_ptrs + kb)
+                    a2 = _row_dot(a2, w, x2 + off, sc)
+                    a3 = _row_dot(a3, w, x3 + off, sc)
             _store_row(out_ptr, ws_ptr, m0, a0, offs_n, mask_n, N, M, pid_k, SPLIT_K)
             if BLOCK_M > 1:
                 _store_row(out_ptr, ws_ptr, m0 + 1, a1, offs_n, mask_n, N, M, pid_k, SPLIT_K)
             if BLOCK_M > 2:
                 _store_row(out_ptr, ws_ptr, m0 + 2, a2, offs_n, mask_n, N, M, pid_k, SPLIT_K)
                 _store_row(out_ptr, ws_ptr, m0 + 3, a3, offs_n, mask_n, N, M, pid_k, SPLIT_K)
-            if BLOCK_M > 4:
-                _store_row(out_ptr, ws_ptr, m0 + 4, a4, offs_n, mask_n, N, M, pid_k, SPLIT_K)
-                _store_row(out_ptr, ws_ptr, m0 + 5, a5, offs_n, mask_n, N, M, pid_k, SPLIT_K)
-                _store_row(out_ptr, ws_ptr, m0 + 6, a6, offs_n, mask_n, N, M, pid_k, SPLIT_K)
-                _store_row(out_ptr, ws_ptr, m0 + 7, a7, offs_n, mask_n, N, M, pid_k, SPLIT_K)
         if SPLIT_K > 1:
             # Split-K: the last of the SPLIT_K programs of this tile (ticket) sums the fp32
             # partials in a fixed order, writes BF16 and resets the ticket for the next call.

@@ -24,7 +24,7 @@ class W8A16Config:
     k_steps: int          # 128-wide k-steps per loop iteration (loads in flight per iteration)
     num_warps: int
     num_stages: int
-    block_m: int = 1      # activation rows per program: 1, 2, 4, 8 (fp32 FMAs) or >= 16 (use_dot)
+    block_m: int = 1      # activation rows per program: 1, 2, 4 (fp32 FMAs) or >= 16 (use_dot)
     use_dot: bool = False  # tensor cores (BF16) instead of fp32 multiply-adds
     split_k: int = 1       # programs per output tile along K (the last one reduces; no extra launch)
     prefetch_l2: bool = True  # bulk L2 prefetch of the program's weight rows (sm_90+)
@@ -42,8 +42,8 @@ class W8A16Config:
                        f"{self.k_steps} x {self.split_k}")
         if self.use_dot and (self.block_m < 16 or self.block_m & (self.block_m - 1) or self.block_n < 16):
             out.append("use_dot needs block_m a power of two >= 16 and block_n >= 16")
-        if not self.use_dot and self.block_m not in (1, 2, 4, 8):
-            out.append(f"block_m {self.block_m} must be 1, 2, 4 or 8 without use_dot")
+        if not self.use_dot and self.block_m not in (1, 2, 4):
+            out.append(f"block_m {self.block_m} must be 1, 2 or 4 without use_dot")
         return out
 
 
@@ -52,24 +52,98 @@ def _pow2_at_least(n: int) -> int:
 
 
 def heuristic_config(n: int, k: int, rows: int, sm_count: int, capability: tuple[int, int]) -> W8A16Config:
-    """A reasonable config for any shape and architecture: fp32 FMAs for one row, tensor
-    cores for more (a 64-row weight tile keeps both near 4 instructions per weight byte in
-    SASS), split-K until there are two programs per SM; sm_90+ levers where the chip has them."""
+    """A reasonable config for any shape and architecture: fp32 FMAs on 512-byte k-tiles for
+    one or two rows, tensor cores for more, split-K until there are two programs per SM;
+    sm_90+ levers where the chip has them."""
     hopper_plus = capability[0] >= 9
     k_blocks = max(1, k // QUANT_BLOCK)
-    block_m = 1 if rows == 1 else max(16, _pow2_at_least(rows))
-    block_n, k_steps, warps = (32, 1, 4) if rows == 1 else (64, 1, 4)
+    if rows <= 2:
+        block_m, block_n, warps, use_dot = rows, 16, 4, False
+        k_steps = next(s for s in (4, 2, 1) if k_blocks % s == 0)
+    else:
+        block_m, block_n, warps, use_dot, k_steps = max(16, _pow2_at_least(rows)), 64, 4, True, 1
     programs = -(-n // block_n) * -(-rows // block_m)
     split_k = 1
     while programs * split_k < 2 * sm_count and k_blocks % (2 * split_k * k_steps) == 0 and split_k < 8:
         split_k *= 2
-    return W8A16Config(block_n=block_n, k_steps=k_steps, num_warps=warps, num_stages=4, block_m=block_m,
-                       use_dot=block_m >= 16, split_k=split_k, prefetch_l2=hopper_plus, pdl=hopper_plus)
+    return W8A16Config(block_n=block_n, k_steps=k_steps, num_warps=warps, num_stages=3, block_m=block_m,
+                       use_dot=use_dot, split_k=split_k, prefetch_l2=hopper_plus, pdl=hopper_plus)
 
 
-# Filled from the H200 sweep (benchmarks/dense_fp8.py --sweep); empty buckets use the heuristic.
+def _dot(block_n: int, warps: int, stages: int, block_m: int, split_k: int) -> W8A16Config:
+    return W8A16Config(block_n=block_n, k_steps=1, num_warps=warps, num_stages=stages, block_m=block_m,
+                       use_dot=True, split_k=split_k)
+
+
+# Sweep winners on the H200 (benchmarks/dense_fp8.py --sweep; us per call in CUDA graphs with
+# weights rotated beyond L2). A bucket (max_rows, config) serves rows up to max_rows; rows past
+# the last bucket and shapes not listed use the heuristic. Rows 8..32: first H200 run.
 TUNED: dict[tuple[int, int], dict[tuple[int, int], tuple[tuple[int, W8A16Config], ...]]] = {
-    (9, 0): {},
+    (9, 0): {
+        (12288, 2560): (
+            (2, _dot(128, 8, 3, 16, 4)),  # 19.45 us
+            (4, _dot(64, 4, 3, 16, 4)),  # 19.20 us
+            (8, _dot(64, 4, 3, 16, 4)),  # 18.34 us
+            (16, _dot(64, 4, 3, 16, 4)),  # 17.69 us
+            (32, _dot(64, 4, 4, 32, 4)),  # 20.42 us
+        ),
+        (2560, 6144): (
+            (2, _dot(64, 4, 3, 16, 8)),  # 12.35 us
+            (4, _dot(64, 4, 3, 16, 8)),  # 12.20 us
+            (8, _dot(64, 4, 4, 16, 8)),  # 12.31 us
+            (16, _dot(64, 4, 3, 16, 8)),  # 12.29 us
+            (32, _dot(64, 4, 3, 32, 8)),  # 15.17 us
+        ),
+        (6144, 2560): (
+            (2, _dot(128, 8, 3, 16, 4)),  # 12.47 us
+            (4, _dot(128, 8, 3, 16, 4)),  # 12.55 us
+            (8, _dot(128, 8, 3, 16, 4)),  # 12.81 us
+            (16, _dot(128, 8, 3, 16, 4)),  # 13.24 us
+            (32, _dot(64, 4, 3, 32, 4)),  # 12.93 us
+        ),
+        (2560, 5120): (
+            (2, _dot(64, 4, 3, 16, 8)),  # 10.37 us
+            (4, _dot(64, 4, 3, 16, 8)),  # 9.84 us
+            (8, _dot(64, 4, 3, 16, 8)),  # 9.89 us
+            (16, _dot(64, 4, 3, 16, 8)),  # 10.14 us
+            (32, _dot(64, 4, 3, 32, 8)),  # 13.20 us
+        ),
+        (4096, 2560): (
+            (2, _dot(128, 8, 3, 16, 4)),  # 11.88 us
+            (4, _dot(128, 8, 3, 16, 4)),  # 11.89 us
+            (8, _dot(128, 8, 3, 16, 4)),  # 11.86 us
+            (16, _dot(128, 8, 3, 16, 4)),  # 12.14 us
+            (32, _dot(64, 4, 3, 32, 4)),  # 12.18 us
+        ),
+        (2560, 4096): (
+            (2, _dot(64, 4, 3, 16, 8)),  # 8.56 us
+            (4, _dot(64, 4, 3, 16, 8)),  # 8.61 us
+            (8, _dot(64, 4, 3, 16, 8)),  # 8.52 us
+            (16, _dot(64, 4, 3, 16, 8)),  # 8.87 us
+            (32, _dot(64, 4, 3, 32, 8)),  # 11.52 us
+        ),
+        (1536, 2560): (
+            (2, _dot(64, 4, 3, 16, 4)),  # 8.49 us
+            (4, _dot(64, 4, 3, 16, 4)),  # 8.69 us
+            (8, _dot(64, 4, 3, 16, 4)),  # 8.94 us
+            (16, _dot(64, 4, 3, 16, 4)),  # 8.92 us
+            (32, _dot(64, 4, 4, 32, 2)),  # 10.03 us
+        ),
+        (2560, 768): (
+            (2, _dot(64, 4, 3, 16, 1)),  # 6.48 us
+            (4, _dot(64, 4, 3, 16, 1)),  # 6.48 us
+            (8, _dot(32, 4, 4, 16, 1)),  # 6.42 us
+            (16, _dot(32, 4, 4, 16, 1)),  # 5.94 us
+            (32, _dot(32, 4, 4, 32, 1)),  # 6.21 us
+        ),
+        (576, 2560): (
+            (2, _dot(64, 4, 3, 16, 4)),  # 6.97 us
+            (4, _dot(64, 4, 3, 16, 4)),  # 7.00 us
+            (8, _dot(64, 4, 3, 16, 4)),  # 7.09 us
+            (16, _dot(64, 4, 3, 16, 4)),  # 7.36 us
+            (32, _dot(32, 4, 4, 32, 4)),  # 6.99 us
+        ),
+    },
 }
 
 

@@ -1,0 +1,484 @@
+"""One full Ling-3.0-flash-fp4 decode step on one GPU, at full size, in one CUDA graph.
+
+Random weights in the checkpoint's formats (FP8 e4m3 dense linears with 128x128 block scales,
+MXFP4 routed experts with E8M0 scales, fp32 routers + expert bias, BF16 norms, BF16 head
+quantized online to FP8 per channel as the plugin does), every layer in the real order and
+pattern (35 KDA + 7 MLA attention, 2 dense MLP + 40 MoE), then one NEXTN draft step (eh_proj,
+MLA, MoE, head). A step of T tokens is one sequence's verify window of T positions over a
+32K-token context (what ``vllm-ling plan`` counts). Two compositions, same weights, same run:
+
+- ``vllm-ling``: dense FP8 linears through ``vllm_ling.ops.dense_fp8`` (W8A16), routed experts
+  through the MoE decode kernels on humming's weights (``HummingMxfp4Experts`` default), the
+  FP8 head (``vllm_ling.ops.lm_head``, kernel chosen per arch);
+- ``upstream``: what vLLM 0.32 runs on sm_90: humming's indexed GEMM for the experts, the BF16
+  head, and the W8A8 block-FP8 stand-in for DeepGEMM (``benchmarks/upstream_fp8.py``).
+
+Ops that live in vLLM and have no kernel in this repo are stand-ins, named in the output:
+the KDA recurrence is flash-linear-attention 0.6.0's ``fused_recurrent_kda`` (gate, beta and
+q/k L2 norm fused, what vLLM vendors), the KDA short conv and gated output norm, RMSNorms,
+RoPE, router top-k and MLA decode attention are plain PyTorch ops (MLA: QK^T and PV through
+cuBLAS over the 32K BF16 latent cache, which reads the cache twice; vLLM runs a split-K MLA
+decode kernel). Reports us per step, per op class time (a graph of that class's ops alone),
+bytes, fraction of the copy bandwidth measured in the same run, the byte-model floor from
+``plan`` at that bandwidth, kernel launches per step, and the vllm-ling / upstream ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dense_fp8 import copy_bandwidth_gbs  # noqa: E402
+from timing import stacked_time_us  # noqa: E402
+from upstream_fp8 import ScaledMmBlockFp8  # noqa: E402
+
+from vllm_ling.ops.dense_fp8 import w8a16_linear  # noqa: E402
+from vllm_ling.ops.fp8 import block_fp8_quantize  # noqa: E402
+
+try:  # the MoE ops are being moved into a package; either layout works
+    from vllm_ling.ops.moe import HummingMxfp4Experts, random_mxfp4_experts, route, swiglu
+except ImportError:  # pragma: no cover
+    from vllm_ling.ops.moe.humming import HummingMxfp4Experts, random_mxfp4_experts  # type: ignore
+    from vllm_ling.ops.moe.reference import route, swiglu  # type: ignore
+
+CONFIG = os.path.join(REPO, "vllm_ling", "data", "ling3_flash_fp4_config.json")
+STANDINS = {
+    "kda_recurrent": "fla-core 0.6.0 fused_recurrent_kda (gate, beta sigmoid, q/k L2 norm in kernel)",
+    "kda_conv_norm": "PyTorch ops: causal short conv (window 4) + SiLU, gated RMSNorm (sigmoid)",
+    "mla_attention": "PyTorch ops: W_UK/W_UV bmm, RoPE, latent-cache write, QK^T + softmax + PV via cuBLAS "
+                     "over the 32K BF16 latent cache (reads it twice; vLLM uses a split-K MLA kernel)",
+    "router": "fp32 router GEMV (cuBLAS) + vllm_ling.ops.moe.route's PyTorch grouped top-k "
+              "(vLLM: one fused grouped_topk kernel)",
+    "norms_residual": "PyTorch F.rms_norm + residual adds",
+    "small_bf16": "BF16 cuBLAS: KDA b_proj, MLA g_proj (left in BF16 by the checkpoint) + sigmoids",
+}
+
+
+class Fp8Linear:
+    """One dense block-FP8 weight with both compositions' kernels."""
+
+    def __init__(self, n: int, k: int, gen: torch.Generator, dev):
+        self.q, self.s = block_fp8_quantize(torch.randn((n, k), device=dev, generator=gen) * (1.0 / k**0.5))
+        self.up = ScaledMmBlockFp8(self.q, self.s)
+        self.bytes = self.q.numel() + 4 * self.s.numel()
+
+    def __call__(self, x: torch.Tensor, comp: str) -> torch.Tensor:
+        return w8a16_linear(x, self.q, self.s) if comp == "ours" else self.up(x)
+
+
+def torch_kda_recurrent(q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound, **_):
+    """Plain-PyTorch KDA decode recurrence (fallback stand-in): per token, per head
+    S = diag(a) S + beta k (v - S^T k)^T... in fp32; returns (o [1, T, H, D], state)."""
+    S = initial_state[0]
+    outs = []
+    for t in range(q.shape[1]):
+        qt = F.normalize(q[0, t].float(), dim=-1)
+        kt = F.normalize(k[0, t].float(), dim=-1)
+        a = torch.exp(lower_bound * torch.sigmoid(torch.exp(A_log)[:, None] * (g[0, t].float() + dt_bias.view_as(g[0, t]))))
+        bt = torch.sigmoid(beta[0, t].float())[:, None]
+        S = S * a[:, :, None]
+        S = S + kt[:, :, None] * (bt * (v[0, t].float() - torch.einsum("hkv,hk->hv", S, kt)))[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", S, qt * qt.shape[-1] ** -0.5))
+    initial_state[0].copy_(S)
+    return torch.stack(outs)[None].to(q.dtype), initial_state
+
+
+def rms(x, w, eps=1e-6):
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+class Model:
+    def __init__(self, cfg: dict, tokens_max: int, context: int, dev, seed: int = 0):
+        try:
+            from fla.ops.kda import fused_recurrent_kda
+        except Exception as exc:  # noqa: BLE001 - reported; the torch recurrence stands in
+            STANDINS["kda_recurrent"] = f"PyTorch per-token recurrence (fla unavailable: {type(exc).__name__}: {exc})"
+            fused_recurrent_kda = torch_kda_recurrent
+        self.kda_fn = fused_recurrent_kda
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.cfg, self.dev = cfg, dev
+        H, heads, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+        self.H, self.heads, self.hd = H, heads, hd
+        proj = heads * hd
+        n_layers = cfg["num_hidden_layers"]
+        self.kv_lora, self.rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+        self.nope, self.vd = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        self.context = context
+        self.layers = []
+        t0 = time.perf_counter()
+        for i in range(n_layers + 1):
+            mtp = i == n_layers
+            kda = not mtp and ((i + 1) % cfg["layer_group_size"] != 0 and i < n_layers // cfg["layer_group_size"]
+                               * cfg["layer_group_size"])
+            L = {"kda": kda, "mtp": mtp, "idx": i,
+                 "in_norm": torch.ones(H, device=dev, dtype=torch.bfloat16),
+                 "post_norm": torch.ones(H, device=dev, dtype=torch.bfloat16)}
+            if kda:
+                L["qkv"] = Fp8Linear(3 * proj, H, g, dev)
+                L["f"] = Fp8Linear(proj, H, g, dev)
+                L["gp"] = Fp8Linear(proj, H, g, dev)
+                L["o"] = Fp8Linear(H, proj, g, dev)
+                L["b"] = (torch.randn((heads, H), device=dev, generator=g) * H**-0.5).to(torch.bfloat16)
+                L["conv_w"] = torch.randn((3 * proj, 4), device=dev, generator=g) * 0.5
+                L["conv_state"] = torch.zeros((3 * proj, 3), device=dev, dtype=torch.bfloat16)
+                L["dt_bias"] = torch.zeros(proj, device=dev)
+                L["A_log"] = torch.zeros(heads, device=dev)
+                L["o_norm"] = torch.ones(hd, device=dev, dtype=torch.bfloat16)
+                L["state"] = torch.zeros((1, heads, hd, hd), device=dev)
+            else:
+                L["q"] = Fp8Linear(heads * (self.nope + self.rope), H, g, dev)
+                L["kv_a"] = Fp8Linear(self.kv_lora + self.rope, H, g, dev)
+                L["kv_norm"] = torch.ones(self.kv_lora, device=dev, dtype=torch.bfloat16)
+                L["w_uk"] = (torch.randn((heads, self.nope, self.kv_lora), device=dev, generator=g)
+                             * self.nope**-0.5).to(torch.bfloat16)
+                L["w_uv"] = (torch.randn((heads, self.kv_lora, self.vd), device=dev, generator=g)
+                             * self.kv_lora**-0.5).to(torch.bfloat16)
+                L["g"] = (torch.randn((heads, H), device=dev, generator=g) * H**-0.5).to(torch.bfloat16)
+                L["dense"] = Fp8Linear(H, heads * self.vd, g, dev)
+                L["cache"] = (torch.randn((context + tokens_max + 1, self.kv_lora + self.rope), device=dev,
+                                          generator=g) * 0.1).to(torch.bfloat16)
+            if mtp:
+                L["eh"] = Fp8Linear(H, 2 * H, g, dev)
+                for name in ("enorm", "hnorm", "final_norm"):
+                    L[name] = torch.ones(H, device=dev, dtype=torch.bfloat16)
+            if not mtp and i < cfg["first_k_dense_replace"]:
+                L["gate_up"] = Fp8Linear(2 * cfg["intermediate_size"], H, g, dev)
+                L["down"] = Fp8Linear(H, cfg["intermediate_size"], g, dev)
+            else:
+                E, inter, si = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["moe_shared_expert_intermediate_size"]
+                L["router"] = torch.randn((E, H), device=dev, generator=g) * H**-0.5
+                L["bias"] = torch.randn(E, device=dev, generator=g) * 0.01
+                L["experts"] = HummingMxfp4Experts(**random_mxfp4_experts(E, H, inter, device=dev, seed=1000 + i),
+                                                   top_k=cfg["num_experts_per_tok"])
+                lim = (cfg.get("expert_swiglu_limit_list") or [0] * 64)
+                slim = (cfg.get("share_expert_swiglu_limit_list") or [0] * 64)
+                L["limit"] = (lim[i] or None) if i < len(lim) else None
+                L["shared_limit"] = (slim[i] or None) if i < len(slim) else None
+                L["sh_gate_up"] = Fp8Linear(2 * si, H, g, dev)
+                L["sh_down"] = Fp8Linear(H, si, g, dev)
+                L["ids"] = None
+            self.layers.append(L)
+            if i % 10 == 0:
+                print(f"  built layer {i} ({time.perf_counter() - t0:.1f} s, "
+                      f"{torch.cuda.memory_allocated() / 1e9:.1f} GB)", flush=True)
+        V = cfg["vocab_size"]
+        self.final_norm = torch.ones(H, device=dev, dtype=torch.bfloat16)
+        self.embed = (torch.randn((V, H), device=dev, generator=g) * 0.02).to(torch.bfloat16)
+        self.head_bf16 = (torch.randn((V, H), device=dev, generator=g) * H**-0.5).to(torch.bfloat16)
+        from vllm_ling.ops import lm_head as LH
+
+        hq, hs = LH.quantize_fp8_per_channel(self.head_bf16)
+        self.head_kernel, self.head_reason = LH.select_head_kernel(dev)
+        self.head_fp8 = LH.prepare_fp8_head(hq, hs, self.head_kernel)
+        self.LH = LH
+        self.build_s = time.perf_counter() - t0
+
+    # ---- ops; each returns its output; op() tags the op class ----
+    def head(self, x, comp):
+        return self.LH.fp8_head_logits(x, self.head_fp8) if comp == "ours" else F.linear(x, self.head_bf16)
+
+    def kda(self, L, x, comp, op):
+        T = x.shape[0]
+        heads, hd = self.heads, self.hd
+        qkv = op("dense_fp8", lambda: L["qkv"](x, comp))
+        f = op("dense_fp8", lambda: L["f"](x, comp))
+        gate = op("dense_fp8", lambda: L["gp"](x, comp))
+        b = op("small_bf16", lambda: F.linear(x, L["b"]))
+
+        def conv():
+            window = torch.cat([L["conv_state"], qkv.t()], dim=1)  # [3P, 3 + T]
+            out = (window.unfold(1, 4, 1).float() * L["conv_w"][:, None, :]).sum(-1)  # [3P, T]
+            L["conv_state"].copy_(window[:, -3:])
+            return F.silu(out.t()).to(torch.bfloat16).contiguous()
+        qkv_c = op("kda_conv_norm", conv)
+
+        def recurrent():
+            q, k, v = (t.contiguous() for t in qkv_c.view(1, T, 3, heads, hd).unbind(2))
+            o, _ = self.kda_fn(q, k, v, f.view(1, T, heads, hd), b.view(1, T, heads), A_log=L["A_log"],
+                               dt_bias=L["dt_bias"], initial_state=L["state"], output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                               use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+            return o
+        o = op("kda_recurrent", recurrent)
+        on = op("kda_conv_norm", lambda: (rms(o.view(T, heads, hd), L["o_norm"])
+                                          * torch.sigmoid(gate.view(T, heads, hd))).view(T, heads * hd))
+        return op("dense_fp8", lambda: L["o"](on, comp))
+
+    def mla(self, L, x, comp, op, pos):
+        T = x.shape[0]
+        heads = self.heads
+        q = op("dense_fp8", lambda: L["q"](x, comp)).view(T, heads, self.nope + self.rope)
+        kv = op("dense_fp8", lambda: L["kv_a"](x, comp))
+        gate = op("small_bf16", lambda: torch.sigmoid(F.linear(x, L["g"])))
+
+        def attention():
+            c = rms(kv[:, :self.kv_lora], L["kv_norm"])
+            kpe = kv[:, self.kv_lora:]
+            kpe = torch.cat([-kpe[:, 1::2], kpe[:, ::2]], -1)  # RoPE-shaped work (rotation by a fixed angle)
+            L["cache"][pos:pos + T, :self.kv_lora].copy_(c)
+            L["cache"][pos:pos + T, self.kv_lora:].copy_(kpe)
+            q_lat = torch.bmm(q[:, :, :self.nope].transpose(0, 1), L["w_uk"]).transpose(0, 1)  # [T, h, 512]
+            qf = torch.cat([q_lat, q[:, :, self.nope:]], -1).reshape(T * heads, -1)
+            qf = qf * (self.nope + self.rope) ** -0.5
+            cache = L["cache"][:pos + T]
+            p = torch.softmax(qf @ cache.t(), -1, dtype=torch.float32).to(torch.bfloat16)
+            lat = (p @ cache[:, :self.kv_lora]).view(T, heads, self.kv_lora)
+            out = torch.bmm(lat.transpose(0, 1), L["w_uv"]).transpose(0, 1)  # [T, h, vd]
+            return (out * gate.unsqueeze(-1)).reshape(T, heads * self.vd)
+        a = op("mla_attention", attention)
+        return op("dense_fp8", lambda: L["dense"](a, comp))
+
+    def mlp(self, L, x, comp, op):
+        if "gate_up" in L:
+            h = op("dense_fp8", lambda: L["gate_up"](x, comp))
+            act = op("norms_residual", lambda: swiglu(h))
+            return op("dense_fp8", lambda: L["down"](act, comp))
+
+        def router():
+            w, ids = route(x, L["router"], L["bias"], top_k=self.cfg["num_experts_per_tok"],
+                           n_group=self.cfg["n_group"], topk_group=self.cfg["topk_group"],
+                           routed_scaling_factor=self.cfg["routed_scaling_factor"])
+            L["ids"] = ids
+            return w, ids
+        w, ids = op("router", router)
+        routed = op("moe_routed", lambda: L["experts"](x, w, ids, L["limit"]))
+        sh = op("dense_fp8", lambda: L["sh_gate_up"](x, comp))
+        sh_act = op("norms_residual", lambda: swiglu(sh, L["shared_limit"]))
+        sh_out = op("dense_fp8", lambda: L["sh_down"](sh_act, comp))
+        return op("norms_residual", lambda: routed + sh_out)
+
+    def step(self, tokens: torch.Tensor, comp: str, op, draft: bool = True):
+        T = tokens.shape[0]
+        pos = self.context
+        resid = op("norms_residual", lambda: self.embed[tokens])
+        for L in self.layers[:-1]:
+            x = op("norms_residual", lambda: rms(resid, L["in_norm"]))
+            a = self.kda(L, x, comp, op) if L["kda"] else self.mla(L, x, comp, op, pos)
+            resid = op("norms_residual", lambda: resid + a)
+            x = op("norms_residual", lambda: rms(resid, L["post_norm"]))
+            m = self.mlp(L, x, comp, op)
+            resid = op("norms_residual", lambda: resid + m)
+        hidden = op("norms_residual", lambda: rms(resid, self.final_norm))
+        logits = op("head", lambda: self.head(hidden, comp))
+        if not draft:
+            return logits
+        # NEXTN draft step for the last position (one token, as the plan counts it):
+        # embed(next token) + hidden -> eh_proj -> MLA -> MoE -> head
+        L = self.layers[-1]
+        nxt = op("norms_residual", lambda: self.embed[tokens[-1:]])
+        cat = op("norms_residual", lambda: torch.cat([rms(nxt, L["enorm"]), rms(hidden[-1:], L["hnorm"])], -1))
+        r = op("dense_fp8", lambda: L["eh"](cat, comp))
+        x = op("norms_residual", lambda: rms(r, L["in_norm"]))
+        a = self.mla(L, x, comp, op, pos + T)
+        r = op("norms_residual", lambda: r + a)
+        x = op("norms_residual", lambda: rms(r, L["post_norm"]))
+        m = self.mlp(L, x, comp, op)
+        r = op("norms_residual", lambda: r + m)
+        return op("head", lambda: self.head(rms(r, L["final_norm"]), comp))
+
+
+def class_bytes(model: Model, T: int, comp: str) -> dict[str, float]:
+    """Weight and state bytes each op class must move in one step (the ops' own minimum; the
+    routed experts counted from this run's routing)."""
+    cfg, H = model.cfg, model.H
+    out = collections.Counter()
+    inter = cfg["moe_intermediate_size"]
+    per_expert = 3 * H * inter // 2 + 3 * H * inter // 32
+    ctx = model.context
+    for L in model.layers:
+        for v in L.values():
+            if isinstance(v, Fp8Linear):
+                out["dense_fp8"] += v.bytes
+        if L["kda"]:
+            out["kda_recurrent"] += 2 * L["state"].numel() * 4
+            out["kda_conv_norm"] += 2 * L["conv_state"].numel() * 2
+            out["small_bf16"] += L["b"].numel() * 2
+        else:
+            out["mla_attention"] += (ctx + T) * L["cache"].shape[1] * 2 + (L["w_uk"].numel() + L["w_uv"].numel()) * 2
+            out["small_bf16"] += L["g"].numel() * 2
+        if "experts" in L:
+            out["router"] += L["router"].numel() * 4 + L["bias"].numel() * 4
+            if L.get("ids") is not None:
+                out["moe_routed"] += L["ids"].unique().numel() * per_expert
+    V = cfg["vocab_size"]
+    out["head"] = 2 * (V * H + V * 2 if comp == "ours" else V * H * 2)
+    return dict(out)
+
+
+def set_moe_path(model: Model, comp: str) -> None:
+    """The dispatch by batch size happens at capture: 0 sends every batch to humming's GEMM."""
+    for L in model.layers:
+        if "experts" in L:
+            L["experts"].decode_max_tokens = 32 if comp == "ours" else 0
+
+
+def count_launches(fn) -> tuple[int, collections.Counter]:
+    """Kernels one eager call of fn launches (torch profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower() \
+                and "memset" not in e.name.lower():
+            names[e.name] += 1
+    return sum(names.values()), names
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 32])
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "decode_step_h200.md"))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    cfg = json.load(open(CONFIG))
+    copy_gbs, copy_how = copy_bandwidth_gbs()
+    head = (f"device {props.name} sm_{props.major}{props.minor}, {props.multi_processor_count} SMs; copy bandwidth "
+            f"{copy_gbs:.0f} GB/s ({copy_how}); torch {torch.__version__}")
+    print(head, flush=True)
+    model = Model(cfg, max(args.tokens), args.context, dev)
+    print(f"built the full model in {model.build_s:.1f} s; GPU memory {torch.cuda.memory_allocated() / 1e9:.1f} GB; "
+          f"FP8 head kernel {model.head_kernel} ({model.head_reason})", flush=True)
+    try:
+        from vllm_ling.models import plan as P  # after the layout move
+    except ImportError:
+        from vllm_ling.serving import plan as P
+    results, notes = [], []
+    gen = torch.Generator(device=dev).manual_seed(5)
+    for T in args.tokens:
+        tokens = torch.randint(0, cfg["vocab_size"], (T,), device=dev, generator=gen)
+        pl = P.build_plan(cfg, context=args.context, verify_tokens=T)
+        row = {"tokens": T}
+        for comp in ("ours", "upstream"):
+            set_moe_path(model, comp)
+            classes = collections.Counter()
+
+            def run_all():
+                return model.step(tokens, comp, lambda cls, fn: fn())
+
+            try:
+                us = stacked_time_us([run_all], args.replays)
+                for cls in sorted(STANDINS.keys() | {"dense_fp8", "moe_routed", "head"}):
+                    classes[cls] = stacked_time_us([class_only(model, tokens, comp, cls)], args.replays)
+                n_launch, names = count_launches(run_all)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                notes.append(f"T={T} {comp}: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            row[comp] = {"us": us, "classes": dict(classes), "launches": n_launch,
+                         "class_bytes": class_bytes(model, T, comp),
+                         "top_kernels": names.most_common(12)}
+            print(f"T={T} {comp}: {us:.0f} us/step, {n_launch} launches; "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in sorted(classes.items(), key=lambda t: -t[1])), flush=True)
+        distinct = [int(L["ids"].unique().numel()) for L in model.layers if L.get("ids") is not None]
+        b1, bk = P.totals(pl, "fp8")
+        row["plan_bytes_target"] = bk
+        row["plan_bytes_draft"] = pl.draft_step_bytes_without_head + pl.head_bytes["fp8"]
+        row["plan_bytes_upstream"] = P.totals(pl, "bf16")[1] + pl.draft_step_bytes_without_head + pl.head_bytes["bf16"]
+        row["distinct_experts_mean"] = sum(distinct) / max(1, len(distinct))
+        row["expected_distinct"] = pl.distinct_experts_verify
+        results.append(row)
+    text = render(results, head, copy_gbs, notes, model, args)
+    print(text)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        fh.write(text)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"copy_gbs": copy_gbs, "results": results, "notes": notes, "standins": STANDINS}, fh, indent=1)
+    return 0
+
+
+def class_only(model: Model, tokens, comp: str, cls: str):
+    """A step that runs only the ops of class ``cls``; every other op returns the output it
+    gave in one full step run now (so the class's ops see real inputs)."""
+    recorded = []
+    model.step(tokens, comp, lambda c, fn: recorded.append(fn()) or recorded[-1])
+    idx = [0]
+
+    def op(c, fn):
+        i = idx[0]
+        idx[0] += 1
+        return fn() if c == cls else recorded[i]
+
+    def run():
+        idx[0] = 0
+        return model.step(tokens, comp, op)
+    return run
+
+
+def render(results, head, copy_gbs, notes, model, args) -> str:
+    def frac(nbytes, us):
+        return nbytes / (us * 1e-6) / 1e9 / copy_gbs
+
+    lines = [f"# One Ling-3.0-flash-fp4 decode step on one GPU ({datetime.date.today().isoformat()})", "",
+             f"`python benchmarks/decode_step.py {' '.join(sys.argv[1:])}`", "", head, "",
+             f"Context {args.context} tokens; a step of T tokens = the target model over one sequence's T-token "
+             "verify window + one NEXTN draft step (eh_proj, MLA, MoE, head) for the next position. "
+             f"FP8 head kernel: {model.head_kernel}. Stand-ins (no serving kernel in this repo):", ""]
+    lines += [f"- {k}: {v}" for k, v in STANDINS.items()]
+    lines += ["", "| T | composition | us/step | launches | plan bytes (MB) | floor us @ copy BW | step / floor | "
+              "vllm-ling / upstream |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for comp in ("ours", "upstream"):
+            if comp not in r:
+                continue
+            nbytes = (r["plan_bytes_target"] + r["plan_bytes_draft"]) if comp == "ours" else r["plan_bytes_upstream"]
+            floor = nbytes / (copy_gbs * 1e9) * 1e6
+            ratio = (f"{r['upstream']['us'] / r['ours']['us']:.2f}x faster"
+                     if comp == "ours" and "upstream" in r else "")
+            lines.append(f"| {r['tokens']} | {'vllm-ling' if comp == 'ours' else 'upstream vLLM 0.32 (stand-ins)'} | "
+                         f"{r[comp]['us']:.0f} | {r[comp]['launches']} | {nbytes / 1e6:.0f} | {floor:.0f} | "
+                         f"{r[comp]['us'] / floor:.2f} | {ratio} |")
+    lines += ["", "Per op class: us (a graph of that class's ops alone, the other ops' outputs replayed from a full "
+              "step; class times need not add up to the step), MB the class must move (weights, state, cache), "
+              "and the fraction of the copy bandwidth:", ""]
+    classes = sorted({c for r in results for comp in ("ours", "upstream") if comp in r for c in r[comp]["classes"]})
+    lines.append("| T | composition | " + " | ".join(classes) + " |")
+    lines.append("|---|---|" + "---|" * len(classes))
+    for r in results:
+        for comp in ("ours", "upstream"):
+            if comp not in r:
+                continue
+            cells = []
+            for c in classes:
+                us, nb = r[comp]["classes"].get(c), r[comp].get("class_bytes", {}).get(c, 0.0)
+                cells.append("-" if us is None else (f"{us:.0f} us / {nb / 1e6:.0f} MB / {frac(nb, us):.2f}"
+                                                      if nb else f"{us:.0f} us"))
+            lines.append(f"| {r['tokens']} | {comp} | " + " | ".join(cells) + " |")
+    lines += ["", "Routed experts touched per MoE layer (mean over layers, this run's routing) vs the plan's "
+              "uniform-routing expectation:", ""]
+    lines += [f"- T={r['tokens']}: {r['distinct_experts_mean']:.1f} vs {r['expected_distinct']:.1f}" for r in results]
+    lines += ["", "Most launched kernels per step (vllm-ling):", ""]
+    for r in results:
+        if "ours" in r:
+            lines.append(f"- T={r['tokens']}: " + "; ".join(f"{n[:60]} x{c}" for n, c in r["ours"]["top_kernels"]))
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
