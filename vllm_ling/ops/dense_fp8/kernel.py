@@ -95,7 +95,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_sn,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
         USE_DOT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
-        PIECES: tl.constexpr, PIECE_BYTES: tl.constexpr,
+        PIECES: tl.constexpr, PIECE_BYTES: tl.constexpr, DOT_F16: tl.constexpr,
     ):
         # out is a contiguous [M, N] BF16 tensor; ws an fp32 [SPLIT_K, M, N] workspace and cnt
         # one int32 ticket per (n tile, m tile), zero between calls (the last program resets it).
@@ -127,11 +127,30 @@ if triton is not None:
             w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
             x_ptrs = x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None]  # [QB, BLOCK_M]
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for kb in range(kb_lo, kb_lo + kb_per, K_STEPS):
-                for j in tl.static_range(K_STEPS):
-                    w = tl.load(w_ptrs + (kb + j) * QB, eviction_policy="evict_first")
-                    xt = tl.load(x_ptrs + (kb + j) * QB)
-                    acc += tl.dot(w.to(tl.bfloat16), xt) * tl.load(s_row + kb + j)
+            if DOT_F16:
+                # FP16 tensor cores: e4m3 -> fp16 is one cvt per two weights (BF16 needs the slow
+                # F2F unit). x is scaled per row by a power of two 2**-e so that |x| < 2**15 fits
+                # fp16; a BF16 x is then exact in fp16 down to 2**-14 of the scaled range (below
+                # that, fp16 subnormals round it by at most 2**-38 of the row's max |x|).
+                amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                for kb in range(kb_lo, kb_lo + kb_per):
+                    xt = tl.load(x_ptrs + kb * QB, mask=mask_m[None, :], other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.max(tl.abs(xt), axis=0))
+                e = tl.where(amax > 0, tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0, 0.0)
+                x_down = tl.exp2(-e)
+                for kb in range(kb_lo, kb_lo + kb_per, K_STEPS):
+                    for j in tl.static_range(K_STEPS):
+                        w = tl.load(w_ptrs + (kb + j) * QB, eviction_policy="evict_first")
+                        xt = tl.load(x_ptrs + (kb + j) * QB)
+                        x16 = (xt.to(tl.float32) * x_down[None, :]).to(tl.float16)
+                        acc += tl.dot(w.to(tl.float16), x16) * tl.load(s_row + kb + j)
+                acc = acc * tl.exp2(e)[None, :]
+            else:
+                for kb in range(kb_lo, kb_lo + kb_per, K_STEPS):
+                    for j in tl.static_range(K_STEPS):
+                        w = tl.load(w_ptrs + (kb + j) * QB, eviction_policy="evict_first")
+                        xt = tl.load(x_ptrs + (kb + j) * QB)
+                        acc += tl.dot(w.to(tl.bfloat16), xt) * tl.load(s_row + kb + j)
             if SPLIT_K == 1:
                 tl.store(out_ptr + offs_m[None, :] * N + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
                          mask=mask_n[:, None] & mask_m[None, :])

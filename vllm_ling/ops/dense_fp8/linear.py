@@ -126,7 +126,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         x.stride(0), weight.stride(0), scale.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, K_STEPS=config.k_steps, SPLIT_K=config.split_k,
         USE_DOT=config.use_dot, USE_PDL=config.pdl, PREFETCH_L2=config.prefetch_l2,
-        PIECES=pieces, PIECE_BYTES=piece_bytes,
+        PIECES=pieces, PIECE_BYTES=piece_bytes, DOT_F16=config.dot_f16,
         num_warps=config.num_warps, num_stages=config.num_stages, **extra,
     )
     return out

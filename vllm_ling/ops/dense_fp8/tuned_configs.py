@@ -29,6 +29,7 @@ class W8A16Config:
     split_k: int = 1       # programs per output tile along K (the last one reduces; no extra launch)
     prefetch_l2: bool = True  # bulk L2 prefetch of the program's weight rows (sm_90+)
     pdl: bool = True          # programmatic dependent launch (sm_90+)
+    dot_f16: bool = False     # use_dot: FP16 tensor cores on per-row power-of-two scaled x (kernel.py)
 
     def problems(self, n: int, k: int) -> list[str]:
         """Why this config cannot run an [n, k] weight (empty when it can)."""
@@ -42,6 +43,8 @@ class W8A16Config:
                        f"{self.k_steps} x {self.split_k}")
         if self.use_dot and (self.block_m < 16 or self.block_m & (self.block_m - 1) or self.block_n < 16):
             out.append("use_dot needs block_m a power of two >= 16 and block_n >= 16")
+        if self.dot_f16 and not self.use_dot:
+            out.append("dot_f16 applies to the tensor-core path (use_dot) only")
         if not self.use_dot and self.block_m not in (1, 2, 4):
             out.append(f"block_m {self.block_m} must be 1, 2 or 4 without use_dot")
         return out
