@@ -861,6 +861,7 @@ def random_mxfp4_experts(num_experts: int, hidden_size: int, intermediate_size: 
 def warmup_kernels(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                    token_counts=(1, 2, 4, 8, 16), w4a8: bool = False,
                    swiglu_limits=(None,), clamp: str = ROUTED_EXPERT_CLAMP,
+                   decode: str = DECODE_AUTO, decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS,
                    device: int | torch.device | None = None) -> dict:
     """Compile (into the shared JIT cache) every humming kernel the MoE layer needs for
     these batch sizes and clamp limits, by running the layer once on random weights.
@@ -879,7 +880,8 @@ def warmup_kernels(hidden_size: int, intermediate_size: int, num_experts: int, t
     before = count_cached_kernels(kernels_dir)
     t0 = time.perf_counter()
     tensors = random_mxfp4_experts(num_experts, hidden_size, intermediate_size, dev)
-    experts = HummingMxfp4Experts(**tensors, w4a8=w4a8, clamp=clamp, top_k=top_k)  # + decode kernels
+    experts = HummingMxfp4Experts(**tensors, w4a8=w4a8, clamp=clamp, top_k=top_k, decode=decode,
+                                  decode_max_tokens=decode_max_tokens)  # as the server builds it
     del tensors
     build_s = time.perf_counter() - t0
     per_call = {}
