@@ -141,7 +141,10 @@ class Option:
             try:
                 value = int(text) if self.kind == "int" else float(text)
             except ValueError:
-                raise LingOptionError(f"{self.name}={raw!r} is not {'an integer' if self.kind == 'int' else 'a number'}") from None
+                value = None
+            if value is None or value != value or value in (float("inf"), float("-inf")):
+                kind = "an integer" if self.kind == "int" else "a finite number"
+                raise LingOptionError(f"{self.name}={raw!r} is not {kind}")
             self._check_range(value)
             return value
         if self.kind == "int_list":
@@ -217,7 +220,7 @@ OPTIONS: tuple[Option, ...] = (
            "drafts in the windowed accept length behind the collapse guard", minimum=1),
     Option("VLLM_LING_ACCEPT_BREAK_EVEN", "float", 2.26,
            "accept length below which the guard reports a collapse (the study's verify cost "
-           "in decode steps at batch 1)", minimum=0.0),
+           "in decode steps at batch 1)", minimum=1.0),
     # ---- vllm-ling serve / warmup only
     Option("VLLM_LING_MODEL", "str", "/models/Ling-3.0-flash-fp4",
            "checkpoint directory or HF id (the MODEL argument wins)", scope=_L),
@@ -293,8 +296,22 @@ def known_env_vars() -> set[str]:
 
 def closest_known(name: str) -> str | None:
     """The declared variable a misspelt ``name`` most likely meant."""
-    match = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.6)
-    return match[0] if match else None
+    # compare what follows the shared prefix, or every name would look alike
+    shorts = {o.short.upper(): o.name for o in OPTIONS}
+    match = difflib.get_close_matches(name.removeprefix(PREFIX), list(shorts), n=1, cutoff=0.7)
+    return shorts[match[0]] if match else None
+
+
+def markdown_table() -> str:
+    """The README's switch table (tests/test_options.py keeps the README equal to this)."""
+    lines = ["| variable | default | read by | meaning |", "|---|---|---|---|"]
+    for o in OPTIONS:
+        if o.scope is Scope.TEST:
+            continue
+        where = "vLLM processes" if o.scope is Scope.PLUGIN else "`vllm-ling serve`/`warmup`"
+        flag = f" (`{o.flag}`)" if o.serve_flag else ""
+        lines.append(f"| `{o.name}`{flag} | `{o.shown_default()}` | {where} | {o.help} |")
+    return "\n".join(lines)
 
 
 def plugin_options() -> tuple[Option, ...]:

@@ -16,51 +16,25 @@ Plain Python: unit-tested without a server.
 from __future__ import annotations
 
 import logging
-import math
-import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 from vllm_ling.log import get_logger
+from vllm_ling.options import read
 
 logger = get_logger("metrics")
 
 ENV_ACCEPT_WINDOW = "VLLM_LING_ACCEPT_WINDOW"
 ENV_BREAK_EVEN = "VLLM_LING_ACCEPT_BREAK_EVEN"
-DEFAULT_ACCEPT_WINDOW = 256
-# The study's verify cost at batch 1 in units of one normal decode step (BRIEF).
-DEFAULT_BREAK_EVEN = 2.26
 
 
 def accept_window_from_env() -> int:
-    raw = os.environ.get(ENV_ACCEPT_WINDOW)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_ACCEPT_WINDOW
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{ENV_ACCEPT_WINDOW}={raw!r} is not a positive whole number of drafts; "
-                         f"unset it for the default {DEFAULT_ACCEPT_WINDOW}.")
-    return value
+    return read(ENV_ACCEPT_WINDOW)
 
 
 def break_even_from_env() -> float:
-    raw = os.environ.get(ENV_BREAK_EVEN)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_BREAK_EVEN
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{ENV_BREAK_EVEN}={raw!r} is not a positive accept length; unset it "
-                         f"for the default {DEFAULT_BREAK_EVEN} (MTP verify cost in decode steps).")
-    return value
-
-
+    return float(read(ENV_BREAK_EVEN))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import threading
 from typing import Any, Callable
 
 from vllm_ling.log import get_logger
+from vllm_ling.options import read
 
 logger = get_logger("metrics")
 
@@ -144,7 +145,7 @@ class ReportReader:
 
     @property
     def path(self) -> str | None:
-        return self._fixed_path or os.environ.get(ENV_REPORT_PATH) or None
+        return self._fixed_path or read(ENV_REPORT_PATH) or None
 
     def _warn_once(self, key: tuple, msg: str, *args) -> None:
         if key not in self._warned:

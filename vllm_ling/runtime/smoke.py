@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import urllib.request
 
+from vllm_ling.options import option
 from vllm_ling.runtime.report import update_report
 
 SMOKE_PROMPT = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold "
                 "half as many clips in May. How many clips did Natalia sell altogether?\nAnswer:")
 SMOKE_TOKENS = 64
-DEFAULT_MIN_ACCEPT = 1.5
-ENV_MIN_ACCEPT = "VLLM_LING_SMOKE_MIN_ACCEPT"
 
 
 class SmokeError(RuntimeError):
@@ -42,16 +40,6 @@ class SmokeResult:
                 "drafts": self.drafts}
 
 
-def min_accept_from_env(env=os.environ) -> float:
-    raw = env.get(ENV_MIN_ACCEPT, "")
-    if raw == "":
-        return DEFAULT_MIN_ACCEPT
-    try:
-        return float(raw)
-    except ValueError:
-        raise SmokeError(f"{ENV_MIN_ACCEPT}={raw!r} is not a number") from None
-
-
 def _get(url: str, headers: dict, timeout: float = 30) -> str:
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
         return r.read().decode()
@@ -68,7 +56,7 @@ def spec_counters(base_url: str, headers: dict | None = None) -> tuple[float, fl
 
 
 def run_smoke(base_url: str, model: str, api_key: str | None = None,
-              threshold: float = DEFAULT_MIN_ACCEPT, timeout: float = 600) -> SmokeResult:
+              threshold: float = option("VLLM_LING_SMOKE_MIN_ACCEPT").default, timeout: float = 600) -> SmokeResult:
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import torch
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import LingOptions
+from vllm_ling.options import LingOptions, read
 from vllm_ling.runtime.report import write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
@@ -303,7 +302,7 @@ def _is_reporting_rank() -> bool:
 
 def apply_negative_control(target, draft) -> None:
     """VLLM_LING_NEGATIVE_CONTROL=weight_only_head: rebuild the upstream trap on purpose."""
-    mode = os.environ.get("VLLM_LING_NEGATIVE_CONTROL", "")
+    mode = read("VLLM_LING_NEGATIVE_CONTROL") or ""
     if not mode:
         return
     if mode != "weight_only_head":
