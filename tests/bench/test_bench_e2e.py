@@ -198,7 +198,7 @@ def test_run_benchmark_rejects_unknown_workload():
 def test_bench_and_plan_import_neither_vllm_nor_torch():
     code = ("import sys; from vllm_ling.cli.main import main; "
             "import vllm_ling.bench, vllm_ling.bench.ablation, vllm_ling.bench.compare, "
-            "vllm_ling.bench.report, vllm_ling.bench.standin; "
+            "vllm_ling.bench.results_files, vllm_ling.bench.standin; "
             "assert main(['plan', '--no-study']) == 0; "
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from vllm_ling.bench import metrics
+from vllm_ling.bench import scrape as metrics
 from vllm_ling.bench.stats import bootstrap_delta, mcnemar_exact, mcnemar_exact_counts, summarize
 
 

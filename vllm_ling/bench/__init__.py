@@ -75,7 +75,7 @@ def _run_main(argv: list[str]) -> int:
     _add_workload_args(p)
     args = p.parse_args(argv)
     from vllm_ling.bench.client import ServerError  # noqa: PLC0415
-    from vllm_ling.bench.report import markdown  # noqa: PLC0415
+    from vllm_ling.bench.results_files import markdown  # noqa: PLC0415
 
     try:
         results = run_benchmark(_bench_config(args, base_url=args.base_url, api_key=args.api_key,

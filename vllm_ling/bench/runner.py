@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from vllm_ling.log import get_logger
-from vllm_ling.bench import gsm8k, metrics, workloads
+from vllm_ling.bench import gsm8k, scrape, workloads
 from vllm_ling.bench.client import (
     RequestResult,
     ServerError,
@@ -107,7 +107,7 @@ async def _scrape(session: aiohttp.ClientSession, base_url: str, api_key: str | 
                                timeout=aiohttp.ClientTimeout(total=30)) as resp:
             if resp.status != 200:
                 return None, f"GET {base_url}/metrics: HTTP {resp.status}"
-            return metrics.spec_counters(await resp.text()), None
+            return scrape.spec_counters(await resp.text()), None
     except aiohttp.ClientError as exc:
         return None, f"GET {base_url}/metrics: {exc}"
 
@@ -193,7 +193,7 @@ def summarize_run(cfg: BenchConfig, requests: list[workloads.BenchRequest], run:
         }
     spec = None
     if run["spec_after"] is not None and run["spec_before"] is not None:
-        spec = metrics.spec_decode_delta(run["spec_before"], run["spec_after"])
+        spec = scrape.spec_decode_delta(run["spec_before"], run["spec_after"])
     if run["metrics_error"]:
         warnings.append(f"no speculative-decoding metrics: {run['metrics_error']}")
     for w in warnings:
@@ -244,7 +244,7 @@ def run_benchmark(config: BenchConfig | None = None, **overrides: Any) -> dict[s
     run = asyncio.run(_run(cfg, requests))
     results = summarize_run(cfg, requests, run)
     if cfg.out_dir:
-        from vllm_ling.bench import report  # noqa: PLC0415
+        from vllm_ling.bench import results_files  # noqa: PLC0415
 
-        results["files"] = report.write_all(results, cfg.out_dir, plots=cfg.plots)
+        results["files"] = results_files.write_all(results, cfg.out_dir, plots=cfg.plots)
     return results

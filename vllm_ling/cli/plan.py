@@ -44,7 +44,7 @@ def _study_comparison(result: dict[str, Any]) -> list[str]:
     lines.append(
         "  Humming vs FlashInfer MoE reads the same bytes, so the model predicts no change; the "
         f"measured {s['baseline_tpot_ms'] / s['humming_tpot_ms'] - 1:+.1%} tok/s is kernel efficiency: "
-        "a batch-1 MoE layer is latency-bound (25 MB in 29 us on an H200, 20% of bandwidth).")
+        "a batch-1 MoE layer is latency-bound (H200 measurements: benchmarks/results/moe_h200.md).")
     m = h["fp8"]["mtp"]
     pred = mtp_speedup(s["mtp_accept_length"], m["verify_cost_ratio"], m["draft_cost_ratio"])
     meas_speedup = s["fp8_head_tpot_ms"] / s["mtp_tpot_ms"]

@@ -27,7 +27,7 @@ DEVICE_BANDWIDTH_GBS: dict[str, tuple[float, str]] = {
     "b200": (8000.0, "NVIDIA B200 (HBM3e)"),
 }
 
-# The study's DGX Spark measurements (batch 1, 32K in / 2K out, greedy; see docs/BRIEF.md).
+# NVIDIA's published DGX Spark study of Ling-3.0-flash (October 2026; batch 1, 32K in / 2K out, greedy).
 # Used only to print "model vs measurement" next to the prediction, never to fit anything.
 STUDY_SPARK = {
     "context": 32768,

@@ -70,6 +70,9 @@ class LingConfigHook:
         model_config = vllm_config.model_config
         if not is_ling_target(model_config):
             return
+        validate = getattr(model_config.hf_config, "validate_ling_fields", None)
+        if validate is not None:  # our config class: a wrong field fails here, before any weight loads
+            validate(f"{model_config.model}/config.json")
         options = LingOptions.from_env()
         check_head_conflicts(options, model_config.hf_config)
         cache = vllm_config.cache_config
