@@ -31,7 +31,7 @@ class LingOptionError(ValueError):
     """A malformed ``VLLM_LING_*`` value; the message names the variable."""
 
 
-class _Choice(str, enum.Enum):
+class Choice(str, enum.Enum):
     """A choice that prints, formats and serialises as its value."""
 
     def __str__(self) -> str:
@@ -41,31 +41,39 @@ class _Choice(str, enum.Enum):
         return format(self.value, spec)
 
 
-class MoeBackend(_Choice):
+class MoeBackend(Choice):
     HUMMING = "humming"  # our Humming MXFP4 method (plain-PyTorch reference on CPU)
     VLLM = "vllm"        # opt out: vLLM picks its own MXFP4 MoE backend
 
 
-class MoeDecode(_Choice):
+class MoePath(Choice):
+    """What serves a Ling routed-expert layer (the report's ``moe_backend``): not an option."""
+
+    HUMMING = "humming"
+    REFERENCE = "reference"  # plain PyTorch, CPU platform only
+    VLLM = "vllm"            # opted out: vLLM's own MXFP4 backend
+
+
+class MoeDecode(Choice):
     AUTO = "auto"  # fused decode kernels on humming's own weights where they run
     COPY = "copy"  # fused decode kernels on a second, GEMV-packed copy of the experts
     OFF = "off"    # humming's GEMM for every batch
 
 
-class VerifyPolicy(_Choice):
+class VerifyPolicy(Choice):
     STRICT = "strict"  # refuse to serve on a failed check
     WARN = "warn"      # log and serve
     OFF = "off"        # skip the checks
 
 
-class HeadKernel(_Choice):
+class HeadKernel(Choice):
     HUMMING = "humming"
     TRITON = "triton"
     SCALED_MM = "scaled_mm"
     TORCH = "torch"
 
 
-class Scope(_Choice):
+class Scope(Choice):
     PLUGIN = "plugin"
     LAUNCHER = "launcher"
     TEST = "test"

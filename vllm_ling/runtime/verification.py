@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import LingOptions, read
+from vllm_ling.options import LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy, read
 from vllm_ling.runtime.report import write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
@@ -57,7 +57,7 @@ class Expectations:
     """What the checks expect, from the options, the platform and the vLLM config."""
 
     platform: str  # "cpu" | "cuda"
-    moe_backend: str  # "humming" | "reference" | "vllm" (opted out)
+    moe_backend: MoePath
     fp8_head: bool
     spec_method: str | None
     num_speculative_tokens: int
@@ -68,9 +68,9 @@ class Expectations:
         from vllm.platforms import current_platform
 
         platform = "cpu" if current_platform.is_cpu() else "cuda"
-        moe_opt_out = options.moe_backend == "vllm" or (
-            getattr(vllm_config.kernel_config, "moe_backend", "auto") not in ("auto", "humming"))
-        moe = "vllm" if moe_opt_out else ("reference" if platform == "cpu" else "humming")
+        moe_opt_out = options.moe_backend is MoeBackend.VLLM or (
+            getattr(vllm_config.kernel_config, "moe_backend", "auto") not in ("auto", MoePath.HUMMING))
+        moe = MoePath.VLLM if moe_opt_out else (MoePath.REFERENCE if platform == "cpu" else MoePath.HUMMING)
         spec = vllm_config.speculative_config
         from vllm_ling.runtime.spec_policy import default_applied
 
@@ -112,8 +112,8 @@ def check_moe_layers(target, draft, exp: Expectations, config) -> Check:
         qm = layer.quant_method
         backend = qm.backend if isinstance(qm, LingMxfp4MoEMethod) else f"vllm:{type(qm).__name__}"
         backends[backend] = backends.get(backend, 0) + 1
-        if (exp.moe_backend == "vllm") != backend.startswith("vllm:") or (
-                exp.moe_backend != "vllm" and backend != exp.moe_backend):
+        if (exp.moe_backend is MoePath.VLLM) != backend.startswith("vllm:") or (
+                exp.moe_backend is not MoePath.VLLM and backend != exp.moe_backend):
             wrong.append(name)
     expected_count = moe_layers + nextn
     actual = ", ".join(f"{v} x {k}" for k, v in sorted(backends.items())) or "no routed-expert layers"
@@ -230,10 +230,10 @@ def build_report(target, draft, vllm_config, options: LingOptions,
               check_head(target, exp), check_draft_sharing(target, draft, exp),
               check_speculative(exp, options), check_versions(exp)]
     by_name = {c.name: c for c in checks}
-    moe_active = exp.moe_backend != "vllm" and by_name["moe_layers"].passed
+    moe_active = exp.moe_backend is not MoePath.VLLM and by_name["moe_layers"].passed
     head_active = exp.fp8_head and by_name["lm_head"].passed
     mtp_active = exp.spec_method == "mtp" and by_name["draft_shares_target_modules"].passed
-    decode_requested = exp.moe_backend == "humming" and options.moe_decode != "off"
+    decode_requested = exp.moe_backend is MoePath.HUMMING and options.moe_decode is not MoeDecode.OFF
     decode_active, decode_detail = moe_decode_summary(target, draft)
     return {
         "passed": all(c.passed for c in checks),
@@ -243,13 +243,13 @@ def build_report(target, draft, vllm_config, options: LingOptions,
         "versions": {"vllm": vllm_version() or "unknown", "humming": humming_version()},
         "optimizations": {
             # Humming is requested only where it can exist (CUDA) and the user did not opt out.
-            "moe_humming": {"requested": exp.moe_backend == "humming",
-                            "active": moe_active and exp.moe_backend == "humming",
-                            "detail": by_name["moe_layers"].actual if exp.moe_backend != "vllm"
+            "moe_humming": {"requested": exp.moe_backend is MoePath.HUMMING,
+                            "active": moe_active and exp.moe_backend is MoePath.HUMMING,
+                            "detail": by_name["moe_layers"].actual if exp.moe_backend is not MoePath.VLLM
                             else "opted out (VLLM_LING_MOE_BACKEND=vllm or --moe-backend): vLLM chooses"},
             # Sub-path of moe_humming: fused kernels for batches <= VLLM_LING_MOE_DECODE_MAX_TOKENS.
             "moe_decode_kernels": {"requested": decode_requested, "active": decode_requested and decode_active,
-                                   "detail": decode_detail if exp.moe_backend == "humming"
+                                   "detail": decode_detail if exp.moe_backend is MoePath.HUMMING
                                    else "needs the humming MoE backend on CUDA"},
             "fp8_head": {"requested": options.fp8_head, "active": head_active,
                          "detail": by_name["lm_head"].actual},
@@ -323,10 +323,10 @@ def apply_negative_control(target, draft) -> None:
 
 def enforce_policy(report: dict[str, Any], policy: str) -> None:
     """strict: raise naming every failed check and its fix; warn: one WARNING per check."""
-    if report["passed"] or policy == "off":
+    if report["passed"] or policy == VerifyPolicy.OFF:
         return
     failed = [c for c in report["checks"] if not c["passed"]]
-    if policy == "strict":
+    if policy == VerifyPolicy.STRICT:
         message = "; ".join(f"{c['name']}: expected {c['expected']}, got {c['actual']}. Fix: {c['fix']}"
                             for c in failed)
         raise LingVerificationError(
@@ -351,7 +351,7 @@ def verify_once(target, vllm_config, runner: str | None = None) -> dict[str, Any
     options = LingOptions.from_env()
     draft = loaded.get("draft") if vllm_config.speculative_config is not None else None
     apply_negative_control(target, draft)
-    if options.verify == "off":
+    if options.verify is VerifyPolicy.OFF:
         log_once(logger, logging.WARNING, "verify-off",
                  "Startup verification is OFF (VLLM_LING_VERIFY=off): optimizations are not checked.")
         return None
