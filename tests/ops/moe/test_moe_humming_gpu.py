@@ -20,16 +20,15 @@ Every case also requires finite outputs and that the clamp test's clamp changes 
 import pytest
 import torch
 
-from vllm_ling.ops import moe
-
-import moe_cases  # tests/ops/moe_cases.py
+import moe_cases  # tests/ops/moe/moe_cases.py
 from moe_cases import no_tf32, weights  # noqa: F401  (fixtures)
+from vllm_ling.ops.moe import activation, humming, reference, routing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-_ok, _reason = moe.humming_status()
+_ok, _reason = humming.humming_status()
 if not _ok:
     pytest.skip(f"humming cannot run here: {_reason}", allow_module_level=True)
 
@@ -42,15 +41,15 @@ DEV = torch.device("cuda")
 
 @pytest.fixture(scope="module")
 def w4a16(weights):
-    return moe.HummingMxfp4Experts(**weights)
+    return humming.HummingMxfp4Experts(**weights)
 
 
 @pytest.fixture(scope="module")
 def w4a8(weights):
-    ok, reason = moe.humming_status(w4a8=True)
+    ok, reason = humming.humming_status(w4a8=True)
     if not ok:
         pytest.skip(reason)
-    return moe.HummingMxfp4Experts(**weights, w4a8=True)
+    return humming.HummingMxfp4Experts(**weights, w4a8=True)
 
 
 def _routing(kind: str, T: int, seed: int):
@@ -66,8 +65,8 @@ def _rel(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def _ref(weights, x, w, ids, limit=None, fp8=False, clamp=moe.ROUTED_EXPERT_CLAMP):
-    return moe.experts_reference(x, weights["w13_weight"], weights["w2_weight"], w, ids, limit,
+def _ref(weights, x, w, ids, limit=None, fp8=False, clamp=activation.ROUTED_EXPERT_CLAMP):
+    return reference.experts_reference(x, weights["w13_weight"], weights["w2_weight"], w, ids, limit,
                                  w13_scale=weights["w13_weight_scale"],
                                  w2_scale=weights["w2_weight_scale"], clamp=clamp,
                                  fp8_activations=fp8)
@@ -98,12 +97,12 @@ def test_w4a8_matches_reference(weights, w4a8, kind, T):
     assert rel_fp32 < TOL_W4A8_FP32, f"{kind} T={T}: rel err vs fp32 ref {rel_fp32:.2e}"
 
 
-@pytest.mark.parametrize("clamp", [moe.CLAMP_GATE_INPUT, moe.CLAMP_GATE_OUTPUT])
+@pytest.mark.parametrize("clamp", [activation.CLAMP_GATE_INPUT, activation.CLAMP_GATE_OUTPUT])
 def test_clamp_is_honoured(weights, w4a16, clamp):
     limit = 4.0
     experts = w4a16
     if clamp != w4a16.clamp:
-        experts = moe.HummingMxfp4Experts(**weights, clamp=clamp)
+        experts = humming.HummingMxfp4Experts(**weights, clamp=clamp)
     w, ids = _routing("random", 16, seed=7)
     x = _x(16, seed=8, scale=8.0)  # gate/up values well beyond the limit
     ref = _ref(weights, x, w, ids, limit, clamp=clamp)
@@ -121,8 +120,8 @@ def test_clamp_is_honoured(weights, w4a16, clamp):
 def test_triton_routing_metadata_equals_torch(kind, T):
     _, ids = _routing(kind, T, seed=T + 3)
     for block in (8, 16, 32, 64):
-        a = moe.moe_align_block_size_triton(ids, block, E)
-        b = moe.moe_align_block_size_torch(ids, block, E)
+        a = routing.moe_align_block_size_triton(ids, block, E)
+        b = routing.moe_align_block_size_torch(ids, block, E)
         used = int(b[2].item())
         assert int(a[2].item()) == used
         assert torch.equal(a[0][:used], b[0][:used])
@@ -158,7 +157,7 @@ def test_cuda_graph_replay_matches_eager(weights, w4a16):
 
 def test_w4a8_refused_below_sm89():
     major, minor = torch.cuda.get_device_capability()
-    ok, reason = moe.humming_status(w4a8=True)
+    ok, reason = humming.humming_status(w4a8=True)
     assert ok == ((major, minor) >= (8, 9))
     if not ok:
         assert "sm_89" in reason
@@ -170,7 +169,7 @@ def test_triton_weighted_sum_equals_fp32_sum(T):
     down = torch.randn(T * TOP_K, H, device=DEV, generator=g).to(torch.bfloat16)
     w = torch.rand(T, TOP_K, device=DEV, generator=g)
     ref = (down.float().view(T, TOP_K, H) * w.unsqueeze(-1)).sum(1)
-    got = moe.weighted_topk_sum(down, w, "triton")
+    got = routing.weighted_topk_sum(down, w, "triton")
     assert got.dtype == torch.bfloat16
     assert _rel(got, ref) < 4e-3  # only the final BF16 rounding
-    assert _rel(moe.weighted_topk_sum(down, w, "torch"), ref) < 1e-2  # BF16 weights too
+    assert _rel(routing.weighted_topk_sum(down, w, "torch"), ref) < 1e-2  # BF16 weights too

@@ -1,8 +1,12 @@
-"""Routings, hidden states and fixtures shared by the GPU MoE tests (humming GEMM and decode
-kernels). Test modules import the fixtures by name (``from moe_cases import no_tf32, weights``):
-a tests/ops/conftest.py would shadow the top-level ``conftest`` other tests import from."""
+"""Routings, hidden states, fixtures and the brute-force router shared by the MoE tests
+(reference, routing, humming GEMM and decode kernels). Test modules import the fixtures by
+name (``from moe_cases import no_tf32, weights``): a conftest.py here would shadow the
+top-level ``conftest`` other tests import from."""
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import pytest
 import torch
@@ -48,6 +52,29 @@ def no_tf32():
 @pytest.fixture(scope="module")
 def weights():
     """Random MXFP4 routed experts at Ling shapes in vLLM's layout, on the GPU."""
-    from vllm_ling.ops import moe
+    from vllm_ling.ops.moe.warmup import random_mxfp4_experts
 
-    return moe.random_mxfp4_experts(LING_E, LING_H, LING_I, device=torch.device("cuda"), seed=1234)
+    return random_mxfp4_experts(LING_E, LING_H, LING_I, device=torch.device("cuda"), seed=1234)
+
+
+def brute_force_route(logits_row, bias_row, top_k, n_group, topk_group, rsf, renorm=True):
+    """Enumerate every set of topk_group groups; keep the one with the largest total group
+    score (group score = sum of its two largest biased scores), then the top_k biased
+    experts inside; weights are the unbiased sigmoid scores."""
+    E = len(logits_row)
+    per = E // n_group
+    score = [1.0 / (1.0 + math.exp(-v)) for v in logits_row]
+    biased = [s + b for s, b in zip(score, bias_row)]
+    group_score = []
+    for g in range(n_group):
+        members = sorted(biased[g * per:(g + 1) * per], reverse=True)
+        group_score.append(sum(members[:2]))
+    best = max(itertools.combinations(range(n_group), topk_group),
+               key=lambda groups: sum(group_score[g] for g in groups))
+    candidates = [e for g in best for e in range(g * per, (g + 1) * per)]
+    chosen = sorted(candidates, key=lambda e: biased[e], reverse=True)[:top_k]
+    weights = [score[e] for e in chosen]
+    if renorm:
+        total = sum(weights)
+        weights = [w / total for w in weights]
+    return {e: w * rsf for e, w in zip(chosen, weights)}

@@ -23,11 +23,20 @@ Tolerances and why:
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
-from vllm_ling.ops import lm_head as L
+from vllm_ling.ops.lm_head.head import Fp8LmHead, fp8_head_logits, prepare_fp8_head
+from vllm_ling.ops.lm_head.quantize import (dequantize_fp8_per_channel, quantize_fp8_per_channel,
+                                           quantize_fp8_per_token, round_up_to_bf16)
+from vllm_ling.ops.lm_head.reference import fp8_reference_logits, reference_logits
+from vllm_ling.ops.lm_head.selection import HEAD_KERNEL_BY_ARCH, KERNELS, KERNEL_ENV, select_head_kernel
+from vllm_ling.ops.lm_head.triton_kernel import triton_config_for
 
+REPO = Path(__file__).resolve().parents[3]
 H = 2560
 E4M3_REL = 2.0**-4
 E4M3_SUBNORMAL_ABS = 2.0**-10
@@ -63,7 +72,7 @@ def realistic_hidden(weight: torch.Tensor, rows: int, seed: int = 1) -> tuple[to
 def logit_bound(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Per-element worst-case |fp8 logits - fp32 logits| from the per-weight bound."""
     ax = x.float().abs()
-    mag = L.reference_logits(ax, w.float().abs())
+    mag = reference_logits(ax, w.float().abs())
     return E4M3_REL * mag * (1 + 1e-5) + E4M3_SUBNORMAL_ABS * scale[None, :] * ax.sum(dim=1, keepdim=True)
 
 
@@ -74,7 +83,7 @@ def test_round_up_to_bf16_is_the_smallest_bf16_not_below():
     g = torch.Generator().manual_seed(3)
     x = torch.exp(torch.randn(10000, generator=g) * 20).float()  # wide range of magnitudes
     x = torch.cat([x, torch.tensor([1.0, 2.0**-130, 3.0e38, 1.5])])  # exact, subnormal, huge
-    up = L._round_up_to_bf16(x)
+    up = round_up_to_bf16(x)
     assert torch.equal(up.to(torch.bfloat16).float(), up), "result must be bf16-representable"
     assert (up >= x).all()
     # The next bf16 value below `up` must be below x (so `up` is the smallest such value).
@@ -99,16 +108,16 @@ def test_quantization_is_exact_on_representable_values(dtype):
         s_true = (torch.rand(rows, generator=g) * 1e-3 + 1e-4).to(torch.bfloat16).float()
     w = (q_true * s_true[:, None]).to(dtype)
     assert torch.equal(w.float(), q_true * s_true[:, None]), "test data must be exact"
-    q, s = L.quantize_fp8_per_channel(w)
+    q, s = quantize_fp8_per_channel(w)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
     assert torch.equal(s, s_true)
     assert torch.equal(q.float(), q_true)
-    assert torch.equal(L.dequantize_fp8_per_channel(q, s), w.float())
+    assert torch.equal(dequantize_fp8_per_channel(q, s), w.float())
 
 
 def test_scale_rule_on_random_rows():
     w = realistic_head(512, seed=5)
-    q, s = L.quantize_fp8_per_channel(w)
+    q, s = quantize_fp8_per_channel(w)
     amax = w.float().abs().amax(dim=1)
     assert torch.equal(s.to(torch.bfloat16).float(), s), "scales must be bf16-representable"
     assert (s >= amax / 448).all()
@@ -122,13 +131,13 @@ def test_zero_and_tiny_rows_are_finite():
     w = realistic_head(64, seed=6, zero_rows=(0, 17, 63)).float()
     w[5] = 0.0
     w[5, 3] = 1e-40  # subnormal in fp32 and bf16
-    q, s = L.quantize_fp8_per_channel(w.to(torch.bfloat16))
+    q, s = quantize_fp8_per_channel(w.to(torch.bfloat16))
     for r in (0, 17, 63):
         assert s[r] == 1.0
         assert torch.equal(q[r].float(), torch.zeros(w.shape[1]))
     assert torch.isfinite(s).all() and (s > 0).all()
     assert torch.isfinite(q.float()).all()
-    deq = L.dequantize_fp8_per_channel(q, s)
+    deq = dequantize_fp8_per_channel(q, s)
     assert torch.isfinite(deq).all()
 
 
@@ -136,23 +145,23 @@ def test_nan_weight_is_rejected_with_its_row():
     w = realistic_head(32, seed=7)
     w[20, 5] = float("nan")
     with pytest.raises(ValueError, match="row 20"):
-        L.quantize_fp8_per_channel(w, chunk_rows=8)
+        quantize_fp8_per_channel(w, chunk_rows=8)
 
 
 def test_bad_shapes_and_dtypes_are_rejected():
     with pytest.raises(ValueError, match="2-D"):
-        L.quantize_fp8_per_channel(torch.zeros(3, 4, 5))
+        quantize_fp8_per_channel(torch.zeros(3, 4, 5))
     with pytest.raises(ValueError, match="bf16/fp16/fp32"):
-        L.quantize_fp8_per_channel(torch.zeros(3, 4, dtype=torch.int32))
-    q, s = L.quantize_fp8_per_channel(torch.ones(4, 8))
+        quantize_fp8_per_channel(torch.zeros(3, 4, dtype=torch.int32))
+    q, s = quantize_fp8_per_channel(torch.ones(4, 8))
     with pytest.raises(ValueError, match="one scale per vocabulary row"):
-        L.dequantize_fp8_per_channel(q, s[:3])
+        dequantize_fp8_per_channel(q, s[:3])
 
 
 def test_fp32_input_is_not_modified():
     w = realistic_head(40, seed=8).float()
     before = w.clone()
-    L.quantize_fp8_per_channel(w, chunk_rows=16)
+    quantize_fp8_per_channel(w, chunk_rows=16)
     assert torch.equal(w, before)
 
 
@@ -161,9 +170,9 @@ def test_fp32_input_is_not_modified():
 
 def test_round_trip_error_bound_relative_to_value_and_row_amax():
     w = realistic_head(2048, seed=9, zero_rows=(7,))
-    q, s = L.quantize_fp8_per_channel(w, chunk_rows=500)  # chunk boundaries inside the head
+    q, s = quantize_fp8_per_channel(w, chunk_rows=500)  # chunk boundaries inside the head
     w32 = w.float()
-    err = (L.dequantize_fp8_per_channel(q, s) - w32).abs()
+    err = (dequantize_fp8_per_channel(q, s) - w32).abs()
     bound = E4M3_REL * w32.abs() + E4M3_SUBNORMAL_ABS * s[:, None]
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item()}"
     amax = w32.abs().amax(dim=1, keepdim=True)
@@ -177,8 +186,8 @@ def test_round_trip_error_bound_relative_to_value_and_row_amax():
 
 def test_chunked_quantization_equals_single_chunk():
     w = realistic_head(1000, seed=10)
-    q1, s1 = L.quantize_fp8_per_channel(w, chunk_rows=10_000)
-    q2, s2 = L.quantize_fp8_per_channel(w, chunk_rows=77)
+    q1, s1 = quantize_fp8_per_channel(w, chunk_rows=10_000)
+    q2, s2 = quantize_fp8_per_channel(w, chunk_rows=77)
     assert torch.equal(s1, s2)
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
 
@@ -189,35 +198,35 @@ def test_chunked_quantization_equals_single_chunk():
 @pytest.fixture(scope="module")
 def head():
     w = realistic_head(6000, seed=11, zero_rows=(5990, 5995, 5999))  # padded tail rows
-    q, s = L.quantize_fp8_per_channel(w)
+    q, s = quantize_fp8_per_channel(w)
     x, targets = realistic_hidden(w, 48, seed=12)
-    return dict(w=w, q=q, s=s, x=x, targets=targets, ref=L.reference_logits(x, w))
+    return dict(w=w, q=q, s=s, x=x, targets=targets, ref=reference_logits(x, w))
 
 
 def test_reference_logits_matches_float64(head):
     x, w = head["x"], head["w"]
     exact = x.double() @ w.double().t()
-    got = L.reference_logits(x, w, chunk_rows=1001)
+    got = reference_logits(x, w, chunk_rows=1001)
     scale = (x.double().abs() @ w.double().abs().t())
     assert got.dtype == torch.float32
     assert ((got.double() - exact).abs() <= 1e-5 * scale + 1e-30).all()
 
 
 def test_cpu_path_matches_dequantized_float64(head):
-    state = L.prepare_fp8_head(head["q"], head["s"], "torch", out_dtype=torch.float32)
-    got = L.fp8_head_logits(head["x"], state)
+    state = prepare_fp8_head(head["q"], head["s"], "torch", out_dtype=torch.float32)
+    got = fp8_head_logits(head["x"], state)
     w_deq = head["q"].double() * head["s"].double()[:, None]
     exact = head["x"].double() @ w_deq.t()
     scale = head["x"].double().abs() @ w_deq.abs().t()
     assert got.dtype == torch.float32 and got.shape == exact.shape
     assert ((got.double() - exact).abs() <= 1e-5 * scale + 1e-30).all()
-    chunked = L.fp8_reference_logits(head["x"], head["q"], head["s"], chunk_rows=999)
+    chunked = fp8_reference_logits(head["x"], head["q"], head["s"], chunk_rows=999)
     assert torch.allclose(chunked, got, rtol=0, atol=1e-5 * scale.max().item())
 
 
 def test_fp8_logits_within_worst_case_bound_of_fp32(head):
-    state = L.prepare_fp8_head(head["q"], head["s"], "torch", out_dtype=torch.float32)
-    got = L.fp8_head_logits(head["x"], state)
+    state = prepare_fp8_head(head["q"], head["s"], "torch", out_dtype=torch.float32)
+    got = fp8_head_logits(head["x"], state)
     ref = head["ref"]
     bound = logit_bound(head["x"], head["w"], head["s"])
     err = (got - ref).abs()
@@ -229,8 +238,8 @@ def test_fp8_logits_within_worst_case_bound_of_fp32(head):
 
 
 def test_fp8_argmax_and_top5_agree_where_the_margin_allows(head):
-    state = L.prepare_fp8_head(head["q"], head["s"], "torch", out_dtype=torch.float32)
-    got = L.fp8_head_logits(head["x"], state)
+    state = prepare_fp8_head(head["q"], head["s"], "torch", out_dtype=torch.float32)
+    got = fp8_head_logits(head["x"], state)
     ref = head["ref"]
     bound = logit_bound(head["x"], head["w"], head["s"])
     rows = torch.arange(ref.shape[0])
@@ -255,60 +264,61 @@ def test_fp8_argmax_and_top5_agree_where_the_margin_allows(head):
 
 
 def test_bf16_output_and_shapes(head):
-    state = L.prepare_fp8_head(head["q"], head["s"], "torch")
+    state = prepare_fp8_head(head["q"], head["s"], "torch")
     assert state.out_dtype == torch.bfloat16
     x3 = head["x"][:6].reshape(2, 3, H)
-    got = L.fp8_head_logits(x3, state)
+    got = fp8_head_logits(x3, state)
     assert got.shape == (2, 3, head["q"].shape[0]) and got.dtype == torch.bfloat16
-    exact = L.fp8_reference_logits(head["x"][:6], head["q"], head["s"]).reshape(2, 3, -1)
+    exact = fp8_reference_logits(head["x"][:6], head["q"], head["s"]).reshape(2, 3, -1)
     # bf16 output rounding: at most half a bf16 step (8 significant bits), 2**-8 relative.
     assert ((got.float() - exact).abs() <= 2.0**-8 * exact.abs() + 1e-30).all()
-    empty = L.fp8_head_logits(head["x"][:0], state)
+    empty = fp8_head_logits(head["x"][:0], state)
     assert empty.shape == (0, head["q"].shape[0])
     out = torch.empty(6, head["q"].shape[0], dtype=torch.bfloat16)
-    assert L.fp8_head_logits(head["x"][:6], state, out=out).data_ptr() == out.data_ptr()
+    assert fp8_head_logits(head["x"][:6], state, out=out).data_ptr() == out.data_ptr()
     with pytest.raises(ValueError, match="hidden size"):
-        L.fp8_head_logits(torch.zeros(1, H + 1), state)
+        fp8_head_logits(torch.zeros(1, H + 1), state)
 
 
 def test_fp8_lm_head_wrapper_from_bf16(head):
     small = head["w"][:300]
-    lm_head = L.Fp8LmHead.from_bf16(small, kernel="torch", out_dtype=torch.float32)
+    lm_head = Fp8LmHead.from_bf16(small, kernel="torch", out_dtype=torch.float32)
     got = lm_head(head["x"][:4])
-    q, s = L.quantize_fp8_per_channel(small)
-    assert torch.equal(got, L.fp8_reference_logits(head["x"][:4], q, s))
+    q, s = quantize_fp8_per_channel(small)
+    assert torch.equal(got, fp8_reference_logits(head["x"][:4], q, s))
 
 
 # ---------------------------------------------------------------------------------- selection
 
 
 def test_select_head_kernel_on_cpu_names_the_reason(monkeypatch):
-    monkeypatch.delenv(L.KERNEL_ENV, raising=False)
-    name, reason = L.select_head_kernel("cpu")
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    name, reason = select_head_kernel("cpu")
     assert name == "torch"
     assert "no CUDA device" in reason
 
 
 def test_forced_kernel_that_cannot_run_is_an_error(monkeypatch):
-    monkeypatch.setenv(L.KERNEL_ENV, "humming")
-    with pytest.raises(ValueError, match=f"{L.KERNEL_ENV}='humming' cannot run on cpu: humming needs a CUDA"):
-        L.select_head_kernel("cpu")
-    monkeypatch.setenv(L.KERNEL_ENV, "torch")
-    assert L.select_head_kernel("cpu") == ("torch", f"forced by {L.KERNEL_ENV}")
+    monkeypatch.setenv(KERNEL_ENV, "humming")
+    with pytest.raises(ValueError, match=f"{KERNEL_ENV}='humming' cannot run on cpu: humming needs a CUDA"):
+        select_head_kernel("cpu")
+    monkeypatch.setenv(KERNEL_ENV, "torch")
+    assert select_head_kernel("cpu") == ("torch", f"forced by {KERNEL_ENV}")
     with pytest.raises(ValueError, match="unknown LM-head kernel 'cublas'"):
-        L.select_head_kernel("cpu", preferred="cublas")
-    q, s = L.quantize_fp8_per_channel(torch.ones(16, 32))
+        select_head_kernel("cpu", preferred="cublas")
+    q, s = quantize_fp8_per_channel(torch.ones(16, 32))
     with pytest.raises(ValueError, match="triton needs a CUDA device"):
-        L.prepare_fp8_head(q, s, "triton")
+        prepare_fp8_head(q, s, "triton")
 
 
 def test_arch_table_names_only_known_kernels_with_evidence():
-    for arch, (order, evidence) in L.HEAD_KERNEL_BY_ARCH.items():
-        assert order and set(order) <= set(L.KERNELS) - {"torch"}, arch
-        assert "us" in evidence, "each row must carry the measured times that justify it"
-    assert L.triton_config_for(1).block_m == 1
+    for arch, (order, evidence) in HEAD_KERNEL_BY_ARCH.items():
+        assert order and set(order) <= set(KERNELS) - {"torch"}, arch
+        cited = re.search(r"benchmarks/results/[\w.]+\.md", evidence)  # the measurement behind the row
+        assert cited and (REPO / cited.group(0)).is_file(), (arch, evidence)
+    assert triton_config_for(1).block_m == 1
     for rows in (2, 3, 16, 17, 64, 1000):
-        cfg = L.triton_config_for(rows)
+        cfg = triton_config_for(rows)
         assert cfg.use_dot and cfg.block_m >= 16
 
 
@@ -316,7 +326,7 @@ def test_per_token_activation_quantization_bound():
     g = torch.Generator().manual_seed(13)
     x = torch.randn(8, H, generator=g)
     x[3] = 0.0
-    xq, sx = L.quantize_fp8_per_token(x)
+    xq, sx = quantize_fp8_per_token(x)
     assert sx.shape == (8, 1) and sx[3, 0] == 1.0
     err = (xq.float() * sx - x).abs()
     assert (err <= E4M3_REL * x.abs() + E4M3_SUBNORMAL_ABS * sx).all()

@@ -1,6 +1,6 @@
 """Fused MXFP4 decode kernels against the plain-PyTorch reference (GPU only).
 
-Same weights, routings and reference as tests/ops/test_moe_humming_gpu.py (random MXFP4
+Same weights, routings and reference as tests/ops/moe/test_moe_humming_gpu.py (random MXFP4
 codes and E8M0 scales in vLLM's layout at Ling shapes; the reference dequantizes the same
 tensors and computes in float32, TF32 off).
 
@@ -16,20 +16,19 @@ import copy
 import pytest
 import torch
 
-from vllm_ling.ops import moe
-
-import moe_cases  # tests/ops/moe_cases.py
+import moe_cases  # tests/ops/moe/moe_cases.py
 from moe_cases import no_tf32, weights  # noqa: F401  (fixtures)
+from vllm_ling.ops.moe import humming, reference
+from vllm_ling.ops.moe.decode import layouts, packing, shapes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-_ok, _reason = moe.humming_status()
+_ok, _reason = humming.humming_status()
 if not _ok:  # the kernels are compiled by humming's JIT runtime
     pytest.skip(f"humming cannot run here: {_reason}", allow_module_level=True)
 
-from vllm_ling.ops import moe_decode  # noqa: E402
 
 E, H, I, TOP_K = 512, 2560, 768, 8
 TOL = 1e-2
@@ -38,17 +37,14 @@ DEV = torch.device("cuda")
 
 @pytest.fixture(scope="module")
 def humming_layer(weights):
-    return moe.HummingMxfp4Experts(**weights)
-
-
-D = moe_decode
+    return humming.HummingMxfp4Experts(**weights)
 
 
 @pytest.fixture(scope="module", params=["packed_copy", "humming_layout"])
 def fused(request, weights, humming_layer):
     if request.param == "packed_copy":
-        return moe_decode.PackedLayoutDecode(**weights, top_k=TOP_K)
-    return moe_decode.HummingLayoutDecode(humming_layer, TOP_K)
+        return layouts.PackedLayoutDecode(**weights, top_k=TOP_K)
+    return layouts.HummingLayoutDecode(humming_layer, TOP_K)
 
 
 def test_our_reading_of_humming_layout(weights, humming_layer):
@@ -56,9 +52,9 @@ def test_our_reading_of_humming_layout(weights, humming_layer):
     reproduce humming's own transform bit for bit."""
     for sub, w, sc in (("w13", "w13_weight", "w13_weight_scale"), ("w2", "w2_weight", "w2_weight_scale")):
         t = humming_layer.tensors[sub]
-        assert torch.equal(moe_decode.humming_layout_pack(weights[w][:4]), t["weight"][:4]), sub
-        assert torch.equal(moe_decode.humming_layout_scales(weights[sc]), t["weight_scale"].view(torch.uint8)), sub
-    ok, reason = moe_decode.humming_decode_support(humming_layer, TOP_K)
+        assert torch.equal(packing.humming_layout_pack(weights[w][:4]), t["weight"][:4]), sub
+        assert torch.equal(packing.humming_layout_scales(weights[sc]), t["weight_scale"].view(torch.uint8)), sub
+    ok, reason = layouts.humming_decode_support(humming_layer, TOP_K)
     assert ok, reason
 
 
@@ -71,7 +67,7 @@ def test_support_refuses_tensors_the_bulk_copies_cannot_read(humming_layer):
     for bad in (shifted, w.transpose(1, 2).contiguous().transpose(1, 2)):
         other = copy.copy(humming_layer)
         other.tensors = {**humming_layer.tensors, "w13": {**humming_layer.tensors["w13"], "weight": bad}}
-        ok, reason = moe_decode.humming_decode_support(other, TOP_K)
+        ok, reason = layouts.humming_decode_support(other, TOP_K)
         assert not ok and reason == "w13 weight is not a contiguous, 16-byte aligned tensor"
 
 
@@ -79,11 +75,11 @@ def test_support_refuses_tensors_the_bulk_copies_cannot_read(humming_layer):
 def test_humming_experts_route_small_batches_to_the_decode_kernels(weights, mode):
     """HummingMxfp4Experts(top_k=...) sends T <= decode_max_tokens through the decode kernels
     (bit-identical to calling them) and larger batches through humming's GEMM."""
-    experts = moe.HummingMxfp4Experts(**weights, top_k=TOP_K, decode=mode, decode_max_tokens=4)
-    expected = {"auto": moe_decode.HummingLayoutDecode, "copy": moe_decode.PackedLayoutDecode}.get(mode)
+    experts = humming.HummingMxfp4Experts(**weights, top_k=TOP_K, decode=mode, decode_max_tokens=4)
+    expected = {"auto": layouts.HummingLayoutDecode, "copy": layouts.PackedLayoutDecode}.get(mode)
     assert (experts.decoder is None) if expected is None else isinstance(experts.decoder, expected)
     assert experts.decode_status.startswith({"auto": "humming layout", "copy": "packed copy", "off": "off"}[mode])
-    gemm_only = moe.HummingMxfp4Experts(**weights, top_k=TOP_K, decode="off")
+    gemm_only = humming.HummingMxfp4Experts(**weights, top_k=TOP_K, decode="off")
     for T in (1, 4, 5):
         w, ids = moe_cases.routing("random", T, 40 + T, DEV, E, TOP_K)
         x = moe_cases.hidden(T, 50 + T, H, DEV)
@@ -94,7 +90,7 @@ def test_humming_experts_route_small_batches_to_the_decode_kernels(weights, mode
 
 
 def _ref(weights, x, w, ids, limit=None):
-    return moe.experts_reference(x, weights["w13_weight"], weights["w2_weight"], w, ids, limit,
+    return reference.experts_reference(x, weights["w13_weight"], weights["w2_weight"], w, ids, limit,
                                  w13_scale=weights["w13_weight_scale"],
                                  w2_scale=weights["w2_weight_scale"])
 
@@ -122,17 +118,17 @@ def test_int64_ids_and_launch_variants_agree(weights, fused):
     x = moe_cases.hidden(4, 9, H, DEV)
     base = fused(x, w, ids)
     assert torch.equal(fused(x, w, ids.long()), base)
-    if isinstance(fused, moe_decode.PackedLayoutDecode):
-        configs = (moe_decode.PackedDecodeConfig(k_split_gate_up=4, k_split_down=1, use_pdl=False),
-                   moe_decode.PackedDecodeConfig(k_split_gate_up=10, k_split_down=3, min_blocks_gate_up=2))
+    if isinstance(fused, layouts.PackedLayoutDecode):
+        configs = (shapes.PackedDecodeConfig(k_split_gate_up=4, k_split_down=1, use_pdl=False),
+                   shapes.PackedDecodeConfig(k_split_gate_up=10, k_split_down=3, min_blocks_gate_up=2))
     else:  # the default's launch shapes differ for 1 token: both, and other streaming shapes
         configs = (*fused.configs.values(),
-                   D.HummingDecodeConfig(gate_up=D.StreamedGateUp(cluster=4, blocks_per_cta=6, stages=3,
+                   shapes.HummingDecodeConfig(gate_up=shapes.StreamedGateUp(cluster=4, blocks_per_cta=6, stages=3,
                                                                   groups_per_stage=2, min_blocks=2),
-                                         down=D.RegisterDown(groups_per_warp=1), use_pdl=False),
-                   D.HummingDecodeConfig(gate_up=D.StreamedGateUp(blocks_per_cta=12, stages=2, min_blocks=2),
-                                         down=D.RegisterDown(groups_per_warp=6)),
-                   D.HummingDecodeConfig(gate_up=D.StreamedGateUp(blocks_per_cta=1, cluster=2, stages=8)))
+                                         down=shapes.RegisterDown(groups_per_warp=1), use_pdl=False),
+                   shapes.HummingDecodeConfig(gate_up=shapes.StreamedGateUp(blocks_per_cta=12, stages=2, min_blocks=2),
+                                         down=shapes.RegisterDown(groups_per_warp=6)),
+                   shapes.HummingDecodeConfig(gate_up=shapes.StreamedGateUp(blocks_per_cta=1, cluster=2, stages=8)))
     for cfg in configs:
         out = fused.with_config(cfg)(x, w, ids)
         assert _rel(out, base.float()) < 2e-3, cfg  # only the FP32 summation order differs
@@ -165,14 +161,14 @@ def test_every_code_and_edge_scales(codes, impl):
     # keep values finite in the reference: big scales only on the down projection's inputs'
     tensors["w13_weight_scale"].clamp_(max=130)
     if impl == "packed_copy":
-        fused = moe_decode.PackedLayoutDecode(**tensors, top_k=k)
+        fused = layouts.PackedLayoutDecode(**tensors, top_k=k)
     else:  # top_k 2: 2-CTA clusters in down
-        fused = moe_decode.HummingLayoutDecode(moe.HummingMxfp4Experts(**tensors), k)
+        fused = layouts.HummingLayoutDecode(humming.HummingMxfp4Experts(**tensors), k)
     ids = torch.tensor([[0, 3], [1, 2], [3, 3]], dtype=torch.int32, device=DEV)
     w = torch.tensor([[0.7, 0.3], [1.0, 0.5], [0.25, 0.25]], device=DEV)
     x = moe_cases.hidden(3, 11, h, DEV) * 2.0 ** -40 if codes == "all_codes" else moe_cases.hidden(3, 11, h, DEV)
     out = fused(x.to(torch.bfloat16), w, ids)
-    ref = moe.experts_reference(x.to(torch.bfloat16), tensors["w13_weight"], tensors["w2_weight"], w, ids,
+    ref = reference.experts_reference(x.to(torch.bfloat16), tensors["w13_weight"], tensors["w2_weight"], w, ids,
                                 None, w13_scale=tensors["w13_weight_scale"],
                                 w2_scale=tensors["w2_weight_scale"])
     assert torch.isfinite(ref).all() and ref.norm() > 0

@@ -28,7 +28,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_ling.ops import lm_head as L
+from vllm_ling.ops.lm_head.head import fp8_head_logits, prepare_fp8_head
+from vllm_ling.ops.lm_head.humming import HUMMING_TUNING_BY_ARCH
+from vllm_ling.ops.lm_head.quantize import quantize_fp8_per_channel, quantize_fp8_per_token
+from vllm_ling.ops.lm_head.reference import fp8_reference_logits, reference_logits
+from vllm_ling.ops.lm_head.selection import (HEAD_KERNEL_BY_ARCH, KERNEL_ENV, kernel_unavailable_reason,
+                                            select_head_kernel)
+from vllm_ling.ops.lm_head.state import Fp8HeadState
+from vllm_ling.ops.lm_head.warmup import warmup_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +63,7 @@ def head():
     w[:, torch.randperm(H, device=DEV, generator=g)[:8]] *= 8.0
     w[list(PAD_ROWS)] = 0.0
     w = w.to(torch.bfloat16)
-    q, s = L.quantize_fp8_per_channel(w)
+    q, s = quantize_fp8_per_channel(w)
     rows = max(ROWS)
     targets = torch.randint(0, V - 3, (rows,), device=DEV, generator=g)
     push = torch.cat([torch.full((rows - rows // 2,), 12.0, device=DEV),
@@ -64,25 +71,25 @@ def head():
     direction = w[targets].float()
     direction /= direction.norm(dim=1, keepdim=True)
     x = (torch.randn((rows, H), device=DEV, generator=g) + push[:, None] * direction * 8.0).to(torch.bfloat16)
-    ref8 = L.fp8_reference_logits(x, q, s)
+    ref8 = fp8_reference_logits(x, q, s)
     # |x| @ |w_deq|.T: |q| is again an e4m3 value and the scales are positive.
-    s_deq = L.fp8_reference_logits(x.float().abs(), q.float().abs().to(torch.float8_e4m3fn), s)
-    ref32 = L.reference_logits(x, w)
-    quant_bound = (2.0**-4 * L.reference_logits(x.float().abs(), w.float().abs()) * (1 + 1e-5)
+    s_deq = fp8_reference_logits(x.float().abs(), q.float().abs().to(torch.float8_e4m3fn), s)
+    ref32 = reference_logits(x, w)
+    quant_bound = (2.0**-4 * reference_logits(x.float().abs(), w.float().abs()) * (1 + 1e-5)
                    + 2.0**-10 * s[None, :] * x.float().abs().sum(dim=1, keepdim=True))
     return dict(w=w, q=q, s=s, x=x, ref8=ref8, s_deq=s_deq, ref32=ref32, quant_bound=quant_bound,
                 targets=targets)
 
 
-_states: dict[str, L.Fp8HeadState] = {}
+_states: dict[str, Fp8HeadState] = {}
 
 
-def state_for(kernel, head) -> L.Fp8HeadState:
-    why_not = L.kernel_unavailable_reason(kernel, DEV)
+def state_for(kernel, head) -> Fp8HeadState:
+    why_not = kernel_unavailable_reason(kernel, DEV)
     if why_not:
         pytest.skip(f"{kernel} cannot run here: {why_not}")
     if kernel not in _states:
-        _states[kernel] = L.prepare_fp8_head(head["q"], head["s"], kernel)
+        _states[kernel] = prepare_fp8_head(head["q"], head["s"], kernel)
     return _states[kernel]
 
 
@@ -95,7 +102,7 @@ def kernel_tolerance(kernel, head, x, rows) -> torch.Tensor:
         return 2.0**-7 * ref8.abs() + 2.0**-9 * S
     tol = 2.0**-8 * ref8.abs() + 2.0**-12 * S
     if kernel == "scaled_mm":
-        _, sx = L.quantize_fp8_per_token(x)
+        _, sx = quantize_fp8_per_token(x)
         w_abs_sum = head["q"].float().abs().sum(dim=1) * head["s"]
         tol = tol + 2.0**-4 * S + 2.0**-10 * sx * w_abs_sum[None, :]
     return tol
@@ -106,7 +113,7 @@ def kernel_tolerance(kernel, head, x, rows) -> torch.Tensor:
 def test_kernel_matches_fp32_reference(kernel, rows, head):
     state = state_for(kernel, head)
     x = head["x"][:rows]
-    got = L.fp8_head_logits(x, state)
+    got = fp8_head_logits(x, state)
     torch.cuda.synchronize()
     assert got.shape == (rows, V) and got.dtype == torch.bfloat16
     got = got.float()
@@ -138,15 +145,15 @@ def test_kernel_matches_fp32_reference(kernel, rows, head):
 def test_kernel_replays_in_a_cuda_graph(kernel, head):
     state = state_for(kernel, head)
     x = head["x"][:4].clone()
-    eager = L.fp8_head_logits(x, state)
+    eager = fp8_head_logits(x, state)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        L.fp8_head_logits(x, state)
+        fp8_head_logits(x, state)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = L.fp8_head_logits(x, state)
+        captured = fp8_head_logits(x, state)
     x.copy_(head["x"][4:8])
     graph.replay()
     torch.cuda.synchronize()
@@ -159,7 +166,7 @@ def test_kernel_replays_in_a_cuda_graph(kernel, head):
 def test_humming_uses_the_tuning_table_on_tuned_archs(head):
     state = state_for("humming", head)
     cap = torch.cuda.get_device_capability()
-    assert state.extra["tuning"] == ("table" if cap in L.HUMMING_TUNING_BY_ARCH else "heuristic")
+    assert state.extra["tuning"] == ("table" if cap in HUMMING_TUNING_BY_ARCH else "heuristic")
 
 
 def test_humming_state_is_half_the_bf16_head(head):
@@ -169,17 +176,17 @@ def test_humming_state_is_half_the_bf16_head(head):
 
 
 def test_select_head_kernel_on_this_gpu(monkeypatch):
-    monkeypatch.delenv(L.KERNEL_ENV, raising=False)
-    name, reason = L.select_head_kernel(DEV)
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    name, reason = select_head_kernel(DEV)
     assert name in FAST_KERNELS
     cap = torch.cuda.get_device_capability()
-    if cap in L.HEAD_KERNEL_BY_ARCH:
+    if cap in HEAD_KERNEL_BY_ARCH:
         assert "measured" in reason
-        assert name == L.HEAD_KERNEL_BY_ARCH[cap][0][0] or "skipped" in reason
+        assert name == HEAD_KERNEL_BY_ARCH[cap][0][0] or "skipped" in reason
 
 
 def test_warmup_kernels_small_head(monkeypatch):
-    monkeypatch.delenv(L.KERNEL_ENV, raising=False)
-    result = L.warmup_kernels(4096, H, row_counts=(1, 2, 4))
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    result = warmup_kernels(4096, H, row_counts=(1, 2, 4))
     assert result["row_counts"] == [1, 2, 4]
     assert result["kernel"] in FAST_KERNELS
