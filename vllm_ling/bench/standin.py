@@ -24,6 +24,8 @@ from contextlib import contextmanager
 
 from aiohttp import web
 
+from vllm_ling.options import LingOptions, MoeBackend
+
 ACCEPT_PATTERN = (3, 2, 3, 1, 0, 3)  # accepted drafts per verify step, cycled
 NUM_SPEC = 3
 
@@ -35,9 +37,10 @@ class StandIn:
         env = dict(os.environ)
         for name in args.ignore_env or []:
             env.pop(name, None)  # simulate a server that silently drops a switch
-        self.humming = env.get("VLLM_LING_MOE_BACKEND", "humming") == "humming"
-        self.fp8_head = env.get("VLLM_LING_FP8_HEAD", "1") == "1"
-        self.mtp = env.get("VLLM_LING_MTP", "0") == "1"
+        options = LingOptions.from_env(env)
+        self.humming = options.moe_backend is MoeBackend.HUMMING
+        self.fp8_head = options.fp8_head
+        self.mtp = options.mtp and bool(env.get("VLLM_LING_MTP"))  # the stand-in drafts only when asked
         step = args.token_delay_ms / 1e3
         step *= 0.9 if self.humming else 1.0
         step *= 0.85 if self.fp8_head else 1.0
