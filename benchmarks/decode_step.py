@@ -37,34 +37,33 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from benchmarks.lm_head import copy_bandwidth_gbs
+from benchmarks.decode_standins import fused_add_rms_norm, fused_route
+from benchmarks.timing import stacked_time_us
+from benchmarks.upstream_fp8 import ScaledMmBlockFp8
+from vllm_ling.ops.dense_fp8 import W8A16Config, w8a16_linear
+from vllm_ling.ops.fp8 import block_fp8_quantize
+from vllm_ling.ops.moe.activation import swiglu
+from vllm_ling.ops.moe.humming import HummingMxfp4Experts
+from vllm_ling.ops.moe.routing import route
+from vllm_ling.ops.moe.warmup import random_mxfp4_experts
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from dense_fp8 import copy_bandwidth_gbs  # noqa: E402
-from timing import stacked_time_us  # noqa: E402
-from upstream_fp8 import ScaledMmBlockFp8  # noqa: E402
-
-from vllm_ling.ops.dense_fp8 import w8a16_linear  # noqa: E402
-from vllm_ling.ops.fp8 import block_fp8_quantize  # noqa: E402
-
-try:  # the MoE ops are being moved into a package; either layout works
-    from vllm_ling.ops.moe import HummingMxfp4Experts, random_mxfp4_experts, route, swiglu
-except ImportError:  # pragma: no cover
-    from vllm_ling.ops.moe.humming import HummingMxfp4Experts, random_mxfp4_experts  # type: ignore
-    from vllm_ling.ops.moe.reference import route, swiglu  # type: ignore
-
 CONFIG = os.path.join(REPO, "vllm_ling", "data", "ling3_flash_fp4_config.json")
 STANDINS = {
     "kda_recurrent": "fla-core 0.6.0 fused_recurrent_kda (gate, beta sigmoid, q/k L2 norm in kernel)",
     "kda_conv_norm": "PyTorch ops: causal short conv (window 4) + SiLU, gated RMSNorm (sigmoid)",
     "mla_attention": "PyTorch ops: W_UK/W_UV bmm, RoPE, latent-cache write, QK^T + softmax + PV via cuBLAS "
                      "over the 32K BF16 latent cache (reads it twice; vLLM uses a split-K MLA kernel)",
-    "router": "fp32 router GEMV (cuBLAS) + vllm_ling.ops.moe.route's PyTorch grouped top-k "
-              "(vLLM: one fused grouped_topk kernel)",
-    "norms_residual": "PyTorch F.rms_norm + residual adds",
+    "router": "fp32 router GEMV (cuBLAS) + one Triton grouped top-k launch (benchmarks/decode_standins.py; "
+              "vLLM: one fused grouped_topk CUDA kernel); ids checked against vllm_ling.ops.moe.routing.route",
+    "norms_residual": "residual add + RMSNorm as one Triton launch (benchmarks/decode_standins.py; vLLM: "
+                      "fused_add_rms_norm), other norms F.rms_norm, SwiGLU and adds as PyTorch ops",
     "small_bf16": "BF16 cuBLAS: KDA b_proj, MLA g_proj (left in BF16 by the checkpoint) + sigmoids",
 }
+
+
+DENSE_CONFIGS: dict[tuple[int, int, int], W8A16Config] = {}  # --dense-configs: (N, K, rows) -> config
 
 
 class Fp8Linear:
@@ -76,7 +75,9 @@ class Fp8Linear:
         self.bytes = self.q.numel() + 4 * self.s.numel()
 
     def __call__(self, x: torch.Tensor, comp: str) -> torch.Tensor:
-        return w8a16_linear(x, self.q, self.s) if comp == "ours" else self.up(x)
+        if comp != "ours":
+            return self.up(x)
+        return w8a16_linear(x, self.q, self.s, config=DENSE_CONFIGS.get((*self.q.shape, x.shape[0])))
 
 
 def torch_kda_recurrent(q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound, **_):
@@ -187,6 +188,8 @@ class Model:
         self.build_s = time.perf_counter() - t0
 
     # ---- ops; each returns its output; op() tags the op class ----
+    add_norm = staticmethod(fused_add_rms_norm)
+
     def head(self, x, comp):
         return self.LH.fp8_head_logits(x, self.head_fp8) if comp == "ours" else F.linear(x, self.head_bf16)
 
@@ -248,7 +251,7 @@ class Model:
             return op("dense_fp8", lambda: L["down"](act, comp))
 
         def router():
-            w, ids = route(x, L["router"], L["bias"], top_k=self.cfg["num_experts_per_tok"],
+            w, ids = fused_route(x, L["router"], L["bias"], top_k=self.cfg["num_experts_per_tok"],
                            n_group=self.cfg["n_group"], topk_group=self.cfg["topk_group"],
                            routed_scaling_factor=self.cfg["routed_scaling_factor"])
             L["ids"] = ids
@@ -264,14 +267,15 @@ class Model:
         T = tokens.shape[0]
         pos = self.context
         resid = op("norms_residual", lambda: self.embed[tokens])
-        for L in self.layers[:-1]:
-            x = op("norms_residual", lambda: rms(resid, L["in_norm"]))
+        target = self.layers[:-1]
+        x = op("norms_residual", lambda: rms(resid, target[0]["in_norm"]))
+        for li, L in enumerate(target):
             a = self.kda(L, x, comp, op) if L["kda"] else self.mla(L, x, comp, op, pos)
-            resid = op("norms_residual", lambda: resid + a)
-            x = op("norms_residual", lambda: rms(resid, L["post_norm"]))
+            x = op("norms_residual", lambda: self.add_norm(a, resid, L["post_norm"]))
             m = self.mlp(L, x, comp, op)
-            resid = op("norms_residual", lambda: resid + m)
-        hidden = op("norms_residual", lambda: rms(resid, self.final_norm))
+            nxt_w = target[li + 1]["in_norm"] if li + 1 < len(target) else self.final_norm
+            x = op("norms_residual", lambda: self.add_norm(m, resid, nxt_w))
+        hidden = x
         logits = op("head", lambda: self.head(hidden, comp))
         if not draft:
             return logits
@@ -283,11 +287,10 @@ class Model:
         r = op("dense_fp8", lambda: L["eh"](cat, comp))
         x = op("norms_residual", lambda: rms(r, L["in_norm"]))
         a = self.mla(L, x, comp, op, pos + T)
-        r = op("norms_residual", lambda: r + a)
-        x = op("norms_residual", lambda: rms(r, L["post_norm"]))
+        x = op("norms_residual", lambda: self.add_norm(a, r, L["post_norm"]))
         m = self.mlp(L, x, comp, op)
-        r = op("norms_residual", lambda: r + m)
-        return op("head", lambda: self.head(rms(r, L["final_norm"]), comp))
+        x = op("norms_residual", lambda: self.add_norm(m, r, L["final_norm"]))
+        return op("head", lambda: self.head(x, comp))
 
 
 def class_bytes(model: Model, T: int, comp: str) -> dict[str, float]:
@@ -349,7 +352,13 @@ def main(argv=None) -> int:
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "decode_step_h200.md"))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dense-configs", default=None,
+                        help="a benchmarks/dense_fp8.py --json file: use its sweep winners instead of the table")
     args = parser.parse_args(argv)
+    if args.dense_configs:
+        for key, (cfg_dict, _us) in json.load(open(args.dense_configs)).get("sweep_best", {}).items():
+            n, k, rows = map(int, key.split("x"))
+            DENSE_CONFIGS[(n, k, rows)] = W8A16Config(**cfg_dict)
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -361,10 +370,7 @@ def main(argv=None) -> int:
     model = Model(cfg, max(args.tokens), args.context, dev)
     print(f"built the full model in {model.build_s:.1f} s; GPU memory {torch.cuda.memory_allocated() / 1e9:.1f} GB; "
           f"FP8 head kernel {model.head_kernel} ({model.head_reason})", flush=True)
-    try:
-        from vllm_ling.models import plan as P  # after the layout move
-    except ImportError:
-        from vllm_ling.serving import plan as P
+    from vllm_ling.models import cost_model as P
     results, notes = [], []
     gen = torch.Generator(device=dev).manual_seed(5)
     for T in args.tokens:
@@ -393,6 +399,15 @@ def main(argv=None) -> int:
             print(f"T={T} {comp}: {us:.0f} us/step, {n_launch} launches; "
                   + ", ".join(f"{k} {v:.0f}" for k, v in sorted(classes.items(), key=lambda t: -t[1])), flush=True)
         distinct = [int(L["ids"].unique().numel()) for L in model.layers if L.get("ids") is not None]
+        # the router stand-in picks what the reference router picks (first MoE layer, this step's input)
+        x_chk = torch.randn((T, cfg["hidden_size"]), device=dev, generator=gen)
+        L2 = model.layers[cfg["first_k_dense_replace"]]
+        kw = dict(top_k=cfg["num_experts_per_tok"], n_group=cfg["n_group"], topk_group=cfg["topk_group"],
+                  routed_scaling_factor=cfg["routed_scaling_factor"])
+        same = torch.equal(fused_route(x_chk, L2["router"], L2["bias"], **kw)[1],
+                           route(x_chk, L2["router"], L2["bias"], **kw)[1])
+        if not same:
+            notes.append(f"T={T}: the Triton router stand-in picked other experts than the reference router")
         b1, bk = P.totals(pl, "fp8")
         row["plan_bytes_target"] = bk
         row["plan_bytes_draft"] = pl.draft_step_bytes_without_head + pl.head_bytes["fp8"]
@@ -434,10 +449,12 @@ def render(results, head, copy_gbs, notes, model, args) -> str:
         return nbytes / (us * 1e-6) / 1e9 / copy_gbs
 
     lines = [f"# One Ling-3.0-flash-fp4 decode step on one GPU ({datetime.date.today().isoformat()})", "",
-             f"`python benchmarks/decode_step.py {' '.join(sys.argv[1:])}`", "", head, "",
+             f"`python -m benchmarks.decode_step {' '.join(sys.argv[1:])}`", "", head, "",
              f"Context {args.context} tokens; a step of T tokens = the target model over one sequence's T-token "
              "verify window + one NEXTN draft step (eh_proj, MLA, MoE, head) for the next position. "
-             f"FP8 head kernel: {model.head_kernel}. Stand-ins (no serving kernel in this repo):", ""]
+             f"FP8 head kernel: {model.head_kernel}. Dense FP8 configs: "
+             f"{'the sweep winners of ' + args.dense_configs if args.dense_configs else 'the tuned table'}. "
+             "Stand-ins (no serving kernel in this repo):", ""]
     lines += [f"- {k}: {v}" for k, v in STANDINS.items()]
     lines += ["", "| T | composition | us/step | launches | plan bytes (MB) | floor us @ copy BW | step / floor | "
               "vllm-ling / upstream |", "|---|---|---|---|---|---|---|---|"]

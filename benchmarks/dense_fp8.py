@@ -10,8 +10,8 @@ copy bandwidth measured in the same run, and the ratio to the upstream-equivalen
 Every kernel's output is checked against the float64 reference first (``err``: the largest
 ``|out - ref| / (2**-8 |ref| + 2**-14 S)``, S = sum of the terms' magnitudes; <= 1 passes).
 
-    python benchmarks/dense_fp8.py                  # table with the tuned configs
-    python benchmarks/dense_fp8.py --sweep          # also sweep launch configs; prints TUNED
+    python -m benchmarks.dense_fp8                  # table with the tuned configs
+    python -m benchmarks.dense_fp8 --sweep          # also sweep launch configs; prints TUNED
 
 Prints a Markdown table and writes it to --out.
 """
@@ -24,7 +24,6 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -32,43 +31,19 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from timing import stacked_time_us  # noqa: E402
-from upstream_fp8 import ScaledMmBlockFp8, TritonW8A8BlockFp8  # noqa: E402
-
-from vllm_ling.models.dense_linears import dense_fp8_linears  # noqa: E402
-from vllm_ling.ops.dense_fp8 import kernel as K  # noqa: E402
-from vllm_ling.ops.dense_fp8.linear import device_facts, effective_config, w8a16_linear  # noqa: E402
-from vllm_ling.ops.dense_fp8.reference import magnitude_bound, reference_linear  # noqa: E402
-from vllm_ling.ops.dense_fp8.tuned_configs import W8A16Config, select_config  # noqa: E402
-from vllm_ling.ops.fp8 import block_fp8_dequantize, block_fp8_quantize  # noqa: E402
+from benchmarks.lm_head import copy_bandwidth_gbs
+from benchmarks.timing import stacked_time_us
+from benchmarks.upstream_fp8 import ScaledMmBlockFp8, TritonW8A8BlockFp8
+from vllm_ling.models.dense_linears import dense_fp8_linears
+from vllm_ling.ops.dense_fp8 import kernel as K
+from vllm_ling.ops.dense_fp8.linear import device_facts, effective_config, w8a16_linear
+from vllm_ling.ops.dense_fp8.reference import magnitude_bound, reference_linear
+from vllm_ling.ops.dense_fp8.tuned_configs import W8A16Config, select_config
+from vllm_ling.ops.fp8 import block_fp8_dequantize, block_fp8_quantize
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vllm_ling", "data",
                       "ling3_flash_fp4_config.json")
 ROTATE_BYTES = 240 << 20  # > 4x the H200's 60 MB L2
-
-
-def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> tuple[float, str]:
-    """Best of cudaMemcpy D2D (events) and a copy kernel replayed in a graph; read + write bytes."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0)
-    memcpy = 2 * nbytes / (statistics.median(times) * 1e-6) / 1e9
-    kernel = 2 * nbytes / (stacked_time_us([lambda: torch.mul(src, 1.0, out=dst)] * 5, 15) * 1e-6) / 1e9
-    del src, dst
-    return max(memcpy, kernel), f"cudaMemcpy D2D {memcpy:.0f} GB/s, copy kernel in a graph {kernel:.0f} GB/s"
 
 
 def error_ratio(out: torch.Tensor, ref64: torch.Tensor, mag: torch.Tensor) -> float:
@@ -90,28 +65,24 @@ def sweep_candidates(rows: int, n: int, k: int, sm_count: int) -> list[W8A16Conf
             out.append(c)
 
     splits = [s for s in (1, 2, 4, 8) if kb % s == 0]
-    if rows == 1:
-        for bn, warps in ((8, 2), (16, 4), (32, 4), (32, 8), (64, 8)):
-            for ks in (2, 4, 8):
+    bm = 1 if rows == 1 else max(16, 1 << (rows - 1).bit_length())
+    for pf in (False, True):
+        if rows == 1:
+            for bn, warps, ks in ((8, 2, 4), (16, 4, 4), (32, 4, 2), (32, 8, 2), (32, 8, 4)):
                 for sk in splits:
-                    add(block_n=bn, k_steps=ks, num_warps=warps, num_stages=2, split_k=sk)
-    elif rows == 2:
-        for bn, warps in ((16, 4), (32, 8)):  # (32 rows, 4 warps) spills at 8 k-steps
-            for ks in (2, 4, 8):
+                    add(block_n=bn, k_steps=ks, num_warps=warps, num_stages=2, split_k=sk, prefetch_l2=pf)
+        elif rows == 2:
+            for bn, warps, ks in ((16, 4, 4), (32, 8, 4)):
                 for sk in splits:
-                    add(block_n=bn, k_steps=ks, num_warps=warps, num_stages=2, block_m=2, split_k=sk)
-    elif rows <= 4:
-        for bm, bn, warps, ks in ((4, 16, 4, 2), (4, 16, 4, 4), (4, 32, 8, 2), (4, 32, 8, 4), (2, 16, 4, 4),
-                                  (2, 32, 8, 4)):
+                    add(block_n=bn, k_steps=ks, num_warps=warps, num_stages=2, block_m=2, split_k=sk, prefetch_l2=pf)
+        # tensor cores, BF16 (first H200 run's winners are in TUNED) and FP16 inputs
+        for bn, warps in ((64, 4), (128, 8)):
             for sk in splits:
-                add(block_n=bn, k_steps=ks, num_warps=warps, num_stages=2, block_m=bm, split_k=sk)
-    else:  # the tensor-core path; the first H200 run swept it (TUNED)
-        bm = max(16, 1 << (rows - 1).bit_length())
-        for bn, warps in ((32, 4), (64, 4), (128, 8)):
-            for sk in splits:
-                for stages in (3, 4):
-                    add(block_n=bn, k_steps=1, num_warps=warps, num_stages=stages, block_m=bm, use_dot=True,
-                        split_k=sk)
+                add(block_n=bn, k_steps=1, num_warps=warps, num_stages=3, block_m=max(16, bm), use_dot=True,
+                    split_k=sk, prefetch_l2=pf, dot_f16=True)
+                if rows > 2:
+                    add(block_n=bn, k_steps=1, num_warps=warps, num_stages=3, block_m=max(16, bm), use_dot=True,
+                        split_k=sk, prefetch_l2=pf)
     return out
 
 
@@ -141,7 +112,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 2, 4],
+    parser.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
                         help="with --sweep: the row counts to sweep (others use the table)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -276,7 +247,7 @@ def render(results, head, copy_gbs, notes, sweep_best, args) -> str:
         return nbytes / (us * 1e-6) / 1e9 / copy_gbs
 
     lines = [f"# Dense block-FP8 linears at decode sizes ({datetime.date.today().isoformat()})", "",
-             f"`python benchmarks/dense_fp8.py {' '.join(sys.argv[1:])}`", "", head, "",
+             f"`python -m benchmarks.dense_fp8 {' '.join(sys.argv[1:])}`", "", head, "",
              "Times: CUDA-graph median per call, weights rotated over > 4x L2. `frac`: bytes (FP8 weight + fp32 "
              "scales + BF16 x + BF16 out; BF16 weight for cuBLAS) over time, as a fraction of the copy bandwidth "
              "above. `vs up`: upstream-equivalent time / ours (> 1: ours faster). Upstream-equivalent = "

@@ -73,11 +73,15 @@ PATH_CONFIGS = [
     W8A16Config(block_n=128, k_steps=2, num_warps=8, num_stages=3, block_m=16, use_dot=True, split_k=2),
     W8A16Config(block_n=16, k_steps=1, num_warps=4, num_stages=3, block_m=16, use_dot=True, split_k=8,
                 pdl=False, prefetch_l2=False),
+    W8A16Config(block_n=64, k_steps=1, num_warps=4, num_stages=3, block_m=16, use_dot=True, split_k=2,
+                dot_f16=True, prefetch_l2=False),
+    W8A16Config(block_n=128, k_steps=2, num_warps=8, num_stages=3, block_m=32, use_dot=True, dot_f16=True),
 ]
 
 
 @pytest.mark.parametrize("config", PATH_CONFIGS, ids=lambda c: f"m{c.block_m}n{c.block_n}sk{c.split_k}"
-                         f"{'dot' if c.use_dot else 'fma'}{'P' if c.pdl else ''}{'L' if c.prefetch_l2 else ''}")
+                         f"{'f16' if c.dot_f16 else 'dot' if c.use_dot else 'fma'}{'P' if c.pdl else ''}"
+                         f"{'L' if c.prefetch_l2 else ''}")
 def test_kernel_paths(config):
     gen = torch.Generator(device=DEV).manual_seed(11)
     # 576 rows: a partial last 128-row scale block (kv_a_proj_with_mqa); K = 2048 splits 8 ways
@@ -128,6 +132,20 @@ def test_extreme_block_scales(lo, hi):
     for config in (None, PATH_CONFIGS[1], PATH_CONFIGS[7]):
         for rows in (1, 4, 32):
             x = torch.randn((rows, k), device=DEV, generator=gen).to(torch.bfloat16)
+            _check(x, q, s, config)
+
+
+@pytest.mark.parametrize("x_scale", [2.0**-40, 1.0, 2.0**40])
+def test_fp16_tensor_core_path_rescales_activations(x_scale):
+    # x far outside fp16's range either way: the per-row power-of-two pre-scale keeps it exact
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    q, s = _weights(2560, 4096, gen)
+    for config in PATH_CONFIGS[-2:]:
+        for rows in (1, 4, 33):
+            x = (torch.randn((rows, 4096), device=DEV, generator=gen) * x_scale).to(torch.bfloat16)
+            x[0, :7] = 0.0  # zeros and one all-zero row when rows > 1
+            if rows > 1:
+                x[1] = 0.0
             _check(x, q, s, config)
 
 
