@@ -20,11 +20,18 @@ bandwidth plus latency, so the kernel is built to keep the memory system busy:
   constants), so its weight prefetch overlaps the previous kernel's tail;
 - 1, 2 or 4 rows (``USE_DOT=False``): fp32 multiply-adds on a [BLOCK_N, K_STEPS x 128] tile
   reduced over k each step into a [BLOCK_N] accumulator per row, so the bytes in flight per
-  thread (up to 256) do not cost accumulator registers (the first H200 run, which kept a
-  [BLOCK_N, 128] fp32 accumulator, was latency-bound at ~0.35 of the copy bandwidth);
+  thread (up to 256) do not cost accumulator registers; on the H200 this wins at one row, while
+  2 and 4 rows (about 7 and 13 SASS instructions per weight byte) lose to the tensor cores;
   more rows (``USE_DOT=True``): e4m3 -> BF16 (exact) weights on the tensor cores, rows padded
   to ``BLOCK_M`` >= 16 (the e4m3 -> BF16 conversion goes through the F2F unit, about one
-  instruction per weight byte; converting by bit moves doubled the instruction count in SASS).
+  instruction per weight byte; converting by bit moves doubled the instruction count in SASS);
+  ``DOT_F16`` uses FP16 tensor cores instead (e4m3 -> fp16 is one cvt per two weights) on
+  activations scaled per row by a power of two.
+
+Where the time goes (SASS read with cuobjdump, H200 timings in benchmarks/results/): every path
+spends 3.3-4.5 instructions per weight byte on address math, conversion and FMAs, which at the
+issue rate the SMs reach leaves the kernel near 0.3-0.45 of the copy bandwidth; PDL saves ~1-2.5
+us per launch, the L2 prefetch helps some shapes and hurts others (tuned per shape).
 
 Numerics: every product ``w * x`` is exact in fp32 (4- and 8-bit mantissas); a power-of-two
 scale keeps it exact; only the fp32 summation order and the final BF16 rounding differ from
