@@ -422,7 +422,8 @@ def main(argv=None) -> int:
         fh.write(text)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"copy_gbs": copy_gbs, "results": results, "notes": notes, "standins": STANDINS}, fh, indent=1)
+            json.dump({"copy_gbs": copy_gbs, "device": head, "results": results, "notes": notes,
+                       "standins": STANDINS}, fh, indent=1)
     return 0
 
 
