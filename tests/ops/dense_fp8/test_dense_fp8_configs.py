@@ -31,6 +31,13 @@ def test_every_shape_and_row_count_gets_a_runnable_config(arch):
             assert source
 
 
+@pytest.mark.parametrize("rows", [33, 100, 8192])
+def test_prefill_sizes_tile_rows(rows):
+    for arch in ARCHS:
+        config, _ = select_config(12288, 2560, rows, arch, 132)
+        assert config.block_m <= 64 and config.problems(12288, 2560) == []
+
+
 def test_unknown_arch_falls_back_to_the_heuristic_with_one_warning(caplog):
     logging.getLogger("vllm.ling").propagate = True
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):

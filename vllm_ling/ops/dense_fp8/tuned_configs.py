@@ -64,7 +64,8 @@ def heuristic_config(n: int, k: int, rows: int, sm_count: int, capability: tuple
         block_m, block_n, warps, use_dot = 1, 16, 4, False
         k_steps = next(s for s in (4, 2, 1) if k_blocks % s == 0)
     else:
-        block_m, block_n, warps, use_dot, k_steps = max(16, _pow2_at_least(rows)), 64, 4, True, 1
+        # rows past 64 are tiled over programs (prefill sizes: correct, not tuned)
+        block_m, block_n, warps, use_dot, k_steps = min(64, max(16, _pow2_at_least(rows))), 64, 4, True, 1
     programs = -(-n // block_n) * -(-rows // block_m)
     split_k = 1
     while programs * split_k < 2 * sm_count and k_blocks % (2 * split_k * k_steps) == 0 and split_k < 8:
