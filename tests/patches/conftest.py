@@ -1,0 +1,27 @@
+"""Shared checks for the per-patch tests: the registry refuses a changed upstream source."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def assert_refuses_changed_source(monkeypatch):
+    """``check(patch_id, is_upstream)``: with one recorded hash changed (as after a vLLM
+    bump), applying the patch raises an error naming it and leaves the target as vLLM's.
+    The caller first restores the upstream target (monkeypatch) so the patch is pending."""
+
+    def check(patch_id: str, is_upstream) -> None:
+        from vllm_ling.patches import registry
+
+        patch = registry.by_id(patch_id)
+        monkeypatch.setattr(registry, "_checked", set())
+        symbol = next(iter(patch.upstream_sha256))
+        monkeypatch.setitem(patch.upstream_sha256, symbol, "0" * 64)
+        with pytest.raises(registry.PatchSourceMismatch) as raised:
+            registry.apply_all(patch.stage, ids=(patch_id,))
+        message = str(raised.value)
+        assert f"patch {patch_id} ({patch.slug}" in message and symbol in message
+        assert is_upstream(), f"{patch_id} was applied although its source check failed"
+
+    return check
