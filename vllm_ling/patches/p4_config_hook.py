@@ -15,7 +15,7 @@ TARGET_ARCH = "BailingMoeV3ForCausalLM"
 
 
 def _hook():
-    from vllm_ling.serving.config_hooks import LingConfigHook
+    from vllm_ling.patches.config_hooks import LingConfigHook
 
     return LingConfigHook
 

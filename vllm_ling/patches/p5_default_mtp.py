@@ -15,6 +15,9 @@ from vllm_ling.log import get_logger, log_once
 
 logger = get_logger("config")
 _MARK = "_vllm_ling_default_mtp"
+# vLLM's SpeculativeConfig rejects unknown keys, so the marker is popped before vLLM sees
+# the dict and recorded on the target model config instead (runtime.spec_policy).
+DEFAULT_MARKER_KEY = "_vllm_ling_default"
 
 
 def _engine_args():
@@ -34,8 +37,8 @@ def _user_gave_speculation(engine_args) -> bool:
 
 def apply() -> None:
     from vllm_ling.options import LingOptions
-    from vllm_ling.serving.config_hooks import (DEFAULT_MARKER_KEY, check_head_conflicts,
-                                                default_speculative_config, is_ling_target)
+    from vllm_ling.patches.config_hooks import check_head_conflicts, default_speculative_config, is_ling_target
+    from vllm_ling.runtime.spec_policy import mark_default_applied
 
     engine_args_cls = _engine_args()
     original = engine_args_cls.create_speculative_config
@@ -54,9 +57,8 @@ def apply() -> None:
                          "--speculative-config overrides it).", self.speculative_config)
             elif not user_gave:
                 log_once(logger, logging.INFO, "mtp-off", "NEXTN MTP speculation is off (VLLM_LING_MTP=0).")
-        # vLLM's SpeculativeConfig rejects unknown keys: the marker moves to the target's config.
         if isinstance(self.speculative_config, dict) and self.speculative_config.pop(DEFAULT_MARKER_KEY, False):
-            target_model_config.hf_config.vllm_ling_default_spec = True
+            mark_default_applied(target_model_config.hf_config)
         return original(self, target_model_config, target_parallel_config)
 
     create_speculative_config.__wrapped__ = original
