@@ -42,6 +42,19 @@ def test_recorded_sources_are_the_installed_vllms():
     assert registry.main(["check"]) == 0
 
 
+def test_whole_file_hashes_cover_every_recorded_source(monkeypatch):
+    """The fast path (a byte-identical file) covers every file, and a file changed elsewhere
+    than the patched sources still passes, symbol by symbol."""
+    registry = _registry()
+    modules = {s.partition(":")[0] for p in registry.PATCHES for s in p.upstream_sha256}
+    assert set(registry.UPSTREAM_FILE_SHA256) == modules
+    monkeypatch.setattr(registry, "_checked", set())
+    for module in modules:
+        monkeypatch.setitem(registry.UPSTREAM_FILE_SHA256, module, "0" * 64)
+    for patch in registry.PATCHES:
+        registry.check_upstream(patch)
+
+
 def test_source_of_a_patched_target_is_still_vllms(monkeypatch):
     """Hashes are read from vLLM's files, so they describe vLLM's code after patching too."""
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
