@@ -13,9 +13,9 @@ holds, per patch, the change that would make it unnecessary in vLLM itself; ``se
 there lists the same ids in the same order (a test checks both, and
 ``vllm_ling/patches/README.md`` against :func:`render_table`).
 
-``python -m vllm_ling.patches.registry check`` checks every hash against the installed
-vLLM (e.g. on a GPU box); ``hashes`` prints the installed sources' hashes after reviewing
-a vLLM bump; ``readme`` prints the README table.
+``python -m vllm_ling.patches.registry check`` checks every source and file hash against
+the installed vLLM (e.g. on a GPU box); ``hashes`` prints the installed ones, to record
+after reviewing a vLLM bump; ``readme`` prints the README table.
 """
 
 from __future__ import annotations
