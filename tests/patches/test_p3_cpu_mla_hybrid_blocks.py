@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from patch_refusal import assert_refuses_changed_source
+
 pytest.importorskip("vllm")
 
 
@@ -33,5 +35,5 @@ def test_hybrid_page_sizes_only_with_p3(cpu_mla):
     assert not cpu_mla.supports_block_size(24)  # still whole 16-token kernel blocks
 
 
-def test_p3_refuses_a_changed_upstream_method(cpu_mla, assert_refuses_changed_source):
-    assert_refuses_changed_source("P3", lambda: not cpu_mla.supports_block_size(256))
+def test_p3_refuses_a_changed_upstream_method(cpu_mla, monkeypatch):
+    assert_refuses_changed_source(monkeypatch, "P3", lambda: not cpu_mla.supports_block_size(256))

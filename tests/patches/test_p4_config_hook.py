@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from patch_refusal import assert_refuses_changed_source
+
 pytest.importorskip("vllm")
 
 ARCH = "BailingMoeV3ForCausalLM"
@@ -55,5 +57,5 @@ def test_hybrid_cache_mode_is_decided_by_the_hook_only_with_p4(config_map, tiny_
     assert not config.cache_config.enable_prefix_caching
 
 
-def test_p4_refuses_a_changed_upstream_map(config_map, assert_refuses_changed_source):
-    assert_refuses_changed_source("P4", lambda: ARCH not in config_map)
+def test_p4_refuses_a_changed_upstream_map(config_map, monkeypatch):
+    assert_refuses_changed_source(monkeypatch, "P4", lambda: ARCH not in config_map)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from patch_refusal import assert_refuses_changed_source
+
 pytest.importorskip("vllm")
 
 
@@ -47,7 +49,7 @@ def test_default_mtp_only_with_p5(engine_args, tiny_checkpoint):
     assert not hasattr(wrapper.__wrapped__, "__wrapped__")  # wrapped once
 
 
-def test_p5_refuses_a_changed_upstream_method(engine_args, assert_refuses_changed_source):
+def test_p5_refuses_a_changed_upstream_method(engine_args, monkeypatch):
     from vllm_ling.patches import p5_default_mtp as p5
 
-    assert_refuses_changed_source("P5", lambda: not p5.is_applied())
+    assert_refuses_changed_source(monkeypatch, "P5", lambda: not p5.is_applied())

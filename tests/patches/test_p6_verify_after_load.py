@@ -6,6 +6,8 @@ import inspect
 
 import pytest
 
+from patch_refusal import assert_refuses_changed_source
+
 pytest.importorskip("vllm")
 
 VERIFY = "vllm_ling.runtime.verification.verify_once"
@@ -78,7 +80,7 @@ def test_verification_runs_after_load_only_with_p6(monkeypatch):
     assert calls == [(target, "the runner's vllm_config", f"{__name__}.Runner", True)]
 
 
-def test_p6_refuses_changed_upstream_runners(upstream_runners, assert_refuses_changed_source):
+def test_p6_refuses_changed_upstream_runners(upstream_runners, monkeypatch):
     from vllm_ling.patches import p6_verify_after_load as p6
 
-    assert_refuses_changed_source("P6", lambda: not any(p6.is_wrapped(c) for c in upstream_runners))
+    assert_refuses_changed_source(monkeypatch, "P6", lambda: not any(p6.is_wrapped(c) for c in upstream_runners))

@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from patch_refusal import assert_refuses_changed_source
+
 pytest.importorskip("vllm")
 
 
@@ -37,15 +39,16 @@ def test_strict_validation_accepts_our_variables_only_with_p7(without_p7, monkey
     with pytest.raises(ValueError, match="Unknown vLLM environment variable detected: VLLM_LING_"):
         current_platform.validate_environ(hard_fail=True)  # vLLM's --fail-on-environ-validation
 
-    monkeypatch.setenv("VLLM_LING_FP8_HAED_P7", "1")  # a typo gets our own warning
+    monkeypatch.setenv("VLLM_LING_FP8_HAED", "1")  # a typo gets our own warning
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
         assert "P7 plugin-environment-variables" in apply_all("register", ids=("P7",))
-    assert "VLLM_LING_FP8_HAED_P7 is not a vllm-ling variable and is ignored" in caplog.text
-    monkeypatch.delenv("VLLM_LING_FP8_HAED_P7")
+    assert ("VLLM_LING_FP8_HAED is not a vllm-ling variable and is ignored; "
+            "did you mean VLLM_LING_FP8_HEAD?") in caplog.text
+    monkeypatch.delenv("VLLM_LING_FP8_HAED")
     assert p7.is_applied()
     current_platform.validate_environ(hard_fail=True)
     assert without_p7.VLLM_LING_PORT == "8000"  # read like vLLM's own variables
 
 
-def test_p7_refuses_a_changed_upstream_table(without_p7, assert_refuses_changed_source):
-    assert_refuses_changed_source("P7", lambda: "VLLM_LING_FP8_HEAD" not in without_p7.environment_variables)
+def test_p7_refuses_a_changed_upstream_table(without_p7, monkeypatch):
+    assert_refuses_changed_source(monkeypatch, "P7", lambda: "VLLM_LING_FP8_HEAD" not in without_p7.environment_variables)

@@ -41,6 +41,10 @@ def apply() -> None:
 
 
 def warn_unknown_ling_variables(known: set[str]) -> None:
+    from vllm_ling.options import closest_known
+
     for name in sorted(k for k in os.environ if k.startswith("VLLM_LING_") and k not in known):
+        meant = closest_known(name)
         log_once(logger, logging.WARNING, f"unknown-env-{name}",
-                 "%s is not a vllm-ling variable and is ignored (see `vllm_ling/options.py`)", name)
+                 "%s is not a vllm-ling variable and is ignored%s (see `vllm_ling/options.py`)",
+                 name, f"; did you mean {meant}?" if meant else "")
