@@ -60,6 +60,11 @@ class MoeDecode(Choice):
     OFF = "off"    # humming's GEMM for every batch
 
 
+class DenseFp8(Choice):
+    LING = "ling"  # vllm-ling's W8A16 kernel for decode-sized batches (CUDA), vLLM's above
+    VLLM = "vllm"  # opt out: vLLM's block-FP8 kernel always
+
+
 class VerifyPolicy(Choice):
     STRICT = "strict"  # refuse to serve on a failed check
     WARN = "warn"      # log and serve
@@ -205,6 +210,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("VLLM_LING_MOE_W4A8", "bool", False,
            "`1`: humming MoE with FP8 per-token activations (the study's W4A8; sm_89+, an "
            "error elsewhere)", serve_flag=True),
+    Option("VLLM_LING_DENSE_FP8", "choice", DenseFp8.LING,
+           "`ling`: block-FP8 dense linears run vllm-ling's W8A16 kernel for batches of at most 32 tokens "
+           "on CUDA (vLLM's kernel above; an error where it cannot run); `vllm` opts out (one WARNING, "
+           "reported). The CPU path is unchanged",
+           choices=DenseFp8, serve_flag=True),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
@@ -339,6 +349,7 @@ class LingOptions:
     moe_decode: MoeDecode = BY_NAME["VLLM_LING_MOE_DECODE"].default
     moe_decode_max_tokens: int = BY_NAME["VLLM_LING_MOE_DECODE_MAX_TOKENS"].default
     fp8_head: bool = BY_NAME["VLLM_LING_FP8_HEAD"].default
+    dense_fp8: DenseFp8 = BY_NAME["VLLM_LING_DENSE_FP8"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
     num_spec_tokens: int = BY_NAME["VLLM_LING_NUM_SPEC_TOKENS"].default
     verify: VerifyPolicy = BY_NAME["VLLM_LING_VERIFY"].default

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
 
 from vllm_ling.layers import dense_fp8_cuda as D
+from vllm_ling.options import DenseFp8, LingOptions, LingOptionError
+
+BLOCK = types.SimpleNamespace(weight_block_size=[128, 128])
+
+
+def test_option_parses_and_defaults_to_ling():
+    assert LingOptions.from_env({}).dense_fp8 is DenseFp8.LING
+    assert LingOptions.from_env({"VLLM_LING_DENSE_FP8": "vllm"}).dense_fp8 is DenseFp8.VLLM
+    with pytest.raises(LingOptionError, match="VLLM_LING_DENSE_FP8"):
+        LingOptions.from_env({"VLLM_LING_DENSE_FP8": "fast"})
 
 
 def test_unaligned_shards():
@@ -18,19 +29,20 @@ def test_unaligned_shards():
     assert any("K=200" in p for p in D.unaligned_shards([128], 200))
 
 
-def test_e8m0_scales_become_exact_fp32():
+def test_e8m0_scales_become_an_exact_private_fp32_copy():
     exps = torch.tensor([[0, 1, 120], [127, 130, 254]], dtype=torch.uint8)
-    e8m0 = exps.view(torch.float8_e8m0fnu)
-    got = D.block_scales_fp32(e8m0)
+    got = D.block_scales_fp32(exps.view(torch.float8_e8m0fnu))
     assert got.dtype == torch.float32 and got.is_contiguous()
     assert torch.equal(got, torch.exp2(exps.float() - 127))
+    fp32 = torch.ones(2, 3)
+    assert D.block_scales_fp32(fp32).data_ptr() != fp32.data_ptr()  # vLLM may transform the original
 
 
 def test_opt_out_warns_and_keeps_vllm(caplog):
     logging.getLogger("vllm.ling").propagate = True
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
-        assert D.choose_dense_fp8_method("model.layers.0.self_attn.qkv_proj", [4096] * 3, 2560, [128, 128],
-                                         True, option="vllm") is None
+        assert D.choose_dense_fp8_method(BLOCK, "model.layers.0.self_attn.qkv_proj", [4096] * 3, 2560,
+                                         option="vllm") is None
     assert any("explicit choice" in r.getMessage() for r in caplog.records)
 
 
@@ -38,16 +50,35 @@ def test_requested_but_unavailable_is_an_error_naming_the_opt_out(monkeypatch):
     import vllm_ling.ops.dense_fp8 as ops
 
     monkeypatch.setattr(ops, "unavailable_reason", lambda device=None: "sm_80 has no e4m3 conversion")
-    with pytest.raises(D.DenseFp8Unavailable, match="opt out"):
-        D.choose_dense_fp8_method("p", [4096], 2560, [128, 128], False, option="ling")
+    with pytest.raises(D.DenseFp8Unavailable, match="VLLM_LING_DENSE_FP8=vllm"):
+        D.choose_dense_fp8_method(BLOCK, "p", [4096], 2560, option="ling")
     with pytest.raises(D.DenseFp8Unavailable, match="128x128"):
-        D.choose_dense_fp8_method("p", [4096], 2560, [64, 64], False, option="ling")
+        D.choose_dense_fp8_method(types.SimpleNamespace(weight_block_size=[64, 64]), "p", [4096], 2560,
+                                  option="ling")
 
 
-def test_unaligned_linear_keeps_vllm_with_a_warning(monkeypatch):
+def test_unaligned_linear_keeps_vllm(monkeypatch):
     import vllm_ling.ops.dense_fp8 as ops
 
     monkeypatch.setattr(ops, "unavailable_reason", lambda device=None: None)
-    assert D.choose_dense_fp8_method("p", [100, 28], 2560, [128, 128], False, option="ling") is None
-    method = D.choose_dense_fp8_method("p", [4096, 4096], 2560, [128, 128], True, option="ling")
-    assert isinstance(method, D.W8A16BlockFp8LinearMethod) and method.is_scale_e8m0
+    assert D.choose_dense_fp8_method(BLOCK, "p", [100, 28], 2560, option="ling") is None
+
+
+def test_kernel_choice_happens_inside_one_traceable_op(monkeypatch):
+    # vLLM compiles the model with fullgraph=True and symbolic batch sizes: apply() must trace
+    # to one opaque op, and the op (not the trace) picks the kernel by row count
+    w = torch.randn(8, 16)
+    layer = types.SimpleNamespace(output_size_per_partition=8, ling_w8a16=(w, None), quant_method=None)
+    monkeypatch.setitem(D._LAYERS, "test.linear", layer)
+    monkeypatch.setattr(D.Fp8LinearMethod, "apply", lambda self, lyr, x, bias=None: (x.float() @ w.t()).to(x.dtype))
+    monkeypatch.setattr(D.LingW8A16Fp8LinearMethod, "apply_w8a16",
+                        staticmethod(lambda lyr, x: (x.float() @ w.t()).to(torch.bfloat16) + 1000))
+    method = object.__new__(D.LingW8A16Fp8LinearMethod)
+    method.prefix = "test.linear"
+    compiled = torch.compile(lambda x: method.apply(layer, x), fullgraph=True, dynamic=True, backend="eager")
+    small = torch.randn(4, 16).to(torch.bfloat16)
+    large = torch.randn(D.DECODE_MAX_ROWS + 1, 16).to(torch.bfloat16)
+    assert (compiled(small).float() > 900).all()                   # decode size: the W8A16 path
+    assert torch.allclose(compiled(large).float(), large.float() @ w.t(), atol=0.1)  # vLLM's kernel
+    layer.ling_w8a16 = None                                          # weight replaced: vLLM's kernel
+    assert torch.allclose(compiled(small).float(), small.float() @ w.t(), atol=0.1)

@@ -57,6 +57,8 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
     assert report["optimizations"]["moe_decode_kernels"] == {
         "requested": False, "active": False, "detail": "needs the humming MoE backend on CUDA"}
     assert any("plain-PyTorch MXFP4 reference" in n for n in report["notes"])
+    assert report["optimizations"]["dense_fp8_decode"]["requested"] is False
+    assert _check(report, "dense_fp8_layers")["passed"]
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(report, REPORT_JSON_SCHEMA)
 
@@ -80,6 +82,16 @@ def test_cuda_expectations_require_humming_on_every_layer(loaded_tiny_models, mo
                 if isinstance(m, RoutedExperts):
                     stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(m.moe_config, HUMMING)))
         assert _check(_report(loaded_tiny_models, cuda), "moe_layers")["passed"]
+
+
+def test_requested_dense_fp8_needs_every_eligible_linear_on_the_kernel(loaded_tiny_models):
+    # the CPU-loaded model runs the CPU reference, so asking for the CUDA W8A16 path must fail
+    # and say how many block-FP8 linears it found on the kernel
+    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "dense_fp8": True})
+    check = _check(report, "dense_fp8_layers")
+    assert not check["passed"] and check["actual"].startswith("0 of ")
+    assert report["optimizations"]["dense_fp8_decode"] == {"requested": True, "active": False,
+                                                            "detail": check["actual"]}
 
 
 def test_non_humming_moe_layer_is_named(loaded_tiny_models):

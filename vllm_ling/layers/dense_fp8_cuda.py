@@ -1,16 +1,19 @@
-"""Block-FP8 dense linears on CUDA through vllm-ling's W8A16 decode kernel.
+"""Block-FP8 dense linears on CUDA: vllm-ling's W8A16 kernel for decode-sized batches.
 
 vLLM 0.32 runs Ling's block-FP8 dense linears W8A8 (activations quantized per token and
-128-group, then DeepGEMM / CUTLASS / Triton block-scaled GEMMs). At decode sizes the weights
-are the bytes and the extra quantization launch costs more than it saves; this method keeps
-vLLM's parameters and loaders (:mod:`.block_fp8_params`), keeps the checkpoint's e4m3 weight
-as loaded, turns its block scales into fp32 once, and runs :func:`vllm_ling.ops.dense_fp8
-.w8a16_linear` (BF16 activations, fp32 accumulation, one launch; launch configs per GPU
-architecture in ``ops/dense_fp8/tuned_configs.py``). Measured in
-``benchmarks/results/dense_fp8_h200.md``.
-
-Not yet selected by ``ling_fp8`` (the wiring waits for the option table of issue 16):
-:func:`choose_dense_fp8_method` holds the rules it will apply.
+128-group, then DeepGEMM / CUTLASS / Triton block-scaled GEMMs). At decode sizes the weights are
+the bytes and the extra quantization launch costs more than it saves
+(``benchmarks/results/dense_fp8_h200.md``). This method *is* vLLM's ``Fp8LinearMethod``
+(same parameters, loaders and post-load processing, and vLLM's kernel for larger batches); it
+keeps a reference to the loaded e4m3 weight and an fp32 copy of the block scales from before
+vLLM's processing, and runs :func:`vllm_ling.ops.dense_fp8.w8a16_linear` (BF16 activations, fp32
+accumulation, one launch) for batches of at most ``DECODE_MAX_ROWS`` tokens. vLLM compiles the
+model with ``torch.compile(fullgraph=True)`` and symbolic batch sizes, so the choice between the
+two kernels happens inside one custom op (``vllm_ling::dense_fp8_linear``, the layer found by
+name as vLLM's own layer ops do), never as a Python branch on the traced batch size. Where vLLM's
+processing replaced the weight tensor (e.g. a Marlin repack), that layer keeps vLLM's kernel and
+the reason is logged once and reported. The startup verification compares both kernels on one
+layer (``runtime/verification.py``).
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ from __future__ import annotations
 import logging
 
 import torch
+from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
-from vllm_ling.layers.block_fp8_params import BlockFp8LinearMethodBase
 from vllm_ling.log import get_logger, log_once
 
 logger = get_logger("quant.dense_fp8")
 
-CUDA_DENSE_FP8_PATH = "vllm-ling W8A16 block-FP8 kernel (BF16 activations, no activation quantization)"
+CUDA_DENSE_FP8_PATH = "vllm-ling W8A16 block-FP8 kernel for <= 32 tokens (no activation quantization), vLLM's above"
 QUANT_BLOCK = 128
+DECODE_MAX_ROWS = 32  # the tuned row counts (ops/dense_fp8/tuned_configs.py)
 
 
 class DenseFp8Unavailable(RuntimeError):
@@ -45,37 +49,68 @@ def unaligned_shards(output_partition_sizes: list[int], input_size: int) -> list
 
 
 def block_scales_fp32(scale: torch.Tensor) -> torch.Tensor:
-    """The checkpoint's block scales (fp32, or E8M0 exponents for ``scale_fmt: ue8m0``) as the
-    contiguous fp32 tensor the kernel reads; E8M0 -> fp32 is exact."""
-    return scale.to(torch.float32).contiguous()
+    """A private fp32 copy of the checkpoint's block scales (fp32, or E8M0 exponents for
+    ``scale_fmt: ue8m0``; E8M0 -> fp32 is exact), as the kernel reads them."""
+    return scale.to(torch.float32).contiguous().clone()
 
 
-class W8A16BlockFp8LinearMethod(BlockFp8LinearMethodBase):
+_LAYERS: dict[str, torch.nn.Module] = {}  # prefix -> layer, for the custom op
+
+
+def _dense_fp8_linear_impl(x: torch.Tensor, layer_name: str) -> torch.Tensor:
+    layer = _LAYERS[layer_name]
+    rows = x.numel() // x.shape[-1]
+    if getattr(layer, "ling_w8a16", None) is None or rows > DECODE_MAX_ROWS or x.dtype != torch.bfloat16:
+        return Fp8LinearMethod.apply(layer.quant_method, layer, x)
+    return LingW8A16Fp8LinearMethod.apply_w8a16(layer, x)
+
+
+def _dense_fp8_linear_fake(x: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], _LAYERS[layer_name].output_size_per_partition))
+
+
+dense_fp8_linear_op = torch.library.custom_op("vllm_ling::dense_fp8_linear", _dense_fp8_linear_impl,
+                                              mutates_args=())
+dense_fp8_linear_op.register_fake(_dense_fp8_linear_fake)
+
+
+class LingW8A16Fp8LinearMethod(Fp8LinearMethod):
+    def __init__(self, quant_config, prefix: str):
+        super().__init__(quant_config)
+        self.prefix = prefix
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        from vllm.model_executor.utils import replace_parameter
-
-        problems = unaligned_shards(list(layer.logical_widths), layer.input_size_per_partition)
-        if problems:  # choose_dense_fp8_method checks this before weights load
-            raise ValueError(f"W8A16 block-FP8 kernel cannot run this linear: {'; '.join(problems)}")
-        replace_parameter(layer, "weight_scale_inv", block_scales_fp32(layer.weight_scale_inv.data))
-        if not layer.weight.data.is_contiguous():
-            replace_parameter(layer, "weight", layer.weight.data.contiguous())
+        _LAYERS[self.prefix] = layer
+        weight = layer.weight.data
+        scale = block_scales_fp32(layer.weight_scale_inv.data)
+        super().process_weights_after_loading(layer)
+        kept = layer.weight.data
+        if kept.data_ptr() != weight.data_ptr() or kept.shape != weight.shape or kept.dtype != torch.float8_e4m3fn \
+                or not kept.is_contiguous():
+            layer.ling_w8a16 = None
+            layer.ling_w8a16_reason = "vLLM's post-load processing replaced the weight tensor"
+            log_once(logger, logging.WARNING, "dense-fp8-weight-replaced",
+                     "Dense block-FP8 W8A16 kernel off for %s and similar layers: %s; vLLM's kernel serves "
+                     "them (reported).", getattr(layer, "prefix", type(layer).__name__), layer.ling_w8a16_reason)
+            return
+        layer.ling_w8a16 = (kept, scale)
+        layer.ling_w8a16_reason = None
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.ops.vllm_ling.dense_fp8_linear(x, self.prefix)
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def apply_w8a16(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         from vllm_ling.ops.dense_fp8 import w8a16_linear
 
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
-        out = w8a16_linear(x2.contiguous(), layer.weight, layer.weight_scale_inv)
-        if bias is not None:
-            out = out + bias
-        return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+        weight, scale = layer.ling_w8a16
+        out = w8a16_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, scale)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def choose_dense_fp8_method(prefix: str, output_partition_sizes: list[int], input_size: int,
-                            weight_block_size: list[int], is_scale_e8m0: bool, option: str,
-                            device: torch.device | str | None = None) -> W8A16BlockFp8LinearMethod | None:
+def choose_dense_fp8_method(quant_config, prefix: str, output_partition_sizes: list[int], input_size: int,
+                            option: str, device: torch.device | str | None = None) -> Fp8LinearMethod | None:
     """Our method for one CUDA block-FP8 dense linear, or None to let vLLM choose.
 
     ``option`` "vllm" opts out (one WARNING). Otherwise the kernel must be able to run on this
@@ -84,21 +119,23 @@ def choose_dense_fp8_method(prefix: str, output_partition_sizes: list[int], inpu
     """
     if option == "vllm":
         log_once(logger, logging.WARNING, "dense-fp8-opt-out",
-                 "Dense block-FP8 W8A16 kernel is OFF by explicit choice: vLLM selects the dense FP8 "
-                 "linear kernel; the startup report marks dense_fp8_decode inactive.")
+                 "Dense block-FP8 W8A16 kernel is OFF by explicit choice (VLLM_LING_DENSE_FP8=vllm): vLLM "
+                 "selects the dense FP8 linear kernel; the startup report marks dense_fp8_decode inactive.")
         return None
-    if list(weight_block_size) != [QUANT_BLOCK, QUANT_BLOCK]:
+    block = list(getattr(quant_config, "weight_block_size", None) or [])
+    if block != [QUANT_BLOCK, QUANT_BLOCK]:
         raise DenseFp8Unavailable(f"{prefix}: the W8A16 kernel reads 128x128 block scales, the checkpoint has "
-                                  f"{list(weight_block_size)}; opt out with the dense FP8 option set to vllm")
+                                  f"{block}; opt out with VLLM_LING_DENSE_FP8=vllm")
     from vllm_ling.ops.dense_fp8 import unavailable_reason
 
     why = unavailable_reason(device)
     if why:
-        raise DenseFp8Unavailable(f"dense block-FP8 W8A16 kernel cannot run for {prefix}: {why}; opt out "
-                                  "with the dense FP8 option set to vllm")
+        raise DenseFp8Unavailable(f"dense block-FP8 W8A16 kernel cannot run for {prefix}: {why}; opt out with "
+                                  "VLLM_LING_DENSE_FP8=vllm")
     problems = unaligned_shards(output_partition_sizes, input_size)
     if problems:
         log_once(logger, logging.WARNING, f"dense-fp8-unaligned-{prefix}",
                  "%s keeps vLLM's block-FP8 kernel: %s.", prefix, "; ".join(problems))
         return None
-    return W8A16BlockFp8LinearMethod(weight_block_size, is_scale_e8m0)
+    log_once(logger, logging.INFO, "dense-fp8-on", "Dense block-FP8 linears: %s.", CUDA_DENSE_FP8_PATH)
+    return LingW8A16Fp8LinearMethod(quant_config, prefix)

@@ -2,9 +2,10 @@
 
 It takes over automatically (``override_quantization_method``) for checkpoints whose
 ``quantization_config`` says ``quant_method: fp8`` with MXFP4 routed experts, unless
-the user named another ``--quantization``. Dense linears stay vLLM's (except the CPU
-reference path where vLLM has no kernel); routed experts, the LM head and the CPU
-paths are ours.
+the user named another ``--quantization``. Dense block-FP8 linears run vLLM's method with
+vllm-ling's W8A16 kernel for decode-sized batches on CUDA (``VLLM_LING_DENSE_FP8=vllm`` opts
+out) and a plain-PyTorch reference on CPUs without AMX; routed experts, the LM head and the
+CPU paths are ours.
 """
 
 from __future__ import annotations
@@ -69,6 +70,17 @@ class LingFp8Config(Fp8Config):
             log_once(logger, logging.INFO, "cpu-dense", "Dense block-FP8 linears: %s.", CPU_DENSE_FP8_PATH)
             return CpuBlockFp8LinearMethod(self.weight_block_size,
                                            bool(getattr(self, "is_scale_e8m0", False)))
+        if isinstance(layer, LinearBase) and self.weight_block_size is not None \
+                and current_platform.is_cuda() and not self._skipped(prefix):
+            from vllm_ling.layers.dense_fp8_cuda import choose_dense_fp8_method
+
+            sizes = list(getattr(layer, "output_partition_sizes", None) or [layer.output_size])
+            method = choose_dense_fp8_method(self, prefix, sizes, layer.input_size, self.options.dense_fp8.value)
+            if method is not None:
+                from vllm.model_executor.layers.quantization.utils.marlin_utils import get_marlin_input_dtype
+
+                method.marlin_input_dtype = get_marlin_input_dtype(prefix)  # as Fp8Config does
+                return method
         if isinstance(layer, ParallelLMHead) and self.options.fp8_head:
             from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy, read
+from vllm_ling.options import DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy, read
 from vllm_ling.runtime.report import write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
@@ -62,6 +62,7 @@ class Expectations:
     spec_method: str | None
     num_speculative_tokens: int
     default_spec: bool  # the speculative config is vllm-ling's default
+    dense_fp8: bool = False  # vllm-ling's W8A16 kernel serves decode-sized block-FP8 dense linears
 
     @classmethod
     def from_runtime(cls, vllm_config, options: LingOptions) -> "Expectations":
@@ -77,7 +78,8 @@ class Expectations:
         return cls(platform=platform, moe_backend=moe, fp8_head=options.fp8_head,
                    spec_method=getattr(spec, "method", None),
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
-                   default_spec=default_applied(vllm_config))
+                   default_spec=default_applied(vllm_config),
+                   dense_fp8=platform == "cuda" and options.dense_fp8 is DenseFp8.LING)
 
 
 def _routed_expert_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -136,6 +138,51 @@ def moe_decode_summary(target, draft) -> tuple[bool, str]:
         counts[status] = counts.get(status, 0) + 1
     detail = "; ".join(f"{v} x {k}" for k, v in sorted(counts.items())) or "no humming MoE layers"
     return bool(methods) and all(qm.decode_active for qm in methods), detail
+
+
+DENSE_FP8_MAX_REL_DIFF = 0.1  # vs vLLM's W8A8 kernel: its activation quantization alone is ~2-4% L2
+
+
+def _block_fp8_linears(model) -> list[tuple[str, torch.nn.Module]]:
+    return [(n, m) for n, m in model.named_modules()
+            if getattr(m, "weight_block_size", None) is not None and hasattr(m, "weight_scale_inv")
+            and hasattr(m, "quant_method") and hasattr(m, "logical_widths")]
+
+
+def check_dense_fp8(target, draft, exp: Expectations) -> Check:
+    """Which block-FP8 dense linears run the W8A16 kernel, and a known answer: on the first of
+    them, the W8A16 output for two random rows against vLLM's own (W8A8) kernel on the same layer."""
+    from vllm_ling.layers.dense_fp8_cuda import LingW8A16Fp8LinearMethod, unaligned_shards
+
+    layers = [("target." + n, m) for n, m in _block_fp8_linears(target)]
+    if draft is not None:
+        layers += [("draft." + n, m) for n, m in _block_fp8_linears(draft)]
+    ours = [(n, m) for n, m in layers if isinstance(m.quant_method, LingW8A16Fp8LinearMethod)]
+    serving = [(n, m) for n, m in ours if getattr(m, "ling_w8a16", None) is not None]
+    actual = f"{len(serving)} of {len(layers)} block-FP8 dense linears on the W8A16 kernel"
+    if not exp.dense_fp8:
+        return Check("dense_fp8_layers", not ours,
+                     "vLLM's block-FP8 kernels (CPU platform or VLLM_LING_DENSE_FP8=vllm)", actual,
+                     "the quant config chose vllm-ling's method although it was not requested")
+    eligible = [n for n, m in layers if not unaligned_shards(list(m.logical_widths), m.input_size_per_partition)]
+    ok = bool(eligible) and len(serving) == len(eligible)
+    if serving:
+        from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+        name, layer = serving[0]
+        gen = torch.Generator(device=layer.weight.device).manual_seed(0)
+        x = torch.randn((2, layer.input_size_per_partition), device=layer.weight.device, generator=gen,
+                        dtype=torch.float32).to(torch.bfloat16)
+        with torch.no_grad():
+            ours_out = LingW8A16Fp8LinearMethod.apply_w8a16(layer, x).float()
+            vllm_out = Fp8LinearMethod.apply(layer.quant_method, layer, x).float()
+        rel = float((ours_out - vllm_out).norm() / vllm_out.norm().clamp_min(1e-30))
+        ok = ok and rel < DENSE_FP8_MAX_REL_DIFF
+        actual += (f"; known answer on {name}: relative L2 difference to vLLM's kernel {rel:.3g} "
+                   f"(limit {DENSE_FP8_MAX_REL_DIFF})")
+    return Check("dense_fp8_layers", ok, f"all {len(eligible)} eligible block-FP8 dense linears on the W8A16 kernel, "
+                 "agreeing with vLLM's kernel", actual,
+                 "see the WARNING naming the layers vLLM's processing changed, or set VLLM_LING_DENSE_FP8=vllm")
 
 
 def check_head(target, exp: Expectations) -> Check:
@@ -227,7 +274,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     exp = exp or Expectations.from_runtime(vllm_config, options)
     config = vllm_config.model_config.hf_config
     checks = [check_model_classes(target, draft, exp), check_moe_layers(target, draft, exp, config),
-              check_head(target, exp), check_draft_sharing(target, draft, exp),
+              check_head(target, exp), check_draft_sharing(target, draft, exp), check_dense_fp8(target, draft, exp),
               check_speculative(exp, options), check_versions(exp)]
     by_name = {c.name: c for c in checks}
     moe_active = exp.moe_backend is not MoePath.VLLM and by_name["moe_layers"].passed
@@ -253,6 +300,9 @@ def build_report(target, draft, vllm_config, options: LingOptions,
                                    else "needs the humming MoE backend on CUDA"},
             "fp8_head": {"requested": options.fp8_head, "active": head_active,
                          "detail": by_name["lm_head"].actual},
+            "dense_fp8_decode": {"requested": exp.dense_fp8,
+                                 "active": exp.dense_fp8 and by_name["dense_fp8_layers"].passed,
+                                 "detail": by_name["dense_fp8_layers"].actual},
             "mtp": {"requested": exp.spec_method == "mtp",
                     "active": mtp_active, "detail": by_name["draft_shares_target_modules"].actual},
         },
