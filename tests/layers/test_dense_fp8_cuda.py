@@ -82,3 +82,47 @@ def test_kernel_choice_happens_inside_one_traceable_op(monkeypatch):
     assert torch.allclose(compiled(large).float(), large.float() @ w.t(), atol=0.1)  # vLLM's kernel
     layer.ling_w8a16 = None                                          # weight replaced: vLLM's kernel
     assert torch.allclose(compiled(small).float(), small.float() @ w.t(), atol=0.1)
+
+
+def _loaded_layer():
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(256, 256).to(torch.float8_e4m3fn), requires_grad=False)
+    exps = torch.tensor([[120, 121], [122, 127]], dtype=torch.uint8)
+    layer.weight_scale_inv = torch.nn.Parameter(exps.view(torch.float8_e8m0fnu), requires_grad=False)
+    return layer
+
+
+def _method():
+    method = object.__new__(D.LingW8A16Fp8LinearMethod)
+    method.prefix = "test.proc"
+    return method
+
+
+def test_post_load_keeps_the_loaded_weight_and_fp32_scales(monkeypatch):
+    from vllm.model_executor import utils as vllm_utils
+
+    monkeypatch.setattr(vllm_utils, "is_weights_pre_processed", lambda: False)
+    layer = _loaded_layer()
+    weight = layer.weight.data
+
+    def vllm_processing(self, lyr):  # vLLM converts the scales for its kernel, keeps the weight
+        lyr.weight_scale_inv = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+
+    monkeypatch.setattr(D.Fp8LinearMethod, "process_weights_after_loading", vllm_processing)
+    _method().process_weights_after_loading(layer)
+    kept, scale = layer.ling_w8a16
+    assert kept.data_ptr() == weight.data_ptr()
+    assert torch.equal(scale, torch.tensor([[2.0**-7, 2.0**-6], [2.0**-5, 1.0]]))
+
+    def vllm_repack(self, lyr):  # e.g. a Marlin repack: a new weight tensor
+        lyr.weight = torch.nn.Parameter(lyr.weight.data.clone(), requires_grad=False)
+
+    monkeypatch.setattr(D.Fp8LinearMethod, "process_weights_after_loading", vllm_repack)
+    layer = _loaded_layer()
+    _method().process_weights_after_loading(layer)
+    assert layer.ling_w8a16 is None and "replaced the weight" in layer.ling_w8a16_reason
+
+    monkeypatch.setattr(vllm_utils, "is_weights_pre_processed", lambda: True)
+    layer = _loaded_layer()
+    _method().process_weights_after_loading(layer)
+    assert layer.ling_w8a16 is None and "pre-processed" in layer.ling_w8a16_reason

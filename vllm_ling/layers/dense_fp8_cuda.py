@@ -80,21 +80,30 @@ class LingW8A16Fp8LinearMethod(Fp8LinearMethod):
         self.prefix = prefix
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        from vllm.model_executor import utils as vllm_utils
+
         _LAYERS[self.prefix] = layer
+        if vllm_utils.is_weights_pre_processed():  # scales already in vLLM's kernel layout
+            super().process_weights_after_loading(layer)
+            self._keep_vllm(layer, "the checkpoint holds weights pre-processed for vLLM's kernel")
+            return
         weight = layer.weight.data
         scale = block_scales_fp32(layer.weight_scale_inv.data)
         super().process_weights_after_loading(layer)
         kept = layer.weight.data
         if kept.data_ptr() != weight.data_ptr() or kept.shape != weight.shape or kept.dtype != torch.float8_e4m3fn \
                 or not kept.is_contiguous():
-            layer.ling_w8a16 = None
-            layer.ling_w8a16_reason = "vLLM's post-load processing replaced the weight tensor"
-            log_once(logger, logging.WARNING, "dense-fp8-weight-replaced",
-                     "Dense block-FP8 W8A16 kernel off for %s and similar layers: %s; vLLM's kernel serves "
-                     "them (reported).", getattr(layer, "prefix", type(layer).__name__), layer.ling_w8a16_reason)
+            self._keep_vllm(layer, "vLLM's post-load processing replaced the weight tensor")
             return
         layer.ling_w8a16 = (kept, scale)
         layer.ling_w8a16_reason = None
+
+    def _keep_vllm(self, layer: torch.nn.Module, reason: str) -> None:
+        layer.ling_w8a16 = None
+        layer.ling_w8a16_reason = reason
+        log_once(logger, logging.WARNING, f"dense-fp8-off-{reason}",
+                 "Dense block-FP8 W8A16 kernel off for %s and similar layers: %s; vLLM's kernel serves them "
+                 "(the startup check dense_fp8_layers reports it).", self.prefix, reason)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.ops.vllm_ling.dense_fp8_linear(x, self.prefix)
