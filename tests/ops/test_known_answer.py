@@ -92,10 +92,13 @@ def test_a_raising_kernel_fails_naming_the_exception():
 
 def test_head_torch_kernel_passes_and_a_zero_code_fault_fails():
     assert ka.check_fp8_head_kernel("torch", "cpu").passed
-    r = ka.check_fp8_head_kernel("torch", "cpu", plant=ka.plant_zero_code_fault)
+    r = ka.check_fp8_head_kernel("torch", "cpu", plant=ka.plant_head_zero_code_fault)
     assert not r.passed and r.max_error == 32.0
     assert r.failing_inputs == ["256 one-hot rows (GEMM-sized): wrong e4m3 codes 0x00 0x80 in 256 rows "
                                 "(scales 2^-20..7168)"]
+    r = ka.check_fp8_head_kernel("torch", "cpu", plant=ka.plant_head_scale_fault)
+    assert not r.passed and r.max_error == pytest.approx(1.0, rel=1e-6)
+    assert [f.split(":")[0] for f in r.failing_inputs] == ["256 one-hot rows (GEMM-sized)", "1 random row (decode-sized)"]
 
 
 def _reference_experts(tensors, top_k):

@@ -394,6 +394,15 @@ def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return ((p << 4) | (p >> 4)).to(torch.uint8)
 
 
+def plant_head_zero_code_fault(weight: torch.Tensor, scale: torch.Tensor) -> tuple:
+    return plant_zero_code_fault(weight), scale
+
+
+def plant_head_scale_fault(weight: torch.Tensor, scale: torch.Tensor) -> tuple:
+    """Row scales one exponent too high (a kernel applying 2*scale)."""
+    return weight, scale * 2
+
+
 def bump_e8m0(scale: torch.Tensor, by: int = 1) -> torch.Tensor:
     """E8M0 exponents off by ``by`` (a kernel with the wrong bias)."""
     return (scale.view(torch.uint8).to(torch.int16) + by).clamp(0, 254).to(torch.uint8)
@@ -404,14 +413,14 @@ def bump_e8m0(scale: torch.Tensor, by: int = 1) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 def check_fp8_head_kernel(kernel: str, device: torch.device | str,
-                          plant: Callable[[torch.Tensor], torch.Tensor] | None = None) -> KernelCheckResult:
-    """Prepare ``kernel``'s FP8 head state from :func:`fp8_head_problem` (``plant`` corrupts
-    the e4m3 bytes it is given) and check its logits."""
+                          plant: Callable[[torch.Tensor, torch.Tensor], tuple] | None = None) -> KernelCheckResult:
+    """Prepare ``kernel``'s FP8 head state from :func:`fp8_head_problem` (``plant(weight,
+    scale) -> (weight, scale)`` corrupts what it is given) and check its logits."""
     from vllm_ling.ops import lm_head
 
     problem = fp8_head_problem(random_rtol=FP8_ACT_ROW_RTOL if kernel == "scaled_mm" else DENSE_ROW_RTOL)
-    weight = problem.weight if plant is None else plant(problem.weight)
-    state = lm_head.prepare_fp8_head(weight.to(device), problem.scale.to(device), kernel)
+    weight, scale = (problem.weight, problem.scale) if plant is None else plant(problem.weight, problem.scale)
+    state = lm_head.prepare_fp8_head(weight.to(device), scale.to(device), kernel)
     return run_check("fp8_head", kernel, problem.cases,
                      lambda inp: lm_head.fp8_head_logits(inp["x"].to(device), state))
 
