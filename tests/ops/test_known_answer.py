@@ -115,7 +115,7 @@ def test_moe_problem_covers_codes_scales_and_the_clamp():
     codes = torch.stack((p.w13_weight & 0xF, p.w13_weight >> 4), -1)
     assert set(codes[0].unique().tolist()) == set(range(16))
     exps = torch.cat((p.w13_weight_scale.flatten(), p.w2_weight_scale.flatten())).int() - 127
-    assert exps.min() == -32 and exps.max() == 28
+    assert exps.min() == -24 and exps.max() == 28
     plain, clamped = p.cases[0], p.cases[1]
     assert clamped.inputs["swiglu_limit"] == ka.MOE_SWIGLU_LIMIT
     rel = (plain.reference - clamped.reference).norm(dim=-1) / plain.reference.norm(dim=-1)
@@ -139,11 +139,46 @@ def test_moe_planted_faults_fail_with_the_exact_message(fault, expected):
     r = ka.check_mxfp4_experts(_reference_experts, "reference", "cpu", plant=plant, **SMALL)
     assert not r.passed and r.max_error > 0.5
     every = ("tokens on experts A (all 16 e2m1 codes, scales ~2^0); B (all codes, gate_up scales ~2^-20, "
-             "down ~2^26); C (codes +-0.5 only); D (all codes, gate_up scales ~2^8 (SwiGLU clamp region), "
-             "down ~2^-30)")
+             "down ~2^26); C (codes +-0.5 only); D (all codes, gate_up scales ~2^4 (SwiGLU clamp region), "
+             "down ~2^-22)")
     if fault == "scale exponent +1":  # down doubled: exactly 100 % error on every token
         assert r.max_error == pytest.approx(expected, abs=1e-6)
     assert r.failing_inputs == [f"4 tokens (decode-sized), no clamp: {every}",
                                 f"4 tokens (decode-sized), SwiGLU clamp 7: {every}"]
     assert r.message() == (f"moe_mxfp4 [reference]: max relative error {r.max_error:.3g} > tolerance 0.02 on "
                            + "; ".join(r.failing_inputs))
+
+
+def test_kda_serving_ops_pass_and_planted_faults_fail():
+    from vllm_ling.ops import kda
+
+    assert ka.check_kda(kda.kda_prefill_pooled, kda.kda_decode_pooled, "ops.kda").passed
+
+    def prefill_ignoring_stored_state(q, k, v, g, beta, pool, cu, slots, has_init, scale):
+        return kda.kda_prefill_pooled(q, k, v, g, beta, pool, cu, slots, None if has_init is None
+                                      else torch.zeros_like(has_init), scale)
+
+    r = ka.check_kda(prefill_ignoring_stored_state, kda.kda_decode_pooled, "no initial state")
+    assert not r.passed and r.failing_inputs[0] == (
+        "prefill of 5 + 37 tokens (chunked; 2nd from a stored state): 37 of 42 outputs")
+
+    def decode_with_decay_sign_flipped(q, k, v, g, beta, *rest):
+        return kda.kda_decode_pooled(q, k, v, -g, beta, *rest)
+
+    r = ka.check_kda(kda.kda_prefill_pooled, decode_with_decay_sign_flipped, "exp(-g)")
+    assert not r.passed
+    assert r.failing_inputs == ["1 decode token per sequence (from the prefill's states): 2 of 2 outputs"]
+
+
+def test_w4a8_answers_round_activations_like_a_w4a8_kernel():
+    """The W4A8 answers agree with the ops reference's FP8 activation emulation, and differ
+    from the BF16 answers by more than the W4A16 tolerance (the rounding is really there)."""
+    def w4a8_reference(tensors, top_k):
+        return lambda x, w, ids, limit: experts_reference(
+            x, tensors["w13_weight"], tensors["w2_weight"], w, ids, limit, fp8_activations=True,
+            w13_scale=tensors["w13_weight_scale"], w2_scale=tensors["w2_weight_scale"])
+
+    r = ka.check_mxfp4_experts(w4a8_reference, "reference W4A8", "cpu", w4a8=True, **SMALL)
+    assert r.passed and r.tolerance == ka.MOE_W4A8_ROW_RTOL, r.message()
+    bf16 = ka.check_mxfp4_experts(w4a8_reference, "reference W4A8 vs BF16 answers", "cpu", **SMALL)
+    assert bf16.max_error > ka.MOE_ROW_RTOL

@@ -20,8 +20,8 @@ from vllm_ling.ops import moe  # noqa: E402
 DEV = torch.device("cuda")
 HEAD_KERNELS = ("humming", "triton", "scaled_mm", "torch")
 ALL_REGIMES = ("tokens on experts A (all 16 e2m1 codes, scales ~2^0); B (all codes, gate_up scales ~2^-20, "
-               "down ~2^26); C (codes +-0.5 only); D (all codes, gate_up scales ~2^8 (SwiGLU clamp region), "
-               "down ~2^-30)")
+               "down ~2^26); C (codes +-0.5 only); D (all codes, gate_up scales ~2^4 (SwiGLU clamp region), "
+               "down ~2^-22)")
 MOE_CASES = ("4 tokens (decode-sized), no clamp", "4 tokens (decode-sized), SwiGLU clamp 7",
              "40 tokens (GEMM-sized), no clamp", "40 tokens (GEMM-sized), SwiGLU clamp 7")
 

@@ -15,15 +15,15 @@ MOE_REF = "plain-PyTorch MXFP4 reference (CPU platform)"
 
 
 def test_checks_find_and_pass_every_serving_kernel(loaded_tiny_models):
-    from vllm_ling.runtime.kernel_checks import dense_fp8_kernels, run_kernel_checks, summary
+    from vllm_ling.runtime.kernel_checks import KDA_CPU_KERNEL, dense_fp8_kernels, run_kernel_checks, summary
 
     _, target, draft = loaded_tiny_models
     results = run_kernel_checks(target, draft)
     assert [(r.name, r.kernel, r.passed) for r in results] == [
         ("dense_fp8", "CpuBlockFp8LinearMethod", True), ("moe_mxfp4", MOE_REF, True),
-        ("fp8_head", "torch", True)], [r.message() for r in results]
-    assert summary(results) == (True, "3 kernel(s) match their known answers: dense_fp8 [CpuBlockFp8LinearMethod], "
-                                      f"moe_mxfp4 [{MOE_REF}], fp8_head [torch]")
+        ("fp8_head", "torch", True), ("kda", KDA_CPU_KERNEL, True)], [r.message() for r in results]
+    assert summary(results) == (True, "4 kernel(s) match their known answers: dense_fp8 [CpuBlockFp8LinearMethod], "
+                                      f"moe_mxfp4 [{MOE_REF}], fp8_head [torch], kda [{KDA_CPU_KERNEL}]")
     # What serves, read from the modules: every block-FP8 linear of target and draft.
     from vllm.model_executor.layers.linear import LinearBase
 
@@ -33,8 +33,9 @@ def test_checks_find_and_pass_every_serving_kernel(loaded_tiny_models):
 
 
 def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeypatch):
-    """A dense method with the AMX e4m3 defect, an MoE method reading nibbles swapped and a
-    head kernel reading code 0 as 2^-7: each check fails and the summary names all three."""
+    """A dense method with the AMX e4m3 defect, an MoE method reading nibbles swapped, a head
+    kernel reading code 0 as 2^-7 and a KDA decode losing the state: each check fails and
+    the summary names all four."""
     from vllm.model_executor.utils import replace_parameter
 
     from vllm_ling.layers import fp8_lm_head
@@ -60,13 +61,21 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
 
         return original_logits(x, dataclasses.replace(state, weight=ka.plant_zero_code_fault(state.weight)))
 
+    from vllm_ling.layers import kda_cpu
+
+    def decode_from_zero_state(q, k, v, g, beta, pool, *rest):
+        return original_decode(q, k, v, g, beta, torch.zeros_like(pool), *rest)
+
+    original_decode = kda_cpu.kda_ops.kda_decode_pooled
+    monkeypatch.setattr(kda_cpu.kda_ops, "kda_decode_pooled", decode_from_zero_state)
     monkeypatch.setattr(CpuBlockFp8LinearMethod, "process_weights_after_loading", amx_defect)
     monkeypatch.setattr(LingMxfp4MoEMethod, "apply", nibbles_swapped)
     monkeypatch.setattr(fp8_lm_head.head_ops, "fp8_head_logits", zero_code_fault)
     _, target, draft = loaded_tiny_models
     results = run_kernel_checks(target, draft)
-    assert [r.passed for r in results] == [False, False, False]
-    dense, moe, head = results
+    assert [r.passed for r in results] == [False, False, False, False]
+    dense, moe, head, kda = results
+    assert kda.failing_inputs == ["1 decode token per sequence (from the prefill's states): 2 of 2 outputs"]
     assert dense.failing_inputs == ["256 one-hot rows (GEMM-sized): wrong e4m3 codes 0x00-0x07 0x80-0x87 in "
                                     "blocks [0,0] x2^0, [0,1] x2^0 (all-zero), [1,0] x2^-24, [1,1] x2^16"]
     assert [f.split(":")[0] for f in moe.failing_inputs] == ["4 tokens (decode-sized), no clamp",
