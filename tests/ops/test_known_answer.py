@@ -160,7 +160,7 @@ def test_kda_serving_ops_pass_and_planted_faults_fail():
 
     r = ka.check_kda(prefill_ignoring_stored_state, kda.kda_decode_pooled, "no initial state")
     assert not r.passed and r.failing_inputs[0] == (
-        "prefill of 5 + 37 tokens (chunked; 2nd from a stored state): 37 of 42 outputs")
+        "prefill of 5 + 21 tokens (chunked; 2nd from a stored state): 21 of 26 outputs")
 
     def decode_with_decay_sign_flipped(q, k, v, g, beta, *rest):
         return kda.kda_decode_pooled(q, k, v, -g, beta, *rest)
@@ -182,3 +182,18 @@ def test_w4a8_answers_round_activations_like_a_w4a8_kernel():
     assert r.passed and r.tolerance == ka.MOE_W4A8_ROW_RTOL, r.message()
     bf16 = ka.check_mxfp4_experts(w4a8_reference, "reference W4A8 vs BF16 answers", "cpu", **SMALL)
     assert bf16.max_error > ka.MOE_ROW_RTOL
+
+
+def test_unjudged_rows_are_ignored_but_judged_rows_still_fail():
+    p = ka.mxfp4_moe_problem(w4a8=True, **SMALL)
+    case = p.cases[0]
+    assert case.judged_rows.tolist() == [True, False, True, True]  # tokens on A, B, C, D
+    bad_b_only = case.reference.clone()
+    bad_b_only[1] *= 2
+    r = ka.run_check("moe_mxfp4", "x", [case], lambda inp: bad_b_only)
+    assert r.passed
+    bad_a = case.reference.clone()
+    bad_a[0] *= 2
+    r = ka.run_check("moe_mxfp4", "x", [case], lambda inp: bad_a)
+    assert r.failing_inputs == ["4 tokens (decode-sized), no clamp: tokens on experts A (all 16 e2m1 codes, "
+                                "scales ~2^0)"]
