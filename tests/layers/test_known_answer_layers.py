@@ -136,3 +136,37 @@ def test_real_amx_kernel_fails_its_check_and_is_not_served(loaded_tiny_models):
     path = dense_fp8_path.last_choice()
     assert path is not None and path.kernel == dense_fp8_path.DEQUANTIZED and not path.check.passed
     assert f"wrong e4m3 codes {AMX_CODES}" in path.reason
+
+
+@pytest.mark.parametrize("vllm_kernel_correct", [False, True])
+def test_ling_fp8_serves_vllms_amx_kernel_only_if_it_passes(loaded_tiny_models, monkeypatch, vllm_kernel_correct):
+    """AMX reported present: ling_fp8 runs the known-answer check on vLLM's method (here
+    stood in by a correct / an AMX-defect method, since this CPU may lack AMX) before any
+    weight loads, and returns vLLM's Fp8LinearMethod only when it passes."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    from vllm_ling.layers import dense_fp8_path, known_answer
+    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
+
+    vllm_config, target, _ = loaded_tiny_models
+    stand_in = (CpuBlockFp8LinearMethod if vllm_kernel_correct else _amx_defect_method_class())([128, 128], True)
+    checked = []
+    real_check = known_answer.check_dense_fp8_method
+
+    def check(method, *args, **kwargs):
+        checked.append(type(method).__name__)
+        return real_check(stand_in, *args, **kwargs)
+
+    monkeypatch.setattr(dense_fp8_path, "_chosen", None)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(known_answer, "check_dense_fp8_method", check)
+    layer = target.model.layers[0].mlp.gate_up_proj
+    with set_current_vllm_config(vllm_config):
+        first = vllm_config.quant_config.get_quant_method(layer, "model.layers.0.mlp.gate_up_proj")
+        second = vllm_config.quant_config.get_quant_method(layer, "model.layers.0.mlp.down_proj")
+    assert checked == ["Fp8LinearMethod"]  # vLLM's own method is what gets checked, once per process
+    expected = Fp8LinearMethod if vllm_kernel_correct else CpuBlockFp8LinearMethod
+    assert type(first) is expected and type(second) is expected
+    assert dense_fp8_path.last_choice().kernel == (dense_fp8_path.VLLM_AMX if vllm_kernel_correct
+                                                   else dense_fp8_path.DEQUANTIZED)
