@@ -6,7 +6,7 @@ problem construction) and the best of three later runs (what a startup with a wa
 pays). On a CPU it times the plain-PyTorch paths; on CUDA every head kernel and humming MoE
 in each decode mode.
 
-    python benchmarks/kernel_checks.py
+    python -m benchmarks.kernel_checks
 """
 
 from __future__ import annotations
