@@ -35,12 +35,11 @@ def _device(module: torch.nn.Module) -> torch.device:
 
 
 def _is_block_fp8_method(method) -> bool:
-    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+    """Any linear method serving block-FP8 weights (vLLM's Fp8LinearMethod with block scales,
+    ours, or a later one with vLLM's parameters): they all carry ``weight_block_size``."""
+    from vllm.model_executor.layers.linear import LinearMethodBase
 
-    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
-
-    return isinstance(method, CpuBlockFp8LinearMethod) or (
-        isinstance(method, Fp8LinearMethod) and getattr(method, "block_quant", False))
+    return isinstance(method, LinearMethodBase) and getattr(method, "weight_block_size", None) is not None
 
 
 def dense_fp8_kernels(target, draft) -> dict[str, int]:
