@@ -217,3 +217,16 @@ def test_a_wrong_kernel_refuses_to_serve_naming_kernel_inputs_and_max_error(load
         enforce_policy(report, "warn")
     assert [r.getMessage() for r in caplog.records if "FAILED" in r.getMessage()] == [
         f"verification check kernel_known_answers FAILED: expected {EXPECTED}, got {failure}. Fix: {FIX}"]
+
+
+def test_policy_off_runs_no_kernel_check(loaded_tiny_models, monkeypatch):
+    from vllm_ling.runtime import kernel_checks, verification
+
+    def must_not_run(*args):
+        raise AssertionError("VLLM_LING_VERIFY=off must skip the known-answer checks")
+
+    vllm_config, target, _ = loaded_tiny_models
+    monkeypatch.setattr(kernel_checks, "report_section", must_not_run)
+    monkeypatch.setattr(verification, "_done", False)
+    monkeypatch.setenv("VLLM_LING_VERIFY", "off")
+    assert verification.verify_once(target, vllm_config) is None
