@@ -1,4 +1,4 @@
-"""Workloads: the list of completion requests a benchmark sends."""
+"""Workloads: the list of requests a benchmark sends (completions; chat for replay)."""
 
 from __future__ import annotations
 
@@ -7,24 +7,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_ling.serving.bench import gsm8k
+from vllm_ling.serving.bench.lengths import LengthDistribution
 
-WORKLOADS = ("synthetic", "gsm8k")
+WORKLOADS = ("synthetic", "gsm8k", "replay")
 
 
 @dataclass
 class BenchRequest:
     request_id: str
-    prompt: str | list[int]
-    params: dict[str, Any]  # sampling fields of the /v1/completions body
+    prompt: str | list[int] | None
+    params: dict[str, Any]  # the body's other fields (sampling; for chat also messages, tools...)
     gold: str | None = None  # GSM8K gold answer
     meta: dict[str, Any] = field(default_factory=dict)
+    chat: bool = False  # sent to /v1/chat/completions (params hold the messages)
+    expected: Any = None  # scoring.Expected for replay requests with an ``expected`` answer
 
 
 def synthetic_requests(
     *, num_requests: int, input_len: int, output_len: int, seed: int,
     token_id_low: int = 10, token_id_high: int = 1000,
+    input_dist: LengthDistribution | None = None, output_dist: LengthDistribution | None = None,
 ) -> list[BenchRequest]:
-    """Random token-id prompts of exactly `input_len` tokens, greedy, EOS ignored.
+    """Random token-id prompts, greedy, EOS ignored: `input_len` prompt tokens and `output_len`
+    output tokens each, or per request drawn from `input_dist` / `output_dist`.
 
     Prompts are sent as token-id lists so their length does not depend on a tokenizer. Ids come
     from [token_id_low, token_id_high): low enough to be valid in any vocabulary (the tiny
@@ -35,14 +40,19 @@ def synthetic_requests(
     if not 0 <= token_id_low < token_id_high:
         raise ValueError("--token-id-range needs 0 <= LOW < HIGH")
     rng = random.Random(seed)
+    # Lengths come from their own generator so the same seed gives the same prompts' tokens
+    # whether or not a distribution is used.
+    length_rng = random.Random(f"lengths:{seed}")
+    inputs = input_dist.sample(num_requests, length_rng) if input_dist else [input_len] * num_requests
+    outputs = output_dist.sample(num_requests, length_rng) if output_dist else [output_len] * num_requests
     out = []
     for i in range(num_requests):
-        ids = [rng.randrange(token_id_low, token_id_high) for _ in range(input_len)]
+        ids = [rng.randrange(token_id_low, token_id_high) for _ in range(inputs[i])]
         out.append(BenchRequest(
             request_id=f"synthetic-{i}",
             prompt=ids,
-            params={"max_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
-            meta={"input_len": input_len},
+            params={"max_tokens": outputs[i], "temperature": 0.0, "ignore_eos": True},
+            meta={"input_len": inputs[i], "output_len": outputs[i]},
         ))
     return out
 
