@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Any
 
@@ -193,7 +194,8 @@ def _ablation_main(argv: list[str]) -> int:
     settings = ablation.AblationSettings(
         model=args.model, out_dir=args.out_dir, server_command=args.server_cmd, server_args=args.server_args,
         host=args.host, port=args.port, configs=tuple(x for x in args.configs.split(",") if x),
-        startup_timeout_s=args.startup_timeout, stop_timeout_s=args.stop_timeout, bench=_bench_config(args))
+        startup_timeout_s=args.startup_timeout, stop_timeout_s=args.stop_timeout, bench=_bench_config(args),
+        invocation=shlex.join(["vllm-ling", "bench", "ablation", *argv]))
     try:
         from vllm_ling.serving.bench.runner import validate  # noqa: PLC0415
 
@@ -206,7 +208,8 @@ def _ablation_main(argv: list[str]) -> int:
         print(f"vllm-ling bench ablation: error: {exc}", file=sys.stderr)
         return 1
     print(ablation.ablation_markdown(result["rows"]))
-    print(f"wrote ablation.json, ablation.md and one folder per configuration to {args.out_dir}")
+    print(f"wrote ablation.json, ablation.md, commands.sh and one folder per configuration to {args.out_dir}; "
+          f"compare later with `vllm-ling bench compare {args.out_dir} NEW_FOLDER`")
     return 0
 
 
