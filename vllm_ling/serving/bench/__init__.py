@@ -108,15 +108,20 @@ def bench_command(cfg: BenchConfig) -> list[str]:
     return argv
 
 
-def _run_main(argv: list[str]) -> int:
+def _run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-ling bench run",
-                                description="Benchmark an OpenAI-compatible server (streaming /v1/completions).")
+                                description="Benchmark an OpenAI-compatible server (streaming /v1/completions; "
+                                            "/v1/chat/completions for replay).")
     s = p.add_argument_group("server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
     s.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY if set)")
     s.add_argument("--model", help="model name (default: the first model of /v1/models)")
     _add_workload_args(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def _run_main(argv: list[str]) -> int:
+    args = _run_parser().parse_args(argv)
     from vllm_ling.serving.bench.client import ServerError  # noqa: PLC0415
     from vllm_ling.serving.bench.report import markdown  # noqa: PLC0415
 
