@@ -100,26 +100,12 @@ class StandIn:
         async def send(obj) -> None:
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
-        i = 0
-        while i < len(words):
-            if self.mtp:
-                accepted = ACCEPT_PATTERN[self.step_counter % len(ACCEPT_PATTERN)]
-                self.step_counter += 1
-                self.drafts += 1
-                self.accepted += accepted
-                for p in range(accepted):
-                    self.per_pos[p] += 1
-                n = accepted + 1
-                await asyncio.sleep(self.step_s * 1.7)  # a verify step costs more than a plain one
-            else:
-                n = 1
-                await asyncio.sleep(self.step_s)
-            piece = words[i:i + n]
-            i += n
-            last = i >= len(words)
+        async def emit(piece: list, last: bool) -> None:
             await send({"id": "cmpl-standin", "object": "text_completion", "model": self.model,
                         "choices": [{"index": 0, "text": " ".join(piece),
                                      "finish_reason": finish if last else None}]})
+
+        await self._steps(words, emit)
         await send({"id": "cmpl-standin", "object": "text_completion", "model": self.model, "choices": [],
                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(words),
                               "total_tokens": prompt_tokens + len(words)}})
