@@ -14,7 +14,7 @@ tools: install
 	bash scripts/install_test_tools.sh
 
 demo: install
-	$(PY) -m vllm_ling.serving.demo
+	$(PY) -m vllm_ling.cli.demo
 
 test: install tools
 	bash scripts/run_tests.sh $(PYTEST_ARGS)

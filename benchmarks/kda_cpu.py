@@ -9,8 +9,8 @@ fraction of the host copy bandwidth measured in the same run (one large ``clone`
 write bytes), and the speed-up over the recurrent baseline. Prints a Markdown table and
 writes it to --out.
 
-    python benchmarks/kda_cpu.py                       # 2,048-token prefill, decode batch 8
-    python benchmarks/kda_cpu.py --tokens 512 --heads 32 --head-dim 128
+    python -m benchmarks.kda_cpu                       # 2,048-token prefill, decode batch 8
+    python -m benchmarks.kda_cpu --tokens 512 --heads 32 --head-dim 128
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from vllm_ling.ops import kda  # noqa: E402
+from vllm_ling.ops import kda
 
 
 def median_s(fn, repeats: int) -> float:

@@ -7,12 +7,13 @@ measured in the same run, and the error against fp32 logits of the original BF16
 random vectors (max abs error, argmax agreement, argmax agreement where the fp32 top-1/top-2
 margin exceeds 0.25). Prints a Markdown table and writes it to --out.
 
-    python benchmarks/lm_head.py                 # Ling head 157,184 x 2,560, rows 1 4 16
-    python benchmarks/lm_head.py --sweep         # also time humming tuning / Triton variants
+    python -m benchmarks.lm_head                 # Ling head 157,184 x 2,560, rows 1 4 16
+    python -m benchmarks.lm_head --sweep         # also time humming tuning / Triton variants
 
 ``--sweep`` times hand-written humming tuning configs (derived from humming's own heuristic
 for each row count) and Triton block configs, to fill HEAD_KERNEL_BY_ARCH, TRITON_CONFIGS
-and HUMMING_TUNING_BY_ARCH in vllm_ling/ops/lm_head.py.
+(vllm_ling/ops/lm_head/selection.py, triton_kernel.py) and HUMMING_TUNING_BY_ARCH
+(vllm_ling/ops/lm_head/humming.py).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from vllm_ling.ops import lm_head as L  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import stacked_time_us  # noqa: E402
+from benchmarks.timing import stacked_time_us
+from vllm_ling.ops.lm_head.head import fp8_head_logits, prepare_fp8_head
+from vllm_ling.ops.lm_head.humming import HUMMING_COMPUTE_CONFIG
+from vllm_ling.ops.lm_head.quantize import quantize_fp8_per_channel
+from vllm_ling.ops.lm_head.reference import fp8_reference_logits
+from vllm_ling.ops.lm_head.selection import kernel_unavailable_reason
+from vllm_ling.ops.lm_head.triton_kernel import TritonHeadConfig, triton_logits
 
 MARGIN = 0.25
 
@@ -103,11 +105,11 @@ def diagnostics(states, q, scale, hidden) -> list[str]:
     kernel-only error (BF16 output rounding) it is, and whether repeated calls are bitwise equal."""
     lines = []
     x = hidden[:16]
-    ref8 = L.fp8_reference_logits(x, q, scale)
-    mag = L.fp8_reference_logits(x.float().abs(), q.float().abs().to(torch.float8_e4m3fn), scale)
+    ref8 = fp8_reference_logits(x, q, scale)
+    mag = fp8_reference_logits(x.float().abs(), q.float().abs().to(torch.float8_e4m3fn), scale)
     for name, state in states.items():
-        got = L.fp8_head_logits(x, state).float()
-        again = L.fp8_head_logits(x, state).float()
+        got = fp8_head_logits(x, state).float()
+        again = fp8_head_logits(x, state).float()
         err = (got - ref8).abs()
         rel_out = (err / ref8.abs().clamp_min(1e-3))[ref8.abs() > 1.0]
         rel_mag = err / mag.clamp_min(1e-30)
@@ -151,8 +153,8 @@ def humming_sweep_candidates(state, rows: int) -> list[tuple[str, dict]]:
     return out
 
 
-def triton_sweep_candidates(rows: int) -> list[L.TritonHeadConfig]:
-    C = L.TritonHeadConfig
+def triton_sweep_candidates(rows: int) -> list[TritonHeadConfig]:
+    C = TritonHeadConfig
     out = []
     if rows == 1:
         for bn, bk, warps, stages in [(16, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 2, 3), (16, 1024, 4, 2),
@@ -193,26 +195,26 @@ def main(argv=None) -> int:
 
     w_bf16 = (torch.randn((V, H), device=dev, generator=gen) * 0.02).to(torch.bfloat16)
     w_fp32 = w_bf16.float()
-    q, scale = L.quantize_fp8_per_channel(w_bf16)
+    q, scale = quantize_fp8_per_channel(w_bf16)
     err_hidden = torch.randn((args.error_vectors, H), device=dev, generator=gen).to(torch.bfloat16)
     ref = err_hidden.float() @ w_fp32.t()
 
     states = {}
     notes = []
     for kernel in ("humming", "humming-heuristic", "triton", "scaled_mm"):
-        why_not = L.kernel_unavailable_reason(kernel.split("-")[0], dev)
+        why_not = kernel_unavailable_reason(kernel.split("-")[0], dev)
         if why_not:
             notes.append(f"{kernel}: not run ({why_not})")
             continue
         t0 = time.perf_counter()
         try:
             if kernel == "humming-heuristic":
-                states[kernel] = L.prepare_fp8_head(q, scale, "humming", humming_tuning="heuristic")
+                states[kernel] = prepare_fp8_head(q, scale, "humming", humming_tuning="heuristic")
             else:
-                states[kernel] = L.prepare_fp8_head(q, scale, kernel)
-            L.fp8_head_logits(err_hidden[:1], states[kernel])  # JIT
+                states[kernel] = prepare_fp8_head(q, scale, kernel)
+            fp8_head_logits(err_hidden[:1], states[kernel])  # JIT
             for rows in args.rows:
-                L.fp8_head_logits(err_hidden[:rows], states[kernel])
+                fp8_head_logits(err_hidden[:rows], states[kernel])
             torch.cuda.synchronize()
         except Exception as exc:  # report, keep benchmarking the others
             traceback.print_exc()
@@ -240,12 +242,12 @@ def main(argv=None) -> int:
               "scaled_mm": "FP8 torch._scaled_mm row-wise + act quant"}
     for kernel, state in states.items():
         scale_bytes = state.scale.numel() * state.scale.element_size()
-        variants.append((labels[kernel], (lambda s: lambda x: L.fp8_head_logits(x, s))(state),
+        variants.append((labels[kernel], (lambda s: lambda x: fp8_head_logits(x, s))(state),
                          V * H + scale_bytes, kernel))
     if "triton" in states:  # the lever left off by default (fp16 range), for the record
-        fp16_cfg = L.TritonHeadConfig(16, 64, 128, True, 2, 4, dot_fp16=True)
+        fp16_cfg = TritonHeadConfig(16, 64, 128, True, 2, 4, dot_fp16=True)
         variants.append(("FP8 Triton, fp16 tensor-core inputs (not default)",
-                         lambda x: L._triton_logits(x, states["triton"], None, fp16_cfg),
+                         lambda x: triton_logits(x, states["triton"], None, fp16_cfg),
                          V * H + V * 4, "triton"))
 
     if not args.skip_main:
@@ -292,7 +294,7 @@ def run_sweep(args, states, w_bf16, err_hidden, ref, gen) -> list[dict]:
         for rows in args.rows:
             x = torch.randn((rows, H), device=dev, generator=gen).to(torch.bfloat16)
             for cfg in triton_sweep_candidates(rows):
-                fn = (lambda c: lambda inp: L._triton_logits(inp, state, None, c))(cfg)
+                fn = (lambda c: lambda inp: triton_logits(inp, state, None, c))(cfg)
                 try:
                     us = cuda_graph_us(lambda: fn(x))
                     errs = error_stats(fn, rows, err_hidden[:16], ref[:16])
@@ -317,7 +319,7 @@ def run_sweep(args, states, w_bf16, err_hidden, ref, gen) -> list[dict]:
         def compile_one(job):
             rows, name, tuning = job
             try:
-                HummingKernel.prepare_kernels(state.extra["layer_config"], L._HUMMING_COMPUTE_CONFIG, tuning,
+                HummingKernel.prepare_kernels(state.extra["layer_config"], HUMMING_COMPUTE_CONFIG, tuning,
                                               dev.index or 0)
                 return None
             except Exception as exc:
@@ -334,7 +336,7 @@ def run_sweep(args, states, w_bf16, err_hidden, ref, gen) -> list[dict]:
 
             def fn(inp, tuning=tuning):
                 return humming.ops.humming_gemm(
-                    layer_config=state.extra["layer_config"], compute_config=L._HUMMING_COMPUTE_CONFIG,
+                    layer_config=state.extra["layer_config"], compute_config=HUMMING_COMPUTE_CONFIG,
                     tuning_config=tuning, inputs=inp.contiguous(), weight=state.weight,
                     weight_scale=state.scale, locks=state.extra["locks"])
 

@@ -3,7 +3,7 @@
 
 "humming W4A16" / "humming W4A8" rows are humming's indexed GEMM at every batch size
 (decode="off"); the "default" row is what the server runs (decode kernels of
-vllm_ling.ops.moe_decode for <= 32 tokens, the GEMM above; their levers are in
+vllm_ling.ops.moe.decode for <= 32 tokens, the GEMM above; their levers are in
 benchmarks/moe_decode.py).
 
 Measures, in one run:
@@ -40,11 +40,14 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-from timing import stacked_time_us  # noqa: E402  (benchmarks/timing.py)
+from benchmarks.timing import stacked_time_us
+from vllm_ling.ops.moe.activation import swiglu
+from vllm_ling.ops.moe.humming import DEFAULT_DECODE_MAX_TOKENS, HummingMxfp4Experts, humming_status
+from vllm_ling.ops.moe.warmup import random_mxfp4_experts
+
+REPO = Path(__file__).resolve().parents[1]
 
 E, H, I, TOP_K = 512, 2560, 768, 8
 TOKENS = (1, 4, 16)
@@ -142,8 +145,6 @@ def dequantized_bf16(tensors, dev, chunk: int = 32):
 
 
 def naive_bf16_forward(w13, w2):
-    from vllm_ling.ops.moe import swiglu
-
     def fwd(x, w, ids):
         T, k = ids.shape
         flat = ids.reshape(-1).long()
@@ -158,15 +159,15 @@ def naive_bf16_forward(w13, w2):
 JIT_CODE = r"""
 import json, sys, time
 t0 = time.perf_counter()
-sys.path.insert(0, sys.argv[1])
-from vllm_ling.ops import moe
+from vllm_ling.ops.moe.humming import humming_status
+from vllm_ling.ops.moe.warmup import warmup_kernels
 res = {}
 for w4a8 in (False, True):
-    ok, reason = moe.humming_status(w4a8=w4a8)
+    ok, reason = humming_status(w4a8=w4a8)
     if not ok:
         res["W4A8" if w4a8 else "W4A16"] = {"skipped": reason}
         continue
-    r = moe.warmup_kernels(2560, 768, 512, 8, token_counts=(1, 4, 16), w4a8=w4a8)
+    r = warmup_kernels(2560, 768, 512, 8, token_counts=(1, 4, 16), w4a8=w4a8)
     res["W4A8" if w4a8 else "W4A16"] = r
 res["process_seconds"] = time.perf_counter() - t0
 print("JIT_RESULT " + json.dumps(res))
@@ -178,7 +179,7 @@ def run_jit_process(cache_dir: Path) -> dict:
     env.pop("HUMMING_CACHE_DIR", None)
     env.pop("HUMMING_TMP_DIR", None)
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", JIT_CODE, str(REPO)], env=env, capture_output=True,
+    res = subprocess.run([sys.executable, "-c", JIT_CODE], env=env, capture_output=True,
                          text=True, timeout=400)
     wall = time.perf_counter() - t0
     for line in res.stdout.splitlines():
@@ -300,11 +301,10 @@ def main(argv=None) -> int:
             save()
 
     os.environ["VLLM_LING_HUMMING_CACHE"] = str(cache)
-    from vllm_ling.ops import moe
     from vllm_ling.versions import humming_version
 
     results["humming_version"] = humming_version()
-    tensors = moe.random_mxfp4_experts(E, H, I, device=dev, seed=0)
+    tensors = random_mxfp4_experts(E, H, I, device=dev, seed=0)
     inputs = {T: make_routings(T, args.routings, 10 + T, dev) for T in TOKENS}
 
     deq = dequantized_bf16(tensors, dev)
@@ -325,11 +325,11 @@ def main(argv=None) -> int:
 
     experts = {}
     for mode, w4a8 in (("W4A16", False), ("W4A8", True)):
-        ok, reason = moe.humming_status(w4a8=w4a8)
+        ok, reason = humming_status(w4a8=w4a8)
         if not ok:
             results["notes"].append(f"{mode} skipped: {reason}")
             continue
-        experts[mode] = moe.HummingMxfp4Experts(**tensors, w4a8=w4a8, decode="off")
+        experts[mode] = HummingMxfp4Experts(**tensors, w4a8=w4a8, decode="off")
         ex = experts[mode]
         results.setdefault("tuning", {})[mode] = {
             T: {sub: ex.plan(T * TOP_K)[sub] for sub in ("w13", "w2")} for T in TOKENS}
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
             log(f"humming {mode} T={T}: {us:.1f} us")
         save()
         if mode == "W4A16":  # what a server runs: decode kernels up to 32 tokens, the GEMM above
-            default = moe.HummingMxfp4Experts(**tensors, top_k=TOP_K)
+            default = HummingMxfp4Experts(**tensors, top_k=TOP_K)
             for T in TOKENS:
                 us = time_fn(default, inputs[T], args.iters)
                 mb = distinct_bytes(inputs[T]) / 1e6
@@ -448,25 +448,25 @@ def main(argv=None) -> int:
     if args.stacked_layers and "W4A16" in experts:
         del experts
         torch.cuda.empty_cache()
-        results["stacked"] = stacked_rows(moe, inputs, args.stacked_layers, args.iters, dev)
+        results["stacked"] = stacked_rows(inputs, args.stacked_layers, args.iters, dev)
         results["stacked_layers"] = args.stacked_layers
         save()
     print(markdown(results))
     return 0
 
 
-def stacked_rows(moe, inputs, n_layers: int, iters: int, dev) -> list[dict]:
+def stacked_rows(inputs, n_layers: int, iters: int, dev) -> list[dict]:
     """humming's GEMM and the default path with ``n_layers`` distinct layers (own weights, own
     routing) captured back to back in one CUDA graph: graph time / n_layers, what a decode step
     replays (a one-layer graph also carries part of the graph launch)."""
-    layers = [moe.HummingMxfp4Experts(**moe.random_mxfp4_experts(E, H, I, device=dev, seed=100 + i), top_k=TOP_K)
+    layers = [HummingMxfp4Experts(**random_mxfp4_experts(E, H, I, device=dev, seed=100 + i), top_k=TOP_K)
               for i in range(n_layers)]
     rows = []
     for T in TOKENS:
         routes = [inputs[T][i % len(inputs[T])] for i in range(n_layers)]
         mb = distinct_bytes(routes) / 1e6
         # the dispatch by batch size happens at capture: 0 sends every batch to humming's GEMM
-        for path, max_tokens in (("humming W4A16", 0), (DEFAULT_PATH, moe.DEFAULT_DECODE_MAX_TOKENS)):
+        for path, max_tokens in (("humming W4A16", 0), (DEFAULT_PATH, DEFAULT_DECODE_MAX_TOKENS)):
             for layer in layers:
                 layer.decode_max_tokens = max_tokens
             us = stacked_time_us([functools.partial(layer, *r) for layer, r in zip(layers, routes)], iters)

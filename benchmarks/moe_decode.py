@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""MoE decode kernels (vllm_ling.ops.moe_decode) vs humming's GEMM, one Ling MoE layer (H200).
+"""MoE decode kernels (vllm_ling.ops.moe.decode) vs humming's GEMM, one Ling MoE layer (H200).
 
-Per-layer time of the routed experts for 1, 2, 4, 8, 16 and 32 tokens (32 is above the
-default dispatch threshold, VLLM_LING_MOE_DECODE_MAX_TOKENS=16: it shows the crossover):
+Per-layer time of the routed experts for 1, 2, 4, 8, 16 and 32 tokens (32 is the default
+dispatch threshold, VLLM_LING_MOE_DECODE_MAX_TOKENS):
 - "stacked": N distinct layers (own weights, own routing) captured back to back in one CUDA
   graph, time / N -- what a decode step sees, and the figure the targets apply to; "single":
   one layer per graph (adds the graph launch);
@@ -25,17 +25,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.moe import PER_EXPERT_BYTES, copy_bandwidth_gbs, log
+from benchmarks.timing import stacked_time_us
+from vllm_ling.ops.moe.decode.layouts import HummingLayoutDecode, PackedLayoutDecode
+from vllm_ling.ops.moe.decode.shapes import (HummingDecodeConfig, PackedDecodeConfig, RegisterDown,
+                                             StreamedGateUp)
+from vllm_ling.ops.moe.humming import HummingMxfp4Experts
+from vllm_ling.ops.moe.reference import experts_reference
+from vllm_ling.ops.moe.warmup import random_mxfp4_experts
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from moe import PER_EXPERT_BYTES, copy_bandwidth_gbs, log  # noqa: E402
-from timing import stacked_time_us  # noqa: E402
-
-from vllm_ling.ops import moe  # noqa: E402
-from vllm_ling.ops.moe_decode import (HummingDecodeConfig, HummingLayoutDecode,  # noqa: E402
-                                      PackedDecodeConfig, PackedLayoutDecode, RegisterDown,
-                                      StreamedGateUp)
 
 E, H, I, K = 512, 2560, 768, 8
 TARGET_US = {1: 20.0, 4: 45.0}
@@ -88,9 +87,9 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth_gbs(dev)
     log(f"copy bandwidth {bw:,.0f} GB/s; building {args.layers} layers")
-    raw = [moe.random_mxfp4_experts(E, H, I, dev, seed=i) for i in range(args.layers)]
+    raw = [random_mxfp4_experts(E, H, I, dev, seed=i) for i in range(args.layers)]
     fused = [PackedLayoutDecode(**t, top_k=K) for t in raw]
-    humming = [moe.HummingMxfp4Experts(**t, decode="off") for t in raw]
+    humming = [HummingMxfp4Experts(**t, decode="off") for t in raw]
     hl = [HummingLayoutDecode(h, K) for h in humming]
     ref_tensors = raw[0]
     del raw
@@ -128,7 +127,7 @@ def main() -> int:
                                   for f, a, (_, w, ids) in zip(impl, acts, inputs)], args.iters)
             steps.append((label, T, gu, dn))
         x, w, ids = inputs[0]
-        ref = moe.experts_reference(x, ref_tensors["w13_weight"], ref_tensors["w2_weight"], w, ids, None,
+        ref = experts_reference(x, ref_tensors["w13_weight"], ref_tensors["w2_weight"], w, ids, None,
                                     w13_scale=ref_tensors["w13_weight_scale"],
                                     w2_scale=ref_tensors["w2_weight_scale"])
         for label, layer in (("humming W4A16", humming[0]), ("decode kernels, packed copy", fused[0]),

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 if ! command -v prometheus >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
-      || echo "WARNING: could not install Debian's prometheus; tests/serving/test_prometheus_e2e.py will fail" >&2
+      || echo "WARNING: could not install Debian's prometheus; tests/runtime/test_prometheus_e2e.py will fail" >&2
   else
     echo "WARNING: prometheus missing and not root; install Debian's prometheus package" >&2
   fi

@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """The hybrid tiny checkpoint: KDA + MLA layers, MoE, one NEXTN layer, -fp4 format."""
-    from vllm_ling.serving.tiny_checkpoint import make_tiny
+    from vllm_ling.models.tiny_checkpoint import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
@@ -36,7 +36,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mla_checkpoint(tmp_path_factory) -> Path:
     """All-MLA variant (vLLM-CPU runs MTP on it)."""
-    from vllm_ling.serving.tiny_checkpoint import make_tiny
+    from vllm_ling.models.tiny_checkpoint import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("ckpt") / "tiny_mla", seed=0, all_mla=True)
 

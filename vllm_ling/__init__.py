@@ -8,6 +8,6 @@ __version__ = "0.1.0"
 
 
 def register() -> None:
-    from vllm_ling.serving.plugin import register as _register
+    from vllm_ling.plugin import register as _register
 
     _register()

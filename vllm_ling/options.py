@@ -1,120 +1,349 @@
-"""vllm-ling's switches, read from the environment in every vLLM process.
+"""Every ``VLLM_LING_*`` variable, declared once: name, type, default, choices, help, scope.
 
-Environment variables (not CLI flags) because vLLM's engine-core and worker
-processes inherit them, while extra CLI flags would not reach them. Each has a
-documented default; a malformed value is an error naming the variable.
+Environment variables (not CLI flags) because vLLM's engine-core and worker processes inherit
+them, while extra CLI flags would not reach them. Everything in vllm-ling reads its settings
+through :func:`read` (or :class:`LingOptions` for the plugin's switches); the known-variable
+check, ``vllm-ling serve``'s flags and ``--print-command``, ``vllm-ling warmup`` and the
+README's switch table all come from :data:`OPTIONS` (a test compares the README with it).
 
-| variable | default | meaning |
-|---|---|---|
-| VLLM_LING_MOE_BACKEND | humming | ``humming``: our Humming MXFP4 MoE (reference path on CPU); ``vllm``: opt out, vLLM picks (logged at WARNING, reported) |
-| VLLM_LING_MOE_DECODE | auto | batches of at most VLLM_LING_MOE_DECODE_MAX_TOKENS tokens: ``auto`` fused decode kernels on humming's weights where they run (sm_90+, W4A16; otherwise logged at WARNING and reported), ``copy`` on a second GEMV-packed copy of the experts (fastest, twice the expert memory), ``off`` humming's GEMM always |
-| VLLM_LING_MOE_DECODE_MAX_TOKENS | 32 | largest batch (tokens) that takes the decode kernels (they beat humming's GEMM up to 32 tokens on the H200, the largest batch measured); 0..4096 |
-| VLLM_LING_MOE_W4A8 | 0 | ``1``: humming MoE with FP8 e4m3 per-token activations (the study's "W4A8"; sm_89+, an error elsewhere) |
-| VLLM_LING_FP8_HEAD | 1 | FP8 online-quantized target LM head; ``0`` opts out (BF16 head) |
-| VLLM_LING_MTP | 1 | default NEXTN MTP speculation when the user gives no speculative config; ``0`` off |
-| VLLM_LING_NUM_SPEC_TOKENS | 3 | draft tokens per step for the default MTP config |
-| VLLM_LING_VERIFY | strict | startup verification policy: strict (refuse to serve), warn, off |
-| VLLM_LING_REPORT_PATH | per-server temp file | where the worker writes its JSON verification report (set by the plugin before vLLM spawns processes) |
-| VLLM_LING_HUMMING_CACHE | ~/.cache/vllm-ling/humming | humming JIT cache |
+Scopes:
+
+- ``plugin``: read inside vLLM's processes (engine core, workers, API server). ``vllm-ling
+  serve`` exports them explicitly so the printed command is the whole configuration.
+- ``launcher``: read by ``vllm-ling serve`` / ``warmup`` only; most become ``vllm serve`` flags.
+- ``test``: diagnostics for the test suite; never set them in production.
+
+A malformed value is an error naming the variable. This module imports nothing heavy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import enum
 import os
+from typing import Any, Mapping
 
-MOE_BACKENDS = ("humming", "vllm")
-MOE_DECODE_MODES = ("auto", "copy", "off")  # vllm_ling.ops.moe.DECODE_MODES (no torch import here)
-MOE_DECODE_MAX_TOKENS = 32  # vllm_ling.ops.moe.DEFAULT_DECODE_MAX_TOKENS
-# the decode kernels launch one grid row per (token, top-k slot): tokens x top_k (<= 8) must stay
-# within CUDA's 65535 grid rows; past ~32 tokens humming's GEMM is the faster path anyway
-MOE_DECODE_MAX_TOKENS_LIMIT = 4096
-VERIFY_POLICIES = ("strict", "warn", "off")
+PREFIX = "VLLM_LING_"
 
 
 class LingOptionError(ValueError):
-    pass
+    """A malformed ``VLLM_LING_*`` value; the message names the variable."""
 
 
-# Variables read elsewhere in the package (metrics guard, kernels, smoke check, diagnostics).
-_OTHER_ENV_VARS = (
-    "VLLM_LING_HUMMING_CACHE", "VLLM_LING_LM_HEAD_KERNEL", "VLLM_LING_ACCEPT_WINDOW",
-    "VLLM_LING_ACCEPT_BREAK_EVEN", "VLLM_LING_SMOKE", "VLLM_LING_SMOKE_MIN_ACCEPT",
-    "VLLM_LING_NEGATIVE_CONTROL",  # test-only: rebuilds the weight-only head trap on purpose
+class Choice(str, enum.Enum):
+    """A choice that prints, formats and serialises as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class MoeBackend(Choice):
+    HUMMING = "humming"  # our Humming MXFP4 method (plain-PyTorch reference on CPU)
+    VLLM = "vllm"        # opt out: vLLM picks its own MXFP4 MoE backend
+
+
+class MoePath(Choice):
+    """What serves a Ling routed-expert layer (the report's ``moe_backend``): not an option."""
+
+    HUMMING = "humming"
+    REFERENCE = "reference"  # plain PyTorch, CPU platform only
+    VLLM = "vllm"            # opted out: vLLM's own MXFP4 backend
+
+
+class MoeDecode(Choice):
+    AUTO = "auto"  # fused decode kernels on humming's own weights where they run
+    COPY = "copy"  # fused decode kernels on a second, GEMV-packed copy of the experts
+    OFF = "off"    # humming's GEMM for every batch
+
+
+class VerifyPolicy(Choice):
+    STRICT = "strict"  # refuse to serve on a failed check
+    WARN = "warn"      # log and serve
+    OFF = "off"        # skip the checks
+
+
+class HeadKernel(Choice):
+    HUMMING = "humming"
+    TRITON = "triton"
+    SCALED_MM = "scaled_mm"
+    TORCH = "torch"
+
+
+class Scope(Choice):
+    PLUGIN = "plugin"
+    LAUNCHER = "launcher"
+    TEST = "test"
+
+
+# The decode kernels launch one grid row per (token, top-k slot): tokens x top_k (<= 8) must
+# stay within CUDA's 65535 grid rows.
+MOE_DECODE_MAX_TOKENS_LIMIT = 4096
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One variable. ``kind``: bool, int, float, str, choice (``choices`` an Enum), int_list.
+
+    ``serve_flag``: ``vllm-ling serve`` takes it as ``--<name>`` too (flag > variable > default).
+    ``vllm_flag``: the resolved value becomes that ``vllm serve`` argument.
+    ``gpu_only``: dropped from the ``vllm serve`` command on the CPU platform.
+    """
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    scope: Scope = Scope.PLUGIN
+    choices: type[enum.Enum] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    serve_flag: bool = False
+    vllm_flag: str | None = None
+    gpu_only: bool = False
+    default_text: str | None = None  # when the default is computed elsewhere
+
+    @property
+    def short(self) -> str:
+        """``VLLM_LING_MOE_BACKEND`` -> ``moe_backend``."""
+        return self.name[len(PREFIX):].lower()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.short.replace("_", "-")
+
+    def shown_default(self) -> str:
+        if self.default_text is not None:
+            return self.default_text
+        if self.default is None:
+            return "unset"
+        if isinstance(self.default, enum.Enum):
+            return self.default.value
+        if self.kind == "bool":
+            return "1" if self.default else "0"
+        if self.kind == "int_list":
+            return ",".join(str(v) for v in self.default)
+        return str(self.default)
+
+    def parse(self, raw: str) -> Any:
+        """The typed value of ``raw``; :class:`LingOptionError` naming the variable if malformed."""
+        text = raw.strip()
+        if self.kind == "bool":
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise LingOptionError(f"{self.name}={raw!r} is not a boolean (use 1/0, true/false, on/off)")
+        if self.kind == "choice":
+            assert self.choices is not None
+            values = [c.value for c in self.choices]
+            if text.lower() not in values:
+                raise LingOptionError(f"{self.name}={raw!r}: expected one of {', '.join(values)}")
+            return self.choices(text.lower())
+        if self.kind in ("int", "float"):
+            try:
+                value = int(text) if self.kind == "int" else float(text)
+            except ValueError:
+                value = None
+            if value is None or value != value or value in (float("inf"), float("-inf")):
+                kind = "an integer" if self.kind == "int" else "a finite number"
+                raise LingOptionError(f"{self.name}={raw!r} is not {kind}")
+            self._check_range(value)
+            return value
+        if self.kind == "int_list":
+            try:
+                values = sorted({int(x) for x in text.split(",") if x.strip()})
+            except ValueError:
+                raise LingOptionError(f"{self.name}={raw!r}: expected comma-separated integers") from None
+            if not values:
+                raise LingOptionError(f"{self.name}={raw!r}: expected at least one integer")
+            for v in values:
+                self._check_range(v)
+            return tuple(values)
+        return text
+
+    def _check_range(self, value: float) -> None:
+        if self.minimum is not None and value < self.minimum:
+            raise LingOptionError(f"{self.name}={value} must be >= {self.minimum:g}")
+        if self.maximum is not None and value > self.maximum:
+            raise LingOptionError(f"{self.name}={value} must be <= {self.maximum:g}")
+
+    def as_text(self, value: Any) -> str:
+        """How a typed value is written back into the environment / a command line."""
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        if isinstance(value, (tuple, list)):
+            return ",".join(str(v) for v in value)
+        return str(value)
+
+
+_P, _L, _T = Scope.PLUGIN, Scope.LAUNCHER, Scope.TEST
+
+OPTIONS: tuple[Option, ...] = (
+    # ---- the plugin's switches (read in every vLLM process)
+    Option("VLLM_LING_MOE_BACKEND", "choice", MoeBackend.HUMMING,
+           "`humming`: our Humming MXFP4 MoE (plain-PyTorch reference on CPU); `vllm` opts out: "
+           "vLLM picks the MXFP4 MoE backend (one WARNING, reported)",
+           choices=MoeBackend, serve_flag=True),
+    Option("VLLM_LING_MOE_DECODE", "choice", MoeDecode.AUTO,
+           "batches of at most VLLM_LING_MOE_DECODE_MAX_TOKENS tokens: `auto` two fused decode "
+           "kernels on humming's own weights (sm_90+, W4A16; where they cannot run: one WARNING, "
+           "reported); `copy` on a second GEMV-packed copy of the experts (fastest, **twice the "
+           "routed-expert memory**); `off` humming's GEMM always",
+           choices=MoeDecode, serve_flag=True),
+    Option("VLLM_LING_MOE_DECODE_MAX_TOKENS", "int", 32,
+           "largest batch (tokens) that takes the decode kernels (crossover measured on the "
+           "H200: benchmarks/results/moe_decode_h200.md)",
+           minimum=0, maximum=MOE_DECODE_MAX_TOKENS_LIMIT, serve_flag=True),
+    Option("VLLM_LING_MOE_W4A8", "bool", False,
+           "`1`: humming MoE with FP8 per-token activations (the study's W4A8; sm_89+, an "
+           "error elsewhere)", serve_flag=True),
+    Option("VLLM_LING_FP8_HEAD", "bool", True,
+           "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
+           "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
+           serve_flag=True),
+    Option("VLLM_LING_LM_HEAD_KERNEL", "choice", None,
+           "force the FP8 head kernel (default: chosen per GPU architecture by measurement)",
+           choices=HeadKernel, default_text="per GPU"),
+    Option("VLLM_LING_MTP", "bool", True,
+           "`0`: no default speculation; any `--speculative-config` wins", serve_flag=True),
+    Option("VLLM_LING_NUM_SPEC_TOKENS", "int", 3, "draft tokens of the default MTP config",
+           minimum=1, serve_flag=True),
+    Option("VLLM_LING_VERIFY", "choice", VerifyPolicy.STRICT,
+           "startup verification (and `vllm-ling serve`'s smoke check): `strict` refuses to "
+           "serve, `warn`, `off`", choices=VerifyPolicy, serve_flag=True),
+    Option("VLLM_LING_REPORT_PATH", "str", None, "JSON verification report",
+           serve_flag=True, default_text="per-server file"),
+    Option("VLLM_LING_HUMMING_CACHE", "str", None,
+           "humming JIT cache (shared safely by several processes)",
+           serve_flag=True, default_text="~/.cache/vllm-ling/humming"),
+    Option("VLLM_LING_ACCEPT_WINDOW", "int", 256,
+           "drafts in the windowed accept length behind the collapse guard", minimum=1),
+    Option("VLLM_LING_ACCEPT_BREAK_EVEN", "float", 2.26,
+           "accept length below which the guard reports a collapse (the study's verify cost "
+           "in decode steps at batch 1)", minimum=1.0),
+    # ---- vllm-ling serve / warmup only
+    Option("VLLM_LING_MODEL", "str", "/models/Ling-3.0-flash-fp4",
+           "checkpoint directory or HF id (the MODEL argument wins)", scope=_L),
+    Option("VLLM_LING_DEVICE", "choice", None, "auto (CUDA if present, else CPU), cuda or cpu",
+           scope=_L, default_text="auto"),
+    Option("VLLM_LING_API_KEY_FILE", "str", None,
+           "file holding the API key for /v1; exported as VLLM_API_KEY, never on the command line",
+           scope=_L),
+    Option("VLLM_LING_HOST", "str", "0.0.0.0", "address the API server binds", scope=_L,
+           serve_flag=True, vllm_flag="--host"),
+    Option("VLLM_LING_PORT", "int", 8000, "API server port", scope=_L, minimum=1, maximum=65535,
+           serve_flag=True, vllm_flag="--port"),
+    Option("VLLM_LING_SERVED_MODEL_NAME", "str", None,
+           "model name clients send", scope=_L, serve_flag=True,
+           vllm_flag="--served-model-name", default_text="the model directory's name"),
+    # 0.85: the Spark's 128 GB are shared with the OS, the CPU side of vLLM and page cache;
+    # vLLM's default 0.9 leaves too little headroom on unified memory.
+    Option("VLLM_LING_GPU_MEMORY_UTILIZATION", "float", 0.85,
+           "fraction of (unified) GPU memory vLLM may use", scope=_L, minimum=0.0, maximum=1.0,
+           serve_flag=True, vllm_flag="--gpu-memory-utilization", gpu_only=True),
+    Option("VLLM_LING_MAX_MODEL_LEN", "int", 32768,
+           "context length (capped at the model's max_position_embeddings)", scope=_L, minimum=1,
+           serve_flag=True, vllm_flag="--max-model-len"),
+    Option("VLLM_LING_MAX_NUM_SEQS", "int", None, "maximum concurrent sequences", scope=_L,
+           minimum=1, serve_flag=True, vllm_flag="--max-num-seqs", default_text="vLLM's"),
+    Option("VLLM_LING_TENSOR_PARALLEL_SIZE", "int", 1, "tensor-parallel size (2 for two Sparks)",
+           scope=_L, minimum=1, serve_flag=True, vllm_flag="--tensor-parallel-size"),
+    Option("VLLM_LING_PIPELINE_PARALLEL_SIZE", "int", 1, "pipeline-parallel size", scope=_L,
+           minimum=1, serve_flag=True, vllm_flag="--pipeline-parallel-size"),
+    Option("VLLM_LING_DISTRIBUTED_EXECUTOR_BACKEND", "str", None,
+           "`ray` for multi-node serving", scope=_L, serve_flag=True,
+           vllm_flag="--distributed-executor-backend", default_text="vLLM's choice"),
+    Option("VLLM_LING_SMOKE", "bool", True,
+           "`vllm-ling serve`'s smoke generation through draft/verify after startup", scope=_L),
+    Option("VLLM_LING_SMOKE_MIN_ACCEPT", "float", 1.5,
+           "smoke check threshold on the accept length of one greedy generation", scope=_L,
+           minimum=1.0),
+    Option("VLLM_LING_WARMUP_TOKEN_COUNTS", "int_list",
+           (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+           "MoE token counts `vllm-ling warmup` compiles for", scope=_L, minimum=1),
+    Option("VLLM_LING_WARMUP_ROW_COUNTS", "int_list", (1, 2, 4, 8, 16, 32, 64, 128, 256),
+           "LM-head row counts `vllm-ling warmup` compiles for", scope=_L, minimum=1),
+    # ---- tests only
+    Option("VLLM_LING_NEGATIVE_CONTROL", "str", None,
+           "`weight_only_head` rebuilds the upstream head-sharing trap on purpose (tests)",
+           scope=_T),
 )
+
+BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+_DEVICES = ("auto", "cuda", "cpu")
+
+
+def option(name: str) -> Option:
+    return BY_NAME[name]
+
+
+def read(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The typed value of one variable (its default when unset or empty)."""
+    opt = BY_NAME[name]
+    raw = (os.environ if env is None else env).get(name)
+    if raw is None or raw.strip() == "":
+        return opt.default
+    if name == "VLLM_LING_DEVICE":
+        if raw.strip() not in _DEVICES:
+            raise LingOptionError(f"{name}={raw!r}: expected one of {', '.join(_DEVICES)}")
+        return raw.strip()
+    return opt.parse(raw)
 
 
 def known_env_vars() -> set[str]:
-    """Every VLLM_LING_* variable vllm-ling reads (the launcher's VLLM_LING_<OPTION> too)."""
-    from vllm_ling.serving.launch import ENV_PREFIX, SERVE_OPTIONS
-
-    names = {f.name for f in dataclasses.fields(LingOptions)}
-    known = {"VLLM_LING_" + n.upper() for n in names} | set(_OTHER_ENV_VARS)
-    known |= {ENV_PREFIX + o.name.upper() for o in SERVE_OPTIONS}
-    known |= {ENV_PREFIX + n for n in ("MODEL", "DEVICE", "API_KEY_FILE")}
-    return known
+    return set(BY_NAME)
 
 
-def _bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise LingOptionError(f"{name}={raw!r} is not a boolean (use 1/0, true/false, on/off)")
+def closest_known(name: str) -> str | None:
+    """The declared variable a misspelt ``name`` most likely meant."""
+    # compare what follows the shared prefix, or every name would look alike
+    shorts = {o.short.upper(): o.name for o in OPTIONS}
+    match = difflib.get_close_matches(name.removeprefix(PREFIX), list(shorts), n=1, cutoff=0.7)
+    return shorts[match[0]] if match else None
 
 
-def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    value = raw.strip().lower()
-    if value not in choices:
-        raise LingOptionError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
-    return value
+def markdown_table() -> str:
+    """The README's switch table (tests/test_options.py keeps the README equal to this)."""
+    lines = ["| variable | default | read by | meaning |", "|---|---|---|---|"]
+    for o in OPTIONS:
+        if o.scope is Scope.TEST:
+            continue
+        where = "vLLM processes" if o.scope is Scope.PLUGIN else "`vllm-ling serve`/`warmup`"
+        flag = f" (`{o.flag}`)" if o.serve_flag else ""
+        lines.append(f"| `{o.name}`{flag} | `{o.shown_default()}` | {where} | {o.help} |")
+    return "\n".join(lines)
 
 
-def _int(name: str, default: int, minimum: int, maximum: int | None = None, why_max: str = "") -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise LingOptionError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise LingOptionError(f"{name}={value} must be >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise LingOptionError(f"{name}={value} must be <= {maximum} ({why_max})")
-    return value
+def plugin_options() -> tuple[Option, ...]:
+    return tuple(o for o in OPTIONS if o.scope is Scope.PLUGIN)
+
+
+def serve_options() -> tuple[Option, ...]:
+    return tuple(o for o in OPTIONS if o.serve_flag)
 
 
 @dataclasses.dataclass(frozen=True)
 class LingOptions:
-    moe_backend: str = "humming"
-    moe_w4a8: bool = False
-    moe_decode: str = "auto"
-    moe_decode_max_tokens: int = MOE_DECODE_MAX_TOKENS
-    fp8_head: bool = True
-    mtp: bool = True
-    num_spec_tokens: int = 3
-    verify: str = "strict"
-    report_path: str | None = None
+    """The plugin's switches as one value, read from the environment in every vLLM process."""
+
+    moe_backend: MoeBackend = BY_NAME["VLLM_LING_MOE_BACKEND"].default
+    moe_w4a8: bool = BY_NAME["VLLM_LING_MOE_W4A8"].default
+    moe_decode: MoeDecode = BY_NAME["VLLM_LING_MOE_DECODE"].default
+    moe_decode_max_tokens: int = BY_NAME["VLLM_LING_MOE_DECODE_MAX_TOKENS"].default
+    fp8_head: bool = BY_NAME["VLLM_LING_FP8_HEAD"].default
+    mtp: bool = BY_NAME["VLLM_LING_MTP"].default
+    num_spec_tokens: int = BY_NAME["VLLM_LING_NUM_SPEC_TOKENS"].default
+    verify: VerifyPolicy = BY_NAME["VLLM_LING_VERIFY"].default
+    report_path: str | None = BY_NAME["VLLM_LING_REPORT_PATH"].default
 
     @classmethod
-    def from_env(cls) -> "LingOptions":
-        return cls(
-            moe_backend=_choice("VLLM_LING_MOE_BACKEND", "humming", MOE_BACKENDS),
-            moe_w4a8=_bool("VLLM_LING_MOE_W4A8", False),
-            moe_decode=_choice("VLLM_LING_MOE_DECODE", "auto", MOE_DECODE_MODES),
-            moe_decode_max_tokens=_int("VLLM_LING_MOE_DECODE_MAX_TOKENS", MOE_DECODE_MAX_TOKENS, 0,
-                                        MOE_DECODE_MAX_TOKENS_LIMIT, "one kernel grid row per token and top-k slot"),
-            fp8_head=_bool("VLLM_LING_FP8_HEAD", True),
-            mtp=_bool("VLLM_LING_MTP", True),
-            num_spec_tokens=_int("VLLM_LING_NUM_SPEC_TOKENS", 3, 1),
-            verify=_choice("VLLM_LING_VERIFY", "strict", VERIFY_POLICIES),
-            report_path=os.environ.get("VLLM_LING_REPORT_PATH") or None,
-        )
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "LingOptions":
+        return cls(**{f.name: read(PREFIX + f.name.upper(), env) for f in dataclasses.fields(cls)})

@@ -6,7 +6,7 @@
 
 Then run ``python scripts/sync_chart_files.py`` to copy them into the Helm chart.
 Every metric a panel queries must be one the server exports (vLLM's ``vllm:*`` and our
-``vllm_ling:*``); tests/deploy/test_dashboards.py and tests/serving/test_prometheus_e2e.py
+``vllm_ling:*``); tests/deploy/test_dashboards.py and tests/runtime/test_prometheus_e2e.py
 check that against vLLM's source and a running server.
 """
 

@@ -1,7 +1,7 @@
 """The PromQL the committed dashboards and alert rules run, and the metric names in it.
 
 Shared by tests/deploy/test_dashboards.py (static checks) and
-tests/serving/test_prometheus_e2e.py (checks against a running server), which loads it by path.
+tests/runtime/test_prometheus_e2e.py (checks against a running server), which loads it by path.
 """
 
 from __future__ import annotations

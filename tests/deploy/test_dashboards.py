@@ -1,7 +1,7 @@
 """Static checks of the Grafana dashboards, the scrape config and the alert rules.
 
 That every queried metric is exported by a *running* server is checked in
-tests/serving/test_prometheus_e2e.py (it shares that module's one tiny server).
+tests/runtime/test_prometheus_e2e.py (it shares that module's one tiny server).
 Here: the JSON is the generator's output, well formed, covers the overview's topics,
 and every metric it or an alert queries is defined by vLLM's source or by our logger.
 promtool (Debian package ``prometheus``) is required: without it these tests fail.
@@ -97,7 +97,7 @@ def test_every_vllm_metric_queried_is_defined_in_vllms_source():
 def test_every_vllm_ling_metric_queried_is_registered_by_our_logger(monkeypatch, tmp_path):
     from prometheus_client import REGISTRY
 
-    from vllm_ling.serving import metrics
+    from vllm_ling.runtime import stat_logger as metrics
 
     monkeypatch.setenv(metrics.ENV_REPORT_PATH, str(tmp_path / "none.json"))
     config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3, method="mtp"),

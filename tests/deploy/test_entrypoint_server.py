@@ -19,11 +19,11 @@ STARTUP_TIMEOUT_S = 600
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     pytest.importorskip("vllm")
-    from vllm_ling.serving.local_server import cpu_env, free_port, group_alive, start_server
+    from vllm_ling.runtime.local_server import cpu_env, free_port, group_alive, start_server
 
     tmp = tmp_path_factory.mktemp("entrypoint")
     model = tmp / "tiny"
-    made = subprocess.run([sys.executable, "-m", "vllm_ling.serving.cli", "make-tiny", str(model),
+    made = subprocess.run([sys.executable, "-m", "vllm_ling.cli.main", "make-tiny", str(model),
                            "--all-mla", "--agreeing"], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
     key_file = tmp / "api-key"
@@ -31,7 +31,7 @@ def server(tmp_path_factory):
     port = free_port()
     env = cpu_env({"VLLM_LING_PORT": str(port), "VLLM_LING_HOST": "127.0.0.1",
                    "XDG_CACHE_HOME": str(tmp / "cache")})
-    running = start_server([sys.executable, "-m", "vllm_ling.serving.cli", "serve", str(model),
+    running = start_server([sys.executable, "-m", "vllm_ling.cli.main", "serve", str(model),
                             "--device", "cpu", "--api-key-file", str(key_file)],
                            env, tmp / "server.log", port, timeout=STARTUP_TIMEOUT_S)
     try:

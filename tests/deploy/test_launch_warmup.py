@@ -9,8 +9,9 @@ import types
 
 import pytest
 
-from vllm_ling.serving import launch
-from vllm_ling.serving.tiny_checkpoint import TINY_CONFIG
+from vllm_ling.cli import serve as launch
+from vllm_ling.cli import warmup
+from vllm_ling.models.tiny_checkpoint import TINY_CONFIG
 
 from ._tools import REPO, run
 
@@ -29,7 +30,7 @@ def cli(*args, env_extra=None):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
     env.update(env_extra or {})
-    return run([sys.executable, "-m", "vllm_ling.serving.cli", "warmup", *args], env=env)
+    return run([sys.executable, "-m", "vllm_ling.cli.main", "warmup", *args], env=env)
 
 
 def test_cpu_without_allow_cpu_exits_2_with_the_reason(tmp_path):
@@ -48,7 +49,11 @@ def test_cpu_with_allow_cpu_reports_shapes_and_exits_0(tmp_path):
     per_rank = config["moe_intermediate_size"] // 2
     assert f"expert intermediate {per_rank}" in result.stdout
     assert f"{config['num_experts']} experts, top-{config['num_experts_per_tok']}" in result.stdout
-    assert "W4A8" in result.stdout  # the -fp4 checkpoint: fp8 dynamic activations, MXFP4 experts
+    # The server runs W4A16 unless VLLM_LING_MOE_W4A8=1, whatever the checkpoint: so does warmup.
+    assert "MoE W4A16" in result.stdout
+    w4a8 = cli(str(model), "--device", "cpu", "--allow-cpu", env_extra={"VLLM_LING_MOE_W4A8": "1"})
+    assert w4a8.returncode == 0, w4a8.stderr
+    assert "MoE W4A8" in w4a8.stdout
 
 
 def test_auto_device_on_this_cpu_machine(tmp_path):
@@ -74,14 +79,11 @@ def test_missing_model_and_bad_config(tmp_path):
 
 def test_shapes_follow_the_config(tmp_path):
     config = json.loads(TINY_CONFIG.read_text())
-    shapes = launch.kernel_shapes(config, 1, "auto", TINY_CONFIG)
+    shapes = warmup.kernel_shapes(config, 1, TINY_CONFIG)
     assert (shapes.hidden_size, shapes.intermediate_size, shapes.num_experts, shapes.top_k) == (
         config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
         config["num_experts_per_tok"])
     assert shapes.vocab_rows >= config["vocab_size"] and shapes.vocab_rows % 64 == 0
-    bf16 = dict(config, quantization_config={"quant_method": "mxfp4"})
-    assert launch.kernel_shapes(bf16, 1, "auto", TINY_CONFIG).w4a8 is False
-    assert launch.kernel_shapes(bf16, 1, "on", TINY_CONFIG).w4a8 is True
 
 
 def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypatch, capsys):
@@ -91,9 +93,10 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
     model = make_model(tmp_path)
     calls = []
 
-    def fake_moe(hidden, intermediate, experts, top_k, *, token_counts, w4a8, swiglu_limits):
+    def fake_moe(hidden, intermediate, experts, top_k, *, token_counts, w4a8, swiglu_limits,
+                 decode, decode_max_tokens):
         calls.append(("moe", hidden, intermediate, experts, top_k, tuple(token_counts), w4a8,
-                      tuple(swiglu_limits)))
+                      tuple(swiglu_limits), decode, decode_max_tokens))
         kernel = tmp_path / "cache" / "kernels" / "k1"
         kernel.mkdir(parents=True)
         (kernel / "kernel.cubin").write_bytes(b"x")  # one new kernel in humming's layout
@@ -101,13 +104,13 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
     def fake_head(vocab, hidden, *, row_counts):
         calls.append(("lm_head", vocab, hidden, tuple(row_counts)))
 
-    monkeypatch.setattr(launch, "_load_warmup_functions",
+    monkeypatch.setattr(warmup, "_load_warmup_functions",
                         lambda: [("moe", fake_moe), ("lm_head", fake_head)])
     monkeypatch.setattr(launch, "cuda_available", lambda: True)
     for var in ("VLLM_LING_HUMMING_CACHE", "HUMMING_CACHE_DIR", "HUMMING_TMP_DIR"):
         # warmup exports these for the kernels; setenv makes pytest restore them afterwards.
         monkeypatch.setenv(var, str(tmp_path / "overridden"))
-    rc = launch.warmup_main([str(model), "--device", "auto", "--humming-cache", str(tmp_path / "cache"),
+    rc = warmup.warmup_main([str(model), "--device", "auto", "--humming-cache", str(tmp_path / "cache"),
                              "--token-counts", "4,1,4", "--row-counts", "1,4"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -115,7 +118,7 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
     assert limits  # Ling-3.0-flash clamps its last routed-expert layers
     assert calls == [
         ("moe", config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
-         config["num_experts_per_tok"], (1, 4), True, (None, *limits)),
+         config["num_experts_per_tok"], (1, 4), False, (None, *limits), "auto", 32),
         ("lm_head", config["vocab_size"], config["hidden_size"], (1, 4)),  # 157184 = 64 x 2456
     ]
     rows = {line.split()[0]: line.split() for line in out.splitlines()
@@ -131,7 +134,7 @@ def test_missing_kernel_warmup_is_a_clear_error(tmp_path, monkeypatch, capsys):
     without_warmup = types.ModuleType("vllm_ling.ops.moe")  # an ops.moe lacking warmup_kernels
     monkeypatch.setitem(sys.modules, "vllm_ling.ops.moe", without_warmup)
     monkeypatch.setattr(vllm_ling.ops, "moe", without_warmup, raising=False)
-    rc = launch.warmup_main([str(make_model(tmp_path))])
+    rc = warmup.warmup_main([str(make_model(tmp_path))])
     assert rc == 2
     assert "warmup_kernels" in capsys.readouterr().err
 
@@ -141,9 +144,53 @@ def test_real_kernel_warmup_functions_accept_the_arguments_warmup_passes():
     (checked without running them; they need CUDA)."""
     import inspect
 
-    groups = dict(launch._load_warmup_functions())
-    shapes = launch.kernel_shapes(json.loads(FLASH_CONFIG.read_text()), 1, "auto", FLASH_CONFIG)
+    groups = dict(warmup._load_warmup_functions())
+    shapes = warmup.kernel_shapes(json.loads(FLASH_CONFIG.read_text()), 1, FLASH_CONFIG)
+    kwargs = {"w4a8": False, "decode": "auto", "decode_max_tokens": 32}
     inspect.signature(groups["moe"]).bind(
         shapes.hidden_size, shapes.intermediate_size, shapes.num_experts, shapes.top_k,
-        token_counts=[1, 4], w4a8=shapes.w4a8, swiglu_limits=shapes.swiglu_limits)
+        token_counts=[1, 4], swiglu_limits=shapes.swiglu_limits, **kwargs)
     inspect.signature(groups["lm_head"]).bind(shapes.vocab_rows, shapes.hidden_size, row_counts=[1, 4])
+
+
+COMBINATIONS = [
+    {},
+    {"VLLM_LING_MOE_W4A8": "1"},
+    {"VLLM_LING_MOE_DECODE": "off"},
+    {"VLLM_LING_MOE_DECODE": "copy", "VLLM_LING_MOE_DECODE_MAX_TOKENS": "8"},
+    {"VLLM_LING_MOE_W4A8": "1", "VLLM_LING_MOE_DECODE": "off", "VLLM_LING_FP8_HEAD": "0"},
+    {"VLLM_LING_MOE_BACKEND": "vllm"},
+]
+
+
+@pytest.mark.parametrize("env", COMBINATIONS, ids=lambda e: ",".join(f"{k[10:]}={v}" for k, v in e.items()) or "defaults")
+def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
+    """For each option combination, warmup's kernel set equals what the server's quantization
+    config builds from the same environment (its real selection code, on a pretend GPU where
+    humming is available): MoE method on/off with its W4A8/decode switches, FP8 head on/off."""
+    from vllm_ling.layers import moe_method, quant_config
+    from vllm_ling.options import LingOptions
+
+    for name in list(env) + ["VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_BACKEND",
+                             "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    plan = warmup.plan_warmup(warmup.build_warmup_parser().parse_args([str(make_model(tmp_path))]),
+                              dict(__import__("os").environ))
+
+    # The server side: the method LingFp8Config would attach to a routed-expert layer.
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(moe_method.moe_ops, "humming_status", lambda w4a8=False: (True, "pretend GPU"))
+    layer = types.SimpleNamespace(moe_config=types.SimpleNamespace(
+        moe_backend="auto", hidden_dim=2560, intermediate_size_per_partition=768))
+    options = LingOptions.from_env()
+    method = moe_method.choose_moe_method(layer, "model.layers.3.mlp.experts", **quant_config.moe_method_kwargs(options))
+    assert plan.moe == (method is not None)
+    if method is not None:
+        server = {"w4a8": method.w4a8, "decode": method.decode,
+                  "decode_max_tokens": 0 if method.decode == "off" else method.decode_max_tokens}
+        assert plan.moe_kwargs() == server
+    assert plan.head == options.fp8_head

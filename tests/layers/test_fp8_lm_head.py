@@ -78,7 +78,7 @@ def test_draft_lm_head_quantization_is_rejected_before_loading(tiny_checkpoint):
     import vllm_ling
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_ling.serving.config_hooks import LingConfigError
+    from vllm_ling.patches.config_hooks import LingConfigError
 
     vllm_ling.register()
     with pytest.raises(LingConfigError, match="draft_lm_head_quantization are mutually exclusive"):

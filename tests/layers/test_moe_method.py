@@ -16,7 +16,8 @@ def test_moe_block_matches_the_independent_reference(loaded_tiny_models, tiny_ch
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
-    from vllm_ling.ops.moe import LingMoEConfig, layer_swiglu_limit, moe_block_reference
+    from vllm_ling.ops.moe.activation import layer_swiglu_limit
+    from vllm_ling.ops.moe.reference import LingMoEConfig, moe_block_reference
 
     vllm_config, target, _ = loaded_tiny_models
     cfg_hf = vllm_config.model_config.hf_config

@@ -33,7 +33,7 @@ def test_full_size_parameter_counts_match_the_brief():
 
 
 def test_tiny_checkpoint_is_deterministic(tmp_path, tiny_checkpoint):
-    from vllm_ling.serving.tiny_checkpoint import make_tiny
+    from vllm_ling.models.tiny_checkpoint import make_tiny
 
     again = make_tiny(tmp_path / "again", seed=0)
     for f in sorted(p.name for p in tiny_checkpoint.iterdir()):
@@ -132,7 +132,7 @@ def test_scale_with_wrong_shape_names_file_and_tensor(tmp_path, tiny_checkpoint)
 
 
 def test_inspect_reports_bytes_per_decode_token(tiny_checkpoint, capsys):
-    from vllm_ling.serving.inspect_checkpoint import main, summarize
+    from vllm_ling.cli.inspect import main, summarize
 
     s = summarize(tiny_checkpoint)
     experts = s["classes"]["routed_experts"]

@@ -59,3 +59,19 @@ def test_invalid_swiglu_limit_list_is_reported(tmp_path):
     cfg["expert_swiglu_limit_list"] = [0, 4]
     with pytest.raises(ValueError, match="expert_swiglu_limit_list has 2 entries for num_hidden_layers=6"):
         LingHybridConfig(**cfg).validate_ling_fields()
+
+
+def test_the_config_hook_validates_ling_fields_before_load(tmp_path):
+    """P4 runs while vLLM builds its config (before any weight loads): a broken clamp list is
+    refused there, naming the checkpoint's config.json."""
+    import types
+
+    from vllm_ling.models.configuration import LingHybridConfig
+    from vllm_ling.patches.config_hooks import LingConfigHook
+
+    cfg = json.loads((DATA / "ling3_tiny_fp4_config.json").read_text())
+    cfg["share_expert_swiglu_limit_list"] = [7.0]
+    model_config = types.SimpleNamespace(hf_config=LingHybridConfig(**cfg), model=str(tmp_path))
+    with pytest.raises(ValueError, match=f"{tmp_path}/config.json: invalid Ling-3.0 config: "
+                                         "share_expert_swiglu_limit_list has 1 entries"):
+        LingConfigHook.verify_and_update_config(types.SimpleNamespace(model_config=model_config))

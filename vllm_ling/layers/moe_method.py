@@ -22,12 +22,12 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.options import MoeBackend, MoePath
 from vllm_ling.ops import moe as moe_ops
 
 logger = get_logger("moe")
 
-HUMMING = "humming"
-REFERENCE = "reference"  # plain PyTorch, CPU platform only
+HUMMING, REFERENCE = MoePath.HUMMING, MoePath.REFERENCE
 BACKEND_DESCRIPTIONS = {
     HUMMING: "humming MXFP4 indexed GEMM (W4A16)",
     REFERENCE: "plain-PyTorch MXFP4 reference (CPU platform)",
@@ -136,8 +136,8 @@ def choose_moe_method(layer, prefix: str, moe_backend_option: str, w4a8: bool = 
     from vllm.platforms import current_platform
 
     vllm_backend = getattr(layer.moe_config, "moe_backend", "auto") or "auto"
-    if moe_backend_option == "vllm" or vllm_backend not in ("auto", HUMMING):
-        reason = ("VLLM_LING_MOE_BACKEND=vllm" if moe_backend_option == "vllm"
+    if moe_backend_option == MoeBackend.VLLM or vllm_backend not in ("auto", HUMMING):
+        reason = ("VLLM_LING_MOE_BACKEND=vllm" if moe_backend_option == MoeBackend.VLLM
                   else f"--moe-backend {vllm_backend}")
         log_once(logger, logging.WARNING, "moe-opt-out",
                  "Humming MoE is OFF by explicit choice (%s): vLLM selects the MXFP4 MoE "

@@ -41,15 +41,4 @@ class LingForCausalLM(BailingMoeV3ForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         check_local_checkpoint(vllm_config, include_mtp=False)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._ling_verified = False
-        self._ling_vllm_config = vllm_config
         loaded.remember("target", self)
-
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        if not self._ling_verified:
-            # First forward = vLLM's profile run: target and draft are loaded and shared.
-            from vllm_ling.serving.verification import verify_once
-
-            self._ling_verified = True
-            verify_once(self, self._ling_vllm_config)
-        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)

@@ -10,7 +10,7 @@ scales/kernel and acceptance collapses (BRIEF: "the trap").
 This class therefore never owns a head or an embedding: both are :class:`TargetModuleSlot`
 placeholders that hold no storage and raise if used before the target's module is put
 in their place. Whatever runner path does the sharing, the result is checked by the
-startup verification (``vllm_ling.serving.verification``): same objects, no duplicate
+startup verification (``vllm_ling.runtime.verification``): same objects, no duplicate
 storage, or the server refuses to start.
 """
 

@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.options import read
 
 ENV_CACHE = "VLLM_LING_HUMMING_CACHE"
 HUMMING_ENV_CACHE = "HUMMING_CACHE_DIR"
@@ -54,7 +55,7 @@ def default_cache_root() -> Path:
 
 def humming_cache_root() -> Path:
     """The root directory vllm-ling uses for humming (does not create it)."""
-    env = os.environ.get(ENV_CACHE)
+    env = read(ENV_CACHE)
     if env:
         return Path(env).expanduser()
     user_dir = os.environ.get(HUMMING_ENV_CACHE)
@@ -72,7 +73,7 @@ def configure_humming_cache() -> Path:
     cache directory humming will use.
     """
     root = humming_cache_root()
-    if os.environ.get(ENV_CACHE) or not os.environ.get(HUMMING_ENV_CACHE):
+    if read(ENV_CACHE) or not os.environ.get(HUMMING_ENV_CACHE):
         kernels = root / "kernels"
         tmp = root / "tmp"
         os.environ[HUMMING_ENV_CACHE] = str(kernels)

@@ -3,7 +3,7 @@
 What: wraps ``load_model`` of vLLM 0.32's model runners (V1 ``GPUModelRunner``,
 ``CPUModelRunner``, V2 ``gpu.model_runner.GPUModelRunner``) so that, once the target and
 the NEXTN draft are loaded and vLLM has shared modules between them, the worker verifies
-them (``vllm_ling.serving.verification.verify_once``).
+them (``vllm_ling.runtime.verification.verify_once``).
 Why: vLLM has no post-load hook for plugins; the model's first forward comes too late on
 the CPU runner (no profile forward: the first request would be the first forward), and a
 strict refusal must happen before the server reports healthy.
@@ -34,7 +34,7 @@ def _wrap(cls) -> bool:
     def load_model(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         from vllm_ling.models import loaded
-        from vllm_ling.serving.verification import verify_once
+        from vllm_ling.runtime.verification import verify_once
 
         target = loaded.get("target")
         if target is not None:

@@ -1,0 +1,98 @@
+"""Ling's default speculative configuration and its cost model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+DATA = Path(__file__).resolve().parents[2] / "vllm_ling" / "data"
+
+
+def _engine_config(checkpoint, **kwargs):
+    import vllm_ling
+    from vllm.engine.arg_utils import EngineArgs
+
+    vllm_ling.register()
+    return EngineArgs(model=str(checkpoint), enforce_eager=True, max_model_len=256,
+                      **kwargs).create_engine_config()
+
+
+def test_absent_user_config_gets_mtp_three_tokens(tiny_checkpoint, monkeypatch):
+    from vllm_ling.runtime.spec_policy import default_applied
+
+    monkeypatch.delenv("VLLM_LING_MTP", raising=False)
+    cfg = _engine_config(tiny_checkpoint)
+    assert cfg.speculative_config.method == "mtp"
+    assert cfg.speculative_config.num_speculative_tokens == 3
+    assert default_applied(cfg)
+
+
+def test_user_config_wins(tiny_checkpoint):
+    from vllm_ling.runtime.spec_policy import default_applied
+
+    cfg = _engine_config(tiny_checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    assert cfg.speculative_config.num_speculative_tokens == 1
+    assert not default_applied(cfg)
+
+
+def test_off_switch_and_override(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("VLLM_LING_MTP", "0")
+    assert _engine_config(tiny_checkpoint).speculative_config is None
+    monkeypatch.setenv("VLLM_LING_MTP", "1")
+    monkeypatch.setenv("VLLM_LING_NUM_SPEC_TOKENS", "2")
+    assert _engine_config(tiny_checkpoint).speculative_config.num_speculative_tokens == 2
+    monkeypatch.setenv("VLLM_LING_MTP", "maybe")
+    with pytest.raises(Exception, match=r"VLLM_LING_MTP='maybe' is not a boolean"):
+        _engine_config(tiny_checkpoint)
+
+
+def test_cost_model_is_the_planners_bytes_scaled_to_the_studys_batch1_point():
+    from vllm_ling.models.cost_model import build_plan, mtp_model
+    from vllm_ling.runtime.spec_policy import CONTEXT_TOKENS, STUDY_VERIFY_COST_BATCH1, CostModel, load_config
+
+    cfg = load_config()
+    model = CostModel(cfg, 3)
+    assert model.break_even(1) == pytest.approx(STUDY_VERIFY_COST_BATCH1)
+    # unscaled, batch 1 is exactly `vllm-ling plan`'s break-even (verify + draft ratios)
+    plan = build_plan(cfg, context=CONTEXT_TOKENS, verify_tokens=4)
+    assert model.raw_ratio(1) == pytest.approx(mtp_model(plan, "fp8", 3)["break_even_accept_length"])
+    # verifying at batch 8 touches far more distinct experts than the plain step: dearer
+    assert model.break_even(8) > model.break_even(1)
+
+
+def test_disable_threshold_follows_break_even():
+    """Speculation is on exactly where the modelled break-even accept length is below the
+    accept length the model reaches (2.68 on GSM8K), and the schedule says so to vLLM."""
+    from vllm_ling.runtime.spec_policy import (STUDY_ACCEPT_LENGTH_GSM8K, CostModel, load_config,
+                                               speculative_schedule)
+
+    model = CostModel(load_config(), 3)
+    schedule = speculative_schedule(max_batch=64)
+    assert schedule[0][0] == 1 and schedule[0][2] == 3  # batch 1: break-even 2.26 < 2.68
+    assert any(k == 0 for _, _, k in schedule)
+    for start, end, k in schedule:
+        for b in (start, end):
+            assert (k == 3) == (model.break_even(b) < STUDY_ACCEPT_LENGTH_GSM8K)
+    # with a better draft (synthetic prompts reach 3.90) speculation pays at every batch size
+    assert speculative_schedule(max_batch=64, expected_accept_length=3.9) == [(1, 64, 3)]
+
+
+def test_default_schedule_reaches_vllm(tmp_path, monkeypatch):
+    """On the full-size config the default carries vLLM's dynamic schedule (speculation off
+    where it does not pay); the tiny model's schedule is all-on, so vLLM gets none."""
+    from vllm_ling.models.configuration import LingHybridConfig
+    from vllm_ling.options import LingOptions
+    from vllm_ling.patches.config_hooks import default_speculative_config
+
+    full = LingHybridConfig(**json.loads((DATA / "ling3_flash_fp4_config.json").read_text()))
+    spec = default_speculative_config(LingOptions(), full, max_num_seqs=64)
+    assert spec["method"] == "mtp" and spec["num_speculative_tokens"] == 3
+    first = spec["num_speculative_tokens_per_batch_size"][0]
+    assert first[0] == 1 and first[2] == 3  # MTP at batch 1
+    assert any(k == 0 for _, _, k in spec["num_speculative_tokens_per_batch_size"])
+    tiny = LingHybridConfig(**json.loads((DATA / "ling3_tiny_fp4_config.json").read_text()))
+    assert "num_speculative_tokens_per_batch_size" not in default_speculative_config(LingOptions(), tiny, 4)

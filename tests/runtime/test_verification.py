@@ -1,0 +1,167 @@
+"""Startup verification checks on real layers, for the CPU and the CUDA expectations,
+and each purposely broken setup with its exact message, in strict and warn modes."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_ling.options import LingOptions  # noqa: E402
+
+
+@contextlib.contextmanager
+def swapped(obj, name, value):
+    """Replace an attribute and put the original back, bypassing nn.Module's registration
+    (vLLM's MoE quant methods may be modules or plain objects)."""
+    store = next((d for d in (obj.__dict__.get("_modules"), obj.__dict__.get("_parameters"), obj.__dict__)
+                  if d is not None and name in d), obj.__dict__)
+    old = store[name]
+    store[name] = value
+    try:
+        yield
+    finally:
+        store[name] = old
+
+
+def _report(models, exp_changes=None, options=None):
+    from vllm_ling.runtime.verification import Expectations, build_report
+
+    vllm_config, target, draft = models
+    options = options or LingOptions()
+    exp = Expectations.from_runtime(vllm_config, options)
+    if exp_changes:
+        exp = dataclasses.replace(exp, **exp_changes)
+    return build_report(target, draft, vllm_config, options, exp)
+
+
+def _check(report, name):
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
+    from vllm_ling.runtime.report import REPORT_JSON_SCHEMA
+
+    report = _report(loaded_tiny_models)
+    assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+    assert _check(report, "moe_layers")["actual"] == "5 x reference"
+    assert _check(report, "lm_head")["actual"].startswith("Fp8LmHeadMethod, float8_e4m3fn, 524288 bytes")
+    assert report["optimizations"]["moe_humming"] == {"requested": False, "active": False,
+                                                      "detail": "5 x reference"}
+    assert report["optimizations"]["moe_decode_kernels"] == {
+        "requested": False, "active": False, "detail": "needs the humming MoE backend on CUDA"}
+    assert any("plain-PyTorch MXFP4 reference" in n for n in report["notes"])
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(report, REPORT_JSON_SCHEMA)
+
+
+def test_cuda_expectations_require_humming_on_every_layer(loaded_tiny_models, monkeypatch):
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    from vllm_ling.layers.moe_method import HUMMING, LingMxfp4MoEMethod
+
+    cuda = {"platform": "cuda", "moe_backend": "humming"}
+    report = _report(loaded_tiny_models, cuda)
+    check = _check(report, "moe_layers")
+    assert not check["passed"]
+    assert check["expected"] == "5 x humming (4 target MoE + 1 NEXTN)"
+    assert check["actual"].startswith(
+        "5 x reference; not humming: ['target.model.layers.2.mlp.experts.routed_experts'")
+    _, target, draft = loaded_tiny_models
+    with contextlib.ExitStack() as stack:
+        for model in (target, draft):
+            for _, m in model.named_modules():
+                if isinstance(m, RoutedExperts):
+                    stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(m.moe_config, HUMMING)))
+        assert _check(_report(loaded_tiny_models, cuda), "moe_layers")["passed"]
+
+
+def test_non_humming_moe_layer_is_named(loaded_tiny_models):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    vllm_config, _, draft = loaded_tiny_models
+    layer = next(m for m in draft.modules() if isinstance(m, RoutedExperts))
+    with set_current_vllm_config(vllm_config):
+        vllm_method = UnquantizedFusedMoEMethod(layer.moe_config)
+    with swapped(layer, "quant_method", vllm_method):
+        check = _check(_report(loaded_tiny_models), "moe_layers")
+    assert not check["passed"]
+    assert check["actual"] == ("4 x reference, 1 x vllm:UnquantizedFusedMoEMethod; not reference: "
+                               "['draft.model.layers.6.mlp.experts.routed_experts']")
+
+
+def test_bf16_head_fails_the_fp8_head_check(loaded_tiny_models):
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    _, target, _ = loaded_tiny_models
+    bf16 = torch.nn.Parameter(torch.zeros(2048, 256, dtype=torch.bfloat16), requires_grad=False)
+    with swapped(target.lm_head, "quant_method", UnquantizedEmbeddingMethod()), \
+            swapped(target.lm_head, "weight", bf16):
+        report = _report(loaded_tiny_models)
+    check = _check(report, "lm_head")
+    assert not check["passed"] and check["actual"] == "UnquantizedEmbeddingMethod, bfloat16, 1048576 bytes"
+    assert report["optimizations"]["fp8_head"]["active"] is False
+
+
+def test_duplicated_draft_head_is_caught(loaded_tiny_models):
+    _, target, draft = loaded_tiny_models
+    with swapped(draft.model.layers["6"].shared_head, "head", copy.deepcopy(target.lm_head)):
+        report = _report(loaded_tiny_models)
+    check = _check(report, "draft_shares_target_modules")
+    assert not check["passed"]
+    assert "are NOT all the target's module" in check["actual"]
+    assert "duplicate vocabulary-sized tensors in the draft: ['model.layers.6.shared_head.head.weight'" in check["actual"]
+    assert report["optimizations"]["mtp"]["active"] is False
+
+
+def test_wrong_speculative_config_is_caught(loaded_tiny_models):
+    check = _check(_report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True}),
+                   "speculative_config")
+    assert not check["passed"]
+    assert (check["expected"], check["actual"]) == ("mtp, 3 tokens (vllm-ling default)", "mtp, 2 tokens")
+
+
+def test_strict_raises_with_every_failed_check_and_its_fix(loaded_tiny_models):
+    from vllm_ling.runtime.verification import LingVerificationError, enforce_policy
+
+    report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True})
+    with pytest.raises(LingVerificationError) as err:
+        enforce_policy(report, "strict")
+    assert str(err.value) == (
+        "vllm-ling refuses to serve: startup verification failed (speculative_config: expected mtp, 3 "
+        "tokens (vllm-ling default), got mtp, 2 tokens. Fix: pass --speculative-config '{\"method\": "
+        "\"mtp\", \"num_speculative_tokens\": 3}'). Set VLLM_LING_VERIFY=warn to serve anyway.")
+
+
+def test_warn_logs_each_failed_check_and_off_is_silent(loaded_tiny_models, caplog):
+    from vllm_ling.runtime.verification import enforce_policy
+
+    report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True,
+                                          "platform": "cuda", "moe_backend": "humming"})
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        enforce_policy(report, "warn")
+        enforce_policy(report, "off")
+    failed = [r.getMessage() for r in caplog.records if "FAILED" in r.getMessage()]
+    assert len(failed) == 2
+    assert failed[0].startswith("verification check moe_layers FAILED: expected 5 x humming")
+    assert failed[1].startswith("verification check speculative_config FAILED")
+
+
+def test_report_file_is_written_atomically(tmp_path, loaded_tiny_models):
+    import json
+
+    from vllm_ling.runtime.report import write_report
+
+    report = _report(loaded_tiny_models)
+    path = tmp_path / "sub" / "report.json"
+    write_report(report, str(path))
+    assert json.loads(path.read_text()) == json.loads(json.dumps(report))
+    assert [p.name for p in path.parent.iterdir()] == ["report.json"]  # no temp file left

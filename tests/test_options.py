@@ -1,0 +1,67 @@
+"""The option table is the one declaration: the README, the serve flags and the known-variable
+check all follow it, and values are parsed (and refused) by it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vllm_ling import options as o
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_switch_table_is_the_declared_table():
+    text = README.read_text()
+    found = re.search(r"<!-- options-table:begin -->\n(.*?)\n<!-- options-table:end -->", text, re.S)
+    assert found, "README.md lost its options-table markers"
+    assert found.group(1).strip() == o.markdown_table(), (
+        "README switch table differs from vllm_ling/options.py: regenerate it with "
+        "python -c 'from vllm_ling.options import markdown_table; print(markdown_table())'")
+
+
+def test_every_variable_read_in_the_package_is_declared():
+    """A VLLM_LING_* literal anywhere in the package must be a declared option."""
+    package = Path(o.__file__).parent
+    names = set()
+    for path in package.rglob("*.py"):
+        names |= set(re.findall(r"\bVLLM_LING_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    assert names - o.known_env_vars() == set()
+
+
+def test_serve_flags_come_from_the_table():
+    from vllm_ling.cli.serve import build_serve_parser
+
+    flags = {a for action in build_serve_parser()._actions for a in action.option_strings}
+    assert {opt.flag for opt in o.serve_options()} <= flags
+
+
+@pytest.mark.parametrize("name,raw,message", [
+    ("VLLM_LING_MOE_BACKEND", "marlin", "VLLM_LING_MOE_BACKEND='marlin': expected one of humming, vllm"),
+    ("VLLM_LING_FP8_HEAD", "maybe", "VLLM_LING_FP8_HEAD='maybe' is not a boolean"),
+    ("VLLM_LING_NUM_SPEC_TOKENS", "0", "VLLM_LING_NUM_SPEC_TOKENS=0 must be >= 1"),
+    ("VLLM_LING_ACCEPT_BREAK_EVEN", "nan", "VLLM_LING_ACCEPT_BREAK_EVEN='nan' is not a finite number"),
+    ("VLLM_LING_WARMUP_TOKEN_COUNTS", "1,x", "VLLM_LING_WARMUP_TOKEN_COUNTS='1,x': expected comma-separated integers"),
+])
+def test_bad_values_are_refused_naming_the_variable(name, raw, message):
+    with pytest.raises(o.LingOptionError) as err:
+        o.read(name, {name: raw})
+    assert str(err.value).startswith(message)
+
+
+def test_values_parse_to_types_and_enums():
+    env = {"VLLM_LING_MOE_DECODE": "COPY", "VLLM_LING_FP8_HEAD": "off",
+           "VLLM_LING_WARMUP_ROW_COUNTS": "8, 1,8", "VLLM_LING_ACCEPT_BREAK_EVEN": "3"}
+    assert o.read("VLLM_LING_MOE_DECODE", env) is o.MoeDecode.COPY
+    assert o.read("VLLM_LING_FP8_HEAD", env) is False
+    assert o.read("VLLM_LING_WARMUP_ROW_COUNTS", env) == (1, 8)
+    assert o.read("VLLM_LING_ACCEPT_BREAK_EVEN", env) == 3.0
+    assert o.LingOptions.from_env({}) == o.LingOptions()
+    assert f"{o.MoeDecode.COPY}" == "copy" and o.MoeDecode.COPY == "copy"
+
+
+def test_closest_known_name_for_a_typo():
+    assert o.closest_known("VLLM_LING_FP8HEAD") == "VLLM_LING_FP8_HEAD"
+    assert o.closest_known("VLLM_LING_TOTALLY_ELSE_ENTIRELY") is None

@@ -1,0 +1,5 @@
+import sys
+
+from vllm_ling.cli.main import main
+
+sys.exit(main())

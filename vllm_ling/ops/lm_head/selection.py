@@ -1,0 +1,106 @@
+"""Which FP8 LM-head kernel runs: per GPU architecture from ``HEAD_KERNEL_BY_ARCH``, or forced
+with ``VLLM_LING_LM_HEAD_KERNEL``; a forced or chosen kernel that cannot run is an error or a
+WARNING naming the reason, never a silent switch."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from vllm_ling.log import get_logger, log_once
+from vllm_ling.options import HeadKernel, read
+from vllm_ling.ops.lm_head.triton_kernel import triton_available
+
+logger = get_logger("ops.lm_head.selection")
+
+KERNELS = tuple(k.value for k in HeadKernel)  # declared with the option
+KERNEL_ENV = "VLLM_LING_LM_HEAD_KERNEL"
+
+# Per GPU architecture (compute capability): kernels in order of preference and the
+# measurement behind it (Ling head 157,184 x 2,560, CUDA-graph medians from
+# benchmarks/lm_head.py; the numbers are in benchmarks/results/lm_head_h200.md). Architectures
+# without a row were not measured: they get _UNMEASURED_ORDER and the reason says so.
+HEAD_KERNEL_BY_ARCH: dict[tuple[int, int], tuple[tuple[str, ...], str]] = {
+    # H200: humming is fastest at 1 and 4 rows and within 2 % at 16, with no input-range caveat.
+    (9, 0): (
+        ("humming", "triton", "scaled_mm"),
+        "sm_90 (H200) measured at 1..16 rows: humming W8A16 (tuned) fastest, then Triton, then "
+        "torch._scaled_mm row-wise (benchmarks/results/lm_head_h200.md)",
+    ),
+}
+# Unmeasured GPUs: humming first (supports sm_80+ with BF16 activations), then Triton
+# (FP8 conversion needs sm_89+), then _scaled_mm (row-wise FP8 needs sm_89+).
+_UNMEASURED_ORDER = ("humming", "triton", "scaled_mm")
+_MIN_CAPABILITY = {"humming": (8, 0), "triton": (8, 9), "scaled_mm": (8, 9)}
+
+
+def _module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def kernel_unavailable_reason(kernel: str, device: torch.device | str | None = None) -> str | None:
+    """None when ``kernel`` can run on ``device``; otherwise why not (cheap: no JIT, no
+    humming import)."""
+    if kernel not in KERNELS:
+        return f"unknown LM-head kernel {kernel!r}; choose one of {', '.join(KERNELS)}"
+    device = torch.device(device) if device is not None else default_device()
+    if kernel == "torch":
+        return None
+    if device.type != "cuda":
+        return f"{kernel} needs a CUDA device, got {device}"
+    if not torch.cuda.is_available():
+        return f"{kernel} needs CUDA, but torch.cuda.is_available() is False"
+    cap = torch.cuda.get_device_capability(device)
+    need = _MIN_CAPABILITY[kernel]
+    if cap < need:
+        return f"{kernel} needs compute capability >= {need[0]}.{need[1]}, this GPU is {cap[0]}.{cap[1]}"
+    if kernel == "humming" and not _module_available("humming"):
+        return "humming-kernels is not installed (pip install humming-kernels==0.1.17)"
+    if kernel == "triton" and not triton_available():
+        return "triton is not installed"
+    if kernel == "scaled_mm" and not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_mm"
+    return None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def select_head_kernel(device: torch.device | str | None = None, preferred: str | None = None) -> tuple[str, str]:
+    """(kernel name, reason). ``preferred`` (or env ``VLLM_LING_LM_HEAD_KERNEL``) forces a
+    kernel and raises ``ValueError`` if it cannot run. Otherwise the arch table's first
+    runnable kernel; skipping a better one logs a WARNING once with why."""
+    device = torch.device(device) if device is not None else default_device()
+    forced = preferred or read(KERNEL_ENV) or None
+    forced = None if forced is None else str(forced)
+    if forced:
+        why_not = kernel_unavailable_reason(forced, device)
+        if why_not is not None:
+            source = "preferred=" if preferred else f"{KERNEL_ENV}="
+            raise ValueError(f"LM-head kernel {source}{forced!r} cannot run on {device}: {why_not}")
+        return forced, f"forced by {'argument' if preferred else KERNEL_ENV}"
+    if device.type != "cuda":
+        return "torch", f"no CUDA device ({device}): chunked fp32 dequantize path, for correctness only"
+    cap = torch.cuda.get_device_capability(device)
+    order, evidence = HEAD_KERNEL_BY_ARCH.get(
+        cap, (_UNMEASURED_ORDER, f"sm_{cap[0]}{cap[1]} not measured; default order {', '.join(_UNMEASURED_ORDER)}")
+    )
+    skipped = []
+    for kernel in order:
+        why_not = kernel_unavailable_reason(kernel, device)
+        if why_not is None:
+            reason = evidence
+            if skipped:
+                reason = f"{evidence}; skipped " + "; ".join(skipped)
+                log_once(logger, logging.WARNING, f"lm_head_kernel_{cap}_{kernel}",
+                         "FP8 LM head uses the %s kernel instead of the faster %s: %s",
+                         kernel, order[0], "; ".join(skipped))
+            return kernel, reason
+        skipped.append(f"{kernel}: {why_not}")
+    raise RuntimeError(f"no FP8 LM-head kernel can run on {device}: " + "; ".join(skipped))

@@ -1,0 +1,87 @@
+"""Compile and launch the decode kernels: NVRTC through humming-kernels' JIT runtime
+(:class:`humming.jit.runtime.KernelRuntime` is subclassed: humming's cache directory and file
+locks, no humming code copied), launched with the CUDA driver's ``cuLaunchKernelEx`` (thread-
+block clusters, programmatic dependent launch, dynamic shared memory)."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+GATE_UP_ARG_TYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                 ctypes.c_void_p, ctypes.c_float, ctypes.c_int)
+DOWN_ARG_TYPES = (ctypes.c_void_p,) * 6
+_KERNEL_NAMES = ("ling_moe_decode_gate_up", "ling_moe_decode_down", "ling_moe_hs_gate_up", "ling_moe_hl_down")
+_KERNEL_CLASSES: dict[str, type] = {}
+
+
+def compiled_kernel(name: str, source: str, device: torch.device):
+    """A compiled kernel of ``source`` (cached per source by humming's KernelRuntime)."""
+    if not _KERNEL_CLASSES:
+        from humming.jit.runtime import KernelRuntime
+
+        @dataclasses.dataclass(kw_only=True)
+        class _LingDecodeKernel(KernelRuntime):
+            disable_fast_math: ClassVar[bool] = True
+            source: str
+
+            def init_kernel(self):
+                self.code = self.source
+                self.kernel_expr = None
+                self.prepare()
+
+        for kname in _KERNEL_NAMES:
+            _KERNEL_CLASSES[kname] = dataclasses.make_dataclass(
+                kname, [], bases=(_LingDecodeKernel,), kw_only=True,
+                namespace={"name": kname})
+    with torch.cuda.device(device):
+        return _KERNEL_CLASSES[name](source=source)
+
+
+_DYNAMIC_SMEM_SET: dict[int, int] = {}  # CUfunction handle -> dynamic shared memory allowed
+
+
+def _allow_dynamic_smem(func, nbytes: int) -> None:
+    import cuda.bindings.driver as cbd
+
+    key = int(func)
+    if _DYNAMIC_SMEM_SET.get(key, 48 * 1024) >= nbytes:
+        return
+    (err,) = cbd.cuFuncSetAttribute(
+        func, cbd.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+    if err != cbd.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cannot allow {nbytes} bytes of dynamic shared memory: {err}")
+    _DYNAMIC_SMEM_SET[key] = nbytes
+
+
+def launch(kernel, grid: tuple[int, int], threads: int, args, arg_types, stream: int,
+            cluster: int = 1, pdl: bool = False, smem: int = 0) -> None:
+    import cuda.bindings.driver as cbd
+
+    func = kernel.load_cubin()
+    if smem:
+        _allow_dynamic_smem(func, smem)
+    cfg = cbd.CUlaunchConfig()
+    cfg.sharedMemBytes = smem
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid[0], grid[1], 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+    cfg.hStream = stream
+    attrs = []
+    if cluster > 1:
+        attr = cbd.CUlaunchAttribute()
+        attr.id = cbd.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+        attrs.append(attr)
+    if pdl:
+        attr = cbd.CUlaunchAttribute()
+        attr.id = cbd.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    cfg.attrs, cfg.numAttrs = attrs, len(attrs)
+    (err,) = cbd.cuLaunchKernelEx(cfg, func, (args, arg_types), 0)
+    if err != cbd.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{kernel.name} launch failed: {err}")
+

@@ -1,0 +1,142 @@
+"""Configuration-time hooks: Ling defaults and conflicts, decided before weights load.
+
+- P4: ``LingConfigHook`` in vLLM's ``MODELS_CONFIG_MAP`` runs while ``VllmConfig`` is
+  built (front-end process, before any engine process starts), so conflicting options
+  fail with a message naming both, and CPU-only adjustments are logged once.
+- P5: ``EngineArgs.create_speculative_config`` is wrapped so a Ling target gets NEXTN MTP
+  by default (``VLLM_LING_MTP=0`` turns it off; any user speculative config wins).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_ling.log import get_logger, log_once
+from vllm_ling.options import LingOptions
+from vllm_ling.runtime.spec_policy import mark_default_applied, speculative_schedule
+
+logger = get_logger("config")
+
+TARGET_ARCH = "BailingMoeV3ForCausalLM"
+LING_MODEL_TYPE = "bailing_hybrid"
+
+
+class LingConfigError(ValueError):
+    """Mutually exclusive or invalid vllm-ling / vLLM options (raised before load)."""
+
+
+def is_ling_target(model_config) -> bool:
+    hf = getattr(model_config, "hf_config", None)
+    return (getattr(hf, "model_type", None) == LING_MODEL_TYPE
+            and TARGET_ARCH in (getattr(hf, "architectures", None) or []))
+
+
+def has_kda_layers(hf_config) -> bool:
+    from vllm_ling.models.checkpoint_format import is_kda_layer
+
+    cfg = {"layer_group_size": hf_config.layer_group_size,
+           "num_hidden_layers": hf_config.num_hidden_layers}
+    return any(is_kda_layer(i, cfg) for i in range(hf_config.num_hidden_layers))
+
+
+def check_head_conflicts(options: LingOptions, hf_config, speculative: Any = None) -> None:
+    head_dtype = getattr(hf_config, "head_dtype", None)
+    if options.fp8_head and isinstance(head_dtype, str) and head_dtype.lower() in ("float32", "fp32"):
+        raise LingConfigError(
+            "The FP8 LM head (VLLM_LING_FP8_HEAD=1, the default) and an fp32 head "
+            "(--hf-overrides '{\"head_dtype\": \"float32\"}') are mutually exclusive. "
+            "Drop head_dtype from --hf-overrides, or set VLLM_LING_FP8_HEAD=0 to keep a "
+            "full-precision head.")
+    if options.fp8_head and isinstance(speculative, dict) and "draft_lm_head_quantization" in speculative:
+        raise LingConfigError(
+            "The FP8 LM head (VLLM_LING_FP8_HEAD=1, the default) and "
+            "--speculative-config draft_lm_head_quantization are mutually exclusive: with "
+            "the FP8 head the MTP draft already shares the target's quantized head module. "
+            "Remove draft_lm_head_quantization, or set VLLM_LING_FP8_HEAD=0.")
+
+
+class LingConfigHook:
+    """vLLM ``VerifyAndUpdateConfig`` protocol for BailingMoeV3ForCausalLM."""
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        return
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        from vllm.platforms import current_platform
+
+        model_config = vllm_config.model_config
+        if not is_ling_target(model_config):
+            return
+        validate = getattr(model_config.hf_config, "validate_ling_fields", None)
+        if validate is not None:  # our config class: a wrong field fails here, before any weight loads
+            validate(f"{model_config.model}/config.json")
+        options = LingOptions.from_env()
+        check_head_conflicts(options, model_config.hf_config)
+        cache = vllm_config.cache_config
+        if (current_platform.is_cpu() and has_kda_layers(model_config.hf_config)
+                and cache.enable_prefix_caching):
+            cache.enable_prefix_caching = False
+            log_once(logger, logging.WARNING, "cpu-prefix-cache",
+                     "Prefix caching is OFF on the CPU platform for the hybrid Ling model: "
+                     "vLLM's 'align' mamba cache mode needs Triton kernels vLLM-CPU does not "
+                     "have. (GPU servers keep it.)")
+
+
+def default_speculative_config(options: LingOptions, hf_config, max_num_seqs: int | None) -> dict:
+    config = hf_config.to_dict()
+    schedule = speculative_schedule(config, options.num_spec_tokens,
+                                    max_batch=max(int(max_num_seqs or 256), 1))
+    spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": options.num_spec_tokens}
+    if any(k == 0 for _, _, k in schedule):
+        spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in schedule]
+    return spec
+
+
+_wrapped = False
+# vLLM's SpeculativeConfig rejects unknown keys, so the marker is popped before vLLM sees
+# the dict and recorded on the target model config instead.
+DEFAULT_MARKER_KEY = "_vllm_ling_default"
+
+
+def install_speculative_default() -> bool:
+    """P5: wrap EngineArgs.create_speculative_config once per process."""
+    global _wrapped
+    if _wrapped:
+        return True
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_speculative_config
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        if is_ling_target(target_model_config):
+            options = LingOptions.from_env()
+            check_head_conflicts(options, target_model_config.hf_config, self.speculative_config)
+            user_gave = self.speculative_config is not None or any(
+                getattr(self, f, None) is not None for f in ("spec_method", "spec_model", "spec_tokens"))
+            if not user_gave and options.mtp:
+                self.speculative_config = default_speculative_config(
+                    options, target_model_config.hf_config, getattr(self, "max_num_seqs", None))
+                self.speculative_config[DEFAULT_MARKER_KEY] = True
+                log_once(logger, logging.INFO, "default-mtp",
+                         "Ling default speculative decoding: %s (VLLM_LING_MTP=0 turns it off; "
+                         "--speculative-config overrides it).", self.speculative_config)
+            elif not user_gave:
+                log_once(logger, logging.INFO, "mtp-off",
+                         "NEXTN MTP speculation is off (VLLM_LING_MTP=0).")
+        if isinstance(self.speculative_config, dict) and self.speculative_config.pop(DEFAULT_MARKER_KEY, False):
+            mark_default_applied(target_model_config.hf_config)
+        return original(self, target_model_config, target_parallel_config)
+
+    EngineArgs.create_speculative_config = create_speculative_config
+    _wrapped = True
+    return True
+
+
+def install_config_hook() -> bool:
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    MODELS_CONFIG_MAP[TARGET_ARCH] = LingConfigHook
+    return True

@@ -1,0 +1,177 @@
+"""Start and stop real vLLM servers with the plugin on localhost (demo, ablation, tests).
+
+Each server runs in its own session, so stopping it also stops vLLM's engine and worker
+processes. Standard library only: ``vllm-ling bench`` uses it without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+STARTUP_TIMEOUT_S = 900
+CPU_SERVE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
+                  "--max-num-seqs", "4", "--seed", "0"]
+VLLM_SERVE = [sys.executable, "-m", "vllm_ling.cli.vllm_entry", "serve"]
+# vLLM only loads endpoint plugins (our GET /vllm_ling/report) when VLLM_PLUGINS names
+# them, and then VLLM_PLUGINS is an allow-list for every plugin group.
+PLUGIN_DISTRIBUTION = "vllm-ling"
+# pyproject.toml's entry-point names; unioned with the installed metadata, which can be stale
+# in an editable install. Naming a plugin that is not installed is harmless.
+KNOWN_PLUGIN_NAMES = ("vllm_ling", "vllm_ling_report")
+
+
+def plugin_names() -> list[str]:
+    """Entry-point names vllm-ling registers in vLLM's plugin groups."""
+    from importlib import metadata
+
+    names = set(KNOWN_PLUGIN_NAMES)
+    try:
+        dist = metadata.distribution(PLUGIN_DISTRIBUTION)
+        names |= {ep.name for ep in dist.entry_points if ep.group.startswith("vllm.")}
+    except metadata.PackageNotFoundError:
+        pass
+    return sorted(names)
+
+
+
+class ServerError(RuntimeError):
+    """The server could not start or did not become healthy (the message has its log tail)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment without stray vllm-ling switches, plus CPU settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
+    env.pop("VLLM_PLUGINS", None)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(extra or {})
+    return env
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+    _log: IO | None = field(default=None, repr=False)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 60) -> int | None:
+        """SIGTERM the whole process group, SIGKILL after ``timeout``; return the exit code."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self.proc.returncode
+
+
+def group_alive(pgid: int, grace: float = 60.0) -> bool:
+    """Whether any process of the group is still there after ``grace`` seconds.
+
+    vLLM's engine-core and worker processes exit a few seconds after the API server."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.5)
+
+
+def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int, host: str = "127.0.0.1",
+                 wait: bool = True, timeout: float = STARTUP_TIMEOUT_S) -> Server:
+    """Start ``cmd`` in its own session, logging to ``log_path``; OSError if it cannot start."""
+    log = open(log_path, "wb")  # noqa: SIM115 (closed by Server.stop)
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        log.close()
+        raise
+    server = Server(proc, f"http://{host}:{port}", log_path, log)
+    if wait:
+        wait_healthy(server, timeout)
+    return server
+
+
+def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    """Poll /health; ServerError (with the log tail) if the server exits or times out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.proc.poll() is not None:
+            raise ServerError(f"server exited with code {server.proc.returncode} before it was healthy; "
+                              f"last lines of {server.log_path}:\n{log_tail(server.log_path)}")
+        try:
+            if http_get(server.base_url + "/health", timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise ServerError(f"server not healthy after {timeout:g} s; last lines of "
+                              f"{server.log_path}:\n{log_tail(server.log_path)}")
+        time.sleep(0.5)
+
+
+def serve_cpu(model: Path, log_path: Path, extra_args: list[str] | None = None,
+              env: dict[str, str] | None = None, wait: bool = True) -> Server:
+    """``vllm serve MODEL`` (vLLM's own CLI, plugin auto-loaded) on a free localhost port."""
+    port = free_port()
+    cmd = VLLM_SERVE + [str(model), "--host", "127.0.0.1", "--port", str(port),
+                        "--served-model-name", "tiny"] + CPU_SERVE_ARGS + (extra_args or [])
+    return start_server(cmd, cpu_env(env), log_path, port, wait=wait)
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (comments skipped)."""
+    status, body = http_get(base_url + "/metrics", timeout=10)
+    if status != 200:
+        raise ServerError(f"GET {base_url}/metrics returned HTTP {status}")
+    out = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                pass
+    return out

@@ -1,0 +1,220 @@
+"""The startup verification report: its schema, its one writer and its reader.
+
+Workers write it once after load (:mod:`vllm_ling.runtime.verification`), ``vllm-ling
+serve`` merges the smoke result into it (:mod:`vllm_ling.runtime.smoke`), and the stat
+logger and ``GET /vllm_ling/report`` read it. Every write goes through :func:`write_report`
+or :func:`update_report`: a private (0600) temporary file in the target directory, then an
+atomic rename, so a reader never sees half a report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from typing import Any, Callable
+
+from vllm_ling.log import get_logger
+from vllm_ling.options import read
+
+logger = get_logger("metrics")
+
+ENV_REPORT_PATH = "VLLM_LING_REPORT_PATH"
+
+# The report the startup verification writes (one JSON object). The stat logger and the
+# GET /vllm_ling/report endpoint read it; tests validate samples and real reports with it.
+_OPTIMIZATION_SCHEMA = {
+    "type": "object",
+    "required": ["requested", "active", "detail"],
+    "properties": {
+        "requested": {"type": "boolean"},
+        "active": {"type": "boolean"},
+        "detail": {"type": "string"},
+    },
+}
+REPORT_JSON_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["passed", "policy", "platform", "gpu_arch", "versions", "optimizations",
+                 "moe_backend", "head_dtype", "spec_method", "num_speculative_tokens",
+                 "checks", "smoke"],
+    "properties": {
+        "passed": {"type": "boolean"},
+        "policy": {"enum": ["strict", "warn", "off"]},
+        "platform": {"enum": ["cpu", "cuda"]},
+        "gpu_arch": {"type": ["string", "null"]},
+        "versions": {
+            "type": "object",
+            "required": ["vllm", "humming"],
+            "properties": {"vllm": {"type": "string"}, "humming": {"type": ["string", "null"]}},
+        },
+        "optimizations": {
+            "type": "object",
+            "required": ["moe_humming", "fp8_head", "mtp"],
+            "additionalProperties": _OPTIMIZATION_SCHEMA,
+        },
+        "moe_backend": {"enum": ["humming", "reference", "vllm"]},
+        "head_dtype": {"enum": ["float8_e4m3fn", "bfloat16", "float32"]},
+        "spec_method": {"type": ["string", "null"]},
+        "num_speculative_tokens": {"type": "integer", "minimum": 0},
+        "checks": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "passed", "expected", "actual", "fix"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "passed": {"type": "boolean"},
+                    "expected": {"type": "string"},
+                    "actual": {"type": "string"},
+                    "fix": {"type": "string"},
+                },
+            },
+        },
+        "smoke": {
+            "type": "object",
+            "required": ["accept_length", "threshold", "passed"],
+            "properties": {
+                "accept_length": {"type": ["number", "null"]},
+                "threshold": {"type": "number"},
+                "passed": {"type": ["boolean", "null"]},
+            },
+        },
+    },
+}
+
+
+def _server_start_time() -> float:
+    """Start time of this vLLM server: the oldest of this process and its vLLM ancestors.
+
+    A report file older than that belongs to an earlier run (a fixed VLLM_LING_REPORT_PATH
+    on a volume) and must not be shown as this server's state.
+    """
+    try:
+        import psutil
+    except ImportError:  # psutil comes with vLLM; without it, trust any report
+        return 0.0
+    try:
+        proc = psutil.Process()
+        start = proc.create_time()
+        for _ in range(4):
+            proc = proc.parent()
+            if proc is None or "vllm" not in " ".join(proc.cmdline()).lower():
+                break
+            start = min(start, proc.create_time())
+        return start
+    except (psutil.Error, OSError):
+        return 0.0
+
+
+def report_problems(report: Any) -> list[str]:
+    """What the metrics need from a report and it lacks (an empty list when usable)."""
+    if not isinstance(report, dict):
+        return [f"top level is {type(report).__name__}, not an object"]
+    problems = []
+    if not isinstance(report.get("passed"), bool):
+        problems.append('"passed" is not true/false')
+    optimizations = report.get("optimizations")
+    if not isinstance(optimizations, dict):
+        problems.append('"optimizations" is not an object')
+    else:
+        for name, entry in optimizations.items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("active"), bool)
+                    and isinstance(entry.get("requested"), bool)):
+                problems.append(f'"optimizations.{name}" lacks true/false "requested" and "active"')
+    return problems
+
+
+class ReportReader:
+    """Reads the verification report lazily: it may appear after the reader is created.
+
+    ``read()`` returns the newest valid report, or None while there is none. It re-parses
+    only when the file's mtime or size changed, ignores a file older than the server's
+    start (a previous run's), and keeps the last good report while a new one is half
+    written. Problems are logged once per file version at WARNING.
+    """
+
+    def __init__(self, path: str | None = None, not_before: float | None = None):
+        self._fixed_path = path
+        self.not_before = _server_start_time() if not_before is None else not_before
+        self._seen: tuple[str, float, int] | None = None
+        self._report: dict | None = None
+        self._warned: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def path(self) -> str | None:
+        return self._fixed_path or read(ENV_REPORT_PATH) or None
+
+    def _warn_once(self, key: tuple, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg, *args)
+
+    def read(self) -> dict | None:
+        path = self.path
+        if path is None:
+            return None
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return self._report
+        except OSError as e:
+            self._warn_once(("stat", path, str(e)), "cannot read the vllm-ling report %s (%s): %s",
+                            path, ENV_REPORT_PATH, e)
+            return self._report
+        version = (path, st.st_mtime, st.st_size)
+        with self._lock:
+            if version == self._seen:
+                return self._report
+            if st.st_mtime < self.not_before:
+                self._warn_once(("stale",) + version,
+                                "ignoring the vllm-ling report %s: it was written before this server "
+                                "started (a previous run's); waiting for this run's report.", path)
+                return self._report
+            try:
+                with open(path, encoding="utf-8") as f:
+                    report = json.load(f)
+            except (OSError, ValueError) as e:
+                # Possibly caught mid-write: keep the last good one and retry on the next change.
+                self._warn_once(("parse",) + version, "cannot parse the vllm-ling report %s: %s",
+                                path, e)
+                return self._report
+            problems = report_problems(report)
+            self._seen = version
+            if problems:
+                self._warn_once(("schema",) + version,
+                                "the vllm-ling report %s is not usable (%s); its metrics stay unset.",
+                                path, "; ".join(problems))
+                return self._report
+            self._report = report
+            return report
+
+
+
+
+def write_report(report: dict[str, Any], path: str) -> None:
+    """Replace the report at ``path`` atomically (0600 temporary file in the same directory)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".report-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def update_report(path: str | None, change: Callable[[dict[str, Any]], None]) -> bool:
+    """Apply ``change`` to the report at ``path`` and write it back; False when there is none."""
+    if not path or not os.path.exists(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        report = json.load(f)
+    change(report)
+    write_report(report, path)
+    return True

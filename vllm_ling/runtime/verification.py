@@ -1,0 +1,365 @@
+"""Startup verification: prove in each worker that every requested optimization is active.
+
+Runs once per worker process, at the target model's first forward (vLLM's profile run),
+when vLLM has loaded the target and the NEXTN draft and shared modules between them, and
+before the server accepts a request. Each check compares what was requested with the
+modules that are really there:
+
+- model classes are vllm-ling's;
+- every routed-MoE layer of target and draft uses vllm-ling's MXFP4 method with the
+  platform's backend (humming on CUDA, the PyTorch reference on CPU), and the count is
+  MoE layers + NEXTN layers;
+- the target head runs vllm-ling's FP8 method with a float8_e4m3fn weight of the expected
+  byte size (or BF16 when opted out);
+- the draft's head(s) and embedding are the target's module objects, and the draft holds no
+  storage of that size of its own;
+- the speculative config is the one requested;
+- vLLM (and on CUDA humming) are the tested versions.
+
+Output: one INFO table, a JSON report (``VLLM_LING_REPORT_PATH``, atomically replaced),
+and through it the ``vllm_ling:*`` metrics. Policy ``VLLM_LING_VERIFY``: ``strict`` (the
+default) raises :class:`LingVerificationError` so the server refuses to start; ``warn``
+logs each failed check at WARNING; ``off`` skips the checks (logged once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from vllm_ling.log import get_logger, log_once
+from vllm_ling.options import LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy, read
+from vllm_ling.runtime.report import write_report
+from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
+                                vllm_version)
+
+logger = get_logger("verify")
+
+
+class LingVerificationError(RuntimeError):
+    """A requested optimization is not active (policy strict)."""
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    passed: bool
+    expected: str
+    actual: str
+    fix: str = ""
+
+
+@dataclasses.dataclass
+class Expectations:
+    """What the checks expect, from the options, the platform and the vLLM config."""
+
+    platform: str  # "cpu" | "cuda"
+    moe_backend: MoePath
+    fp8_head: bool
+    spec_method: str | None
+    num_speculative_tokens: int
+    default_spec: bool  # the speculative config is vllm-ling's default
+
+    @classmethod
+    def from_runtime(cls, vllm_config, options: LingOptions) -> "Expectations":
+        from vllm.platforms import current_platform
+
+        platform = "cpu" if current_platform.is_cpu() else "cuda"
+        moe_opt_out = options.moe_backend is MoeBackend.VLLM or (
+            getattr(vllm_config.kernel_config, "moe_backend", "auto") not in ("auto", MoePath.HUMMING))
+        moe = MoePath.VLLM if moe_opt_out else (MoePath.REFERENCE if platform == "cpu" else MoePath.HUMMING)
+        spec = vllm_config.speculative_config
+        from vllm_ling.runtime.spec_policy import default_applied
+
+        return cls(platform=platform, moe_backend=moe, fp8_head=options.fp8_head,
+                   spec_method=getattr(spec, "method", None),
+                   num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
+                   default_spec=default_applied(vllm_config))
+
+
+def _routed_expert_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]
+
+
+def check_model_classes(target, draft, exp: Expectations) -> Check:
+    from vllm_ling.models.ling3 import LingForCausalLM
+    from vllm_ling.models.ling3_mtp import LingMTPModel
+
+    actual = f"target {type(target).__name__}" + (f", draft {type(draft).__name__}" if draft is not None else "")
+    ok = isinstance(target, LingForCausalLM) and (
+        draft is None if exp.spec_method is None else isinstance(draft, LingMTPModel))
+    expected = "target LingForCausalLM" + (", draft LingMTPModel" if exp.spec_method else "")
+    return Check("model_classes", ok, expected, actual,
+                 "vllm-ling's plugin did not register its classes: check VLLM_PLUGINS allows vllm_ling")
+
+
+def check_moe_layers(target, draft, exp: Expectations, config) -> Check:
+    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
+
+    moe_layers = config.num_hidden_layers - config.first_k_dense_replace
+    nextn = config.num_nextn_predict_layers if draft is not None else 0
+    layers = [("target." + n, m) for n, m in _routed_expert_layers(target)]
+    if draft is not None:
+        layers += [("draft." + n, m) for n, m in _routed_expert_layers(draft)]
+    backends: dict[str, int] = {}
+    wrong = []
+    for name, layer in layers:
+        qm = layer.quant_method
+        backend = qm.backend if isinstance(qm, LingMxfp4MoEMethod) else f"vllm:{type(qm).__name__}"
+        backends[backend] = backends.get(backend, 0) + 1
+        if (exp.moe_backend is MoePath.VLLM) != backend.startswith("vllm:") or (
+                exp.moe_backend is not MoePath.VLLM and backend != exp.moe_backend):
+            wrong.append(name)
+    expected_count = moe_layers + nextn
+    actual = ", ".join(f"{v} x {k}" for k, v in sorted(backends.items())) or "no routed-expert layers"
+    ok = not wrong and len(layers) == expected_count
+    if wrong:
+        actual += f"; not {exp.moe_backend}: {wrong[:3]}"
+    return Check("moe_layers", ok, f"{expected_count} x {exp.moe_backend} ({moe_layers} target MoE + {nextn} NEXTN)",
+                 actual, "install humming-kernels 0.1.17 on an sm_75+ GPU, or opt out with VLLM_LING_MOE_BACKEND=vllm")
+
+
+def moe_decode_summary(target, draft) -> tuple[bool, str]:
+    """(every humming MoE layer has its decode kernels, per-status layer counts)."""
+    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
+
+    layers = _routed_expert_layers(target) + (_routed_expert_layers(draft) if draft is not None else [])
+    methods = [m.quant_method for _, m in layers if isinstance(m.quant_method, LingMxfp4MoEMethod)]
+    counts: dict[str, int] = {}
+    for qm in methods:
+        status = qm.decode_status or "not built"
+        counts[status] = counts.get(status, 0) + 1
+    detail = "; ".join(f"{v} x {k}" for k, v in sorted(counts.items())) or "no humming MoE layers"
+    return bool(methods) and all(qm.decode_active for qm in methods), detail
+
+
+def check_head(target, exp: Expectations) -> Check:
+    from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
+
+    head = target.lm_head
+    qm = head.quant_method
+    w = head.weight
+    nbytes = w.numel() * w.element_size()
+    rows = head.num_embeddings_per_partition if hasattr(head, "num_embeddings_per_partition") else w.shape[0]
+    cols = getattr(head, "embedding_dim", None) or w.shape[-1]
+    if exp.fp8_head:
+        # One byte per weight; a GPU kernel's repacked layout may pad a little (BF16 would be 2x).
+        expected = f"Fp8LmHeadMethod, float8_e4m3fn, {rows * cols} bytes"
+        ok = (isinstance(qm, Fp8LmHeadMethod) and w.dtype == torch.float8_e4m3fn
+              and rows * cols <= nbytes < 1.1 * rows * cols)
+    else:
+        expected = "BF16 head (VLLM_LING_FP8_HEAD=0)"
+        ok = not isinstance(qm, Fp8LmHeadMethod) and w.dtype != torch.float8_e4m3fn
+    kernel = getattr(qm, "kernel", None)
+    actual = f"{type(qm).__name__}, {str(w.dtype).replace('torch.', '')}, {nbytes} bytes" + (
+        f", kernel {kernel}" if kernel else "")
+    return Check("lm_head", ok, expected, actual,
+                 "the ling_fp8 quantization was not selected: do not pass --quantization, or set VLLM_LING_FP8_HEAD=0")
+
+
+def check_draft_sharing(target, draft, exp: Expectations) -> Check:
+    if exp.spec_method is None:
+        return Check("draft_shares_target_modules", True, "no draft (speculation off)", "no draft")
+    if draft is None:
+        return Check("draft_shares_target_modules", False, "draft loaded", "no NEXTN draft in this process",
+                     "the speculative config names no Ling MTP draft")
+    heads = draft.heads()
+    same_head = all(h is target.lm_head for h in heads)
+    same_embed = draft.model.embed_tokens is target.model.word_embeddings
+    own = draft.own_storage_bytes(target)
+    head_bytes = target.lm_head.weight.numel() * target.lm_head.weight.element_size()
+    # A duplicate head or embedding is a [vocab rows, ...] tensor the target does not own.
+    vocab_rows = {target.lm_head.weight.shape[0], target.model.word_embeddings.weight.shape[0]}
+    target_ptrs = {q.data_ptr() for q in target.parameters()}
+    big_own = [n for n, p in draft.named_parameters()
+               if p.dim() == 2 and p.shape[0] in vocab_rows and p.data_ptr() not in target_ptrs]
+    ok = same_head and same_embed and not big_own
+    if big_own:
+        actual_extra = f"; duplicate vocabulary-sized tensors in the draft: {big_own[:3]}"
+    else:
+        actual_extra = ""
+    path = draft.ling_sharing_path or "vLLM proposer module sharing"
+    actual = (f"{len(heads)} head ref(s) {'are' if same_head else 'are NOT all'} the target's module; "
+              f"embedding {'is' if same_embed else 'is NOT'} the target's; draft-only storage {own} bytes "
+              f"(head {head_bytes} bytes); path: {path}{actual_extra}")
+    return Check("draft_shares_target_modules", ok,
+                 "draft head(s) and embedding are the target's objects; no duplicate storage", actual,
+                 "the draft must share the target's whole head module (weights, scales, method); "
+                 "do not share only the weight tensor")
+
+
+def check_speculative(exp: Expectations, options: LingOptions) -> Check:
+    if exp.default_spec:
+        expected = f"mtp, {options.num_spec_tokens} tokens (vllm-ling default)"
+        ok = exp.spec_method == "mtp" and exp.num_speculative_tokens == options.num_spec_tokens
+    elif options.mtp and exp.spec_method is None:
+        expected, ok = "mtp (VLLM_LING_MTP=1)", False
+    else:
+        expected = "as configured by the user" if exp.spec_method else "off (VLLM_LING_MTP=0)"
+        ok = True
+    actual = f"{exp.spec_method}, {exp.num_speculative_tokens} tokens" if exp.spec_method else "off"
+    return Check("speculative_config", ok, expected, actual,
+                 "pass --speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'")
+
+
+def check_versions(exp: Expectations) -> Check:
+    v, h = vllm_version(), humming_version()
+    ok = (v or "").split("+")[0] == TESTED_VLLM_VERSION and (exp.platform == "cpu" or h == TESTED_HUMMING_VERSION)
+    return Check("versions", ok, f"vllm {TESTED_VLLM_VERSION}, humming {TESTED_HUMMING_VERSION}"
+                 + (" (unused on CPU)" if exp.platform == "cpu" else ""),
+                 f"vllm {v}, humming {h}", f"pip install vllm-ling[{'cpu' if exp.platform == 'cpu' else 'gpu'}]")
+
+
+def _gpu_arch() -> str | None:
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}"
+    return None
+
+
+def build_report(target, draft, vllm_config, options: LingOptions,
+                 exp: Expectations | None = None) -> dict[str, Any]:
+    exp = exp or Expectations.from_runtime(vllm_config, options)
+    config = vllm_config.model_config.hf_config
+    checks = [check_model_classes(target, draft, exp), check_moe_layers(target, draft, exp, config),
+              check_head(target, exp), check_draft_sharing(target, draft, exp),
+              check_speculative(exp, options), check_versions(exp)]
+    by_name = {c.name: c for c in checks}
+    moe_active = exp.moe_backend is not MoePath.VLLM and by_name["moe_layers"].passed
+    head_active = exp.fp8_head and by_name["lm_head"].passed
+    mtp_active = exp.spec_method == "mtp" and by_name["draft_shares_target_modules"].passed
+    decode_requested = exp.moe_backend is MoePath.HUMMING and options.moe_decode is not MoeDecode.OFF
+    decode_active, decode_detail = moe_decode_summary(target, draft)
+    return {
+        "passed": all(c.passed for c in checks),
+        "policy": options.verify,
+        "platform": exp.platform,
+        "gpu_arch": _gpu_arch(),
+        "versions": {"vllm": vllm_version() or "unknown", "humming": humming_version()},
+        "optimizations": {
+            # Humming is requested only where it can exist (CUDA) and the user did not opt out.
+            "moe_humming": {"requested": exp.moe_backend is MoePath.HUMMING,
+                            "active": moe_active and exp.moe_backend is MoePath.HUMMING,
+                            "detail": by_name["moe_layers"].actual if exp.moe_backend is not MoePath.VLLM
+                            else "opted out (VLLM_LING_MOE_BACKEND=vllm or --moe-backend): vLLM chooses"},
+            # Sub-path of moe_humming: fused kernels for batches <= VLLM_LING_MOE_DECODE_MAX_TOKENS.
+            "moe_decode_kernels": {"requested": decode_requested, "active": decode_requested and decode_active,
+                                   "detail": decode_detail if exp.moe_backend is MoePath.HUMMING
+                                   else "needs the humming MoE backend on CUDA"},
+            "fp8_head": {"requested": options.fp8_head, "active": head_active,
+                         "detail": by_name["lm_head"].actual},
+            "mtp": {"requested": exp.spec_method == "mtp",
+                    "active": mtp_active, "detail": by_name["draft_shares_target_modules"].actual},
+        },
+        "moe_backend": exp.moe_backend,
+        "head_dtype": str(target.lm_head.weight.dtype).replace("torch.", ""),
+        "spec_method": exp.spec_method,
+        "num_speculative_tokens": exp.num_speculative_tokens,
+        "checks": [dataclasses.asdict(c) for c in checks],
+        "smoke": {"accept_length": None, "threshold": 0.0, "passed": None},
+        "notes": _platform_notes(vllm_config, exp),
+    }
+
+
+def _platform_notes(vllm_config, exp: Expectations) -> list[str]:
+    if exp.platform != "cpu":
+        return []
+    notes = ["CPU platform: routed experts run the plain-PyTorch MXFP4 reference (humming is CUDA-only); "
+             "the FP8 head runs the chunked fp32 reference kernel; dense block-FP8 linears are "
+             "dequantized to BF16 at load where vLLM-CPU has no kernel (no AMX)."]
+    if not vllm_config.cache_config.enable_prefix_caching:
+        notes.append("prefix caching is off")
+    return notes
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = [("check", "ok", "expected", "actual")]
+    rows += [(c["name"], "yes" if c["passed"] else "NO", c["expected"], c["actual"]) for c in report["checks"]]
+    widths = [min(max(len(r[i]) for r in rows), 60) for i in range(3)]
+    lines = [f"vllm-ling startup verification ({report['platform']}, policy {report['policy']}"
+             f"{', runner ' + report['model_runner'] if report.get('model_runner') else ''}): "
+             f"{'PASSED' if report['passed'] else 'FAILED'}"]
+    for r in rows:
+        lines.append("  " + "  ".join(r[i][:60].ljust(widths[i]) for i in range(3)) + "  " + r[3])
+    for note in report.get("notes", []):
+        lines.append("  note: " + note)
+    return "\n".join(lines)
+
+
+def _is_reporting_rank() -> bool:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_pp_group
+
+        return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
+    except Exception:
+        return True
+
+
+def apply_negative_control(target, draft) -> None:
+    """VLLM_LING_NEGATIVE_CONTROL=weight_only_head: rebuild the upstream trap on purpose."""
+    mode = read("VLLM_LING_NEGATIVE_CONTROL") or ""
+    if not mode:
+        return
+    if mode != "weight_only_head":
+        raise ValueError(f"VLLM_LING_NEGATIVE_CONTROL={mode!r}: the only control is 'weight_only_head'")
+    if draft is None:
+        return
+    from vllm_ling.models.ling3_mtp import build_weight_only_trap
+
+    trap = build_weight_only_trap(target.lm_head)
+    for layer in draft.model.layers.values():
+        layer.shared_head.head = trap
+    draft.lm_head = trap
+    draft.ling_sharing_path = "NEGATIVE CONTROL: weight tensor only (the trap)"
+    log_once(logger, logging.WARNING, "negative-control",
+             "NEGATIVE CONTROL active: the NEXTN draft uses the target's FP8 head weight without its "
+             "scales or method (the silent-degradation trap, on purpose)")
+
+
+def enforce_policy(report: dict[str, Any], policy: str) -> None:
+    """strict: raise naming every failed check and its fix; warn: one WARNING per check."""
+    if report["passed"] or policy == VerifyPolicy.OFF:
+        return
+    failed = [c for c in report["checks"] if not c["passed"]]
+    if policy == VerifyPolicy.STRICT:
+        message = "; ".join(f"{c['name']}: expected {c['expected']}, got {c['actual']}. Fix: {c['fix']}"
+                            for c in failed)
+        raise LingVerificationError(
+            f"vllm-ling refuses to serve: startup verification failed ({message}). "
+            "Set VLLM_LING_VERIFY=warn to serve anyway.")
+    for c in failed:
+        logger.warning("verification check %s FAILED: expected %s, got %s. Fix: %s",
+                       c["name"], c["expected"], c["actual"], c["fix"])
+
+
+_done = False
+
+
+def verify_once(target, vllm_config, runner: str | None = None) -> dict[str, Any] | None:
+    """Run the verification the first time it is called in this process."""
+    global _done
+    if _done:
+        return None
+    _done = True
+    from vllm_ling.models import loaded
+
+    options = LingOptions.from_env()
+    draft = loaded.get("draft") if vllm_config.speculative_config is not None else None
+    apply_negative_control(target, draft)
+    if options.verify is VerifyPolicy.OFF:
+        log_once(logger, logging.WARNING, "verify-off",
+                 "Startup verification is OFF (VLLM_LING_VERIFY=off): optimizations are not checked.")
+        return None
+    report = build_report(target, draft, vllm_config, options)
+    report["model_runner"] = runner or "first forward (no runner hook)"
+    if _is_reporting_rank():
+        logger.info("%s", format_table(report))
+        if options.report_path:
+            write_report(report, options.report_path)
+    enforce_policy(report, options.verify)
+    return report
