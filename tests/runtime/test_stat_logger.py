@@ -325,3 +325,14 @@ def test_a_failure_inside_record_is_logged_once_and_does_not_raise(make_logger, 
     failures = [r for r in captured.records if "failed to record" in r.getMessage()]
     assert len(failures) == 1 and failures[0].levelno == logging.WARNING
     assert "RuntimeError: boom" in failures[0].getMessage()
+
+
+def test_startup_seconds_is_this_process_age_when_the_engine_is_ready(make_logger):
+    import psutil
+
+    stat_logger = make_logger()
+    age_before = time.time() - psutil.Process().create_time()
+    stat_logger.log_engine_initialized()
+    age_after = time.time() - psutil.Process().create_time()
+    value = REGISTRY.get_sample_value("vllm_ling:startup_seconds", {"model_name": "tiny"})
+    assert age_before <= value <= age_after
