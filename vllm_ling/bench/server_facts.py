@@ -10,8 +10,8 @@ Sources, each optional (a plain OpenAI server has none of the vllm-ling ones):
   compile seconds and cache hits, weight and KV-cache bytes);
 - ``/metrics`` at the start: ``vllm_ling:info`` labels, ``vllm_ling:optimization_active``,
   ``vllm_ling:kernel_check_passed``, vLLM's ``vllm:cache_config_info`` (KV blocks, block size,
-  memory fraction), the API server's resident memory, and vllm-ling's startup / humming JIT
-  gauges where exported;
+  KV capacity in tokens and requests, cache dtypes, memory fraction), the API server's resident
+  memory, ``vllm_ling:startup_seconds`` and humming JIT gauges where exported;
 - ``/metrics`` sampled during the run: ``vllm:kv_cache_usage_perc`` and the running / waiting
   request counts (:class:`UsageSampler`);
 - the harness itself: its vllm-ling version and, when it launched the server (ablation), the
@@ -106,7 +106,8 @@ def facts_from_metrics(text: str) -> dict[str, Any]:
         elif name == "vllm_ling:verification_passed":
             out["verification_passed"] = value == 1.0
         elif name == "vllm:cache_config_info":
-            keep = ("num_gpu_blocks", "block_size", "cache_dtype", "gpu_memory_utilization", "enable_prefix_caching")
+            keep = ("num_gpu_blocks", "block_size", "kv_cache_size_tokens", "kv_cache_max_concurrency",
+                    "cache_dtype", "mamba_ssm_cache_dtype", "gpu_memory_utilization", "enable_prefix_caching")
             out["cache_config"] = {k: labels[k] for k in keep if k in labels}
         elif name == "process_resident_memory_bytes":
             out["api_server_resident_bytes"] = value
