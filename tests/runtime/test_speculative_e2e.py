@@ -263,6 +263,7 @@ def test_replay_scores_chat_answers_on_the_real_server(default_server, agreeing_
     assert facts["report"]["versions"]["vllm"].startswith("0.32")
     assert facts["metrics"]["cache_config"]["num_gpu_blocks"]  # vLLM's own cache config metric
     assert facts["metrics"]["launch_to_ready_s"] > 1  # vllm_ling:startup_seconds: loading takes seconds
+    assert facts["report"]["memory"]["weights_bytes"] > 0
     assert facts["usage"]["samples"]  # KV-cache usage sampled during the run
     files = {p.name for p in (tmp_path / "a").iterdir()}
     assert {"results.json", "results.md", "latency.png", "lengths.png", "acceptance.png"} <= files

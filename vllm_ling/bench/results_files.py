@@ -146,7 +146,8 @@ def facts_lines(facts: dict[str, Any] | None) -> list[str]:
                                             for k, v in startup.items()) or "not exposed by this server"))
     memory = (rep or {}).get("memory") or {}
     cache = met.get("cache_config") or {}
-    mem = [f"{k} {v}" for k, v in memory.items()] + [f"KV {k} {v}" for k, v in cache.items()]
+    mem = [f"{k.removesuffix('_bytes')} {v / 2**20:.1f} MiB" if k.endswith("_bytes") and isinstance(v, (int, float))
+           else f"{k} {v}" for k, v in memory.items()] + [f"KV {k} {v}" for k, v in cache.items()]
     if met.get("api_server_resident_bytes"):
         mem.append(f"API server RSS {met['api_server_resident_bytes'] / 2**20:.0f} MiB")
     lines.append("- memory: " + ("; ".join(mem) or "not exposed by this server"))
