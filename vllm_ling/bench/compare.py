@@ -178,7 +178,7 @@ def format_markdown(c: dict[str, Any]) -> str:
              "| metric | stat | A | B | B - A | 95% CI | relative |", "|---|---|---|---|---|---|---|"]
     for m in c["metrics"]:
         rel = "-" if m["relative"] is None else f"{m['relative']:+.1%}"
-        ci = "-" if m["low"] is None else f"[{m['low']:+.4g}, {m['high']:+.4g}]"
+        ci = "-" if m["low"] is None or m["high"] is None else f"[{m['low']:+.4g}, {m['high']:+.4g}]"
         fa = "-" if m["a"] is None else f"{m['a']:.4g}"
         fb = "-" if m["b"] is None else f"{m['b']:.4g}"
         fd = "-" if m["delta"] is None else f"{m['delta']:+.4g}"
