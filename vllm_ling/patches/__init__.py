@@ -1,6 +1,7 @@
 """Runtime patches of vLLM 0.32 that cannot be expressed through its plugin interfaces.
 
-Each module documents what it changes, why, the upstream reference and when to delete
-it; README.md in this folder is the registry. Patches are applied at defined moments
-(the plugin's ``register()`` or the vllm-cpu CLI entry), never at import.
+One module per patch (``p<n>_*.py``); ``registry.py`` is the ordered list that declares
+and applies them (at the plugin's ``register()`` or the vLLM CLI entry, never at import)
+and refuses a vLLM whose patched source differs; README.md here is generated from it.
+``config_hooks.py`` holds the Ling decisions that patches P4 and P5 let vLLM run.
 """

