@@ -107,7 +107,8 @@ def test_bench_harness_against_the_real_tiny_server(default_server, tmp_path):
     out = tmp_path / "bench"
     r = run_benchmark(base_url=server.base_url, workload="synthetic", input_len=48, output_len=24,
                       num_requests=2, token_id_range=(10, 1000), seed=1, out_dir=str(out), progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "latency.png", "results.json", "results.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "kv_cache_usage.png", "latency.png",
+                                                     "lengths.png", "results.json", "results.md"]
     assert r["spec_decode"]["accept_length"] >= 3.5
     assert len(r["spec_decode"]["per_position_accept_rate"]) == 3
     assert r["summary"]["tpot_ms"]["mean"] > 0 and r["summary"]["ttft_s"]["p50"] > 0
