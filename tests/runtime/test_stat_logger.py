@@ -348,3 +348,14 @@ def test_kernel_check_metric_per_checked_kernel(make_logger, tmp_path):
     assert value("vllm_ling:kernel_check_passed", kernel="fp8_head", impl="torch") == 1
     assert value("vllm_ling:kernel_check_passed", kernel="fp8_head_planted", impl="torch") == 0
     assert value("vllm_ling:kernel_check_passed", kernel="moe_mxfp4", impl="vllm:SomeMethod") is None
+
+
+def test_startup_seconds_is_this_process_age_when_the_engine_is_ready(make_logger):
+    import psutil
+
+    stat_logger = make_logger()
+    age_before = time.time() - psutil.Process().create_time()
+    stat_logger.log_engine_initialized()
+    age_after = time.time() - psutil.Process().create_time()
+    value = REGISTRY.get_sample_value("vllm_ling:startup_seconds", {"model_name": "tiny"})
+    assert age_before <= value <= age_after

@@ -230,3 +230,24 @@ def test_policy_off_runs_no_kernel_check(loaded_tiny_models, monkeypatch):
     monkeypatch.setattr(verification, "_done", False)
     monkeypatch.setenv("VLLM_LING_VERIFY", "off")
     assert verification.verify_once(target, vllm_config) is None
+
+
+def test_weights_bytes_counts_each_storage_once():
+    from vllm_ling.runtime.verification import weights_bytes
+
+    target = torch.nn.Linear(8, 4, dtype=torch.bfloat16)  # 32 + 4 bf16 values
+    target.register_buffer("scale", torch.ones(3, dtype=torch.float32))
+    draft = torch.nn.Module()
+    draft.head = target  # shared, as the NEXTN draft shares the target's head
+    draft.own = torch.nn.Parameter(torch.zeros(5, dtype=torch.float8_e4m3fn))
+    assert weights_bytes(target, None) == 36 * 2 + 3 * 4
+    assert weights_bytes(target, draft) == 36 * 2 + 3 * 4 + 5
+
+
+def test_report_states_the_weights_bytes_of_the_loaded_models(loaded_tiny_models):
+    _, target, draft = loaded_tiny_models
+    report = _report(loaded_tiny_models)
+    head = target.lm_head.weight
+    # Counting every tensor of both models counts the shared head and embedding twice.
+    double = sum(t.numel() * t.element_size() for m in (target, draft) for t in [*m.parameters(), *m.buffers()])
+    assert head.numel() * head.element_size() < report["memory"]["weights_bytes"] < double

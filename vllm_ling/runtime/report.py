@@ -111,6 +111,11 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "passed": {"type": ["boolean", "null"]},
             },
         },
+        # Optional: bytes of the weights one worker holds (each storage once).
+        "memory": {
+            "type": "object",
+            "properties": {"weights_bytes": {"type": "integer", "minimum": 0}},
+        },
     },
 }
 

@@ -24,6 +24,9 @@ Exported (``model_name`` label on all; ``engine`` on the accept metrics, as vLLM
                                                              fp8_head, kda; ``impl``: what serves)
 ``vllm_ling:info{vllm_version,humming_version,moe_backend,   value 1; labels from the report
 head_dtype,spec_method,gpu_arch,platform,policy}``
+``vllm_ling:startup_seconds``                                this API-server process's start to the
+                                                             engine ready (weights, profiling, KV
+                                                             cache, warm-up, compilation)
 ==========================================================  =======================================
 
 The accept metrics appear with the first draft; the report metrics once the startup
@@ -39,6 +42,7 @@ import logging
 import time
 from typing import Any
 
+import psutil
 from prometheus_client import REGISTRY, Counter, Gauge
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
@@ -132,6 +136,10 @@ class LingStatLogger(AggregateStatLoggerBase):
         self.g_info = Gauge(
             "vllm_ling:info", "vllm-ling build and configuration (value 1; see the labels).",
             labelnames=["model_name", *INFO_LABELS], multiprocess_mode="mostrecent")
+        self.g_startup = Gauge(
+            "vllm_ling:startup_seconds",
+            "Seconds from the API-server process's start to the engine being ready to serve.",
+            labelnames=["model_name"], multiprocess_mode="mostrecent")
 
         self.windows: dict[int, AcceptWindow] = {}
         self.guards: dict[int, CollapseGuard] = {}
@@ -169,6 +177,10 @@ class LingStatLogger(AggregateStatLoggerBase):
         self.refresh_report()
 
     def log_engine_initialized(self):
+        # vLLM calls this once the engine cores are up: weights loaded, KV cache sized, warmed up.
+        startup = time.time() - psutil.Process().create_time()
+        self.g_startup.labels(self.model_name).set(startup)
+        logger.info("vllm-ling: engine ready %.1f s after the API server process started.", startup)
         report = self.refresh_report()
         if self.num_spec_tokens > 0:
             logger.info("vllm-ling accept-length guard: window %d drafts (%s), break-even %.2f (%s).",

@@ -271,8 +271,24 @@ def build_report(target, draft, vllm_config, options: LingOptions,
         "smoke": {"accept_length": None, "threshold": 0.0, "passed": None},
         "kernel_checks": known,
         "notes": _serving_notes(vllm_config, known),
+        "memory": {"weights_bytes": weights_bytes(target, draft)},
     }
 
+
+def weights_bytes(*modules: torch.nn.Module | None) -> int:
+    """Bytes of the parameters and buffers of the given modules in this worker, each storage
+    once (the draft shares the target's head and embedding)."""
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        if module is None:
+            continue
+        for t in [*module.parameters(), *module.buffers()]:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
 
 def _serving_notes(vllm_config, known: dict[str, Any]) -> list[str]:
     """What computes, as read from the loaded layers' methods and kernels (not the platform)."""
