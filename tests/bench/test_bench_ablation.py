@@ -8,10 +8,12 @@ table) without a model.
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 
 import pytest
 
+from vllm_ling.bench.arguments import bench_config, run_parser
 from vllm_ling.bench import main as bench_main
 from vllm_ling.bench.ablation import (
     ABLATION_CONFIGS,
@@ -67,6 +69,31 @@ def test_ablation_all_four_configurations(tmp_path):
     assert len([line for line in md.splitlines() if line.startswith("| ")]) == 1 + 4  # header + rows
     assert "+ NEXTN MTP" in md
 
+    # Kept as a baseline: the exact commands, launch-to-ready and server facts per configuration.
+    script = (tmp_path / "commands.sh").read_text()
+    for r, cfg in zip(rows, ABLATION_CONFIGS):
+        env = " ".join(f"{k}={v}" for k, v in cfg.env.items())
+        assert f"{env} " in script and r["server_command"] in script and r["bench_command"] in script
+        argv = shlex.split(r["bench_command"])
+        assert argv[:3] == ["vllm-ling", "bench", "run"]
+        parsed = run_parser().parse_args(argv[3:])
+        again = bench_config(parsed, base_url=parsed.base_url, model=parsed.model)
+        ran = json.loads((tmp_path / cfg.name / "results.json").read_text())["config"]
+        for key in ("workload", "input_len", "output_len", "num_requests", "seed", "base_url", "out_dir",
+                    "label", "max_tokens", "metrics_interval_s"):
+            assert getattr(again, key) == ran[key], key  # the command reproduces the run
+        facts = json.loads((tmp_path / cfg.name / "results.json").read_text())["server"]["facts"]
+        assert facts["launch_to_ready_s"] == r["launch_to_ready_s"] > 0
+        assert facts["report"]["optimizations"] == cfg.expect
+
+    # `bench compare FOLDER`: every configuration against the baseline, saying what differed.
+    out_json = tmp_path / "cmp.json"
+    assert bench_main(["compare", str(tmp_path), "--json", str(out_json)]) == 0
+    cmps = json.loads(out_json.read_text())["comparisons"]
+    assert [c["title"] for c in cmps] == ["humming vs baseline", "fp8_head vs baseline", "mtp vs baseline"]
+    differ = {d["fact"] for d in cmps[-1]["facts_differ"]}
+    assert {"report.optimizations.moe_humming", "report.optimizations.fp8_head", "report.optimizations.mtp"} <= differ
+
 
 def test_ablation_refuses_a_server_that_ignores_a_switch(tmp_path, capsys):
     # This server drops VLLM_LING_FP8_HEAD and so runs its default (FP8 head on) in the baseline.
@@ -80,6 +107,21 @@ def test_ablation_refuses_a_server_that_ignores_a_switch(tmp_path, capsys):
     assert result["rows"] == [] and "fp8_head" in result["error"]
     assert "stopped:" in (tmp_path / "ablation.md").read_text()
     assert not (tmp_path / "baseline" / "results.json").exists()  # nothing was measured
+
+
+def test_compare_two_ablation_folders_config_by_config(tmp_path, capsys):
+    """Measure a baseline, "upgrade" (here: the server starts ignoring a switch), compare."""
+    common = ["ablation", "--model", "standin", "--configs", "mtp", "--workload", "synthetic",
+              "--input-len", "4", "--output-len", "3", "--num-requests", "2", "--no-progress", "--no-plots"]
+    assert bench_main([*common, "--server-cmd", STANDIN_CMD, "--out-dir", str(tmp_path / "old")]) == 0
+    assert bench_main([*common, "--server-cmd", STANDIN_CMD + " --token-delay-ms 4",
+                       "--out-dir", str(tmp_path / "new")]) == 0
+    capsys.readouterr()
+    assert bench_main(["compare", str(tmp_path / "old"), str(tmp_path / "new")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# mtp\n") and "TPOT (ms)" in out
+    assert "What differed besides the numbers" in out
+    assert bench_main(["compare", str(tmp_path / "old" / "mtp")]) == 2  # one results folder is not enough
 
 
 def test_ablation_server_that_dies_is_reported(tmp_path):

@@ -108,7 +108,9 @@ def test_synthetic_without_speculation_and_api_key(plain_server, tmp_path, monke
     results = run_benchmark(base_url=plain_server, workload="synthetic", input_len=100, output_len=24,
                             num_requests=3, concurrency=2, out_dir=str(tmp_path), progress=False)
     assert results["spec_decode"] is None
-    assert results["files"] == ["results.json", "results.md", "latency.png"]
+    # no acceptance plot without speculation; KV usage sampled once at the start at least
+    assert results["files"] == ["results.json", "results.md", "latency.png", "lengths.png", "kv_cache_usage.png"]
+    assert results["lengths"]["input"]["histogram"] == [{"low": 100, "high": 100, "count": 3}]
     for r in results["requests"]:
         assert r["ok"] and r["output_tokens"] == 24 and r["prompt_tokens"] == 100
         assert r["prompt_len"] == 100
@@ -133,11 +135,11 @@ def test_compare_mcnemar_matches_the_two_servers_rules(mtp_server, plain_server,
                      "--json", str(out_json), "--md", str(tmp_path / "cmp.md")])
     assert rc == 0
     cmp = json.loads(out_json.read_text())
-    mc = cmp["gsm8k"]["strict"]["mcnemar"]
+    mc = cmp["scores"]["modes"]["strict"]["mcnemar"]
     assert (mc["a_only"], mc["b_only"]) == (a_only, b_only)
     assert a_only + b_only > 0  # the two rules do disagree on these questions
-    assert cmp["gsm8k"]["paired_questions"] == n
-    assert cmp["gsm8k"]["strict"]["delta"] == pytest.approx((b_only - a_only) / n)
+    assert cmp["scores"]["modes"]["strict"]["paired"] == n
+    assert cmp["scores"]["modes"]["strict"]["delta"] == pytest.approx((b_only - a_only) / n)
     tpot = next(m for m in cmp["metrics"] if m["metric"] == "TPOT (ms)" and m["statistic"] == "mean")
     assert tpot["paired"] and tpot["low"] <= tpot["delta"] <= tpot["high"]
     assert cmp["accept_length"]["b"] is None and cmp["accept_length"]["a"] > 1
@@ -203,3 +205,131 @@ def test_bench_and_plan_import_neither_vllm_nor_torch():
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def _tool(name: str, *params: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {p: {"type": "string"} for p in params}}}}
+
+
+WEATHER_TOOLS = [_tool("get_weather", "city", "unit"), _tool("get_time", "zone")]
+
+
+def _replay_rows() -> list[dict]:
+    """Requests whose stand-in answers follow its documented chat rules (see standin.py)."""
+    user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    return [
+        # tool named in the message, key=value words as arguments: matches
+        {"id": "t-match", "messages": user("get_weather city=Paris unit=c"), "tools": WEATHER_TOOLS,
+         "expected": {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}},
+        # a call is returned, but with other arguments than expected
+        {"id": "t-args", "messages": user("get_weather city=Oslo"), "tools": WEATHER_TOOLS,
+         "expected": {"tool_call": {"name": "get_weather", "arguments": {"city": "Berlin"}}}},
+        # tool_choice none: no call; expected a call
+        {"id": "t-none", "messages": user("get_time zone=UTC"), "tools": WEATHER_TOOLS, "tool_choice": "none",
+         "expected": {"tool_call": {"name": "get_time"}}},
+        # tools but nothing expected: counts for the tool-call fraction only
+        {"id": "t-free", "messages": user("anything"), "tools": WEATHER_TOOLS},
+        # plain chat: the stand-in answers "echo: <message>"
+        {"id": "s-ok", "messages": user("Hello World"), "expected": "echo: hello world"},
+        {"id": "n-ok", "messages": user("so 3/4 of it"), "expected": 0.75,
+         "chat_template_kwargs": {"enable_thinking": True}},
+        {"id": "r-miss", "messages": user("abc"), "expected": {"regex": "^xyz"}},
+        {"id": "plain", "messages": user("no expectation"), "max_tokens": 2},
+    ]
+
+
+EXPECTED_CORRECT = {"t-match": True, "t-args": False, "t-none": False, "s-ok": True, "n-ok": True,
+                    "r-miss": False}
+
+
+def test_replay_scores_and_tool_calls_against_the_standin(mtp_server, tmp_path):
+    path = tmp_path / "replay.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in _replay_rows()) + "\n")
+    out = tmp_path / "out"
+    r = run_benchmark(base_url=mtp_server, workload="replay", requests_file=str(path), out_dir=str(out),
+                      progress=False, metrics_interval_s=0.02)
+    rows = {x["request_id"]: x for x in r["requests"]}
+    assert all(x["ok"] for x in rows.values())
+    assert {k: rows[k]["correct"] for k in EXPECTED_CORRECT} == EXPECTED_CORRECT
+    assert rows["plain"]["correct"] is None and rows["t-free"]["correct"] is None
+    assert rows["t-match"]["tool_calls"][0]["name"] == "get_weather"  # assembled from streamed deltas
+    assert json.loads(rows["t-match"]["tool_calls"][0]["arguments"]) == {"city": "Paris", "unit": "c"}
+    assert rows["n-ok"]["reasoning"] == "Thinking it over." and rows["n-ok"]["text"] == "echo: so 3/4 of it"
+    acc = r["accuracy"]
+    assert acc["n"] == 6 and acc["correct"] == pytest.approx(3 / 6)
+    assert acc["tool_requests"] == 4 and acc["tool_call_fraction"] == pytest.approx(3 / 4)
+    assert acc["tool_expected"] == 3 and acc["tool_match_fraction"] == pytest.approx(1 / 3)
+    # usage tokens per request; one request at a time, so each has its own accept length
+    assert rows["plain"]["output_tokens"] == 2
+    assert all(x["accept_length"] and x["accept_length"] >= 1 for x in rows.values())
+    facts = r["server"]["facts"]
+    assert facts["report"]["optimizations"]["mtp"] is True and facts["report"]["passed"] is True
+    assert facts["metrics"]["cache_config"]["num_gpu_blocks"] == "1024"
+    assert facts["usage"]["samples"] and facts["usage"]["kv_cache_usage"]["max"] <= 1.0
+    assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "kv_cache_usage.png", "latency.png",
+                                                     "lengths.png", "results.json", "results.md"]
+    md = (out / "results.md").read_text()
+    assert "Scored against `expected`: **50.00%** of 6" in md and "Server facts:" in md
+    assert "returned parsed `tool_calls`: **75.00%**" in md
+
+
+def test_request_rate_sends_on_the_seeded_poisson_schedule(plain_server):
+    from vllm_ling.bench.arrivals import arrival_offsets
+
+    r = run_benchmark(base_url=plain_server, api_key="sekret", workload="synthetic", input_len=4, output_len=2,
+                      num_requests=8, request_rate=20.0, seed=4, progress=False, metrics_interval_s=0)
+    sent = [x["send_offset_s"] for x in r["requests"]]
+    # Each request leaves at its scheduled time; event-loop scheduling adds a little (<50 ms on a busy box).
+    for got, want in zip(sent, arrival_offsets(8, 20.0, 4)):
+        assert want <= got < want + 0.05
+    assert r["config"]["concurrency"] is None  # unbounded: arrivals alone pace the run
+    assert "Poisson arrivals at 20 requests/s" in __import__("vllm_ling.bench.results_files",
+                                                              fromlist=["markdown"]).markdown(r)
+
+
+def test_compare_scored_replay_mcnemar_and_what_differed(mtp_server, plain_server, tmp_path):
+    n = 30
+    questions = load_questions(DATASET)[:n]
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("\n".join(json.dumps({
+        "id": f"q{i}", "messages": [{"role": "user", "content": f"Question: {q.question}\nAnswer:"}],
+        "max_tokens": 32, "expected": {"number": q.answer}}) for i, q in enumerate(questions)) + "\n")
+    common = dict(workload="replay", requests_file=str(path), concurrency=6, progress=False, plots=False)
+    run_benchmark(base_url=mtp_server, out_dir=str(tmp_path / "a"), **common)
+    run_benchmark(base_url=plain_server, api_key="sekret", out_dir=str(tmp_path / "b"), seed=1, **common)
+    a_only = sum(standin_correct(q.question, "") and not standin_correct(q.question, "other") for q in questions)
+    b_only = sum(standin_correct(q.question, "other") and not standin_correct(q.question, "") for q in questions)
+    out_json = tmp_path / "cmp.json"
+    assert bench_main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(out_json),
+                       "--md", str(tmp_path / "cmp.md")]) == 0  # folders are accepted
+    cmp = json.loads(out_json.read_text())
+    mode = cmp["scores"]["modes"]["expected"]
+    assert (mode["mcnemar"]["a_only"], mode["mcnemar"]["b_only"]) == (a_only, b_only) and a_only + b_only > 0
+    assert mode["paired"] == n and mode["delta"] == pytest.approx((b_only - a_only) / n)
+    differ = {d["fact"]: (d["a"], d["b"]) for d in cmp["facts_differ"]}
+    assert differ["report.optimizations.mtp"] == (True, False)
+    assert {d["setting"] for d in cmp["config_differs"]} == {"seed"}
+    md = (tmp_path / "cmp.md").read_text()
+    assert "McNemar" in md and "| report.optimizations.mtp | `True` | `False` |" in md
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--workload", "replay"], "--workload replay needs --requests"),
+    (["--requests", "x.jsonl"], "--requests is for --workload replay"),
+    (["--workload", "replay", "--requests", "/nonexistent/r.jsonl"], "--requests '/nonexistent/r.jsonl': file not found"),
+    (["--workload", "gsm8k", "--input-len-dist", "8,16"], "shape the synthetic workload only"),
+    (["--input-len-dist", "8:0"], "weights must be > 0"),
+    (["--request-rate", "0"], "--request-rate must be > 0"),
+    (["--server-report", "/nonexistent/report.json"], "--server-report '/nonexistent/report.json': file not found"),
+])
+def test_cli_replay_and_rate_bad_input_exit_2(args, message, capsys, tmp_path):
+    assert bench_main(["run", "--out-dir", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_bad_replay_line_names_file_and_line(tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "a"}]}\n{"messages": "hi"}\n')
+    assert bench_main(["run", "--workload", "replay", "--requests", str(path), "--out-dir", str(tmp_path)]) == 2
+    assert f"{path}:2: 'messages' must be a non-empty list" in capsys.readouterr().err

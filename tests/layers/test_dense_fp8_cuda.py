@@ -68,8 +68,9 @@ def test_kernel_choice_happens_inside_one_traceable_op(monkeypatch):
     # vLLM compiles the model with fullgraph=True and symbolic batch sizes: apply() must trace
     # to one opaque op, and the op (not the trace) picks the kernel by row count
     w = torch.randn(8, 16)
-    layer = types.SimpleNamespace(output_size_per_partition=8, ling_w8a16=(w, None), quant_method=None)
-    monkeypatch.setitem(D._LAYERS, "test.linear", layer)
+    layer = types.SimpleNamespace(output_size_per_partition=8, ling_w8a16=(w, None), quant_method=None,
+                                  ling_dense_fp8_key="test.linear#1")
+    monkeypatch.setitem(D._LAYERS, "test.linear#1", layer)
     monkeypatch.setattr(D.Fp8LinearMethod, "apply", lambda self, lyr, x, bias=None: (x.float() @ w.t()).to(x.dtype))
     monkeypatch.setattr(D.LingW8A16Fp8LinearMethod, "apply_w8a16",
                         staticmethod(lambda lyr, x: (x.float() @ w.t()).to(torch.bfloat16) + 1000))
@@ -109,8 +110,12 @@ def test_post_load_keeps_the_loaded_weight_and_fp32_scales(monkeypatch):
         lyr.weight_scale_inv = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
 
     monkeypatch.setattr(D.Fp8LinearMethod, "process_weights_after_loading", vllm_processing)
-    _method().process_weights_after_loading(layer)
+    method = _method()
+    method.process_weights_after_loading(layer)
     kept, scale = layer.ling_w8a16
+    scratch = _loaded_layer()  # a known-answer check's scratch layer through a copy of the method
+    method.process_weights_after_loading(scratch)
+    assert D._LAYERS[layer.ling_dense_fp8_key] is layer and D._LAYERS[scratch.ling_dense_fp8_key] is scratch
     assert kept.data_ptr() == weight.data_ptr()
     assert torch.equal(scale, torch.tensor([[2.0**-7, 2.0**-6], [2.0**-5, 1.0]]))
 

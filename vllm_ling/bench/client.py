@@ -1,9 +1,11 @@
-"""Streaming OpenAI-compatible client: one ``/v1/completions`` request, timed per chunk.
+"""Streaming OpenAI-compatible client: one ``/v1/completions`` or ``/v1/chat/completions``
+request, timed per chunk.
 
-TTFT is the time to the first chunk carrying text; ITL is the gap between consecutive text
-chunks (a chunk may carry several tokens, e.g. with MTP); the output token count comes from
-the final ``usage`` chunk (``stream_options.include_usage``), falling back to the number of
-text chunks when a server sends no usage.
+TTFT is the time to the first chunk carrying output (text; for chat also reasoning or a
+tool-call delta); ITL is the gap between consecutive such chunks (a chunk may carry several
+tokens, e.g. with MTP); the output token count comes from the final ``usage`` chunk
+(``stream_options.include_usage``), falling back to the number of output chunks when a server
+sends no usage. Chat tool calls are assembled from their streamed deltas (by ``index``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ class RequestResult:
     output_tokens: int = 0
     usage_reported: bool = False
     finish_reason: str | None = None
-    text: str = ""
+    text: str = ""  # completion text, or the chat answer's content
+    reasoning: str = ""  # chat: the parsed reasoning (``reasoning`` / ``reasoning_content``)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat: [{id, name, arguments}]
+    send_offset_s: float | None = None  # when it was sent, from the start of the run
+    accept_length: float | None = None  # from /metrics deltas around it (requests one at a time)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,18 +75,49 @@ async def first_model(session: aiohttp.ClientSession, base_url: str, api_key: st
     return models[0]["id"]
 
 
+def _completion_output(res: RequestResult, choice: dict[str, Any]) -> bool:
+    text = choice.get("text") or ""
+    res.text += text
+    return bool(text)
+
+
+def _chat_output(res: RequestResult, choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta") or {}
+    content = delta.get("content") or ""
+    reasoning = delta.get("reasoning") or delta.get("reasoning_content") or ""
+    res.text += content
+    res.reasoning += reasoning
+    calls = delta.get("tool_calls") or []
+    for call in calls:
+        index = int(call.get("index", len(res.tool_calls)))
+        while len(res.tool_calls) <= index:
+            res.tool_calls.append({"id": None, "name": "", "arguments": ""})
+        slot = res.tool_calls[index]
+        slot["id"] = call.get("id") or slot["id"]
+        fn = call.get("function") or {}
+        slot["name"] += fn.get("name") or ""
+        slot["arguments"] += fn.get("arguments") or ""
+    return bool(content or reasoning or calls)
+
+
 async def stream_completion(
     session: aiohttp.ClientSession, base_url: str, model: str, req: BenchRequest,
     api_key: str | None, timeout_s: float,
 ) -> RequestResult:
-    body = {"model": model, "prompt": req.prompt, "stream": True,
-            "stream_options": {"include_usage": True}, **req.params}
+    """Send ``req`` (a completion, or a chat request when ``req.chat``) and time its stream."""
+    if req.chat:
+        url, on_choice = f"{base_url}/v1/chat/completions", _chat_output
+        body = {**req.params, "model": model, "stream": True, "stream_options": {"include_usage": True}}
+    else:
+        url, on_choice = f"{base_url}/v1/completions", _completion_output
+        body = {"model": model, "prompt": req.prompt, "stream": True,
+                "stream_options": {"include_usage": True}, **req.params}
     res = RequestResult(request_id=req.request_id)
-    chunks_with_text = 0
+    chunks_with_output = 0
     last_t: float | None = None
     start = time.perf_counter()
     try:
-        async with session.post(f"{base_url}/v1/completions", json=body, headers=auth_headers(api_key),
+        async with session.post(url, json=body, headers=auth_headers(api_key),
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
@@ -102,15 +139,13 @@ async def stream_completion(
                         res.error = f"server error in stream: {chunk['error']}"
                         return res
                     for choice in chunk.get("choices") or []:
-                        text = choice.get("text") or ""
-                        if text:
+                        if on_choice(res, choice):
                             if res.ttft_s is None:
                                 res.ttft_s = now - start
                             elif last_t is not None:
                                 res.itl_s.append(now - last_t)
                             last_t = now
-                            chunks_with_text += 1
-                            res.text += text
+                            chunks_with_output += 1
                         if choice.get("finish_reason"):
                             res.finish_reason = choice["finish_reason"]
                     usage = chunk.get("usage")
@@ -130,9 +165,9 @@ async def stream_completion(
     end = time.perf_counter()
     res.e2e_s = end - start
     if not res.usage_reported:
-        res.output_tokens = chunks_with_text
+        res.output_tokens = chunks_with_output
     if res.ttft_s is None:
-        res.error = "no output text streamed"
+        res.error = "no output streamed"
         return res
     if res.output_tokens > 1:
         res.tpot_s = (res.e2e_s - res.ttft_s) / (res.output_tokens - 1)

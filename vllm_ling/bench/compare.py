@@ -1,4 +1,10 @@
-"""``vllm-ling bench compare A.json B.json``: B minus A with bootstrap CIs and McNemar on GSM8K."""
+"""``vllm-ling bench compare A B``: B minus A with bootstrap CIs, McNemar on any scored run
+(GSM8K or a replay with ``expected`` answers), and what differed between the two servers.
+
+A and B are ``results.json`` files or folders holding one. An ablation folder (``ablation.json``)
+alone compares each configuration with its first (the baseline); two ablation folders compare
+configuration by configuration (the "measure baseline, upgrade, compare" workflow).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ling.bench.runner import RESULTS_SCHEMA, BenchError
+from vllm_ling.bench.runner import READABLE_SCHEMAS, RESULTS_SCHEMA, SCORED_FIELDS, BenchError
+from vllm_ling.bench.server_facts import diff_facts
 from vllm_ling.bench.stats import STATISTICS, bootstrap_delta, mcnemar_exact
 
 # (name in the table, per-request value, statistics). Decode tok/s is compared through TPOT.
@@ -28,9 +35,48 @@ def load_results(path: str) -> dict[str, Any]:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
         raise BenchError(f"{path}: not JSON ({exc})") from exc
-    if not isinstance(data, dict) or data.get("schema") != RESULTS_SCHEMA:
+    if not isinstance(data, dict) or data.get("schema") not in READABLE_SCHEMAS:
         raise BenchError(f"{path}: not a vllm-ling bench results.json (schema {RESULTS_SCHEMA})")
     return data
+
+
+def resolve(path: str) -> tuple[str, Any]:
+    """("results", results.json path) or ("ablation", [(name, results.json path), ...])."""
+    p = Path(path)
+    if p.is_dir():
+        if (p / "ablation.json").is_file():
+            try:
+                ablation = json.loads((p / "ablation.json").read_text())
+            except json.JSONDecodeError as exc:
+                raise BenchError(f"{p / 'ablation.json'}: not JSON ({exc})") from exc
+            runs = [(r["name"], str(p / r["name"] / "results.json")) for r in ablation.get("rows", [])]
+            if not runs:
+                raise BenchError(f"{path}: the ablation holds no finished configuration")
+            return "ablation", runs
+        if (p / "results.json").is_file():
+            return "results", str(p / "results.json")
+        raise BenchError(f"{path}: a folder without results.json or ablation.json")
+    return "results", path
+
+
+def pairs(a: str, b: str | None) -> list[tuple[str, str, str]]:
+    """(title, A results.json, B results.json) for each comparison the arguments ask for."""
+    kind_a, ref_a = resolve(a)
+    if b is None:
+        if kind_a != "ablation":
+            raise BenchError(f"{a}: comparing one argument needs an ablation folder; give A and B otherwise")
+        (base_name, base), rest = ref_a[0], ref_a[1:]
+        return [(f"{name} vs {base_name}", base, path) for name, path in rest]
+    kind_b, ref_b = resolve(b)
+    if kind_a == kind_b == "results":
+        return [("", ref_a, ref_b)]
+    if kind_a == kind_b == "ablation":
+        by_name = dict(ref_b)
+        common = [(name, path) for name, path in ref_a if name in by_name]
+        if not common:
+            raise BenchError(f"{a} and {b} share no configuration")
+        return [(name, path, by_name[name]) for name, path in common]
+    raise BenchError(f"{a} and {b}: compare a results file/folder with another, or an ablation folder with another")
 
 
 def _values(rows: list[dict], fn) -> dict[str, float]:
@@ -68,29 +114,61 @@ def compare(a: dict[str, Any], b: dict[str, Any], *, seed: int | None = None) ->
                                "low": 1e3 / (tp["a"] + tp["high"]) - ra if tp["a"] + tp["high"] > 0 else None,
                                "high": 1e3 / (tp["a"] + tp["low"]) - ra if tp["a"] + tp["low"] > 0 else None,
                                "relative": rb / ra - 1})
-    if a.get("accuracy") and b.get("accuracy"):
-        out["gsm8k"] = _compare_accuracy(a, b, kw)
+    if a.get("accuracy") and b.get("accuracy") and a["config"]["workload"] == b["config"]["workload"]:
+        out["scores"] = compare_scores(a, b, kw)
     sa, sb = a.get("spec_decode"), b.get("spec_decode")
     out["accept_length"] = {"a": sa["accept_length"] if sa else None, "b": sb["accept_length"] if sb else None}
+    out["facts_differ"] = diff_facts(a["server"].get("facts"), b["server"].get("facts"))
+    out["config_differs"] = _config_diff(a["config"], b["config"])
+    out["kv_cache_usage"] = {side: _kv_max(r) for side, r in (("a", a), ("b", b))}
     return out
+
+
+# Config fields that always differ between runs and say nothing about the workload.
+_RUN_ONLY = ("out_dir", "label", "progress", "plots", "base_url", "extra", "launch_to_ready_s")
+
+
+def _config_diff(a: dict, b: dict) -> list[dict[str, Any]]:
+    keys = sorted((set(a) | set(b)) - set(_RUN_ONLY))
+    return [{"setting": k, "a": a.get(k), "b": b.get(k)} for k in keys if a.get(k) != b.get(k)]
+
+
+def _kv_max(results: dict) -> float | None:
+    usage = ((results["server"].get("facts") or {}).get("usage") or {}).get("kv_cache_usage")
+    return usage["max"] if usage else None
 
 
 def _stat(x: list[float], stat: str) -> float | None:
     return float(STATISTICS[stat](np.asarray(x))) if x else None
 
 
-def _compare_accuracy(a: dict, b: dict, kw: dict) -> dict[str, Any]:
-    ra = {r["question_id"]: r for r in a["requests"] if r.get("question_id") is not None}
-    rb = {r["question_id"]: r for r in b["requests"] if r.get("question_id") is not None}
-    common = sorted(set(ra) & set(rb), key=lambda q: (len(q), q))
-    res: dict[str, Any] = {"questions_a": len(ra), "questions_b": len(rb), "paired_questions": len(common)}
-    for mode in ("strict", "flexible"):
-        ca = [bool(ra[q][f"correct_{mode}"]) for q in common]
-        cb = [bool(rb[q][f"correct_{mode}"]) for q in common]
+def compare_scores(a: dict, b: dict, kw: dict) -> dict[str, Any]:
+    """Per scored field: accuracy A and B, paired bootstrap CI of B - A, exact McNemar.
+
+    Requests are paired by ``request_id`` (GSM8K question, replay line id); a request scored
+    in only one run is left out. Failed requests count as wrong.
+    """
+    fields = SCORED_FIELDS[a["config"]["workload"]]
+    res: dict[str, Any] = {"workload": a["config"]["workload"], "modes": {}}
+    for mode, field in fields.items():
+        ra = {r["request_id"]: r[field] for r in a["requests"] if r.get(field) is not None}
+        rb = {r["request_id"]: r[field] for r in b["requests"] if r.get(field) is not None}
+        common = sorted(set(ra) & set(rb))
+        if not common:
+            continue
+        ca = [bool(ra[q]) for q in common]
+        cb = [bool(rb[q]) for q in common]
         ci = bootstrap_delta([float(x) for x in ca], [float(x) for x in cb], "mean", paired=True, **kw)
-        res[mode] = {"a": sum(ca) / len(ca) if ca else None, "b": sum(cb) / len(cb) if cb else None,
-                     **ci, "mcnemar": mcnemar_exact(ca, cb)}
+        res["modes"][mode] = {"scored_a": len(ra), "scored_b": len(rb), "paired": len(common),
+                              "a": sum(ca) / len(ca), "b": sum(cb) / len(cb), **ci,
+                              "mcnemar": mcnemar_exact(ca, cb)}
     return res
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "-" if v is None else f"`{v}`"
 
 
 def format_markdown(c: dict[str, Any]) -> str:
@@ -100,7 +178,7 @@ def format_markdown(c: dict[str, Any]) -> str:
              "| metric | stat | A | B | B - A | 95% CI | relative |", "|---|---|---|---|---|---|---|"]
     for m in c["metrics"]:
         rel = "-" if m["relative"] is None else f"{m['relative']:+.1%}"
-        ci = "-" if m["low"] is None else f"[{m['low']:+.4g}, {m['high']:+.4g}]"
+        ci = "-" if m["low"] is None or m["high"] is None else f"[{m['low']:+.4g}, {m['high']:+.4g}]"
         fa = "-" if m["a"] is None else f"{m['a']:.4g}"
         fb = "-" if m["b"] is None else f"{m['b']:.4g}"
         fd = "-" if m["delta"] is None else f"{m['delta']:+.4g}"
@@ -110,19 +188,29 @@ def format_markdown(c: dict[str, Any]) -> str:
         fa = "-" if al["a"] is None else f"{al['a']:.3f}"
         fb = "-" if al["b"] is None else f"{al['b']:.3f}"
         lines += ["", f"Accept length: A {fa}, B {fb}."]
-    g = c.get("gsm8k")
-    if g:
-        lines += ["", f"GSM8K on {g['paired_questions']} questions present in both runs "
-                      "(exact two-sided McNemar test on discordant pairs):", "",
-                  "| extraction | A | B | B - A | 95% CI | A-only right | B-only right | McNemar p |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for mode in ("strict", "flexible"):
-            x = g[mode]
-            if x["a"] is None:
-                continue
-            lines.append(f"| {mode} | {x['a']:.2%} | {x['b']:.2%} | {x['delta']:+.2%} | "
+    sc = c.get("scores")
+    if sc and sc["modes"]:
+        lines += ["", f"Scores ({sc['workload']}) on the requests scored in both runs, paired by request id "
+                      "(exact two-sided McNemar test on discordant pairs; failed requests count as wrong):", "",
+                  "| score | paired | A | B | B - A | 95% CI | A-only right | B-only right | McNemar p |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for mode, x in sc["modes"].items():
+            lines.append(f"| {mode} | {x['paired']} | {x['a']:.2%} | {x['b']:.2%} | {x['delta']:+.2%} | "
                          f"[{x['low']:+.2%}, {x['high']:+.2%}] | {x['mcnemar']['a_only']} | "
                          f"{x['mcnemar']['b_only']} | {x['mcnemar']['p_value']:.4g} |")
+    kv = c.get("kv_cache_usage") or {}
+    if kv.get("a") is not None or kv.get("b") is not None:
+        fa = "-" if kv.get("a") is None else f"{kv['a']:.1%}"
+        fb = "-" if kv.get("b") is None else f"{kv['b']:.1%}"
+        lines += ["", f"Peak KV-cache usage during the run: A {fa}, B {fb}."]
+    differ = c.get("facts_differ", []) + [{"fact": f"bench setting {d['setting']}", "a": d["a"], "b": d["b"]}
+                                          for d in c.get("config_differs", [])]
+    lines += ["", "What differed besides the numbers (server facts and bench settings):", ""]
+    if differ:
+        lines += ["| fact | A | B |", "|---|---|---|"]
+        lines += [f"| {d['fact']} | {_fmt_value(d['a'])} | {_fmt_value(d['b'])} |" for d in differ]
+    else:
+        lines.append("nothing recorded differs.")
     for n in c["notes"]:
         lines += ["", f"> note: {n}"]
     return "\n".join(lines) + "\n"

@@ -1,16 +1,19 @@
 """GSM8K: loading questions, the 5-shot chain-of-thought prompt, and answer extraction.
 
 Two extractions, as in lm-evaluation-harness: *strict* accepts only the ``#### N`` form the
-exemplars teach; *flexible* takes the last number anywhere in the completion.
+exemplars teach; *flexible* takes the last number anywhere in the completion. Numbers are read
+by the generic scorer (``scoring.py``): fractions and thousands separators included, so
+``#### 3/4`` matches a gold 0.75 and ``1,234`` is 1234 (but ``1,2,3`` is three numbers).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from vllm_ling.bench import scoring
 
 # Training-style exemplars written for this harness (not test questions), in GSM8K's
 # answer format: reasoning, then "#### <number>".
@@ -46,44 +49,21 @@ class DatasetError(ValueError):
     pass
 
 
-# A "-" is a sign only when it does not follow a digit, letter or bracket ("5-3" is not -3).
-_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?\$?\s?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
-_STRICT = re.compile(r"####\s*(-?\s?\$?\s?-?[\d,]*\.?\d+)")
-
-
 def normalize_number(text: str | None) -> str | None:
-    """Canonical form of a numeric answer: no $, commas, spaces or trailing period; 18.0 == 18."""
-    if text is None:
-        return None
-    s = text.strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
-    if s.startswith("--"):
-        s = s[1:]
-    if s in ("", "-", "."):
-        return None
-    try:
-        value = float(s)
-    except ValueError:
-        return None
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(value)
+    """Canonical form of a numeric answer (``scoring.normalize_number``): 18.0 == 18, 3/4 == 0.75."""
+    return scoring.normalize_number(text)
 
 
 def extract_strict(completion: str) -> str | None:
     """The number after the first ``####`` (GSM8K's answer marker), or None."""
-    m = _STRICT.search(completion)
-    return normalize_number(m.group(1)) if m else None
+    value = scoring.marked_number(completion)
+    return None if value is None else scoring.canonical_number(value)
 
 
 def extract_flexible(completion: str) -> str | None:
     """The last number in the completion (before any new "Question:" the model invents)."""
-    text = completion.split("\nQuestion:", 1)[0]
-    matches = _NUMBER.findall(text)
-    for candidate in reversed(matches):
-        value = normalize_number(candidate)
-        if value is not None:
-            return value
-    return None
+    value = scoring.last_number(completion.split("\nQuestion:", 1)[0])
+    return None if value is None else scoring.canonical_number(value)
 
 
 def gold_answer(answer_field: str) -> str:

@@ -19,12 +19,19 @@ def markdown(results: dict[str, Any]) -> str:
     s = results["summary"]
     cfg = results["config"]
     lines = [f"## {results['label']}", ""]
+    pacing = f"concurrency {cfg['concurrency'] or 'unbounded'}" + (
+        f", Poisson arrivals at {cfg['request_rate']:g} requests/s (seed {cfg['seed']})"
+        if cfg.get("request_rate") else "")
     lines.append(f"Server `{results['server']['base_url']}`, model `{results['server']['model']}`, "
                  f"workload **{cfg['workload']}**, {s['num_ok']}/{s['num_requests']} requests ok, "
-                 f"concurrency {cfg['concurrency']}, started {results['started_at']}.")
+                 f"{pacing}, started {results['started_at']}.")
     if cfg["workload"] == "synthetic":
-        lines.append(f"Synthetic: {cfg['input_len']} random prompt tokens, {cfg['output_len']} output "
-                     "tokens, greedy, EOS ignored.")
+        ins = cfg.get("input_len_dist") or cfg["input_len"]
+        outs = cfg.get("output_len_dist") or cfg["output_len"]
+        lines.append(f"Synthetic: random prompt tokens ({ins}), output tokens ({outs}), greedy, EOS ignored.")
+    elif cfg["workload"] == "replay":
+        order = f"shuffled with seed {cfg['seed']}" if cfg.get("shuffle") else "in file order"
+        lines.append(f"Replay of `{cfg['requests_file']}` ({order}), chat requests as recorded.")
     else:
         lines.append(f"GSM8K: 5-shot chain of thought, temperature 0.6, top_p 0.95, top_k 29, "
                      f"max_tokens {cfg['max_tokens']}, seed {cfg['seed']}.")
@@ -48,14 +55,111 @@ def markdown(results: dict[str, Any]) -> str:
                       f"per position: {pos}."]
     else:
         lines += ["", "Speculative decoding: none observed in `/metrics` over the run."]
+    per_req = s.get("accept_length_per_request") or {}
+    if per_req.get("n"):
+        lines.append(f"Per request (one at a time, /metrics around each): accept length mean "
+                     f"{per_req['mean']:.3f}, P50 {per_req['p50']:.3f}, min {per_req['min']:.3f}.")
     acc = results.get("accuracy")
-    if acc:
+    if acc and cfg["workload"] == "gsm8k":
         lines += ["", f"GSM8K accuracy over {acc['n']} questions: strict (`#### N`) "
                       f"**{acc['strict']:.2%}**, flexible (last number) **{acc['flexible']:.2%}** "
                       f"({acc['note']})."]
+    elif acc:
+        lines += _replay_lines(acc)
+    lines += _length_lines(results.get("lengths"))
+    lines += facts_lines(results["server"].get("facts"))
     for w in results.get("warnings", []):
         lines += ["", f"> warning: {w}"]
     return "\n".join(lines) + "\n"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2%}"
+
+
+def _replay_lines(acc: dict[str, Any]) -> list[str]:
+    lines = [""]
+    if acc["n"]:
+        kinds = ", ".join(f"{k} {_pct(v['correct'])} of {v['n']}" for k, v in acc["by_kind"].items())
+        lines.append(f"Scored against `expected`: **{_pct(acc['correct'])}** of {acc['n']} requests "
+                     f"({kinds}; {acc['note']}).")
+    else:
+        lines.append("No request carried an `expected` answer: nothing scored.")
+    if acc["tool_requests"]:
+        lines.append(f"Tool requests: {acc['tool_requests']}; returned parsed `tool_calls`: "
+                     f"**{_pct(acc['tool_call_fraction'])}**" + (
+                         f"; name and arguments match `expected`: **{_pct(acc['tool_match_fraction'])}** "
+                         f"of {acc['tool_expected']}" if acc["tool_expected"] else "") + ".")
+    return lines
+
+
+def _length_lines(lengths: dict[str, Any] | None) -> list[str]:
+    if not lengths:
+        return []
+    lines = ["", f"Lengths sent, {lengths['what']}:", "",
+             "| | source | mean | P50 | P95 | min | max |", "|---|---|---|---|---|---|---|"]
+    for side in ("input", "output"):
+        x = lengths[side]
+        v = x["summary"]
+        lines.append(f"| {side} | {x['source']} | {_fmt(v['mean'], 1)} | {_fmt(v['p50'], 0)} | "
+                     f"{_fmt(v['p95'], 0)} | {_fmt(v['min'], 0)} | {_fmt(v['max'], 0)} |")
+    for side in ("input", "output"):
+        bins = lengths[side]["histogram"]
+        if bins:
+            cells = ", ".join((f"{b['low']}" if b["low"] == b["high"] else f"{b['low']}-{b['high']}")
+                              + f": {b['count']}" for b in bins)
+            lines.append(f"\n{side.capitalize()} length histogram (tokens: requests): {cells}.")
+    return lines
+
+
+def facts_lines(facts: dict[str, Any] | None) -> list[str]:
+    """The server-facts section of results.md."""
+    if not facts:
+        return []
+    lines = ["", "Server facts:", ""]
+    rep = facts.get("report")
+    met = facts.get("metrics") or {}
+    if rep:
+        versions = ", ".join(f"{k} {v}" for k, v in rep["versions"].items())
+        opts = ", ".join(f"{k}={'on' if v else 'off'}" for k, v in rep["optimizations"].items())
+        failed = [k for k, v in rep["checks"].items() if not v]
+        lines.append(f"- verification {'PASSED' if rep['passed'] else 'FAILED'} (policy {rep['policy']}, "
+                     f"{rep['platform']}{', ' + rep['gpu_arch'] if rep.get('gpu_arch') else ''}); "
+                     f"checks: {len(rep['checks']) - len(failed)}/{len(rep['checks'])} passed"
+                     + (f", failed: {', '.join(failed)}" if failed else ""))
+        lines.append(f"- optimizations active: {opts}")
+        lines.append(f"- MoE backend {rep['moe_backend']}, head {rep['head_dtype']}, speculation "
+                     f"{rep['spec_method'] or 'off'}"
+                     + (f" x{rep['num_speculative_tokens']}" if rep["spec_method"] else ""))
+        if rep.get("kernel_checks"):
+            kc = rep["kernel_checks"]
+            lines.append(f"- known-answer kernel checks: {sum(bool(v) for v in kc.values())}/{len(kc)} passed")
+        lines.append(f"- versions: {versions}")
+    else:
+        lines.append(f"- no verification report ({facts['sources'].get('report')})")
+    lines.append(f"- bench client: vllm-ling {facts.get('bench_vllm_ling_version')}")
+    startup = {**(rep or {}).get("startup", {}), **{k: met[k] for k in
+               ("launch_to_ready_s", "humming_jit_compile_s", "humming_jit_cache_hits") if k in met}}
+    if facts.get("launch_to_ready_s") is not None:
+        startup["launch_to_ready_s"] = facts["launch_to_ready_s"]
+    lines.append("- startup: " + (", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                            for k, v in startup.items()) or "not exposed by this server"))
+    memory = (rep or {}).get("memory") or {}
+    cache = met.get("cache_config") or {}
+    mem = [f"{k.removesuffix('_bytes')} {v / 2**20:.1f} MiB" if k.endswith("_bytes") and isinstance(v, (int, float))
+           else f"{k} {v}" for k, v in memory.items()] + [f"KV {k} {v}" for k, v in cache.items()]
+    if met.get("api_server_resident_bytes"):
+        mem.append(f"API server RSS {met['api_server_resident_bytes'] / 2**20:.0f} MiB")
+    lines.append("- memory: " + ("; ".join(mem) or "not exposed by this server"))
+    usage = facts.get("usage") or {}
+    kv = usage.get("kv_cache_usage")
+    if kv:
+        lines.append(f"- KV-cache usage over the run ({kv['n']} samples every {usage['interval_s']:g} s): "
+                     f"mean {kv['mean']:.1%}, max {kv['max']:.1%}; most requests running "
+                     f"{usage['max_running']:.0f}, waiting {usage['max_waiting']:.0f}")
+    else:
+        lines.append("- KV-cache usage over the run: not sampled (no `vllm:kv_cache_usage_perc`)")
+    return lines
 
 
 def write_plots(results: dict[str, Any], out: Path) -> list[str]:
@@ -90,6 +194,37 @@ def write_plots(results: dict[str, Any], out: Path) -> list[str]:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     files.append(path.name)
+    lengths = results.get("lengths")
+    if lengths:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        for ax, side in zip(axes, ("input", "output")):
+            values = [b["count"] for b in lengths[side]["histogram"]]
+            names = [str(b["low"]) if b["low"] == b["high"] else f"{b['low']}-{b['high']}"
+                     for b in lengths[side]["histogram"]]
+            ax.bar(range(len(values)), values, color="#8172b2")
+            ax.set_xticks(range(len(values)), names, rotation=45, ha="right", fontsize=7)
+            ax.set_title(f"{side} lengths sent ({lengths[side]['source']})"[:60], fontsize=9)
+            ax.set_xlabel("tokens")
+            ax.set_ylabel("requests")
+        fig.tight_layout()
+        path = out / "lengths.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        files.append(path.name)
+    usage = ((results["server"].get("facts") or {}).get("usage") or {}).get("samples") or []
+    kv_points = [(u["t_s"], u["kv_cache_usage"]) for u in usage if u["kv_cache_usage"] is not None]
+    if kv_points:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([t for t, _ in kv_points], [v * 100 for _, v in kv_points], color="#c44e52")
+        ax.set_xlabel("seconds into the run")
+        ax.set_ylabel("KV-cache usage (%)")
+        ax.set_ylim(0, 100)
+        ax.set_title("KV-cache usage over the run")
+        fig.tight_layout()
+        path = out / "kv_cache_usage.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        files.append(path.name)
     spec = results.get("spec_decode")
     if spec and spec["per_position_accept_rate"]:
         rates = spec["per_position_accept_rate"]

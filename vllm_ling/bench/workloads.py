@@ -1,4 +1,4 @@
-"""Workloads: the list of completion requests a benchmark sends."""
+"""Workloads: the list of requests a benchmark sends (completions; chat for replay)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,27 @@ from typing import Any
 
 from vllm_ling.bench import gsm8k
 
-WORKLOADS = ("synthetic", "gsm8k")
+WORKLOADS = ("synthetic", "gsm8k", "replay")
 
 
 @dataclass
 class BenchRequest:
     request_id: str
-    prompt: str | list[int]
-    params: dict[str, Any]  # sampling fields of the /v1/completions body
+    prompt: str | list[int] | None
+    params: dict[str, Any]  # the body's other fields (sampling; for chat also messages, tools...)
     gold: str | None = None  # GSM8K gold answer
     meta: dict[str, Any] = field(default_factory=dict)
+    chat: bool = False  # sent to /v1/chat/completions (params hold the messages)
+    expected: Any = None  # scoring.Expected for replay requests with an ``expected`` answer
 
 
 def synthetic_requests(
     *, num_requests: int, input_len: int, output_len: int, seed: int,
     token_id_low: int = 10, token_id_high: int = 1000,
+    input_lens: list[int] | None = None, output_lens: list[int] | None = None,
 ) -> list[BenchRequest]:
-    """Random token-id prompts of exactly `input_len` tokens, greedy, EOS ignored.
+    """Random token-id prompts, greedy, EOS ignored: `input_len` prompt tokens and `output_len`
+    output tokens each, or per request `input_lens[i]` / `output_lens[i]` (``lengths.draw``).
 
     Prompts are sent as token-id lists so their length does not depend on a tokenizer. Ids come
     from [token_id_low, token_id_high): low enough to be valid in any vocabulary (the tiny
@@ -35,14 +39,16 @@ def synthetic_requests(
     if not 0 <= token_id_low < token_id_high:
         raise ValueError("--token-id-range needs 0 <= LOW < HIGH")
     rng = random.Random(seed)
+    inputs = input_lens if input_lens is not None else [input_len] * num_requests
+    outputs = output_lens if output_lens is not None else [output_len] * num_requests
     out = []
     for i in range(num_requests):
-        ids = [rng.randrange(token_id_low, token_id_high) for _ in range(input_len)]
+        ids = [rng.randrange(token_id_low, token_id_high) for _ in range(inputs[i])]
         out.append(BenchRequest(
             request_id=f"synthetic-{i}",
             prompt=ids,
-            params={"max_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
-            meta={"input_len": input_len},
+            params={"max_tokens": outputs[i], "temperature": 0.0, "ignore_eos": True},
+            meta={"input_len": inputs[i], "output_len": outputs[i]},
         ))
     return out
 

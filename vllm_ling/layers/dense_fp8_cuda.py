@@ -54,7 +54,7 @@ def block_scales_fp32(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32).contiguous().clone()
 
 
-_LAYERS: dict[str, torch.nn.Module] = {}  # prefix -> layer, for the custom op
+_LAYERS: dict[str, torch.nn.Module] = {}  # "prefix#id" -> layer, for the custom op
 
 
 def _dense_fp8_linear_impl(x: torch.Tensor, layer_name: str) -> torch.Tensor:
@@ -82,7 +82,10 @@ class LingW8A16Fp8LinearMethod(Fp8LinearMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         from vllm.model_executor import utils as vllm_utils
 
-        _LAYERS[self.prefix] = layer
+        # one key per layer object: known-answer checks process scratch layers through copies
+        # of this method (same prefix), which must not take the served layer's place
+        layer.ling_dense_fp8_key = f"{self.prefix}#{id(layer)}"
+        _LAYERS[layer.ling_dense_fp8_key] = layer
         if vllm_utils.is_weights_pre_processed():  # scales already in vLLM's kernel layout
             super().process_weights_after_loading(layer)
             self._keep_vllm(layer, "the checkpoint holds weights pre-processed for vLLM's kernel")
@@ -106,7 +109,7 @@ class LingW8A16Fp8LinearMethod(Fp8LinearMethod):
                  "(the startup check dense_fp8_layers reports it).", self.prefix, reason)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.ops.vllm_ling.dense_fp8_linear(x, self.prefix)
+        out = torch.ops.vllm_ling.dense_fp8_linear(x, layer.ling_dense_fp8_key)
         return out if bias is None else out + bias
 
     @staticmethod

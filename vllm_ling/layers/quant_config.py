@@ -35,11 +35,6 @@ def is_ling_fp4_checkpoint(hf_quant_cfg: dict[str, Any] | None) -> bool:
             and hf_quant_cfg.get("routed_experts_quant_method") == "mxfp4")
 
 
-def cpu_lacks_block_fp8_kernel() -> bool:
-    """vLLM-CPU's block-FP8 linear kernels need AMX tiles."""
-    return current_platform.is_cpu() and not torch.cpu._is_amx_tile_supported()
-
-
 class LingFp8Config(Fp8Config):
     @classmethod
     def get_name(cls) -> str:
@@ -64,12 +59,19 @@ class LingFp8Config(Fp8Config):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, LinearBase) and self.weight_block_size is not None \
-                and cpu_lacks_block_fp8_kernel() and not self._skipped(prefix):
-            from vllm_ling.layers.dense_fp8_cpu import CPU_DENSE_FP8_PATH, CpuBlockFp8LinearMethod
+                and current_platform.is_cpu() and not self._skipped(prefix):
+            # vLLM's AMX kernel serves only if it passes its known-answer check (decided once).
+            from vllm_ling.layers.dense_fp8_path import DEQUANTIZED, cpu_dense_fp8_path
 
-            log_once(logger, logging.INFO, "cpu-dense", "Dense block-FP8 linears: %s.", CPU_DENSE_FP8_PATH)
-            return CpuBlockFp8LinearMethod(self.weight_block_size,
-                                           bool(getattr(self, "is_scale_e8m0", False)))
+            path = cpu_dense_fp8_path(self)
+            if path.kernel == DEQUANTIZED:
+                from vllm_ling.layers.dense_fp8_cpu import CPU_DENSE_FP8_PATH, CpuBlockFp8LinearMethod
+
+                log_once(logger, logging.INFO, "cpu-dense", "Dense block-FP8 linears: %s (%s).",
+                         CPU_DENSE_FP8_PATH, path.reason)
+                return CpuBlockFp8LinearMethod(self.weight_block_size,
+                                               bool(getattr(self, "is_scale_e8m0", False)))
+            log_once(logger, logging.INFO, "cpu-dense", "Dense block-FP8 linears: vLLM's kernel (%s).", path.reason)
         if isinstance(layer, LinearBase) and self.weight_block_size is not None \
                 and current_platform.is_cuda() and not self._skipped(prefix):
             from vllm_ling.layers.dense_fp8_cuda import choose_dense_fp8_method

@@ -72,6 +72,36 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 },
             },
         },
+        # Known-answer kernel checks (vllm_ling.runtime.kernel_checks.report_section).
+        "kernel_checks": {
+            "type": "object",
+            "required": ["passed", "summary", "seconds", "results", "dense_fp8"],
+            "properties": {
+                "passed": {"type": "boolean"},
+                "summary": {"type": "string"},
+                "seconds": {"type": "number", "minimum": 0},
+                "results": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "kernel", "passed", "max_error", "tolerance",
+                                     "failing_inputs", "seconds", "cases", "skipped"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "kernel": {"type": "string"},
+                            "passed": {"type": "boolean"},
+                            "max_error": {"type": ["number", "null"]},
+                            "tolerance": {"type": "number"},
+                            "failing_inputs": {"type": "array", "items": {"type": "string"}},
+                            "seconds": {"type": "number"},
+                            "cases": {"type": "integer"},
+                            "skipped": {"type": ["string", "null"]},
+                        },
+                    },
+                },
+                "dense_fp8": {"type": "object", "required": ["kernels", "path_choice"]},
+            },
+        },
         "smoke": {
             "type": "object",
             "required": ["accept_length", "threshold", "passed"],
@@ -80,6 +110,11 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "threshold": {"type": "number"},
                 "passed": {"type": ["boolean", "null"]},
             },
+        },
+        # Optional: bytes of the weights one worker holds (each storage once).
+        "memory": {
+            "type": "object",
+            "properties": {"weights_bytes": {"type": "integer", "minimum": 0}},
         },
     },
 }

@@ -19,8 +19,14 @@ Exported (``model_name`` label on all; ``engine`` on the accept metrics, as vLLM
 ``vllm_ling:optimization_requested{optimization}``           1/0 per key of the report's optimizations
 ``vllm_ling:optimization_active{optimization}``              1/0 per key of the report's optimizations
 ``vllm_ling:verification_passed``                            1/0, the startup verification's verdict
+``vllm_ling:kernel_check_passed{kernel,impl}``               1/0 per known-answer kernel check
+                                                             (``kernel``: dense_fp8, moe_mxfp4,
+                                                             fp8_head, kda; ``impl``: what serves)
 ``vllm_ling:info{vllm_version,humming_version,moe_backend,   value 1; labels from the report
 head_dtype,spec_method,gpu_arch,platform,policy}``
+``vllm_ling:startup_seconds``                                this API-server process's start to the
+                                                             engine ready (weights, profiling, KV
+                                                             cache, warm-up, compilation)
 ==========================================================  =======================================
 
 The accept metrics appear with the first draft; the report metrics once the startup
@@ -36,6 +42,7 @@ import logging
 import time
 from typing import Any
 
+import psutil
 from prometheus_client import REGISTRY, Counter, Gauge
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
@@ -122,9 +129,17 @@ class LingStatLogger(AggregateStatLoggerBase):
             "vllm_ling:verification_passed",
             "1 when every startup verification check passed.",
             labelnames=["model_name"], multiprocess_mode="mostrecent")
+        self.g_kernel_check = Gauge(
+            "vllm_ling:kernel_check_passed",
+            "1 when the serving kernel matched its known answers at startup (report's kernel_checks).",
+            labelnames=["model_name", "kernel", "impl"], multiprocess_mode="mostrecent")
         self.g_info = Gauge(
             "vllm_ling:info", "vllm-ling build and configuration (value 1; see the labels).",
             labelnames=["model_name", *INFO_LABELS], multiprocess_mode="mostrecent")
+        self.g_startup = Gauge(
+            "vllm_ling:startup_seconds",
+            "Seconds from the API-server process's start to the engine being ready to serve.",
+            labelnames=["model_name"], multiprocess_mode="mostrecent")
 
         self.windows: dict[int, AcceptWindow] = {}
         self.guards: dict[int, CollapseGuard] = {}
@@ -162,6 +177,10 @@ class LingStatLogger(AggregateStatLoggerBase):
         self.refresh_report()
 
     def log_engine_initialized(self):
+        # vLLM calls this once the engine cores are up: weights loaded, KV cache sized, warmed up.
+        startup = time.time() - psutil.Process().create_time()
+        self.g_startup.labels(self.model_name).set(startup)
+        logger.info("vllm-ling: engine ready %.1f s after the API server process started.", startup)
         report = self.refresh_report()
         if self.num_spec_tokens > 0:
             logger.info("vllm-ling accept-length guard: window %d drafts (%s), break-even %.2f (%s).",
@@ -207,6 +226,10 @@ class LingStatLogger(AggregateStatLoggerBase):
             self.g_opt_requested.labels(self.model_name, name).set(1 if entry["requested"] else 0)
             self.g_opt_active.labels(self.model_name, name).set(1 if entry["active"] else 0)
         self.g_verification.labels(self.model_name).set(1 if report["passed"] else 0)
+        self.g_kernel_check.clear()
+        for r in (report.get("kernel_checks") or {}).get("results", []):
+            if not r.get("skipped"):
+                self.g_kernel_check.labels(self.model_name, r["name"], r["kernel"]).set(1 if r["passed"] else 0)
         versions = report.get("versions")
         versions = versions if isinstance(versions, dict) else {}
         self.g_info.clear()

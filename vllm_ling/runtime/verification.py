@@ -14,7 +14,9 @@ modules that are really there:
 - the draft's head(s) and embedding are the target's module objects, and the draft holds no
   storage of that size of its own;
 - the speculative config is the one requested;
-- vLLM (and on CUDA humming) are the tested versions.
+- vLLM (and on CUDA humming) are the tested versions;
+- every kernel that serves a quantized or custom op, found on the loaded layers, matches its
+  known answers on small edge-case inputs (:mod:`vllm_ling.runtime.kernel_checks`).
 
 Output: one INFO table, a JSON report (``VLLM_LING_REPORT_PATH``, atomically replaced),
 and through it the ``vllm_ling:*`` metrics. Policy ``VLLM_LING_VERIFY``: ``strict`` (the
@@ -271,11 +273,16 @@ def _gpu_arch() -> str | None:
 
 def build_report(target, draft, vllm_config, options: LingOptions,
                  exp: Expectations | None = None) -> dict[str, Any]:
+    from vllm_ling.runtime import kernel_checks
+
     exp = exp or Expectations.from_runtime(vllm_config, options)
     config = vllm_config.model_config.hf_config
+    known = kernel_checks.report_section(target, draft)
     checks = [check_model_classes(target, draft, exp), check_moe_layers(target, draft, exp, config),
               check_head(target, exp), check_draft_sharing(target, draft, exp), check_dense_fp8(target, draft, exp),
-              check_speculative(exp, options), check_versions(exp)]
+              check_speculative(exp, options), check_versions(exp),
+              Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
+                    kernel_checks.FIX)]
     by_name = {c.name: c for c in checks}
     moe_active = exp.moe_backend is not MoePath.VLLM and by_name["moe_layers"].passed
     head_active = exp.fp8_head and by_name["lm_head"].passed
@@ -312,16 +319,37 @@ def build_report(target, draft, vllm_config, options: LingOptions,
         "num_speculative_tokens": exp.num_speculative_tokens,
         "checks": [dataclasses.asdict(c) for c in checks],
         "smoke": {"accept_length": None, "threshold": 0.0, "passed": None},
-        "notes": _platform_notes(vllm_config, exp),
+        "kernel_checks": known,
+        "notes": _serving_notes(vllm_config, known),
+        "memory": {"weights_bytes": weights_bytes(target, draft)},
     }
 
 
-def _platform_notes(vllm_config, exp: Expectations) -> list[str]:
-    if exp.platform != "cpu":
-        return []
-    notes = ["CPU platform: routed experts run the plain-PyTorch MXFP4 reference (humming is CUDA-only); "
-             "the FP8 head runs the chunked fp32 reference kernel; dense block-FP8 linears are "
-             "dequantized to BF16 at load where vLLM-CPU has no kernel (no AMX)."]
+def weights_bytes(*modules: torch.nn.Module | None) -> int:
+    """Bytes of the parameters and buffers of the given modules in this worker, each storage
+    once (the draft shares the target's head and embedding)."""
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        if module is None:
+            continue
+        for t in [*module.parameters(), *module.buffers()]:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+def _serving_notes(vllm_config, known: dict[str, Any]) -> list[str]:
+    """What computes, as read from the loaded layers' methods and kernels (not the platform)."""
+    served = [f"{r['name']}: {r['kernel']}" for r in known["results"]]
+    dense = known["dense_fp8"]
+    if dense["kernels"]:
+        served.append("dense block-FP8 linears: " + ", ".join(
+            f"{n} x {k}" for k, n in sorted(dense["kernels"].items())))
+    notes = ["serving kernels: " + "; ".join(served)] if served else []
+    if dense["path_choice"]:
+        notes.append("dense block-FP8 path: " + dense["path_choice"]["reason"])
     if not vllm_config.cache_config.enable_prefix_caching:
         notes.append("prefix caching is off")
     return notes
@@ -336,6 +364,10 @@ def format_table(report: dict[str, Any]) -> str:
              f"{'PASSED' if report['passed'] else 'FAILED'}"]
     for r in rows:
         lines.append("  " + "  ".join(r[i][:60].ljust(widths[i]) for i in range(3)) + "  " + r[3])
+    if report.get("kernel_checks"):
+        from vllm_ling.runtime.kernel_checks import table_lines
+
+        lines += ["  " + line for line in table_lines(report["kernel_checks"])]
     for note in report.get("notes", []):
         lines.append("  note: " + note)
     return "\n".join(lines)

