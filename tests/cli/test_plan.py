@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,22 @@ def test_checkpoint_dir_and_custom_bandwidth(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "custom (100 GB/s)" in text and "LM head bf16" in text
     assert "study" not in text  # the study comparison only applies to the full-size model on a Spark
+
+
+def test_efficiency_from_a_decode_step_result(capsys, tmp_path):
+    plan_main = plan_cli.main
+    h200 = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "decode_step_h200.json"
+    out_json = tmp_path / "plan.json"
+    assert plan_main(["--device", "h200", "--no-study", "--efficiency", str(h200), "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "measured efficiency (ours composition" in text and "H200" in text
+    measured = json.loads(out_json.read_text())["measured_efficiency"]
+    assert [m["tokens"] for m in measured] == [1, 4]
+    for m in measured:
+        assert m["predicted_ms"] == pytest.approx(m["floor_ms"] / m["efficiency"])
+        assert 0 < m["efficiency"] < 1
+    assert plan_main(["--efficiency", str(tmp_path / "nope.json")]) == 2
+    assert "nope.json" in capsys.readouterr().err
+    # a file without the verify window's token count is an error naming both
+    assert plan_main(["--efficiency", str(h200), "--draft-tokens", "7"]) == 2
+    assert "no 8-token step" in capsys.readouterr().err

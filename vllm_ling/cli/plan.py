@@ -15,6 +15,7 @@ from typing import Any
 from vllm_ling.models.cost_model import (DEVICE_BANDWIDTH_GBS, GB, HEAD_BYTES_PER_PARAM, MB, STUDY_SPARK,
                                          PlanError, build_plan,
                                          load_config, mtp_speedup, plan_to_dict)
+from vllm_ling.models.measured_efficiency import EfficiencyFileError, load_decode_step
 
 
 def _study_comparison(result: dict[str, Any]) -> list[str]:
@@ -114,6 +115,24 @@ def format_plan(result: dict[str, Any], head: str) -> str:
     return "\n".join(out)
 
 
+def _measured_lines(path: str, composition: str, result: dict, head: str) -> tuple[list[str], list[dict]]:
+    """Predicted step times at the efficiency a decode_step run measured, with where it came from.
+    The 1-token step and the verify window each use the run's factor for the same token count."""
+    h = result["heads"][head]
+    lines, out = [f"measured efficiency ({composition} composition, file {path}):"], []
+    for tokens, nbytes, label in ((1, h["bytes_per_token_batch1"], "1-token step"),
+                                  (result["verify_tokens"], h["bytes_per_verify_step"],
+                                   f"{result['verify_tokens']}-token verify step")):
+        eff = load_decode_step(path, tokens=tokens, composition=composition)
+        floor_ms = nbytes / (result["bandwidth_gbs"] * GB) * 1e3
+        predicted_ms = eff.predict_us(nbytes, result["bandwidth_gbs"]) / 1e3
+        lines.append(f"  {label}: floor {floor_ms:.2f} ms -> {predicted_ms:.2f} ms at the measured "
+                     f"{eff.step_fraction:.2f} of bandwidth ({eff.device}; copy {eff.copy_gbs:.0f} GB/s)")
+        out.append({"tokens": tokens, "floor_ms": floor_ms, "predicted_ms": predicted_ms,
+                    "efficiency": eff.step_fraction, "source": eff.source, "device": eff.device})
+    return lines, out
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-ling plan",
@@ -131,6 +150,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="LM head dtype for the component table (default fp8)")
     p.add_argument("--verify-cost-ratio", type=float,
                    help="a measured verify cost (in plain decode steps) to tabulate next to the model's")
+    p.add_argument("--efficiency", metavar="DECODE_STEP_JSON",
+                   help="a `python -m benchmarks.decode_step --json` result: also predict step times at the "
+                        "efficiency that run measured (e.g. benchmarks/results/decode_step_h200.json)")
+    p.add_argument("--efficiency-composition", default="ours", choices=("ours", "upstream"),
+                   help="which composition of that run to take the efficiency from (default ours)")
     p.add_argument("--json", help="write the full plan as JSON to this path")
     p.add_argument("--no-study", action="store_true", help="do not print the comparison with the study")
     return p
@@ -156,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         device = f"{args.device}: {desc}"
     result = plan_to_dict(plan, bw, device, args.draft_tokens, args.verify_cost_ratio)
     text = format_plan(result, args.head)
+    if args.efficiency:
+        try:
+            lines, measured = _measured_lines(args.efficiency, args.efficiency_composition, result, args.head)
+        except EfficiencyFileError as exc:
+            print(f"vllm-ling plan: error: --efficiency {exc}", file=sys.stderr)
+            return 2
+        text += "\n\n" + "\n".join(lines)
+        result["measured_efficiency"] = measured
     study_lines: list[str] = []
     full_size = cfg.get("num_experts") == 512 and cfg.get("hidden_size") == 2560
     same_setup = args.context == STUDY_SPARK["context"] and args.draft_tokens == 3
