@@ -41,7 +41,6 @@ without it).
 
 from __future__ import annotations
 
-import torch
 
 try:
     import triton
