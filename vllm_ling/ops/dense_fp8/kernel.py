@@ -35,12 +35,12 @@ us per launch, the L2 prefetch helps some shapes and hurts others (tuned per sha
 
 Numerics: every product ``w * x`` is exact in fp32 (4- and 8-bit mantissas); a power-of-two
 scale keeps it exact; only the fp32 summation order and the final BF16 rounding differ from
-the plain-PyTorch reference (``reference.py``). No vLLM import; Triton is optional (``None``
-without it).
+the plain-PyTorch reference (``reference.py``), except on the FP16 tensor-core path (``DOT_F16``),
+where activations below 2**-14 of their row's scaled range round as fp16 subnormals. No vLLM
+import; Triton is optional (``None`` without it).
 """
 
 from __future__ import annotations
-
 
 try:
     import triton
