@@ -54,7 +54,8 @@ MARKER = "LING_RAY_TEST_CLUSTER"
 # Both nodes: CPU stand-ins for what a DGX Spark node has (one device, its own address).
 NODE_ENV = {"VLLM_LING_RAY_NUM_GPUS": "1", "VLLM_LING_RAY_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
             "RAY_USAGE_STATS_ENABLED": "0"}
-CPU_SERVE_ARGS = ["--max-num-seqs", "4", "--seed", "0"]
+# what serve_cpu gives the single-process server, beyond the CPU defaults vllm-ling serve adds
+CPU_SERVE_ARGS = ["--seed=0"]
 
 
 def free_port() -> int:
@@ -219,6 +220,7 @@ def two_nodes(checkpoint, single_process_outputs, tmp_path_factory):
     leader_env = dict(common, VLLM_HOST_IP=HEAD_IP, VLLM_LING_MODEL=str(checkpoint),
                       VLLM_LING_PORT=str(http_port), VLLM_LING_HOST="127.0.0.1",
                       VLLM_LING_SERVED_MODEL_NAME="tiny", VLLM_LING_MAX_MODEL_LEN="1024",
+                      VLLM_LING_MAX_NUM_SEQS="4",
                       VLLM_LING_REPORT_PATH=str(report_path), VLLM_LING_SMOKE="0",
                       VLLM_LING_HUMMING_CACHE=str(tmp / "humming"),
                       # the setting under test, given to the launching process only
