@@ -42,8 +42,11 @@ import yaml
 
 from ._tools import CHART_DIR, DOCKER_DIR, VENV_BIN, find_tool, run
 
-pytest.importorskip("ray")
 pytest.importorskip("vllm")
+try:
+    import ray  # noqa: F401  (the `ray` extra is part of the test extras: missing is a failure)
+except ImportError:
+    pytest.fail("ray is not installed: pip install -e '.[test]' (it brings the `ray` extra)", pytrace=False)
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"

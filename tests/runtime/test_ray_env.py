@@ -9,8 +9,6 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 from vllm_ling import options as o
 from vllm_ling.runtime import ray_env
 
@@ -54,7 +52,6 @@ def test_worker_env_is_the_launchers_value_or_empty_for_the_default():
 
 
 def test_attach_keeps_the_users_runtime_env_and_wins_on_our_names():
-    pytest.importorskip("ray")
     config = SimpleNamespace(distributed_executor_backend="ray", ray_runtime_env={
         "env_vars": {"MY_VAR": "1", "VLLM_LING_FP8_HEAD": "1"}, "working_dir": "/srv"})
     assert ray_env.attach_to(config, {"VLLM_LING_FP8_HEAD": "0"})
