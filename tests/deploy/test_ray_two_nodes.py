@@ -282,6 +282,8 @@ def test_every_rank_verified_on_its_own_node(two_nodes):
         assert rank["passed"] is True, rank
         assert rank["checks"] and all(c["passed"] for c in rank["checks"]), rank["checks"]
     assert report["passed"] is True
+    agree = next(c for c in report["checks"] if c["name"] == "ranks_agree")
+    assert agree["passed"], agree  # (without runtime/ray_env.py: FP8_HEAD '0' vs '1', failed)
     remote = next(r for r in ranks.values() if r["node_ip"] == WORKER_IP)
     # VLLM_LING_FP8_HEAD=0 reached the remote rank (its node said 1): BF16 head, reported.
     assert remote["options"]["VLLM_LING_FP8_HEAD"] == "0"

@@ -422,16 +422,33 @@ def gather_ranks(entry: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(entries, key=lambda e: e["rank"])
 
 
-def merge_ranks(report: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
-    """The group's verdict in ``report``: passed and active only where true on every rank."""
+def check_ranks_agree(ranks: list[dict[str, Any]]) -> Check:
+    """Every rank read the same vllm-ling settings (each rank checks against its own, so a rank
+    with a stale node-local value would otherwise pass its checks while serving differently)."""
+    names = sorted({n for r in ranks for n in r["options"]})
+    differ = [f"{n}: " + ", ".join(f"rank {r['rank']} ({r['node_ip']}) {r['options'].get(n, '')!r}"
+                                  for r in ranks)
+              for n in names if len({r["options"].get(n, "") for r in ranks}) > 1]
+    return Check("ranks_agree", not differ, "the same vllm-ling settings on every rank",
+                 "; ".join(differ) or f"{len(ranks)} rank(s), same settings",
+                 "set VLLM_LING_* on the launching process only (vllm-ling serve passes them to "
+                 "every Ray worker) and remove stale ones from the other nodes' environment")
+
+
+def merge_ranks(report: dict[str, Any], ranks: list[dict[str, Any]]) -> Check:
+    """The group's verdict in ``report``: passed and active only where true on every rank, and
+    the ranks' settings agree. Returns the agreement check."""
+    agree = check_ranks_agree(ranks)
     report["ranks"] = ranks
-    report["passed"] = all(r["passed"] for r in ranks)
+    report["checks"] = report["checks"] + [dataclasses.asdict(agree)]
+    report["passed"] = all(r["passed"] for r in ranks) and agree.passed
     for name, entry in report["optimizations"].items():
         off = [r for r in ranks if not r["optimizations"].get(name, {}).get("active", False)]
         if entry["active"] and off:
             entry["active"] = False
             entry["detail"] += "; inactive on rank(s) " + ", ".join(
                 f"{r['rank']} ({r['node_ip']})" for r in off)
+    return agree
 
 
 def format_ranks(ranks: list[dict[str, Any]]) -> str:
@@ -465,10 +482,12 @@ def verify_once(target, vllm_config, runner: str | None = None) -> dict[str, Any
     own = build_report(target, draft, vllm_config, options)
     own["model_runner"] = runner or "first forward (no runner hook)"
     report = dict(own, optimizations={n: dict(e) for n, e in own["optimizations"].items()})
-    merge_ranks(report, gather_ranks(rank_entry(own)))
+    agree = merge_ranks(report, gather_ranks(rank_entry(own)))
     if _is_reporting_rank():
         logger.info("%s\n%s", format_table(report), format_ranks(report["ranks"]))
         if options.report_path:
             write_report(report, options.report_path)
-    enforce_policy(own, options.verify)  # each rank refuses for its own failed checks
+    # each rank refuses for its own failed checks and for settings that differ between ranks
+    enforce_policy(dict(own, checks=own["checks"] + [dataclasses.asdict(agree)],
+                        passed=own["passed"] and agree.passed), options.verify)
     return report
