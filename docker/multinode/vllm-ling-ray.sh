@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # vllm-ling-ray: start one node of a Ray cluster for multi-node vLLM serving.
 #
-#   vllm-ling-ray head   --nodes N [--port 6379] [--wait 900] [-- vllm-ling serve args...]
-#       starts the Ray head, waits until N nodes (this one included) have joined, then
-#       execs `vllm-ling serve ... --distributed-executor-backend ray`.
+#   vllm-ling-ray head   --nodes N [--port 6379] [--wait 900] [--workers ADDR,...] [-- vllm-ling serve args...]
+#       starts the Ray head, waits until N nodes (this one included) have joined (after
+#       --wait seconds: exit 2 naming the --workers addresses that never joined), then runs
+#       `vllm-ling serve ... --distributed-executor-backend ray` and watches the nodes: a node
+#       lost while serving stops the server and exits 1 naming the node
+#       (python3 -m vllm_ling.runtime.ray_cluster does both).
 #   vllm-ling-ray worker --head HOST[:PORT]
 #       joins the head and blocks (the container lives as long as the Ray node).
 #
@@ -24,7 +27,7 @@ export RAY_memory_monitor_refresh_ms="${RAY_memory_monitor_refresh_ms:-0}"
 export RAY_USAGE_STATS_ENABLED="${RAY_USAGE_STATS_ENABLED:-0}"
 
 role="${1:-}"; shift || true
-nodes=""; port=6379; wait_s=900; head=""
+nodes=""; port=6379; wait_s=900; head=""; workers=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nodes) nodes="$2"; shift 2 ;;
@@ -33,6 +36,8 @@ while [[ $# -gt 0 ]]; do
     --port=*) port="${1#*=}"; shift ;;
     --wait) wait_s="$2"; shift 2 ;;
     --wait=*) wait_s="${1#*=}"; shift ;;
+    --workers) workers="$2"; shift 2 ;;
+    --workers=*) workers="${1#*=}"; shift ;;
     --head) head="$2"; shift 2 ;;
     --head=*) head="${1#*=}"; shift ;;
     --) shift; break ;;
@@ -66,16 +71,12 @@ case "$role" in
     [[ "$nodes" =~ ^[0-9]+$ && "$nodes" -ge 2 ]] || die "head needs --nodes N with N >= 2"
     ray start --head --port="$port" "${ip_args[@]}" --num-gpus="$num_gpus" \
       --include-dashboard=false --disable-usage-stats
-    echo "vllm-ling-ray: waiting up to ${wait_s}s for ${nodes} Ray nodes"
-    deadline=$((SECONDS + wait_s))
-    while true; do
-      alive="$(python3 -c 'import ray; ray.init(address="auto", logging_level="ERROR"); print(sum(1 for n in ray.nodes() if n["Alive"]))' 2>/dev/null || echo 0)"
-      echo "vllm-ling-ray: ${alive}/${nodes} nodes"
-      [[ "$alive" -ge "$nodes" ]] && break
-      [[ $SECONDS -ge $deadline ]] && die "only ${alive} of ${nodes} Ray nodes joined within ${wait_s}s; check the workers' --head address, VLLM_HOST_IP and firewall (port ${port})"
-      sleep 5
-    done
-    exec vllm-ling serve "$@" --distributed-executor-backend ray
+    # The waiter and the server's watcher are Ray drivers of this cluster.
+    export RAY_ADDRESS="${VLLM_HOST_IP:-127.0.0.1}:${port}"
+    python3 -m vllm_ling.runtime.ray_cluster wait --nodes "$nodes" --timeout "$wait_s" --workers "$workers" \
+      || exit 2
+    exec python3 -m vllm_ling.runtime.ray_cluster serve -- \
+      vllm-ling serve "$@" --distributed-executor-backend ray
     ;;
   worker)
     [[ -n "$head" ]] || die "worker needs --head HOST[:PORT]"

@@ -6,6 +6,8 @@ import fnmatch
 import json
 import re
 
+import pytest
+
 from vllm_ling import versions
 
 from ._tools import DOCKER_DIR, REPO, find_tool, run
@@ -45,6 +47,14 @@ def test_base_image_and_versions_match_versions_py():
     assert args["VLLM_IMAGE"].startswith(f"vllm/vllm-openai:v{versions.TESTED_VLLM_VERSION}")
     assert args["TESTED_VLLM_VERSION"] == versions.TESTED_VLLM_VERSION
     assert args["TESTED_HUMMING_VERSION"] == versions.TESTED_HUMMING_VERSION
+    assert args["TESTED_RAY_VERSION"] == versions.TESTED_RAY_VERSION
+
+
+def test_ray_extra_pins_the_tested_ray():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["ray"] == [f"ray=={versions.TESTED_RAY_VERSION}"]
+    assert "vllm-ling[ray]" in extras["test"]  # the two-node tests need it
 
 
 def test_runtime_contract():

@@ -261,47 +261,5 @@ def test_bad_values_fail_the_render(args, message):
     assert message in result.stderr, result.stderr
 
 
-def _stub(bin_dir, name, body):
-    path = bin_dir / name
-    path.write_text("#!/usr/bin/env bash\n" + body + "\n")
-    path.chmod(0o755)
-
-
-@pytest.mark.parametrize("combination", ["multinode-tcp", "multinode-rdma-monitoring"])
-def test_rendered_ray_commands_run_the_image_script(rendered, combination, tmp_path):
-    """The leader and worker commands the chart renders, run through the image's
-    docker/multinode/vllm-ling-ray.sh with stand-ins for ray, python3 (node count) and
-    vllm-ling: the head starts Ray and serves with the Ray backend; the worker joins the
-    leader's address."""
-    import os
-    import shutil
-
-    from ._tools import DOCKER_DIR
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    shutil.copy(DOCKER_DIR / "multinode" / "vllm-ling-ray.sh", bin_dir / "vllm-ling-ray")
-    (bin_dir / "vllm-ling-ray").chmod(0o755)
-    calls = tmp_path / "calls"
-    _stub(bin_dir, "ray", f'echo "ray $*" >> {calls}')
-    _stub(bin_dir, "vllm-ling", f'echo "vllm-ling $*" >> {calls}')
-    # Counts Ray nodes for the head's wait loop, or resolves an interface address.
-    _stub(bin_dir, "python3", 'case "$*" in *ray.nodes*) echo 2 ;; *) echo 10.9.9.9 ;; esac')
-    lws = by_kind(rendered[combination], "LeaderWorkerSet")[0]["spec"]["leaderWorkerTemplate"]
-    for role, template in (("head", lws["leaderTemplate"]), ("worker", lws["workerTemplate"])):
-        container = template["spec"]["containers"][0]
-        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LWS_LEADER_ADDRESS": "leader.svc"}
-        env.update({k: v for k, v in env_of(container).items() if isinstance(v, str)})
-        command = [a.replace("$(LWS_LEADER_ADDRESS)", env["LWS_LEADER_ADDRESS"])
-                   for a in container["command"]]
-        result = run(command, env=env, timeout=60)
-        assert result.returncode == 0, result.stdout + result.stderr
-    lines = calls.read_text().splitlines()
-    head_start = next(line for line in lines if line.startswith("ray start --head"))
-    assert "--port=6379" in head_start and "--num-gpus=1" in head_start
-    serve = next(line for line in lines if line.startswith("vllm-ling "))
-    assert serve.startswith("vllm-ling serve") and serve.endswith("--distributed-executor-backend ray")
-    worker = next(line for line in lines if line.startswith("ray start --address"))
-    assert "--address=leader.svc:6379" in worker and "--block" in worker
-    if combination == "multinode-rdma-monitoring":  # networkInterface set: its address is used
-        assert "--node-ip-address=10.9.9.9" in head_start
+# The leader and worker commands the chart renders run for real, against a real two-node Ray
+# cluster, in tests/deploy/test_ray_two_nodes.py.

@@ -263,3 +263,32 @@ def test_report_states_the_weights_bytes_of_the_loaded_models(loaded_tiny_models
     # Counting every tensor of both models counts the shared head and embedding twice.
     double = sum(t.numel() * t.element_size() for m in (target, draft) for t in [*m.parameters(), *m.buffers()])
     assert head.numel() * head.element_size() < report["memory"]["weights_bytes"] < double
+
+
+def test_group_verdict_needs_every_rank():
+    """An optimization active on rank 0 but not on a remote rank is inactive for the server,
+    one failed rank fails the group (what the metrics show), and so do settings that differ
+    between ranks although each rank passed against its own (a stale node-local value)."""
+    from vllm_ling.runtime.verification import merge_ranks
+
+    def rank(i, ok, fp8_head="1"):
+        return {"rank": i, "node_ip": f"10.0.0.{i + 1}", "passed": ok,
+                "optimizations": {"fp8_head": {"requested": True, "active": ok}},
+                "options": {"VLLM_LING_FP8_HEAD": fp8_head, "VLLM_LING_MTP": ""}}
+
+    def report():
+        return {"passed": True, "checks": [], "optimizations": {
+            "fp8_head": {"requested": True, "active": True, "detail": "Fp8LmHeadMethod"}}}
+
+    merged = report()
+    assert merge_ranks(merged, [rank(0, True), rank(1, False)]).passed
+    assert merged["passed"] is False
+    assert merged["optimizations"]["fp8_head"]["active"] is False
+    assert merged["optimizations"]["fp8_head"]["detail"].endswith("inactive on rank(s) 1 (10.0.0.2)")
+    assert [r["rank"] for r in merged["ranks"]] == [0, 1]
+
+    merged = report()
+    agree = merge_ranks(merged, [rank(0, True, fp8_head="0"), rank(1, True, fp8_head="1")])
+    assert not agree.passed and merged["passed"] is False
+    assert agree.actual == "VLLM_LING_FP8_HEAD: rank 0 (10.0.0.1) '0', rank 1 (10.0.0.2) '1'"
+    assert merged["checks"][-1]["name"] == "ranks_agree"

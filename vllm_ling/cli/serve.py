@@ -229,7 +229,8 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
     if device == "cpu":
         cmd += CPU_VLLM_ARGS
         for key, value in CPU_ENV_DEFAULTS.items():
-            if key not in env:
+            # VLLM_TARGET_DEVICE=cpu would make vLLM skip platform plugins, ours included
+            if key not in env and not (key == "VLLM_TARGET_DEVICE" and read("VLLM_LING_RAY_CPU", env)):
                 env_changes[key] = value
         notes.append("CPU mode: --enforce-eager --dtype bfloat16, VLLM_CPU_KVCACHE_SPACE="
                      f"{env.get('VLLM_CPU_KVCACHE_SPACE', CPU_ENV_DEFAULTS['VLLM_CPU_KVCACHE_SPACE'])}"

@@ -4,7 +4,8 @@ patches P4 and P5 (see README.md here).
 - ``LingConfigHook`` (installed by P4 in vLLM's ``MODELS_CONFIG_MAP``) runs while
   ``VllmConfig`` is built (front-end process, before any engine process starts), so
   conflicting options fail with a message naming both, and CPU-only adjustments are
-  logged once.
+  logged once. Under the Ray backend it also puts vllm-ling's settings into the Ray
+  runtime env (runtime/ray_env.py).
 - ``default_speculative_config`` is what P5 gives a Ling target without a speculative
   option from the user (``VLLM_LING_MTP=0`` turns it off; any user config wins).
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import LingOptions
+from vllm_ling.runtime import ray_env
 from vllm_ling.runtime.spec_policy import speculative_schedule
 
 logger = get_logger("config")
@@ -77,6 +79,11 @@ class LingConfigHook:
             validate(f"{model_config.model}/config.json")
         options = LingOptions.from_env()
         check_head_conflicts(options, model_config.hf_config)
+        if ray_env.attach_to(vllm_config.parallel_config):
+            log_once(logger, logging.INFO, "ray-env",
+                     "Ray backend: every worker gets this process's %d vllm-ling settings "
+                     "(vllm_ling/runtime/ray_env.py), whatever its node's environment says.",
+                     len(ray_env.propagated_names()))
         cache = vllm_config.cache_config
         if (current_platform.is_cpu() and has_kda_layers(model_config.hf_config)
                 and cache.enable_prefix_caching):

@@ -102,6 +102,26 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "dense_fp8": {"type": "object", "required": ["kernels", "path_choice"]},
             },
         },
+        # One entry per rank of the server (vllm_ling.runtime.verification.rank_entry).
+        "ranks": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["rank", "tp_rank", "pp_rank", "node_ip", "pid", "passed",
+                             "head_dtype", "optimizations", "checks", "options"],
+                "properties": {
+                    "rank": {"type": "integer", "minimum": 0},
+                    "tp_rank": {"type": "integer", "minimum": 0},
+                    "pp_rank": {"type": "integer", "minimum": 0},
+                    "node_ip": {"type": "string"},
+                    "pid": {"type": "integer"},
+                    "passed": {"type": "boolean"},
+                    "head_dtype": {"enum": ["float8_e4m3fn", "bfloat16", "float32"]},
+                    "options": {"type": "object", "additionalProperties": {"type": "string"}},
+                },
+            },
+        },
         "smoke": {
             "type": "object",
             "required": ["accept_length", "threshold", "passed"],

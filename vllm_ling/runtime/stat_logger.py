@@ -19,9 +19,11 @@ Exported (``model_name`` label on all; ``engine`` on the accept metrics, as vLLM
 ``vllm_ling:optimization_requested{optimization}``           1/0 per key of the report's optimizations
 ``vllm_ling:optimization_active{optimization}``              1/0 per key of the report's optimizations
 ``vllm_ling:verification_passed``                            1/0, the startup verification's verdict
+                                                             (every rank's)
 ``vllm_ling:kernel_check_passed{kernel,impl}``               1/0 per known-answer kernel check
                                                              (``kernel``: dense_fp8, moe_mxfp4,
                                                              fp8_head, kda; ``impl``: what serves)
+``vllm_ling:rank_verification_passed{rank,node}``            1/0 per rank of the server (its node)
 ``vllm_ling:info{vllm_version,humming_version,moe_backend,   value 1; labels from the report
 head_dtype,spec_method,gpu_arch,platform,policy}``
 ``vllm_ling:startup_seconds``                                this API-server process's start to the
@@ -133,6 +135,10 @@ class LingStatLogger(AggregateStatLoggerBase):
             "vllm_ling:kernel_check_passed",
             "1 when the serving kernel matched its known answers at startup (report's kernel_checks).",
             labelnames=["model_name", "kernel", "impl"], multiprocess_mode="mostrecent")
+        self.g_rank_verification = Gauge(
+            "vllm_ling:rank_verification_passed",
+            "1 when every startup verification check passed on this rank (label node: its host).",
+            labelnames=["model_name", "rank", "node"], multiprocess_mode="mostrecent")
         self.g_info = Gauge(
             "vllm_ling:info", "vllm-ling build and configuration (value 1; see the labels).",
             labelnames=["model_name", *INFO_LABELS], multiprocess_mode="mostrecent")
@@ -230,6 +236,10 @@ class LingStatLogger(AggregateStatLoggerBase):
         for r in (report.get("kernel_checks") or {}).get("results", []):
             if not r.get("skipped"):
                 self.g_kernel_check.labels(self.model_name, r["name"], r["kernel"]).set(1 if r["passed"] else 0)
+        self.g_rank_verification.clear()
+        for rank in report.get("ranks") or []:
+            self.g_rank_verification.labels(self.model_name, str(rank.get("rank")),
+                                            _label(rank.get("node_ip"))).set(1 if rank.get("passed") else 0)
         versions = report.get("versions")
         versions = versions if isinstance(versions, dict) else {}
         self.g_info.clear()

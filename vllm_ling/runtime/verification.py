@@ -18,6 +18,10 @@ modules that are really there:
 - every kernel that serves a quantized or custom op, found on the loaded layers, matches its
   known answers on small edge-case inputs (:mod:`vllm_ling.runtime.kernel_checks`).
 
+Every rank checks its own modules; the entries are gathered over vLLM's world group (so a
+rank on another node is covered too) and the reporting rank writes them under ``ranks``.
+The group passes, and an optimization is active, only where it does on every rank.
+
 Output: one INFO table, a JSON report (``VLLM_LING_REPORT_PATH``, atomically replaced),
 and through it the ``vllm_ling:*`` metrics. Policy ``VLLM_LING_VERIFY``: ``strict`` (the
 default) raises :class:`LingVerificationError` so the server refuses to start; ``warn``
@@ -28,12 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import torch
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy, read
+from vllm_ling.options import (DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy,
+                               plugin_options, read)
 from vllm_ling.runtime.report import write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
@@ -419,6 +425,92 @@ def enforce_policy(report: dict[str, Any], policy: str) -> None:
                        c["name"], c["expected"], c["actual"], c["fix"])
 
 
+def _node_address() -> str:
+    """This rank's node as Ray names it (a Ray worker), else vLLM's host address."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    from vllm.utils.network_utils import get_ip
+
+    return get_ip()
+
+
+def rank_entry(report: dict[str, Any]) -> dict[str, Any]:
+    """This rank's part of the report: where it runs, what it read, what it found."""
+    try:
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_world_group
+
+        rank, tp_rank, pp_rank = (get_world_group().rank_in_group, get_tensor_model_parallel_rank(),
+                                  get_pp_group().rank_in_group)
+    except Exception:  # no distributed state (unit tests build models directly)
+        rank = tp_rank = pp_rank = 0
+    return {"rank": rank, "tp_rank": tp_rank, "pp_rank": pp_rank, "node_ip": _node_address(),
+            "pid": os.getpid(), "passed": report["passed"], "head_dtype": report["head_dtype"],
+            "optimizations": {n: {"requested": e["requested"], "active": e["active"]}
+                              for n, e in report["optimizations"].items()},
+            "checks": report["checks"],
+            # the switches as this process saw them (propagation: vllm_ling/runtime/ray_env.py)
+            "options": {o.name: os.environ.get(o.name, "") for o in plugin_options()}}
+
+
+def gather_ranks(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's entry, on every rank, ordered by rank (a collective: all ranks call it)."""
+    try:
+        from vllm.distributed import get_world_group
+
+        group = get_world_group()
+    except Exception:
+        return [entry]
+    if group.world_size == 1:
+        return [entry]
+    entries: list[Any] = [None] * group.world_size
+    torch.distributed.all_gather_object(entries, entry, group=group.cpu_group)
+    return sorted(entries, key=lambda e: e["rank"])
+
+
+def check_ranks_agree(ranks: list[dict[str, Any]]) -> Check:
+    """Every rank read the same vllm-ling settings (each rank checks against its own, so a rank
+    with a stale node-local value would otherwise pass its checks while serving differently)."""
+    names = sorted({n for r in ranks for n in r["options"]})
+    differ = [f"{n}: " + ", ".join(f"rank {r['rank']} ({r['node_ip']}) {r['options'].get(n, '')!r}"
+                                  for r in ranks)
+              for n in names if len({r["options"].get(n, "") for r in ranks}) > 1]
+    return Check("ranks_agree", not differ, "the same vllm-ling settings on every rank",
+                 "; ".join(differ) or f"{len(ranks)} rank(s), same settings",
+                 "set VLLM_LING_* on the launching process only (vllm-ling serve passes them to "
+                 "every Ray worker) and remove stale ones from the other nodes' environment")
+
+
+def merge_ranks(report: dict[str, Any], ranks: list[dict[str, Any]]) -> Check:
+    """The group's verdict in ``report``: passed and active only where true on every rank, and
+    the ranks' settings agree. Returns the agreement check."""
+    agree = check_ranks_agree(ranks)
+    report["ranks"] = ranks
+    report["checks"] = report["checks"] + [dataclasses.asdict(agree)]
+    report["passed"] = all(r["passed"] for r in ranks) and agree.passed
+    for name, entry in report["optimizations"].items():
+        off = [r for r in ranks if not r["optimizations"].get(name, {}).get("active", False)]
+        if entry["active"] and off:
+            entry["active"] = False
+            entry["detail"] += "; inactive on rank(s) " + ", ".join(
+                f"{r['rank']} ({r['node_ip']})" for r in off)
+    return agree
+
+
+def format_ranks(ranks: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in ranks:
+        failed = [c["name"] for c in r["checks"] if not c["passed"]]
+        lines.append(f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) on {r['node_ip']} "
+                     f"pid {r['pid']}: {'PASSED' if r['passed'] else 'FAILED ' + ', '.join(failed)}; "
+                     f"head {r['head_dtype']}")
+    return "\n".join(lines)
+
+
 _done = False
 
 
@@ -437,11 +529,15 @@ def verify_once(target, vllm_config, runner: str | None = None) -> dict[str, Any
         log_once(logger, logging.WARNING, "verify-off",
                  "Startup verification is OFF (VLLM_LING_VERIFY=off): optimizations are not checked.")
         return None
-    report = build_report(target, draft, vllm_config, options)
-    report["model_runner"] = runner or "first forward (no runner hook)"
+    own = build_report(target, draft, vllm_config, options)
+    own["model_runner"] = runner or "first forward (no runner hook)"
+    report = dict(own, optimizations={n: dict(e) for n, e in own["optimizations"].items()})
+    agree = merge_ranks(report, gather_ranks(rank_entry(own)))
     if _is_reporting_rank():
-        logger.info("%s", format_table(report))
+        logger.info("%s\n%s", format_table(report), format_ranks(report["ranks"]))
         if options.report_path:
             write_report(report, options.report_path)
-    enforce_policy(report, options.verify)
+    # each rank refuses for its own failed checks and for settings that differ between ranks
+    enforce_policy(dict(own, checks=own["checks"] + [dataclasses.asdict(agree)],
+                        passed=own["passed"] and agree.passed), options.verify)
     return report
