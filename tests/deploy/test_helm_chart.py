@@ -305,3 +305,13 @@ def test_rendered_ray_commands_run_the_image_script(rendered, combination, tmp_p
     assert "--address=leader.svc:6379" in worker and "--block" in worker
     if combination == "multinode-rdma-monitoring":  # networkInterface set: its address is used
         assert "--node-ip-address=10.9.9.9" in head_start
+
+
+@pytest.mark.parametrize("combination", COMBINATIONS)
+def test_servers_get_the_ling3_parsers(rendered, combination):
+    """Every server pod runs `vllm-ling serve` with Ling-3's parsers (it adds --enable-auto-tool-choice)."""
+    for name, pod in pod_specs(rendered[combination]):
+        if name.endswith("-worker"):
+            continue  # Ray workers serve nothing
+        env = env_of(pod["spec"]["containers"][0])
+        assert (env["VLLM_LING_TOOL_CALL_PARSER"], env["VLLM_LING_REASONING_PARSER"]) == ("ling3", "ling3"), name

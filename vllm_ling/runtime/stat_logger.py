@@ -19,6 +19,9 @@ Exported (``model_name`` label on all; ``engine`` on the accept metrics, as vLLM
 ``vllm_ling:optimization_requested{optimization}``           1/0 per key of the report's optimizations
 ``vllm_ling:optimization_active{optimization}``              1/0 per key of the report's optimizations
 ``vllm_ling:verification_passed``                            1/0, the startup verification's verdict
+``vllm_ling:chat_roundtrip{status}``                         1 for the chat template / parser
+                                                             round-trip check's status (passed,
+                                                             failed, off_by_request)
 ``vllm_ling:info{vllm_version,humming_version,moe_backend,   value 1; labels from the report
 head_dtype,spec_method,gpu_arch,platform,policy}``
 ==========================================================  =======================================
@@ -122,6 +125,10 @@ class LingStatLogger(AggregateStatLoggerBase):
             "vllm_ling:verification_passed",
             "1 when every startup verification check passed.",
             labelnames=["model_name"], multiprocess_mode="mostrecent")
+        self.g_roundtrip = Gauge(
+            "vllm_ling:chat_roundtrip",
+            "Chat template / parser round-trip check at startup: 1 on its status label.",
+            labelnames=["model_name", "status"], multiprocess_mode="mostrecent")
         self.g_info = Gauge(
             "vllm_ling:info", "vllm-ling build and configuration (value 1; see the labels).",
             labelnames=["model_name", *INFO_LABELS], multiprocess_mode="mostrecent")
@@ -207,6 +214,10 @@ class LingStatLogger(AggregateStatLoggerBase):
             self.g_opt_requested.labels(self.model_name, name).set(1 if entry["requested"] else 0)
             self.g_opt_active.labels(self.model_name, name).set(1 if entry["active"] else 0)
         self.g_verification.labels(self.model_name).set(1 if report["passed"] else 0)
+        self.g_roundtrip.clear()
+        roundtrip = report.get("chat_roundtrip")
+        if isinstance(roundtrip, dict) and isinstance(roundtrip.get("status"), str):
+            self.g_roundtrip.labels(self.model_name, roundtrip["status"].replace(" ", "_")).set(1)
         versions = report.get("versions")
         versions = versions if isinstance(versions, dict) else {}
         self.g_info.clear()
