@@ -1,4 +1,4 @@
-"""``make demo``: what vllm-ling does, on this machine, in a few minutes (about 3.5 on 2 CPU cores).
+"""``make demo``: what vllm-ling does, on this machine, in about 3.5 minutes on 2 CPU cores.
 
 Makes the scripted tiny Ling-3.0 checkpoint (real architecture and -fp4 storage format; its
 greedy answer to a chat is a reasoning block and a ``get_weather`` tool call, and its NEXTN
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     log, report_path = out / "server.log", (out / "report.json").resolve()
     report_path.unlink(missing_ok=True)
     print(f"[{time.monotonic() - start:5.0f} s] starting vllm serve {model} {' '.join(PARSER_ARGS)} "
-          f"(log: {log}; about 2 minutes on 2 CPU cores) ...")
+          f"(log: {log}; 2-3 minutes on 2 CPU cores) ...")
     server = serve_cpu(model, log, extra_args=PARSER_ARGS, env={
         "VLLM_PLUGINS": "vllm_ling,vllm_ling_report", "VLLM_LING_REPORT_PATH": str(report_path)})
     try:
