@@ -1,6 +1,7 @@
 # The two commands of the README:
-#   make demo  - install, make the tiny Ling-3.0 checkpoint, serve it with real vLLM + vllm-ling
-#                on localhost, send one completion and one chat request, print /metrics excerpts
+#   make demo  - install, make the scripted tiny Ling-3.0 checkpoint, serve it with real vLLM + vllm-ling
+#                and the ling3 parsers on localhost, print a chat answer (reasoning, tool call), the
+#                MTP accept length from /metrics and the verification table
 #   make test  - install, then run the whole test suite (what CI runs)
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -95,6 +95,8 @@ class Scope(Choice):
 MOE_DECODE_MAX_TOKENS_LIMIT = 4096
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+LING3_PARSER = "ling3"  # vLLM's reasoning and tool-call parser for Ling-3
+SPARK_MEMORY_FRACTION = 0.85  # DGX Spark preset for --gpu-memory-utilization (see the table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,10 +268,22 @@ OPTIONS: tuple[Option, ...] = (
            "model name clients send", scope=_L, serve_flag=True,
            vllm_flag="--served-model-name", default_text="the model directory's name"),
     # 0.85: the Spark's 128 GB are shared with the OS, the CPU side of vLLM and page cache;
-    # vLLM's default 0.9 leaves too little headroom on unified memory.
-    Option("VLLM_LING_GPU_MEMORY_UTILIZATION", "float", 0.85,
-           "fraction of (unified) GPU memory vLLM may use", scope=_L, minimum=0.0, maximum=1.0,
+    # users report 0.92 running out of memory on GB10 (vLLM recipes issue #632), and 0.85 is
+    # what the community found safe.
+    Option("VLLM_LING_GPU_MEMORY_UTILIZATION", "float", SPARK_MEMORY_FRACTION,
+           "fraction of (unified) GPU memory vLLM may use; the DGX Spark preset 0.85 is what users "
+           "found safe on GB10 (0.92 runs out of memory there: unified memory is shared with the OS)",
+           scope=_L, minimum=0.0, maximum=1.0,
            serve_flag=True, vllm_flag="--gpu-memory-utilization", gpu_only=True),
+    # Ling-3's parsers, on as in every published recipe (vllm_ling/cli/agent_defaults.py turns
+    # them into vllm serve flags).
+    Option("VLLM_LING_TOOL_CALL_PARSER", "str", LING3_PARSER,
+           "vLLM tool-call parser (`vllm-ling serve` adds `--enable-auto-tool-choice` with it); "
+           "`none`: tool calls come back as plain text", scope=_L, serve_flag=True),
+    Option("VLLM_LING_REASONING_PARSER", "str", LING3_PARSER,
+           "vLLM reasoning parser; `none`: reasoning stays in the message content. Thinking is on "
+           "by default; a request turns it off with `chat_template_kwargs` "
+           "`{\"enable_thinking\": false}`", scope=_L, serve_flag=True),
     Option("VLLM_LING_MAX_MODEL_LEN", "int", 32768,
            "context length (capped at the model's max_position_embeddings)", scope=_L, minimum=1,
            serve_flag=True, vllm_flag="--max-model-len"),

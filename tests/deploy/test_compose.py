@@ -156,3 +156,10 @@ def test_docker_compose_config_rejects_a_broken_file(tmp_path):
     result = run([binary, "-f", str(path), "--project-directory", str(DOCKER_DIR), "config", "--quiet"])
     assert result.returncode != 0
     assert "not-declared" in result.stderr
+
+
+def test_servers_get_the_ling3_parsers(compose):
+    for name in ("vllm-ling", "vllm-ling-cpu"):
+        env = compose["services"][name]["environment"]
+        assert env["VLLM_LING_TOOL_CALL_PARSER"] == "${VLLM_LING_TOOL_CALL_PARSER:-ling3}", name
+        assert env["VLLM_LING_REASONING_PARSER"] == "${VLLM_LING_REASONING_PARSER:-ling3}", name

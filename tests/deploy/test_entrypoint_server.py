@@ -83,3 +83,13 @@ def test_startup_smoke_check_passes_on_the_agreeing_checkpoint(server):
         time.sleep(2)
     assert smoke["passed"] is True and smoke["accept_length"] >= 3.5, smoke
     assert "smoke check passed: accept length" in (tmp / "server.log").read_text()
+
+
+def test_ling3_parsers_on_and_round_trip_checked(server):
+    """`vllm-ling serve` adds Ling-3's parsers; the API server proves them against the template."""
+    base, _, tmp = server
+    log = (tmp / "server.log").read_text()
+    assert "--tool-call-parser ling3 --reasoning-parser ling3 --enable-auto-tool-choice" in log
+    assert "chat round-trip check passed" in log
+    report = requests.get(base + "/vllm_ling/report", timeout=10).json()
+    assert report["chat_roundtrip"]["status"] == "passed", report["chat_roundtrip"]

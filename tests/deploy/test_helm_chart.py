@@ -263,3 +263,13 @@ def test_bad_values_fail_the_render(args, message):
 
 # The leader and worker commands the chart renders run for real, against a real two-node Ray
 # cluster, in tests/deploy/test_ray_two_nodes.py.
+
+
+@pytest.mark.parametrize("combination", COMBINATIONS)
+def test_servers_get_the_ling3_parsers(rendered, combination):
+    """Every server pod runs `vllm-ling serve` with Ling-3's parsers (it adds --enable-auto-tool-choice)."""
+    for name, pod in pod_specs(rendered[combination]):
+        if name.endswith("-worker"):
+            continue  # Ray workers serve nothing
+        env = env_of(pod["spec"]["containers"][0])
+        assert (env["VLLM_LING_TOOL_CALL_PARSER"], env["VLLM_LING_REASONING_PARSER"]) == ("ling3", "ling3"), name

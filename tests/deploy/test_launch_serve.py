@@ -241,3 +241,34 @@ def test_hub_ids_pass_and_stray_flag_values_are_caught(tmp_path):
     model = str(make_model(tmp_path))
     plan = gpu_plan([model, "--max-num-batched-tokens=8192"], {})
     assert plan.argv[-1] == "--max-num-batched-tokens=8192"
+
+
+def test_ling3_parsers_on_by_default(tmp_path):
+    """The recipes' flags: tool calls parsed into tool_calls, reasoning out of content."""
+    plan = gpu_plan([str(make_model(tmp_path))], {})
+    assert flag_value(plan.argv, "--tool-call-parser") == "ling3"
+    assert flag_value(plan.argv, "--reasoning-parser") == "ling3"
+    assert plan.argv.count("--enable-auto-tool-choice") == 1
+    assert "--tool-call-parser ling3 --reasoning-parser ling3 --enable-auto-tool-choice" in plan.shell_line()
+    assert any("0.92 runs out of memory on GB10" in n for n in plan.notes)  # the Spark preset says why
+
+
+@pytest.mark.parametrize("argv_tail,env,tool,reasoning,note", [
+    (["--tool-call-parser", "hermes"], {}, "hermes", "ling3",
+     "--tool-call-parser hermes (from --tool-call-parser) overrides the Ling default ling3."),
+    ([], {"VLLM_LING_REASONING_PARSER": "deepseek_r1"}, "ling3", "deepseek_r1",
+     "--reasoning-parser deepseek_r1 (from VLLM_LING_REASONING_PARSER) overrides the Ling default ling3."),
+    (["--", "--tool-call-parser", "qwen3_xml"], {}, "qwen3_xml", "ling3",
+     "--tool-call-parser passed to vllm serve as given (overrides the Ling default ling3)."),
+])
+def test_parser_overrides_are_noted_once(tmp_path, argv_tail, env, tool, reasoning, note):
+    plan = gpu_plan([str(make_model(tmp_path))] + argv_tail, env)
+    assert plan.argv.count("--tool-call-parser") == 1 and plan.argv.count("--reasoning-parser") == 1
+    assert (flag_value(plan.argv, "--tool-call-parser"), flag_value(plan.argv, "--reasoning-parser")) == (tool, reasoning)
+    assert plan.notes.count(note) == 1
+
+
+def test_parsers_off_by_request(tmp_path):
+    plan = gpu_plan([str(make_model(tmp_path)), "--tool-call-parser", "none"], {"VLLM_LING_REASONING_PARSER": "off"})
+    assert not {"--tool-call-parser", "--reasoning-parser", "--enable-auto-tool-choice"} & set(plan.argv)
+    assert sum("off by request" in n for n in plan.notes) == 2

@@ -84,7 +84,7 @@ def test_tokenizer_is_local_and_covers_the_vocabulary(tiny_checkpoint):
     assert tok.decode(ids) == "hello world 42"
     assert tok.eos_token_id == _config(tiny_checkpoint)["eos_token_id"]
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True).endswith("<assistant>")
+                                   add_generation_prompt=True).endswith("<role>ASSISTANT</role>\n<think>")
 
 
 def test_check_accepts_the_tiny_checkpoint(tiny_checkpoint):

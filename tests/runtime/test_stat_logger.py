@@ -279,6 +279,22 @@ def test_report_metrics_appear_when_the_report_does(make_logger, tmp_path):
                   gpu_arch="sm_90", platform="cuda", policy="strict") == 1
 
 
+def test_chat_roundtrip_status_is_exported_from_the_report(make_logger, tmp_path):
+    stat_logger = make_logger()
+    path = tmp_path / "report.json"
+    report = sample_report(chat_roundtrip={"status": "off by request", "reasoning_parser": None,
+                                           "tool_parser": None, "template": "t", "detail": "d", "fix": ""})
+    path.write_text(json.dumps(report))
+    stat_logger.log()
+    assert value("vllm_ling:chat_roundtrip", status="off_by_request") == 1
+    report["chat_roundtrip"]["status"] = "failed"
+    path.write_text(json.dumps(report))
+    os.utime(path, (time.time() + 5, time.time() + 5))
+    stat_logger.log()
+    assert value("vllm_ling:chat_roundtrip", status="failed") == 1
+    assert value("vllm_ling:chat_roundtrip", status="off_by_request") is None  # one status at a time
+
+
 def test_report_reader_ignores_stale_half_written_and_malformed_files(tmp_path, captured):
     path = tmp_path / "report.json"
     path.write_text(json.dumps(sample_report()))

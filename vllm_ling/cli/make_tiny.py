@@ -4,6 +4,7 @@ in the real ``-fp4`` storage format (see :mod:`vllm_ling.models.tiny_checkpoint`
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from vllm_ling.models.tiny_checkpoint import TINY_CONFIG, make_tiny
 
@@ -18,7 +19,17 @@ def main(argv: list[str]) -> int:
                         help="make every layer MLA (for vLLM-CPU MTP runs; see README)")
     parser.add_argument("--agreeing", action="store_true",
                         help="weights whose NEXTN layer provably predicts the target's next token")
+    parser.add_argument("--script", default=None, metavar="TEXT_OR_FILE",
+                        help="weights whose greedy answer to any chat prompt is this text (or the "
+                             "contents of this file), e.g. reasoning, </think>, then a <tool_call>; "
+                             "the NEXTN draft predicts every token of it")
     args = parser.parse_args(argv)
-    out = make_tiny(args.dir, args.seed, args.config, args.all_mla, args.agreeing)
+    script = args.script
+    if script is not None and Path(script).is_file():
+        script = Path(script).read_text().rstrip("\n")
+    try:
+        out = make_tiny(args.dir, args.seed, args.config, args.all_mla, args.agreeing, script)
+    except ValueError as exc:
+        parser.error(f"--script: {exc}")
     print(f"wrote tiny Ling-3.0 checkpoint to {out}")
     return 0

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from vllm_ling.cli.agent_defaults import parser_args
 from vllm_ling.runtime.local_server import plugin_names
-from vllm_ling.options import (PREFIX, LingOptionError, Option, VerifyPolicy, option, read,
-                               serve_options)
+from vllm_ling.options import (PREFIX, SPARK_MEMORY_FRACTION, LingOptionError, Option, Scope,
+                               VerifyPolicy, option, read, serve_options)
 
 ENV_PREFIX = PREFIX
 DEFAULT_MODEL = option("VLLM_LING_MODEL").default
@@ -223,8 +224,17 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
             continue
         if opt.vllm_flag:
             cmd += [opt.vllm_flag, value]
-        else:  # a plugin switch: exported so every vLLM process reads the same value
+        elif opt.scope is Scope.PLUGIN:  # exported so every vLLM process reads the same value
             env_changes[opt.name] = value
+
+    sources = {o.short: o.flag if getattr(args, o.short) is not None else o.name
+               for o in serve_options() if o.short in explicit}
+    agent_args, agent_notes = parser_args(values, sources, passthrough)
+    cmd += agent_args
+    notes += agent_notes
+    if device == "cuda" and "gpu_memory_utilization" not in explicit:
+        notes.append(f"gpu-memory-utilization {SPARK_MEMORY_FRACTION} (DGX Spark preset: 0.92 runs out of "
+                     "memory on GB10's unified memory; raise it on a datacenter GPU).")
 
     if device == "cpu":
         cmd += CPU_VLLM_ARGS

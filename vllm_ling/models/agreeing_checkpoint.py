@@ -10,7 +10,8 @@ Construction (all other tensors stay random, in the real -fp4 format):
    (unit-weight) RMSNorm gives ``h_t = rmsnorm(E[x_t])``: the target's logits depend on the
    current token only.
 2. The head is a permuted copy of the embeddings: ``W[f(v)] = E[v]`` for a fixed random
-   permutation ``f`` of the ordinary tokens (special tokens, EOS included, have zero rows).
+   permutation ``f`` of the ordinary tokens (special tokens, EOS and the chat markers included,
+   have zero rows).
    The logit of ``j`` is ``E[f^-1(j)] . rmsnorm(E[v])``: for ``j = f(v)`` it is
    ``|E[v]|^2 / rms`` (about ``sqrt(H)`` times larger than any cross term of independent
    Gaussian rows), so the target always emits ``f(x_t)``, with a margin far beyond FP8/BF16
@@ -32,9 +33,18 @@ from typing import Any
 
 import torch
 
+from vllm_ling.models.chat_format import MARKERS
 from vllm_ling.models.checkpoint_format import checkpoint_specs
 
 SPECIAL_TOKENS = 3  # <pad>, <eos>, <bos> of the tiny tokenizer (ids 0, 1, 2)
+
+
+def ordinary_tokens(vocab_size: int) -> torch.Tensor:
+    """Ids the permutation moves: not <pad>/<eos>/<bos>, not the chat markers (the last ids),
+    so the agreeing target never ends a turn or opens markup by itself."""
+    return torch.arange(SPECIAL_TOKENS, vocab_size - len(MARKERS))
+
+
 _ZERO_SUFFIXES = (".attention.o_proj.weight", ".attention.dense.weight", ".down_proj.weight")
 
 
@@ -42,8 +52,8 @@ def next_token_permutation(vocab_size: int, seed: int) -> torch.Tensor:
     """f as a tensor: f[v] for ordinary tokens, -1 for special ones."""
     gen = torch.Generator().manual_seed(seed + 7919)
     f = torch.full((vocab_size,), -1, dtype=torch.long)
-    ordinary = torch.arange(SPECIAL_TOKENS, vocab_size)
-    f[SPECIAL_TOKENS:] = ordinary[torch.randperm(len(ordinary), generator=gen)]
+    ordinary = ordinary_tokens(vocab_size)
+    f[ordinary] = ordinary[torch.randperm(len(ordinary), generator=gen)]
     return f
 
 
@@ -53,7 +63,7 @@ def agreeing_overrides(config: dict[str, Any], seed: int = 0) -> dict[str, torch
     embeddings = torch.randn(vocab, hidden, generator=gen) * 0.02
     f = next_token_permutation(vocab, seed)
     head = torch.zeros(vocab, hidden)
-    ordinary = torch.arange(SPECIAL_TOKENS, vocab)
+    ordinary = ordinary_tokens(vocab)
     head[f[ordinary]] = embeddings[ordinary]
     out = {"model.word_embeddings.weight": embeddings, "lm_head.weight": head}
     n = config["num_hidden_layers"]

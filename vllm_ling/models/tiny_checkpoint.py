@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from vllm_ling.models.chat_format import MARKERS, ROLE_END, add_markers, chat_template, marker_ids
 from vllm_ling.models.checkpoint_format import (
     BF16, FP8_BLOCK, FP32, MXFP4, TensorSpec, checkpoint_specs)
 from vllm_ling.ops.fp8 import block_fp8_quantize
@@ -33,10 +34,16 @@ from vllm_ling.ops.mxfp4 import mxfp4_quantize
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 TINY_CONFIG = DATA_DIR / "ling3_tiny_fp4_config.json"
 PAD_TOKEN, EOS_TOKEN, BOS_TOKEN = "<pad>", "<eos>", "<bos>"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
+# Common English words next to the pseudo-words, so chat text (scripts, demos) spells as
+# whole-word tokens.
+ENGLISH_WORDS = (
+    "the a an and or but so if then to of in on at for with from by as is are was be it this "
+    "that these I you he she we they my your user users asks ask wants want needs need question "
+    "answer tool tools call calls calling function result results weather city today tomorrow "
+    "forecast temperature rain sunny check look up find search get set time date what which who "
+    "where when how why yes no not can will should must let me us our please thanks hello world "
+    "model reply first next now here there one two three name value know "
+    "Paris London Tokyo Berlin Madrid Rome").split()
 
 
 def load_tiny_config(path: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -114,22 +121,26 @@ def build_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
                  "4", "5", "6", "7", "8", "9"]
     words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
     corpus = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(2000)]
+    corpus += [" ".join(rng.choice(ENGLISH_WORDS) for _ in range(12)) for _ in range(600)]
+    corpus += [" ".join(w.capitalize() for w in rng.sample(ENGLISH_WORDS, 12)) for _ in range(200)]
+    trained_size = vocab_size - len(MARKERS)  # the chat markers take the last ids
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[PAD_TOKEN, EOS_TOKEN, BOS_TOKEN],
+        vocab_size=trained_size, special_tokens=[PAD_TOKEN, EOS_TOKEN, BOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
-    missing = vocab_size - tok.get_vocab_size()
+    missing = trained_size - tok.get_vocab_size()
     if missing > 0:  # pad so every id the model can emit decodes
         tok.add_tokens([f"<extra_{i}>" for i in range(missing)])
+    add_markers(tok, vocab_size)
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "pad_token": PAD_TOKEN, "eos_token": EOS_TOKEN, "bos_token": BOS_TOKEN,
         "add_bos_token": False, "model_max_length": 4096,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template(),
     }, indent=2))
 
 
@@ -155,19 +166,45 @@ def write_checkpoint(out_dir: str | os.PathLike, config: dict[str, Any],
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"]}))
+        # The end of an assistant turn (<|role_end|>) stops generation too, as in Ling-3.
+        {"eos_token_id": [config["eos_token_id"], marker_ids(config["vocab_size"])[ROLE_END]],
+         "pad_token_id": config["pad_token_id"]}))
     build_tokenizer(out, config["vocab_size"], seed)
     return out
 
 
 def make_tiny(out_dir: str | os.PathLike, seed: int = 0, config_path: str | None = None,
-              all_mla: bool = False, agreeing: bool = False) -> Path:
+              all_mla: bool = False, agreeing: bool = False, script: str | None = None) -> Path:
     config = load_tiny_config(config_path)
     if all_mla:
         config = all_mla_variant(config)
     overrides = None
-    if agreeing:
+    if script is not None:
+        overrides = _scripted(Path(out_dir), config, seed, script)
+    elif agreeing:
         from vllm_ling.models.agreeing_checkpoint import agreeing_overrides
 
         overrides = agreeing_overrides(config, seed)
     return write_checkpoint(out_dir, config, random_checkpoint_tensors(config, seed, overrides), seed)
+
+
+SCRIPT_FILE = "vllm_ling_script.json"
+
+
+def _scripted(out: Path, config: dict[str, Any], seed: int, script: str) -> dict[str, torch.Tensor]:
+    """Plan the script's token chain with the checkpoint's own tokenizer (deterministic: built
+    in a scratch directory first, so a script that cannot be spelled leaves nothing behind) and
+    record it next to the weights."""
+    import tempfile
+
+    from transformers import PreTrainedTokenizerFast
+
+    from vllm_ling.models.scripted_checkpoint import plan_chain, scripted_overrides
+
+    with tempfile.TemporaryDirectory() as scratch:
+        build_tokenizer(Path(scratch), config["vocab_size"], seed)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(scratch) / "tokenizer.json"))
+        chain = plan_chain(tokenizer, script, config["vocab_size"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SCRIPT_FILE).write_text(json.dumps({"script": script, "chain": chain}, indent=1))
+    return scripted_overrides(config, chain, seed)

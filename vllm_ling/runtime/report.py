@@ -1,6 +1,7 @@
 """The startup verification report: its schema, its one writer and its reader.
 
-Workers write it once after load (:mod:`vllm_ling.runtime.verification`), ``vllm-ling
+Workers write it once after load (:mod:`vllm_ling.runtime.verification`), the API server
+adds the chat round-trip check (:mod:`vllm_ling.runtime.chat_roundtrip`), ``vllm-ling
 serve`` merges the smoke result into it (:mod:`vllm_ling.runtime.smoke`), and the stat
 logger and ``GET /vllm_ling/report`` read it. Every write goes through :func:`write_report`
 or :func:`update_report`: a private (0600) temporary file in the target directory, then an
@@ -121,6 +122,11 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                     "options": {"type": "object", "additionalProperties": {"type": "string"}},
                 },
             },
+        },
+        "chat_roundtrip": {  # added by the API server's round-trip check (absent with VLLM_LING_VERIFY=off)
+            "type": "object",
+            "required": ["status", "reasoning_parser", "tool_parser", "template", "detail"],
+            "properties": {"status": {"enum": ["passed", "failed", "off by request"]}},
         },
         "smoke": {
             "type": "object",

@@ -8,6 +8,8 @@ only when ``VLLM_PLUGINS`` names them, and ``VLLM_PLUGINS`` is then an allow-lis
 
 (``vllm-ling serve`` sets that for you.) The route answers 200 with the report JSON, or
 503 with ``{"error": ..., "report_path": ...}`` while the workers have not written it yet.
+Its ``init_state`` (API-server process, serving state built) also runs the chat template /
+parser round-trip check (``vllm_ling.runtime.chat_roundtrip``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class ReportEndpointPlugin:
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         # Created here, in the API-server process, so its staleness cut-off is this server's start.
         self.reader = ReportReader()
+        # vLLM has built its chat renderer and parsers: prove they agree before serving.
+        from vllm_ling.runtime.chat_roundtrip import check_at_startup
+
+        check_at_startup(state, args)
 
     async def get_report(self) -> JSONResponse:
         if self.reader is None:

@@ -24,6 +24,9 @@ Exported (``model_name`` label on all; ``engine`` on the accept metrics, as vLLM
                                                              (``kernel``: dense_fp8, moe_mxfp4,
                                                              fp8_head, kda; ``impl``: what serves)
 ``vllm_ling:rank_verification_passed{rank,node}``            1/0 per rank of the server (its node)
+``vllm_ling:chat_roundtrip{status}``                         1 for the chat template / parser
+                                                             round-trip check's status (passed,
+                                                             failed, off_by_request)
 ``vllm_ling:info{vllm_version,humming_version,moe_backend,   value 1; labels from the report
 head_dtype,spec_method,gpu_arch,platform,policy}``
 ``vllm_ling:startup_seconds``                                this API-server process's start to the
@@ -139,6 +142,10 @@ class LingStatLogger(AggregateStatLoggerBase):
             "vllm_ling:rank_verification_passed",
             "1 when every startup verification check passed on this rank (label node: its host).",
             labelnames=["model_name", "rank", "node"], multiprocess_mode="mostrecent")
+        self.g_roundtrip = Gauge(
+            "vllm_ling:chat_roundtrip",
+            "Chat template / parser round-trip check at startup: 1 on its status label.",
+            labelnames=["model_name", "status"], multiprocess_mode="mostrecent")
         self.g_info = Gauge(
             "vllm_ling:info", "vllm-ling build and configuration (value 1; see the labels).",
             labelnames=["model_name", *INFO_LABELS], multiprocess_mode="mostrecent")
@@ -240,6 +247,10 @@ class LingStatLogger(AggregateStatLoggerBase):
         for rank in report.get("ranks") or []:
             self.g_rank_verification.labels(self.model_name, str(rank.get("rank")),
                                             _label(rank.get("node_ip"))).set(1 if rank.get("passed") else 0)
+        self.g_roundtrip.clear()
+        roundtrip = report.get("chat_roundtrip")
+        if isinstance(roundtrip, dict) and isinstance(roundtrip.get("status"), str):
+            self.g_roundtrip.labels(self.model_name, roundtrip["status"].replace(" ", "_")).set(1)
         versions = report.get("versions")
         versions = versions if isinstance(versions, dict) else {}
         self.g_info.clear()

@@ -159,6 +159,10 @@ limits:
 - name: VLLM_LING_SERVED_MODEL_NAME
   value: {{ .Values.model.servedModelName | quote }}
 {{- end }}
+- name: VLLM_LING_TOOL_CALL_PARSER
+  value: {{ .Values.serving.toolCallParser | quote }}
+- name: VLLM_LING_REASONING_PARSER
+  value: {{ .Values.serving.reasoningParser | quote }}
 - name: VLLM_LING_MOE_BACKEND
   value: {{ .Values.optimizations.moeBackend | quote }}
 - name: VLLM_LING_FP8_HEAD
