@@ -117,3 +117,33 @@ def test_roundtrip_check_reported_and_exported(scripted_server):
     assert "chat round-trip check passed" in server.log()
     metrics = scrape(server.base_url)
     assert metrics.get('vllm_ling:chat_roundtrip{model_name="tiny",status="passed"}') == 1.0
+
+
+def test_replay_scores_a_real_tool_call(scripted_server, tmp_path):
+    """`vllm-ling bench --workload replay` against the real server: a tool-using request whose
+    `expected` is the scripted tool call is parsed, counted and matched; a plain request is sent
+    and not scored (issue 19's replay on the real tiny server, with a real tool call)."""
+    from vllm_ling.bench import run_benchmark
+    from vllm_ling.models.scripted_checkpoint import EXAMPLE_TOOL_CALL
+
+    server, report = scripted_server
+    name, arguments = EXAMPLE_TOOL_CALL
+    rows = [
+        {"id": "tool", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto", "temperature": 0,
+         "max_tokens": 100, "expected": {"tool_call": {"name": name, "arguments": arguments}}},
+        {"id": "wrong-expectation", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto",
+         "temperature": 0, "max_tokens": 100,
+         "expected": {"tool_call": {"name": name, "arguments": {**arguments, "city": "Lyon"}}}},
+    ]
+    path = tmp_path / "replay.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    r = run_benchmark(base_url=server.base_url, workload="replay", requests_file=str(path),
+                      out_dir=str(tmp_path / "out"), progress=False, plots=False, model="tiny",
+                      server_report=str(report))
+    by_id = {x["request_id"]: x for x in r["requests"]}
+    assert all(x["ok"] for x in by_id.values())
+    assert by_id["tool"]["correct"] is True and by_id["wrong-expectation"]["correct"] is False
+    acc = r["accuracy"]
+    assert acc["tool_requests"] == 2 and acc["tool_call_fraction"] == 1.0
+    assert acc["tool_match_fraction"] == pytest.approx(0.5)
+    assert r["server"]["facts"]["report"]["passed"] is True
