@@ -36,6 +36,8 @@ COMBINATIONS = {
                      "--set", "multinode.tensorParallelSize=2", "--set", "multinode.pipelineParallelSize=2",
                      "--set", "storage.models.type=hostPath", "--set", "storage.hummingCache.type=hostPath",
                      "--set", "replicas=2"],
+    "single-3-replicas-pinned": ["--set", "replicas=3", "--set", "image.digest=sha256:" + "ab" * 32,
+                                 "--set", "serving.shutdownTimeout=120"],
 }
 
 
@@ -189,10 +191,55 @@ def test_pvcs_and_pdb(rendered):
     assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "ling-vllm-ling-models"
     assert volumes["humming-cache"]["persistentVolumeClaim"]["claimName"] == "ling-vllm-ling-humming-cache"
     assert not by_kind(rendered["multinode-pp"], "PersistentVolumeClaim")
-    (pdb,) = by_kind(rendered["single-default"], "PodDisruptionBudget")
-    service = by_kind(rendered["single-default"], "Service")[0]
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_pdb_only_for_several_replicas_and_covering_every_pod_of_a_group(rendered):
+    # One replica: a budget would either block node drains or protect nothing.
+    assert not by_kind(rendered["single-default"], "PodDisruptionBudget")
+    assert not by_kind(rendered["multinode-tcp"], "PodDisruptionBudget")
+    (pdb,) = by_kind(rendered["single-3-replicas-pinned"], "PodDisruptionBudget")
+    service = by_kind(rendered["single-3-replicas-pinned"], "Service")[0]
+    assert pdb["spec"]["minAvailable"] == 2 and "maxUnavailable" not in pdb["spec"]
     assert pdb["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
-    assert not by_kind(rendered["single-2gpu-no-warmup-no-key"], "PodDisruptionBudget")
+    # Two groups of four pods: one pod (one group) down at a time, Ray workers included.
+    (pdb,) = by_kind(rendered["multinode-pp"], "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    pods = pod_specs(rendered["multinode-pp"])
+    assert {name.rsplit("-", 1)[1] for name, _ in pods} == {"leader", "worker"}
+    for name, template in pods:
+        assert _matches(pdb["spec"]["selector"]["matchLabels"], template["metadata"]["labels"]), name
+
+
+def test_grace_period_and_prestop_follow_the_shutdown_timeout(rendered):
+    """terminationGracePeriodSeconds = preStop pause + vLLM's drain + the launcher's 30 s
+    teardown allowance; the server gets the drain time as VLLM_LING_SHUTDOWN_TIMEOUT."""
+    from vllm_ling.runtime.supervisor import TEARDOWN_MARGIN_S
+
+    for combination, drain in (("single-default", 30), ("single-3-replicas-pinned", 120),
+                               ("multinode-tcp", 30)):
+        for name, template in pod_specs(rendered[combination]):
+            spec = template["spec"]
+            assert spec["terminationGracePeriodSeconds"] == 5 + drain + TEARDOWN_MARGIN_S, name
+            server = spec["containers"][0]
+            env = {e["name"]: e.get("value") for e in server.get("env", [])}
+            if name.endswith("-worker"):
+                continue
+            assert server["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+            assert env["VLLM_LING_SHUTDOWN_TIMEOUT"] == str(drain)
+
+
+def test_image_digest_pins_every_container(rendered):
+    for combination, pinned in (("single-default", False), ("single-3-replicas-pinned", True),
+                                ("multinode-pp", False)):
+        for name, template in pod_specs(rendered[combination]):
+            spec = template["spec"]
+            for container in spec["containers"] + spec.get("initContainers", []):
+                expected = "vllm-ling:0.1.0" + ("@sha256:" + "ab" * 32 if pinned else "")
+                assert container["image"] == expected, (combination, name)
 
 
 def test_service_monitor_selects_the_service_port(rendered):
@@ -254,6 +301,7 @@ def test_network_policy_and_ingress_keep_unauthenticated_paths_inside(rendered):
     (["--set", "apiKey.existingSecret="], "apiKey.existingSecret"),
     (["--set", "multinode.rdma.enabled=true"], "only applies to mode=multinode"),
     (["--set", "ingress.enabled=true"], "ingress.host"),
+    (["--set", "image.digest=latest"], "digest"),
 ])
 def test_bad_values_fail_the_render(args, message):
     result = helm("template", "ling", str(CHART_DIR), *args)

@@ -63,6 +63,30 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* The image reference: repository:tag, pinned with @digest when image.digest is set. */}}
+{{- define "vllm-ling.image" -}}
+{{- $ref := printf "%s:%s" .Values.image.repository .Values.image.tag -}}
+{{- if .Values.image.digest -}}{{- $ref = printf "%s@%s" $ref .Values.image.digest -}}{{- end -}}
+{{- $ref | quote -}}
+{{- end -}}
+
+{{/* Seconds a stopping pod gets: preStop pause + vLLM's drain (--shutdown-timeout) + the
+30 s vllm-ling serve allows vLLM's teardown after it (runtime/supervisor.py TEARDOWN_MARGIN_S). */}}
+{{- define "vllm-ling.terminationGracePeriodSeconds" -}}
+{{- add (int .Values.serving.preStopSleepSeconds) (int .Values.serving.shutdownTimeout) 30 -}}
+{{- end -}}
+
+{{/* The server container's preStop: wait until the endpoint has left the Service, then
+Kubernetes sends SIGTERM and vLLM drains. */}}
+{{- define "vllm-ling.serverLifecycle" -}}
+{{- if gt (int .Values.serving.preStopSleepSeconds) 0 -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", {{ .Values.serving.preStopSleepSeconds | quote }}]
+{{- end -}}
+{{- end -}}
+
 {{- define "vllm-ling.gpus" -}}
 {{- if eq .Values.mode "multinode" -}}{{ .Values.multinode.gpusPerNode }}{{- else -}}{{ .Values.single.gpus }}{{- end -}}
 {{- end -}}
@@ -149,6 +173,8 @@ limits:
   value: {{ .Values.serving.port | quote }}
 - name: VLLM_LING_MAX_MODEL_LEN
   value: {{ .Values.serving.maxModelLen | quote }}
+- name: VLLM_LING_SHUTDOWN_TIMEOUT
+  value: {{ .Values.serving.shutdownTimeout | quote }}
 - name: VLLM_LING_GPU_MEMORY_UTILIZATION
   value: {{ .Values.serving.gpuMemoryUtilization | quote }}
 {{- if .Values.serving.maxNumSeqs }}
@@ -262,7 +288,7 @@ livenessProbe:
 {{/* Init container compiling the humming kernels into the cache volume. */}}
 {{- define "vllm-ling.warmupInitContainer" -}}
 - name: warmup
-  image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
+  image: {{ include "vllm-ling.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
   command: ["vllm-ling", "warmup"]
   {{- if or .Values.warmup.tokenCounts .Values.warmup.rowCounts }}
@@ -289,7 +315,7 @@ livenessProbe:
 serviceAccountName: {{ include "vllm-ling.serviceAccountName" . }}
 automountServiceAccountToken: false
 enableServiceLinks: false
-terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+terminationGracePeriodSeconds: {{ include "vllm-ling.terminationGracePeriodSeconds" . }}
 securityContext:
   {{- include "vllm-ling.podSecurityContext" . | nindent 2 }}
 {{- with .Values.imagePullSecrets }}
