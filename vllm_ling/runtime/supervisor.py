@@ -12,9 +12,12 @@
   Kubernetes) restart it; a non-zero code from vLLM is passed on as is;
 - is a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``) and reaps every process that ends
   up as its child, so the workers of a dead EngineCore do not linger as zombies under PID 1;
-- when vLLM's API server is gone, stops what is left of its process group (SIGTERM, then
-  SIGKILL after ``CLEANUP_GRACE_S``), so no orphan keeps the GPU or the port;
-- kills the group if vLLM has not exited ``TEARDOWN_MARGIN_S`` after the drain timeout.
+- when vLLM's API server is gone, stops every process still below it (SIGTERM, then SIGKILL
+  after ``CLEANUP_GRACE_S``), so no orphan keeps the GPU or the port;
+- kills them all if vLLM has not exited ``TEARDOWN_MARGIN_S`` after the drain timeout.
+
+vLLM stays in our process group, so whoever stops the group (a terminal's Ctrl-C, a test
+harness's killpg) reaches it even if we are gone; we find its processes through /proc.
 
 Standard library only (no vLLM import).
 """
@@ -55,13 +58,13 @@ def exit_code_of(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def _children_of(pid: int) -> list[int]:
-    """Direct children of ``pid`` from /proc (Linux); empty elsewhere."""
-    found = []
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc, Linux; empty elsewhere), zombies excluded."""
+    children: dict[int, list[int]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return found
+        return []
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -72,8 +75,13 @@ def _children_of(pid: int) -> list[int]:
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
         fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            found.append(int(entry))
+        if len(fields) > 1 and fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
     return found
 
 
@@ -126,9 +134,7 @@ class Supervisor:
         # Handlers first: a SIGTERM that arrives while vLLM starts is recorded and forwarded.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        # Own session and process group, so the cleanup can stop vLLM's engine and workers
-        # without signalling us; a terminal's Ctrl-C reaches us and is forwarded.
-        child = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        child = subprocess.Popen(self.argv, env=self.env)
         with self._lock:
             self.child = child
             pending = self.stop_signal
@@ -141,7 +147,7 @@ class Supervisor:
         status = self._wait_for(child.pid)
         child.returncode = exit_code_of(status)
         self.exited.set()
-        self._clean_up(child.pid)
+        self._clean_up()
         return self._final_code(child.returncode)
 
     def _wait_for(self, pid: int) -> int:
@@ -151,7 +157,7 @@ class Supervisor:
             if deadline is not None and time.monotonic() > deadline:
                 self.log(f"vLLM did not exit {self.teardown_margin:g} s after the drain timeout; "
                          "killing it")
-                self._signal_group(pid, signal.SIGKILL)
+                self._signal_all(signal.SIGKILL)
                 self.stop_deadline = None
             try:
                 reaped, status = os.waitpid(-1, os.WNOHANG)
@@ -162,23 +168,20 @@ class Supervisor:
             if reaped == 0:
                 time.sleep(0.2)
 
-    def _signal_group(self, pgid: int, sig: int) -> None:
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def _clean_up(self, pgid: int) -> None:
-        """Stop and reap whatever vLLM left: its process group and any orphan reparented to us."""
-        def leftovers() -> list[int]:
-            return _children_of(os.getpid()) if sys.platform.startswith("linux") else []
-
-        self._signal_group(pgid, signal.SIGTERM)
-        for pid in leftovers():
+    def _signal_all(self, sig: int) -> None:
+        """Signal vLLM and every process below us (orphans were reparented to us)."""
+        targets = descendants(os.getpid())
+        if self.child is not None and not self.exited.is_set():
+            targets.append(self.child.pid)
+        for pid in set(targets):
             try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
                 pass
+
+    def _clean_up(self) -> None:
+        """Stop and reap whatever vLLM left below us."""
+        self._signal_all(signal.SIGTERM)
         deadline = time.monotonic() + CLEANUP_GRACE_S
         killed = False
         while True:
@@ -191,12 +194,7 @@ class Supervisor:
             if time.monotonic() > deadline:
                 if killed:
                     return
-                self._signal_group(pgid, signal.SIGKILL)
-                for pid in leftovers():
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                self._signal_all(signal.SIGKILL)
                 killed = True
                 deadline = time.monotonic() + CLEANUP_GRACE_S
             time.sleep(0.1)
