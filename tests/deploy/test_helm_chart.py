@@ -302,6 +302,9 @@ def test_network_policy_and_ingress_keep_unauthenticated_paths_inside(rendered):
     (["--set", "multinode.rdma.enabled=true"], "only applies to mode=multinode"),
     (["--set", "ingress.enabled=true"], "ingress.host"),
     (["--set", "image.digest=latest"], "digest"),
+    (["--set", "mode=multinode", "--set", "storage.models.type=hostPath", "--set",
+      "storage.hummingCache.type=hostPath", "--set", "multinode.rayAuth.existingSecret="],
+     "multinode.rayAuth.existingSecret"),
 ])
 def test_bad_values_fail_the_render(args, message):
     result = helm("template", "ling", str(CHART_DIR), *args)
@@ -353,3 +356,15 @@ def test_rendered_ray_commands_run_the_image_script(rendered, combination, tmp_p
     assert "--address=leader.svc:6379" in worker and "--block" in worker
     if combination == "multinode-rdma-monitoring":  # networkInterface set: its address is used
         assert "--node-ip-address=10.9.9.9" in head_start
+
+
+def test_ray_token_auth_on_every_pod_of_a_group(rendered):
+    """Ray's GCS runs code for anyone who reaches it; with token auth (Ray >= 2.52) every Ray
+    node of the group gets RAY_AUTH_MODE=token and the token from the Secret."""
+    for name, template in pod_specs(rendered["multinode-tcp"]):
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", name
+        ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "vllm-ling-ray-token", "key": "token"}, name
+    for name, template in pod_specs(rendered["single-default"]):
+        assert "RAY_AUTH_MODE" not in {e["name"] for e in template["spec"]["containers"][0]["env"]}

@@ -58,6 +58,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and $v.ingress.enabled (not $v.ingress.host) -}}
   {{- fail "ingress.enabled=true needs ingress.host" -}}
 {{- end -}}
+{{- if and (eq $v.mode "multinode") $v.multinode.rayAuth.enabled (not $v.multinode.rayAuth.existingSecret) -}}
+  {{- fail "multinode.rayAuth.enabled=true needs multinode.rayAuth.existingSecret (a Secret holding the Ray token; this chart never stores it). Set multinode.rayAuth.enabled=false only on a network nobody else reaches." -}}
+{{- end -}}
 {{- if and $v.multinode.rdma.enabled (ne $v.mode "multinode") -}}
   {{- fail "multinode.rdma.enabled=true only applies to mode=multinode" -}}
 {{- end -}}
@@ -140,6 +143,15 @@ limits:
   value: {{ .Values.multinode.pipelineParallelSize | quote }}
 - name: VLLM_LING_RAY_NUM_GPUS
   value: {{ .Values.multinode.gpusPerNode | quote }}
+{{- if .Values.multinode.rayAuth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.multinode.rayAuth.existingSecret | quote }}
+      key: {{ .Values.multinode.rayAuth.secretKey | quote }}
+{{- end }}
 {{- if .Values.multinode.networkInterface }}
 - name: VLLM_LING_IFACE
   value: {{ .Values.multinode.networkInterface | quote }}
