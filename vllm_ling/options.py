@@ -271,6 +271,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("VLLM_LING_DISTRIBUTED_EXECUTOR_BACKEND", "str", None,
            "`ray` for multi-node serving", scope=_L, serve_flag=True,
            vllm_flag="--distributed-executor-backend", default_text="vLLM's choice"),
+    Option("VLLM_LING_SHUTDOWN_TIMEOUT", "int", 30,
+           "seconds vLLM drains in-flight requests on SIGTERM/SIGINT before ending the rest with "
+           "an error event (`0`: abort at once)", scope=_L, minimum=0, serve_flag=True,
+           vllm_flag="--shutdown-timeout"),
+    Option("VLLM_LING_ALLOW_NO_API_KEY", "bool", False,
+           "`1`: serve /v1 without an API key on a non-loopback address (one WARNING); otherwise "
+           "that is refused", scope=_L),
+    Option("VLLM_LING_MEMORY_AVAILABLE_GB", "float", None,
+           "memory guard: use this many GiB as what the device can give instead of the measured "
+           "figure (to reserve memory for other services; tests)", scope=_L, minimum=0.0,
+           default_text="measured"),
     Option("VLLM_LING_SMOKE", "bool", True,
            "`vllm-ling serve`'s smoke generation through draft/verify after startup", scope=_L),
     Option("VLLM_LING_SMOKE_MIN_ACCEPT", "float", 1.5,

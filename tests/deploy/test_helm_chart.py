@@ -181,6 +181,9 @@ def test_api_key_comes_from_a_secret_and_no_secret_is_rendered(rendered):
     assert key == {"secretKeyRef": {"name": "vllm-ling-api-key", "key": "api-key"}}
     no_key = by_kind(rendered["single-2gpu-no-warmup-no-key"], "Deployment")[0]["spec"]["template"]["spec"]
     assert "VLLM_API_KEY" not in env_of(no_key["containers"][0])
+    # Without a key the chart says so explicitly, or vllm-ling serve would refuse to start.
+    assert env_of(no_key["containers"][0])["VLLM_LING_ALLOW_NO_API_KEY"] == "1"
+    assert "VLLM_LING_ALLOW_NO_API_KEY" not in env_of(container)
 
 
 def test_pvcs_and_pdb(rendered):

@@ -7,6 +7,7 @@ import struct
 
 import pytest
 
+from vllm_ling.options import LingOptionError
 from vllm_ling.runtime import memory_guard as mg
 from vllm_ling.runtime.memory_guard import GIB, DeviceMemory, MemoryEstimate
 
@@ -111,5 +112,5 @@ def test_available_memory_override_and_sources():
     h200 = mg.device_memory("cuda", {}, cuda_memory=lambda: (130 * GIB, 140 * GIB, False),
                             system_memory=lambda: (1 * GIB, 2 * GIB))
     assert h200.available == 130 * GIB and not h200.unified
-    with pytest.raises(mg.MemoryGuardError, match=mg.ENV_AVAILABLE_OVERRIDE):
+    with pytest.raises(LingOptionError, match=mg.ENV_AVAILABLE_OVERRIDE):
         mg.device_memory("cpu", {mg.ENV_AVAILABLE_OVERRIDE: "lots"})

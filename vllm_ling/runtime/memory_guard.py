@@ -17,8 +17,8 @@ device can give:
 
 ``VLLM_LING_MEMORY_AVAILABLE_GB`` replaces the measured available memory (for tests and for
 operators who reserve memory for other services). The policy follows ``VLLM_LING_VERIFY``:
-``strict`` refuses, ``warn`` logs a WARNING, ``off`` skips. No vLLM import; torch only to ask
-CUDA for its memory.
+``strict`` refuses, ``warn`` logs a WARNING, ``off`` skips. No vLLM or torch import; NVML
+(``pynvml``, a vLLM dependency) for the GPU's memory.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from vllm_ling.models.checkpoint_check import checkpoint_tensors
 from vllm_ling.models.checkpoint_format import is_kda_layer
+from vllm_ling.options import read
 
 GIB = 1024 ** 3
 ENV_AVAILABLE_OVERRIDE = "VLLM_LING_MEMORY_AVAILABLE_GB"
@@ -40,10 +41,6 @@ WORKSPACE_MARGIN_BYTES = {"cuda": 6 * GIB, "cpu": GIB // 2}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1,
                 "float8_e8m0fnu": 1, "int32": 4, "int64": 8, "bool": 1}
 BF16, FP32 = 2, 4
-
-
-class MemoryGuardError(RuntimeError):
-    """The configuration does not fit; the message names the numbers and the flags to change."""
 
 
 @dataclass(frozen=True)
@@ -141,31 +138,38 @@ def meminfo(path: str = "/proc/meminfo") -> tuple[int, int]:
 
 
 def _cuda_memory() -> tuple[int, int, bool]:
-    """(free, total, integrated) of CUDA device 0."""
-    import torch
+    """(free, total, unified) of GPU 0 through NVML, which creates no CUDA context in the
+    launcher (it stays alive as vLLM's parent). GB10 has no framebuffer of its own: NVML
+    answers "not supported" there, and the system's memory is what the GPU can use."""
+    import pynvml
 
-    free, total = torch.cuda.mem_get_info(0)
-    return free, total, bool(getattr(torch.cuda.get_device_properties(0), "is_integrated", False))
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        try:
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        except pynvml.NVMLError_NotSupported:
+            available, total = meminfo()
+            return available, total, True
+        return int(info.free), int(info.total), False
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def device_memory(device: str, env, cuda_memory: Callable[[], tuple[int, int, bool]] = _cuda_memory,
                   system_memory: Callable[[], tuple[int, int]] = meminfo) -> DeviceMemory:
     if device == "cuda":
         free, total, unified = cuda_memory()
-        if unified:  # cudaMemGetInfo under-reports reclaimable memory there (vLLM does the same)
+        if unified:  # what the system can still give (vLLM's own check uses the same figure)
             free, source = system_memory()[0], "MemAvailable (unified memory)"
         else:
             source = "free GPU memory"
     else:
         free, total = system_memory()
         unified, source = True, "MemAvailable (CPU build)"
-    override = env.get(ENV_AVAILABLE_OVERRIDE, "")
-    if override:
-        try:
-            free = int(float(override) * GIB)
-        except ValueError:
-            raise MemoryGuardError(f"{ENV_AVAILABLE_OVERRIDE}={override!r} is not a number of GiB") from None
-        source = ENV_AVAILABLE_OVERRIDE
+    override = read(ENV_AVAILABLE_OVERRIDE, env)  # LingOptionError names it when malformed
+    if override is not None:
+        free, source = int(override * GIB), ENV_AVAILABLE_OVERRIDE
     return DeviceMemory(available=free, total=total, unified=unified, source=source)
 
 

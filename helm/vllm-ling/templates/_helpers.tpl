@@ -215,6 +215,10 @@ limits:
     secretKeyRef:
       name: {{ .Values.apiKey.existingSecret | quote }}
       key: {{ .Values.apiKey.secretKey | quote }}
+{{- else }}
+# apiKey.enabled=false is the operator's explicit choice; vllm-ling serve refuses otherwise.
+- name: VLLM_LING_ALLOW_NO_API_KEY
+  value: "1"
 {{- end }}
 {{- range $name, $value := .Values.serving.extraEnv }}
 - name: {{ $name | quote }}
