@@ -281,3 +281,44 @@ def test_hub_ids_pass_and_stray_flag_values_are_caught(tmp_path):
     model = str(make_model(tmp_path))
     plan = gpu_plan([model, "--max-num-batched-tokens=8192"], {})
     assert plan.argv[-1] == "--max-num-batched-tokens=8192"
+
+
+def _tiny_env(tmp_path, **extra):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
+    env.update({"HOME": str(tmp_path / "home"), "VLLM_LING_HOST": "127.0.0.1", **extra})
+    return env
+
+
+def test_cli_truncated_shard_refused_before_vllm_starts(tmp_path, tiny_checkpoint):
+    """Bad input met by an operator: an interrupted copy. One message naming the file, exit 2,
+    in seconds, before vLLM (or any weight) loads."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_checkpoint, model)
+    shard = model / "model-00001-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    result = run([sys.executable, "-m", "vllm_ling.cli.main", "serve", str(model), "--device", "cpu"],
+                 env=_tiny_env(tmp_path), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"{shard}: shard is truncated" in result.stderr
+    assert "Traceback" not in result.stderr and "vllm-ling serve: run" not in result.stderr
+
+
+def test_cli_memory_guard_refuses_an_oversized_configuration(tmp_path, tiny_checkpoint):
+    """With the documented override of the available memory (here: 0.5 GiB, below the CPU
+    build's 1 GiB KV space) and with a batch no machine holds, the guard refuses before vLLM
+    starts, naming the numbers and the flags to change; VLLM_LING_VERIFY=warn starts anyway
+    (checked with --print-command, which skips the guard, and in-process)."""
+    cmd = [sys.executable, "-m", "vllm_ling.cli.main", "serve", str(tiny_checkpoint), "--device", "cpu"]
+    small = run(cmd, env=_tiny_env(tmp_path, VLLM_LING_MEMORY_AVAILABLE_GB="0.5"), timeout=120)
+    assert small.returncode == 2, small.stderr
+    assert "memory guard:" in small.stderr and "only 0.50 GiB are available (VLLM_LING_MEMORY_AVAILABLE_GB)" \
+        in small.stderr
+    assert "--max-model-len" in small.stderr and "--max-num-seqs" in small.stderr
+    huge = run(cmd + ["--max-num-seqs", "100000000"], env=_tiny_env(tmp_path), timeout=120)
+    assert huge.returncode == 2 and "MemAvailable (CPU build)" in huge.stderr, huge.stderr
+    plan = launch.plan_serve([str(tiny_checkpoint), "--device", "cpu"],
+                             _tiny_env(tmp_path, VLLM_LING_MEMORY_AVAILABLE_GB="0.5", VLLM_LING_VERIFY="warn"))
+    assert any(n.startswith("WARNING: memory guard:") for n in plan.notes)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from vllm_ling.models.checkpoint_check import INDEX_FILE, CheckpointFormatError
 from vllm_ling.runtime.local_server import plugin_names
 from vllm_ling.runtime.report import ReportPathError, check_report_path, default_report_path
 from vllm_ling.runtime.supervisor import Supervisor
@@ -210,6 +211,10 @@ def memory_guard_notes(model_dir: Path, config: dict, device: str, values: dict[
         memory = mg.device_memory(device, env)
     except LingOptionError as exc:
         raise LaunchError(str(exc)) from None
+    except CheckpointFormatError as exc:
+        if not any(model_dir.glob("*.safetensors")) and not (model_dir / INDEX_FILE).exists():
+            return [f"memory guard skipped: no weights in {model_dir} yet"]
+        raise LaunchError(str(exc)) from None  # a truncated or missing shard: refuse now
     except (OSError, ValueError, KeyError, ImportError) as exc:
         return [f"WARNING: memory guard skipped: cannot estimate ({exc})"]
     found = mg.problems(need, memory, device, float(values["gpu_memory_utilization"] or 0.9))
