@@ -38,7 +38,7 @@ from typing import Callable, Mapping
 from vllm_ling.models.checkpoint_check import INDEX_FILE, CheckpointFormatError
 from vllm_ling.runtime.local_server import plugin_names
 from vllm_ling.runtime.report import ReportPathError, check_report_path, default_report_path
-from vllm_ling.runtime.supervisor import Supervisor
+from vllm_ling.runtime.supervisor import EXIT_SERVER_DIED, Supervisor  # noqa: F401 (exit code of serve)
 from vllm_ling.options import (PREFIX, LingOptionError, Option, VerifyPolicy, option, read,
                                serve_options)
 
