@@ -331,6 +331,24 @@ def closest_known(name: str) -> str | None:
     return shorts[match[0]] if match else None
 
 
+# Set (in the environment vLLM's processes inherit) once the unknown-variable warnings have
+# been given, so the API server, the engine core and each worker do not repeat them. Not a
+# VLLM_* name: vLLM's own environment check ignores it.
+UNKNOWN_WARNED_MARKER = "_VLLM_LING_UNKNOWN_ENV_WARNED"
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """One message per undeclared ``VLLM_LING_*`` variable in ``env``, naming the closest
+    declared one when there is a likely match."""
+    messages = []
+    for name in sorted(k for k in env if k.startswith(PREFIX) and k not in BY_NAME):
+        close = closest_known(name)
+        hint = f"; did you mean {close}?" if close else ""
+        messages.append(f"{name} is not a vllm-ling variable and is ignored{hint} "
+                        "(see vllm_ling/options.py)")
+    return messages
+
+
 def markdown_table() -> str:
     """The README's switch table (tests/test_options.py keeps the README equal to this)."""
     lines = ["| variable | default | read by | meaning |", "|---|---|---|---|"]

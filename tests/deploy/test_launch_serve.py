@@ -322,3 +322,17 @@ def test_cli_memory_guard_refuses_an_oversized_configuration(tmp_path, tiny_chec
     plan = launch.plan_serve([str(tiny_checkpoint), "--device", "cpu"],
                              _tiny_env(tmp_path, VLLM_LING_MEMORY_AVAILABLE_GB="0.5", VLLM_LING_VERIFY="warn"))
     assert any(n.startswith("WARNING: memory guard:") for n in plan.notes)
+
+
+def test_unknown_variable_warned_once_with_the_closest_name(tmp_path):
+    """`vllm-ling serve` warns once and marks the environment, so vLLM's processes (the
+    plugin) do not repeat the warning (tests/runtime/test_plugin.py)."""
+    from vllm_ling.options import UNKNOWN_WARNED_MARKER
+
+    model = str(make_model(tmp_path))
+    plan = gpu_plan([model], {"VLLM_LING_MAX_MODEL_LENGTH": "4096"})
+    warnings = [n for n in plan.notes if "VLLM_LING_MAX_MODEL_LENGTH" in n]
+    assert warnings == ["WARNING: VLLM_LING_MAX_MODEL_LENGTH is not a vllm-ling variable and is ignored; "
+                        "did you mean VLLM_LING_MAX_MODEL_LEN? (see vllm_ling/options.py)"]
+    assert plan.env_changes[UNKNOWN_WARNED_MARKER] == "1"
+    assert UNKNOWN_WARNED_MARKER not in plan.shell_line()

@@ -39,8 +39,8 @@ from vllm_ling.models.checkpoint_check import INDEX_FILE, CheckpointFormatError
 from vllm_ling.runtime.local_server import plugin_names
 from vllm_ling.runtime.report import ReportPathError, check_report_path, default_report_path
 from vllm_ling.runtime.supervisor import EXIT_SERVER_DIED, Supervisor  # noqa: F401 (exit code of serve)
-from vllm_ling.options import (PREFIX, LingOptionError, Option, VerifyPolicy, option, read,
-                               serve_options)
+from vllm_ling.options import (PREFIX, UNKNOWN_WARNED_MARKER, LingOptionError, Option, VerifyPolicy,
+                               option, read, serve_options, unknown_variables)
 
 ENV_PREFIX = PREFIX
 DEFAULT_MODEL = option("VLLM_LING_MODEL").default
@@ -160,7 +160,7 @@ class ServePlan:
     print_only: bool = False  # --print-command
 
     def shell_line(self) -> str:
-        shown = {k: v for k, v in self.env_changes.items() if k != "VLLM_API_KEY"}
+        shown = {k: v for k, v in self.env_changes.items() if k not in ("VLLM_API_KEY", UNKNOWN_WARNED_MARKER)}
         prefix = ["env"] + [f"{k}={v}" for k, v in sorted(shown.items())] if shown else []
         return shlex.join(prefix + self.argv)
 
@@ -323,6 +323,9 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
 
     if model_dir is not None and not args.print_command:
         notes += memory_guard_notes(model_dir, model_config, device, values, env)
+    # Said once here; vLLM's processes inherit the marker and stay quiet about it.
+    notes += ["WARNING: " + message for message in unknown_variables(env)]
+    env_changes[UNKNOWN_WARNED_MARKER] = "1"
 
     return ServePlan(argv=cmd + passthrough, env_changes=env_changes, notes=notes,
                      print_only=args.print_command)
