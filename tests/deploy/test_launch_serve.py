@@ -336,3 +336,10 @@ def test_unknown_variable_warned_once_with_the_closest_name(tmp_path):
                         "did you mean VLLM_LING_MAX_MODEL_LEN? (see vllm_ling/options.py)"]
     assert plan.env_changes[UNKNOWN_WARNED_MARKER] == "1"
     assert UNKNOWN_WARNED_MARKER not in plan.shell_line()
+
+
+def test_user_speculation_method_is_read_from_the_passthrough(tmp_path):
+    model = str(make_model(tmp_path))
+    plan = gpu_plan([model, "--", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], {})
+    assert launch.user_spec_method(plan.argv) == "ngram"
+    assert launch.user_spec_method(gpu_plan([model], {}).argv) is None

@@ -351,6 +351,11 @@ def serve_main(argv: list[str]) -> int:
         return EXIT_USAGE
     env = {**os.environ, **plan.env_changes}
     smoke = smoke_enabled(env)
+    method = user_spec_method(plan.argv)
+    if smoke and method not in (None, "mtp"):
+        smoke = False
+        print(f"vllm-ling serve: smoke check skipped: --speculative-config method {method} (the smoke "
+              "check measures the NEXTN draft)", file=sys.stderr, flush=True)
     print(f"vllm-ling serve: run {plan.shell_line()}" + (" (then the startup smoke check)" if smoke else ""),
           file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -367,6 +372,18 @@ def smoke_enabled(env: Mapping[str, str]) -> bool:
     """The smoke check needs speculation on and verification not off."""
     return (read_option(env, "VLLM_LING_SMOKE") and read_option(env, "VLLM_LING_MTP")
             and read_option(env, "VLLM_LING_VERIFY") is not VerifyPolicy.OFF)
+
+
+def user_spec_method(argv: list[str]) -> str | None:
+    """The method of a ``--speculative-config`` passed through to vLLM (None: none given)."""
+    raw = _flag_value(argv, "--speculative-config", "")
+    if not raw:
+        return None
+    try:
+        spec = json.loads(raw)
+    except ValueError:
+        return None  # vLLM reports its own parse error
+    return spec.get("method") if isinstance(spec, dict) else None
 
 
 def _flag_value(argv: list[str], flag: str, default: str) -> str:
