@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ._tools import DEPLOY_DIR, DOCKER_DIR, find_tool, run
+from ._tools import DOCKER_DIR, MONITORING_DIR, REPO, find_tool, run
 
 COMPOSE = DOCKER_DIR / "compose.yaml"
 
@@ -34,9 +34,9 @@ def test_services_profiles_and_monitoring(compose):
     assert services["vllm-ling"]["profiles"] == ["gpu"]
     assert services["vllm-ling-cpu"]["profiles"] == ["cpu"]
     assert "profiles" not in services["prometheus"] and "profiles" not in services["grafana"]
-    # Both servers answer as vllm-ling:8000, the target in deploy/prometheus/prometheus.yml.
+    # Both servers answer as vllm-ling:8000, the target of the scrape config.
     assert "vllm-ling" in services["vllm-ling-cpu"]["networks"]["default"]["aliases"]
-    scrape = yaml.safe_load((DEPLOY_DIR / "prometheus" / "prometheus.yml").read_text())
+    scrape = yaml.safe_load((MONITORING_DIR / "prometheus" / "prometheus.yml").read_text())
     targets = [t for job in scrape["scrape_configs"] for sc in job.get("static_configs", [])
                for t in sc["targets"]]
     assert "vllm-ling:8000" in targets
@@ -82,22 +82,29 @@ def test_named_volumes_declared_and_bind_mounts_exist(compose):
             assert (DOCKER_DIR / build["context"] / build["dockerfile"]).is_file()
 
 
-def test_monitoring_files_referenced_inside_mounts_exist():
-    prometheus = yaml.safe_load((DEPLOY_DIR / "prometheus" / "prometheus.yml").read_text())
+def test_monitoring_mounts_are_the_charts_files(compose):
+    """One copy: Prometheus and Grafana mount the chart's files/, whose rule file is named
+    relative to the scrape config (resolved under /etc/prometheus in the container)."""
+    mounts = {name: {v.split(":")[1]: (DOCKER_DIR / v.split(":")[0]).resolve()
+                     for v in compose["services"][name]["volumes"] if v.startswith(".")}
+              for name in ("prometheus", "grafana")}
+    assert mounts["prometheus"]["/etc/prometheus"] == MONITORING_DIR / "prometheus"
+    assert mounts["grafana"]["/var/lib/grafana/dashboards"] == MONITORING_DIR / "dashboards"
+    prometheus = yaml.safe_load((MONITORING_DIR / "prometheus" / "prometheus.yml").read_text())
     for rule_file in prometheus["rule_files"]:
-        assert rule_file.startswith("/etc/prometheus/")
-        assert (DEPLOY_DIR / "prometheus" / Path(rule_file).name).is_file()
-    providers = yaml.safe_load((DEPLOY_DIR / "grafana" / "provisioning" / "dashboards" /
-                                "vllm-ling.yml").read_text())["providers"]
+        assert not Path(rule_file).is_absolute()
+        assert (MONITORING_DIR / "prometheus" / rule_file).is_file()
+    assert not (REPO / "deploy").exists(), "a second copy of the monitoring files is back"
+    provisioning = mounts["grafana"]["/etc/grafana/provisioning"]
+    providers = yaml.safe_load((provisioning / "dashboards" / "vllm-ling.yml").read_text())["providers"]
     assert providers[0]["options"]["path"] == "/var/lib/grafana/dashboards"
-    assert list((DEPLOY_DIR / "grafana" / "dashboards").glob("*.json"))
-    datasources = yaml.safe_load((DEPLOY_DIR / "grafana" / "provisioning" / "datasources" /
-                                  "prometheus.yml").read_text())["datasources"]
+    assert list((MONITORING_DIR / "dashboards").glob("*.json"))
+    datasources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
     assert datasources[0]["url"] == "http://prometheus:9090"
 
 
 def test_alert_rules_cover_the_three_conditions():
-    rules = [r for g in yaml.safe_load((DEPLOY_DIR / "prometheus" / "alerts.yml").read_text())["groups"]
+    rules = [r for g in yaml.safe_load((MONITORING_DIR / "prometheus" / "alerts.yml").read_text())["groups"]
              for r in g["rules"]]
     exprs = " ".join(r["expr"] for r in rules)
     assert "vllm_ling:optimization_active == 0" in exprs

@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from ._tools import CHART_DIR, DEPLOY_DIR, find_tool, run
+from ._tools import CHART_DIR, MONITORING_DIR, find_tool, run
 
 # The chart's minimum (Chart.yaml kubeVersion) and the newest schemas the validator ships.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
@@ -260,9 +260,9 @@ def test_service_monitor_selects_the_service_port(rendered):
     assert not by_kind(rendered["single-default"], "ServiceMonitor")
 
 
-def test_prometheus_rule_carries_the_deploy_alerts_unchanged(rendered):
+def test_prometheus_rule_carries_the_alerts_unchanged(rendered):
     (rule,) = by_kind(rendered["single-monitoring"], "PrometheusRule")
-    source = yaml.safe_load((DEPLOY_DIR / "prometheus" / "alerts.yml").read_text())
+    source = yaml.safe_load((MONITORING_DIR / "prometheus" / "alerts.yml").read_text())
     assert rule["spec"]["groups"] == source["groups"]
     for group in rule["spec"]["groups"]:
         for r in group["rules"]:
@@ -270,11 +270,11 @@ def test_prometheus_rule_carries_the_deploy_alerts_unchanged(rendered):
     assert not by_kind(rendered["single-default"], "PrometheusRule")
 
 
-def test_dashboards_configmap_carries_the_deploy_dashboards(rendered):
+def test_dashboards_configmap_carries_the_dashboards(rendered):
     (cm,) = [d for d in by_kind(rendered["single-monitoring"], "ConfigMap")
              if d["metadata"]["name"].endswith("-dashboards")]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    sources = {p.name: json.loads(p.read_text()) for p in (DEPLOY_DIR / "grafana" / "dashboards").glob("*.json")}
+    sources = {p.name: json.loads(p.read_text()) for p in (MONITORING_DIR / "dashboards").glob("*.json")}
     assert {k: json.loads(v) for k, v in cm["data"].items()} == sources
 
 
