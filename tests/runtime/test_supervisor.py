@@ -132,3 +132,14 @@ def test_signal_before_the_server_started_is_not_lost(tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert "exit code 143" in proc.stderr  # it got the signal
+
+
+def test_stop_before_start_starts_nothing(tmp_path):
+    """A SIGTERM during the launcher's checks (handlers installed first): vLLM never starts."""
+    runner = RUNNER.replace("sup.start()\n", "import signal; sup.install_handlers(); "
+                            "os.kill(os.getpid(), signal.SIGTERM); assert sup.start() is None\n")
+    marker = tmp_path / "started"
+    proc = subprocess.run([sys.executable, "-c", runner, f"open({str(marker)!r}, 'w')", "5"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "before vLLM started" in proc.stderr and not marker.exists()

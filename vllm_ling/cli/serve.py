@@ -230,7 +230,9 @@ def memory_guard_notes(model_dir: Path, config: dict, device: str, values: dict[
 
 def plan_serve(argv: list[str], env: Mapping[str, str],
                cuda_probe: Callable[[], bool] | None = None) -> ServePlan:
-    """Turn the arguments and environment into the ``vllm serve`` command; no side effects."""
+    """Turn the arguments and environment into the ``vllm serve`` command, after the checks that
+    need no vLLM (its only side effect: the report's directory is created). ``--print-command``
+    skips the checks that depend on this machine (report path, memory, the API-key refusal)."""
     if "--" in argv:
         cut = argv.index("--")
         ours, passthrough = argv[:cut], argv[cut + 1:]
@@ -332,6 +334,9 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
 
 
 def serve_main(argv: list[str]) -> int:
+    # Signal handlers from the first moment: a stop during the checks below starts nothing.
+    supervisor = Supervisor([], {}, shutdown_timeout=0.0)
+    supervisor.install_handlers()
     try:
         plan = plan_serve(list(argv), os.environ)
     except LaunchError as exc:
@@ -359,10 +364,9 @@ def serve_main(argv: list[str]) -> int:
     print(f"vllm-ling serve: run {plan.shell_line()}" + (" (then the startup smoke check)" if smoke else ""),
           file=sys.stderr, flush=True)
     sys.stdout.flush()
-    supervisor = Supervisor([executable] + plan.argv[1:], env,
-                            shutdown_timeout=float(_flag_value(plan.argv, "--shutdown-timeout", "0")))
-    supervisor.start()
-    if smoke:
+    supervisor.argv, supervisor.env = [executable] + plan.argv[1:], env
+    supervisor.shutdown_timeout = float(_flag_value(plan.argv, "--shutdown-timeout", "0"))
+    if supervisor.start() is not None and smoke:
         threading.Thread(target=smoke_check, args=(supervisor, plan.argv, env), daemon=True,
                          name="vllm-ling-smoke").start()
     return supervisor.run()

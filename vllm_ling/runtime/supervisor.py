@@ -106,8 +106,11 @@ class Supervisor:
     # -------------------------------------------------------------- signals and stopping
 
     def _on_signal(self, signum, _frame) -> None:
-        self.log(f"received {signal.Signals(signum).name}: draining for up to "
-                 f"{self.shutdown_timeout:g} s (--shutdown-timeout)")
+        if self.child is None:
+            self.log(f"received {signal.Signals(signum).name} before vLLM started: not starting it")
+        else:
+            self.log(f"received {signal.Signals(signum).name}: draining for up to "
+                     f"{self.shutdown_timeout:g} s (--shutdown-timeout)")
         self._request_stop(signum)
 
     def _request_stop(self, signum: int) -> None:
@@ -129,21 +132,32 @@ class Supervisor:
 
     # ------------------------------------------------------------------------- running
 
-    def start(self) -> subprocess.Popen:
-        become_subreaper()
-        # Handlers first: a SIGTERM that arrives while vLLM starts is recorded and forwarded.
+    def install_handlers(self) -> None:
+        """Take over SIGTERM/SIGINT (idempotent). Call it as early as possible: a signal that
+        comes before vLLM starts is recorded, and vLLM is then not started at all."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+
+    def start(self) -> subprocess.Popen | None:
+        """Start vLLM (None when a stop was requested before: nothing to start)."""
+        become_subreaper()
+        self.install_handlers()
+        with self._lock:
+            if self.stop_signal is not None:
+                return None
         child = subprocess.Popen(self.argv, env=self.env)
         with self._lock:
             self.child = child
             pending = self.stop_signal
-        if pending is not None:
+        if pending is not None:  # arrived while vLLM was being created
             child.send_signal(pending)
         return child
 
     def run(self) -> int:
         child = self.child or self.start()
+        if child is None:
+            self.log(f"stopped by {signal.Signals(self.stop_signal).name} before vLLM started")
+            return 0
         status = self._wait_for(child.pid)
         child.returncode = exit_code_of(status)
         self.exited.set()
