@@ -107,7 +107,7 @@ class Supervisor:
 
     def _on_signal(self, signum, _frame) -> None:
         if self.child is None:
-            self.log(f"received {signal.Signals(signum).name} before vLLM started: not starting it")
+            self.log(f"received {signal.Signals(signum).name} before vLLM was running: stopping")
         else:
             self.log(f"received {signal.Signals(signum).name}: draining for up to "
                      f"{self.shutdown_timeout:g} s (--shutdown-timeout)")
