@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-gpu tools clean
+.PHONY: install demo test test-gpu tools clean check-monitoring
 install:
 	bash scripts/install.sh
 
@@ -19,6 +19,12 @@ demo: install
 
 test: install tools
 	bash scripts/run_tests.sh $(PYTEST_ARGS)
+
+# promtool (Debian's prometheus package, installed by `make tools`) on the one copy of the
+# scrape config and alert rules; the test suite runs the same checks.
+check-monitoring:
+	promtool check config helm/vllm-ling/files/prometheus/prometheus.yml
+	promtool check rules helm/vllm-ling/files/prometheus/alerts.yml
 
 clean:
 	rm -rf $(VENV) out

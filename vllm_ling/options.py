@@ -296,6 +296,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("VLLM_LING_DISTRIBUTED_EXECUTOR_BACKEND", "str", None,
            "`ray` for multi-node serving", scope=_L, serve_flag=True,
            vllm_flag="--distributed-executor-backend", default_text="vLLM's choice"),
+    Option("VLLM_LING_SHUTDOWN_TIMEOUT", "int", 30,
+           "seconds vLLM drains in-flight requests on SIGTERM/SIGINT before ending the rest with "
+           "an error event (`0`: abort at once)", scope=_L, minimum=0, serve_flag=True,
+           vllm_flag="--shutdown-timeout"),
+    Option("VLLM_LING_ALLOW_NO_API_KEY", "bool", False,
+           "`1`: serve /v1 without an API key on a non-loopback address (one WARNING); otherwise "
+           "that is refused", scope=_L),
+    Option("VLLM_LING_MEMORY_AVAILABLE_GB", "float", None,
+           "memory guard: use this many GiB as what the device can give instead of the measured "
+           "figure (to reserve memory for other services; tests)", scope=_L, minimum=0.0,
+           default_text="measured"),
     Option("VLLM_LING_SMOKE", "bool", True,
            "`vllm-ling serve`'s smoke generation through draft/verify after startup", scope=_L),
     Option("VLLM_LING_SMOKE_MIN_ACCEPT", "float", 1.5,
@@ -349,6 +360,24 @@ def closest_known(name: str) -> str | None:
     shorts = {o.short.upper(): o.name for o in OPTIONS}
     match = difflib.get_close_matches(name.removeprefix(PREFIX), list(shorts), n=1, cutoff=0.7)
     return shorts[match[0]] if match else None
+
+
+# Set (in the environment vLLM's processes inherit) once the unknown-variable warnings have
+# been given, so the API server, the engine core and each worker do not repeat them. Not a
+# VLLM_* name: vLLM's own environment check ignores it.
+UNKNOWN_WARNED_MARKER = "_VLLM_LING_UNKNOWN_ENV_WARNED"
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """One message per undeclared ``VLLM_LING_*`` variable in ``env``, naming the closest
+    declared one when there is a likely match."""
+    messages = []
+    for name in sorted(k for k in env if k.startswith(PREFIX) and k not in BY_NAME):
+        close = closest_known(name)
+        hint = f"; did you mean {close}?" if close else ""
+        messages.append(f"{name} is not a vllm-ling variable and is ignored{hint} "
+                        "(see vllm_ling/options.py)")
+    return messages
 
 
 def markdown_table() -> str:

@@ -47,13 +47,15 @@ def _register_layers() -> list[str]:
 
 def _default_report_path() -> None:
     """Give the server one report path before vLLM spawns its engine and worker processes
-    (they inherit the environment), so workers write where the front end reads."""
+    (they inherit the environment), so workers write where the front end reads; refuse one
+    that cannot be written now, naming the variable, rather than after the weights load."""
     import os
-    import tempfile
 
-    if not os.environ.get("VLLM_LING_REPORT_PATH"):
-        os.environ["VLLM_LING_REPORT_PATH"] = os.path.join(
-            tempfile.gettempdir(), f"vllm-ling-report-{os.getpid()}.json")
+    from vllm_ling.runtime.report import ENV_REPORT_PATH, check_report_path, default_report_path
+
+    if not os.environ.get(ENV_REPORT_PATH):
+        os.environ[ENV_REPORT_PATH] = default_report_path(f"report-{os.getpid()}.json")
+    check_report_path(os.environ[ENV_REPORT_PATH])
 
 
 def register() -> list[str]:

@@ -10,5 +10,9 @@ if [[ -n "${VLLM_LING_API_KEY_FILE:-}" ]]; then
   args+=(-v "$VLLM_LING_API_KEY_FILE:/run/secrets/vllm-ling-api-key:ro"
          -e "VLLM_LING_API_KEY_FILE=/run/secrets/vllm-ling-api-key")
 fi
+# Without a key file vllm-ling serve refuses to serve the network unless this says so.
+if [[ -n "${VLLM_LING_ALLOW_NO_API_KEY:-}" ]]; then
+  args+=(-e "VLLM_LING_ALLOW_NO_API_KEY=$VLLM_LING_ALLOW_NO_API_KEY")
+fi
 exec docker run "${args[@]}" --name vllm-ling-head --entrypoint vllm-ling-ray \
   "$VLLM_LING_IMAGE" head --nodes 2 --workers "$VLLM_LING_WORKER_IP" -- --tensor-parallel-size 2 "$@"

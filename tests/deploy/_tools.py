@@ -17,7 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DOCKER_DIR = REPO / "docker"
 CHART_DIR = REPO / "helm" / "vllm-ling"
-DEPLOY_DIR = REPO / "deploy"
+# The only copy of the monitoring files: the chart ships them, compose mounts them.
+MONITORING_DIR = CHART_DIR / "files"
 VENV_BIN = Path(sys.executable).parent
 
 INSTALL_HINTS = {

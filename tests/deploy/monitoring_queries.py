@@ -13,9 +13,10 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-DASHBOARD_DIR = REPO / "deploy" / "grafana" / "dashboards"
-ALERTS_FILE = REPO / "deploy" / "prometheus" / "alerts.yml"
-SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
+MONITORING_DIR = REPO / "helm" / "vllm-ling" / "files"  # the only copy (chart + compose)
+DASHBOARD_DIR = MONITORING_DIR / "dashboards"
+ALERTS_FILE = MONITORING_DIR / "prometheus" / "alerts.yml"
+SCRAPE_CONFIG = MONITORING_DIR / "prometheus" / "prometheus.yml"
 
 # vLLM's and our metric names: prefix, colon, then the rest of a Prometheus name.
 _METRIC = re.compile(r"(?<![A-Za-z0-9_:])(vllm(?:_ling)?:[A-Za-z_][A-Za-z0-9_:]*)")

@@ -35,14 +35,14 @@ def server(tmp_path_factory):
                             "--device", "cpu", "--api-key-file", str(key_file)],
                            env, tmp / "server.log", port, timeout=STARTUP_TIMEOUT_S)
     try:
-        yield running.base_url, "entrypoint-test-key", tmp
+        yield running.base_url, "entrypoint-test-key", tmp, running
     finally:
         running.stop()
         assert not group_alive(running.proc.pid)
 
 
 def test_unauthenticated_paths_and_api_key(server):
-    base, key, _ = server
+    base, key, *_ = server
     assert requests.get(base + "/health", timeout=10).status_code == 200
     assert requests.get(base + "/metrics", timeout=10).status_code == 200
     assert requests.get(base + "/v1/models", timeout=10).status_code == 401
@@ -54,7 +54,7 @@ def test_unauthenticated_paths_and_api_key(server):
 
 
 def test_completion_through_the_entrypoint(server):
-    base, key, _ = server
+    base, key, *_ = server
     response = requests.post(base + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
                              json={"model": "tiny", "prompt": "hello", "max_tokens": 4,
                                    "temperature": 0}, timeout=120)
@@ -64,7 +64,7 @@ def test_completion_through_the_entrypoint(server):
 
 def test_report_route_is_registered(server):
     """VLLM_PLUGINS set by the launcher lets vLLM load our endpoint plugin."""
-    base, _, tmp = server
+    base, _, tmp, _ = server
     assert requests.get(base + "/vllm_ling/report", timeout=10).status_code != 404
     log = (tmp / "server.log").read_text()
     assert "VLLM_PLUGINS=" in log and "/vllm_ling/report" in log
@@ -73,7 +73,7 @@ def test_report_route_is_registered(server):
 def test_startup_smoke_check_passes_on_the_agreeing_checkpoint(server):
     """The launcher's smoke check: one greedy generation through draft/verify, accept length
     from vLLM's counters, recorded in the report (the agreeing checkpoint accepts every draft)."""
-    base, _, tmp = server
+    base, _, tmp, _ = server
     deadline = time.monotonic() + 300
     smoke = None
     while time.monotonic() < deadline:
@@ -87,9 +87,58 @@ def test_startup_smoke_check_passes_on_the_agreeing_checkpoint(server):
 
 def test_ling3_parsers_on_and_round_trip_checked(server):
     """`vllm-ling serve` adds Ling-3's parsers; the API server proves them against the template."""
-    base, _, tmp = server
+    base, _, tmp, _ = server
     log = (tmp / "server.log").read_text()
     assert "--tool-call-parser ling3 --reasoning-parser ling3 --enable-auto-tool-choice" in log
     assert "chat round-trip check passed" in log
     report = requests.get(base + "/vllm_ling/report", timeout=10).json()
     assert report["chat_roundtrip"]["status"] == "passed", report["chat_roundtrip"]
+
+
+def test_sigterm_drains_the_stream_in_flight_and_exits_0(server):
+    """Last test of the module (it stops the server): SIGTERM to the launcher alone, as
+    Kubernetes or `docker stop` sends it, while a long stream runs. vLLM drains for
+    --shutdown-timeout (30 s): the stream ends with its finish_reason (or, past the timeout,
+    an error event) and [DONE]; the launcher exits 0 within timeout + teardown margin, and
+    none of vLLM's processes is left."""
+    import json
+    import os
+    import signal
+    import threading
+
+    from vllm_ling.runtime.supervisor import TEARDOWN_MARGIN_S, descendants
+
+    base, key, tmp, running = server
+    events: list[str] = []
+    ended = threading.Event()
+
+    def stream():
+        try:
+            with requests.post(base + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                               json={"model": "tiny", "prompt": "hello", "max_tokens": 400,
+                                     "temperature": 0, "stream": True, "ignore_eos": True},
+                               stream=True, timeout=300) as response:
+                events.extend(line.decode() for line in response.iter_lines() if line)
+        finally:
+            ended.set()
+
+    threading.Thread(target=stream, daemon=True).start()
+    deadline = time.monotonic() + 120
+    while len(events) < 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(events) >= 5, "the stream did not start"
+    below = descendants(running.proc.pid)
+    assert below, "vLLM runs as the launcher's child"
+    start = time.monotonic()
+    os.kill(running.proc.pid, signal.SIGTERM)
+    code = running.proc.wait(timeout=30 + TEARDOWN_MARGIN_S + 30)
+    assert code == 0, (tmp / "server.log").read_text()[-3000:]
+    assert time.monotonic() - start < 30 + TEARDOWN_MARGIN_S
+    assert ended.wait(30)
+    assert events[-1] == "data: [DONE]", events[-3:]
+    last = json.loads(events[-2].removeprefix("data: "))
+    assert "error" in last or last["choices"][0]["finish_reason"] == "length", last
+    assert [p for p in below if os.path.exists(f"/proc/{p}")] == []
+    log = (tmp / "server.log").read_text()
+    assert "received SIGTERM: draining for up to 30 s" in log
+    assert "mode=drain" in log  # vLLM's own shutdown log: requests drained, not aborted

@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from ._tools import CHART_DIR, DEPLOY_DIR, find_tool, run
+from ._tools import CHART_DIR, MONITORING_DIR, find_tool, run
 
 # The chart's minimum (Chart.yaml kubeVersion) and the newest schemas the validator ships.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
@@ -36,6 +36,8 @@ COMBINATIONS = {
                      "--set", "multinode.tensorParallelSize=2", "--set", "multinode.pipelineParallelSize=2",
                      "--set", "storage.models.type=hostPath", "--set", "storage.hummingCache.type=hostPath",
                      "--set", "replicas=2"],
+    "single-3-replicas-pinned": ["--set", "replicas=3", "--set", "image.digest=sha256:" + "ab" * 32,
+                                 "--set", "serving.shutdownTimeout=120"],
 }
 
 
@@ -179,6 +181,9 @@ def test_api_key_comes_from_a_secret_and_no_secret_is_rendered(rendered):
     assert key == {"secretKeyRef": {"name": "vllm-ling-api-key", "key": "api-key"}}
     no_key = by_kind(rendered["single-2gpu-no-warmup-no-key"], "Deployment")[0]["spec"]["template"]["spec"]
     assert "VLLM_API_KEY" not in env_of(no_key["containers"][0])
+    # Without a key the chart says so explicitly, or vllm-ling serve would refuse to start.
+    assert env_of(no_key["containers"][0])["VLLM_LING_ALLOW_NO_API_KEY"] == "1"
+    assert "VLLM_LING_ALLOW_NO_API_KEY" not in env_of(container)
 
 
 def test_pvcs_and_pdb(rendered):
@@ -189,10 +194,55 @@ def test_pvcs_and_pdb(rendered):
     assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "ling-vllm-ling-models"
     assert volumes["humming-cache"]["persistentVolumeClaim"]["claimName"] == "ling-vllm-ling-humming-cache"
     assert not by_kind(rendered["multinode-pp"], "PersistentVolumeClaim")
-    (pdb,) = by_kind(rendered["single-default"], "PodDisruptionBudget")
-    service = by_kind(rendered["single-default"], "Service")[0]
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_pdb_only_for_several_replicas_and_covering_every_pod_of_a_group(rendered):
+    # One replica: a budget would either block node drains or protect nothing.
+    assert not by_kind(rendered["single-default"], "PodDisruptionBudget")
+    assert not by_kind(rendered["multinode-tcp"], "PodDisruptionBudget")
+    (pdb,) = by_kind(rendered["single-3-replicas-pinned"], "PodDisruptionBudget")
+    service = by_kind(rendered["single-3-replicas-pinned"], "Service")[0]
+    assert pdb["spec"]["minAvailable"] == 2 and "maxUnavailable" not in pdb["spec"]
     assert pdb["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
-    assert not by_kind(rendered["single-2gpu-no-warmup-no-key"], "PodDisruptionBudget")
+    # Two groups of four pods: one pod (one group) down at a time, Ray workers included.
+    (pdb,) = by_kind(rendered["multinode-pp"], "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    pods = pod_specs(rendered["multinode-pp"])
+    assert {name.rsplit("-", 1)[1] for name, _ in pods} == {"leader", "worker"}
+    for name, template in pods:
+        assert _matches(pdb["spec"]["selector"]["matchLabels"], template["metadata"]["labels"]), name
+
+
+def test_grace_period_and_prestop_follow_the_shutdown_timeout(rendered):
+    """terminationGracePeriodSeconds = preStop pause + vLLM's drain + the launcher's 30 s
+    teardown allowance; the server gets the drain time as VLLM_LING_SHUTDOWN_TIMEOUT."""
+    from vllm_ling.runtime.supervisor import TEARDOWN_MARGIN_S
+
+    for combination, drain in (("single-default", 30), ("single-3-replicas-pinned", 120),
+                               ("multinode-tcp", 30)):
+        for name, template in pod_specs(rendered[combination]):
+            spec = template["spec"]
+            assert spec["terminationGracePeriodSeconds"] == 5 + drain + TEARDOWN_MARGIN_S, name
+            server = spec["containers"][0]
+            env = {e["name"]: e.get("value") for e in server.get("env", [])}
+            if name.endswith("-worker"):
+                continue
+            assert server["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+            assert env["VLLM_LING_SHUTDOWN_TIMEOUT"] == str(drain)
+
+
+def test_image_digest_pins_every_container(rendered):
+    for combination, pinned in (("single-default", False), ("single-3-replicas-pinned", True),
+                                ("multinode-pp", False)):
+        for name, template in pod_specs(rendered[combination]):
+            spec = template["spec"]
+            for container in spec["containers"] + spec.get("initContainers", []):
+                expected = "vllm-ling:0.1.0" + ("@sha256:" + "ab" * 32 if pinned else "")
+                assert container["image"] == expected, (combination, name)
 
 
 def test_service_monitor_selects_the_service_port(rendered):
@@ -210,9 +260,9 @@ def test_service_monitor_selects_the_service_port(rendered):
     assert not by_kind(rendered["single-default"], "ServiceMonitor")
 
 
-def test_prometheus_rule_carries_the_deploy_alerts_unchanged(rendered):
+def test_prometheus_rule_carries_the_alerts_unchanged(rendered):
     (rule,) = by_kind(rendered["single-monitoring"], "PrometheusRule")
-    source = yaml.safe_load((DEPLOY_DIR / "prometheus" / "alerts.yml").read_text())
+    source = yaml.safe_load((MONITORING_DIR / "prometheus" / "alerts.yml").read_text())
     assert rule["spec"]["groups"] == source["groups"]
     for group in rule["spec"]["groups"]:
         for r in group["rules"]:
@@ -220,11 +270,11 @@ def test_prometheus_rule_carries_the_deploy_alerts_unchanged(rendered):
     assert not by_kind(rendered["single-default"], "PrometheusRule")
 
 
-def test_dashboards_configmap_carries_the_deploy_dashboards(rendered):
+def test_dashboards_configmap_carries_the_dashboards(rendered):
     (cm,) = [d for d in by_kind(rendered["single-monitoring"], "ConfigMap")
              if d["metadata"]["name"].endswith("-dashboards")]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    sources = {p.name: json.loads(p.read_text()) for p in (DEPLOY_DIR / "grafana" / "dashboards").glob("*.json")}
+    sources = {p.name: json.loads(p.read_text()) for p in (MONITORING_DIR / "dashboards").glob("*.json")}
     assert {k: json.loads(v) for k, v in cm["data"].items()} == sources
 
 
@@ -254,6 +304,10 @@ def test_network_policy_and_ingress_keep_unauthenticated_paths_inside(rendered):
     (["--set", "apiKey.existingSecret="], "apiKey.existingSecret"),
     (["--set", "multinode.rdma.enabled=true"], "only applies to mode=multinode"),
     (["--set", "ingress.enabled=true"], "ingress.host"),
+    (["--set", "image.digest=latest"], "digest"),
+    (["--set", "mode=multinode", "--set", "storage.models.type=hostPath", "--set",
+      "storage.hummingCache.type=hostPath", "--set", "multinode.rayAuth.existingSecret="],
+     "multinode.rayAuth.existingSecret"),
 ])
 def test_bad_values_fail_the_render(args, message):
     result = helm("template", "ling", str(CHART_DIR), *args)
@@ -273,3 +327,15 @@ def test_servers_get_the_ling3_parsers(rendered, combination):
             continue  # Ray workers serve nothing
         env = env_of(pod["spec"]["containers"][0])
         assert (env["VLLM_LING_TOOL_CALL_PARSER"], env["VLLM_LING_REASONING_PARSER"]) == ("ling3", "ling3"), name
+
+
+def test_ray_token_auth_on_every_pod_of_a_group(rendered):
+    """Ray's GCS runs code for anyone who reaches it; with token auth (Ray >= 2.52) every Ray
+    node of the group gets RAY_AUTH_MODE=token and the token from the Secret."""
+    for name, template in pod_specs(rendered["multinode-tcp"]):
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", name
+        ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "vllm-ling-ray-token", "key": "token"}, name
+    for name, template in pod_specs(rendered["single-default"]):
+        assert "RAY_AUTH_MODE" not in {e["name"] for e in template["spec"]["containers"][0]["env"]}

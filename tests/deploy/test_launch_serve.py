@@ -31,8 +31,21 @@ def flag_value(argv: list[str], flag: str) -> str | None:
     return values[-1] if values else None
 
 
+@pytest.fixture(autouse=True)
+def _private_home(tmp_path, monkeypatch):
+    """The report's default directory lives under HOME: keep it inside the test's tmp_path."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("XDG_CACHE_HOME", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def keyed(env):
+    """An environment with an API key (the launcher refuses to serve the network without one)."""
+    return {"VLLM_API_KEY": "test-key", **env}
+
+
 def gpu_plan(argv, env):
-    return launch.plan_serve(argv, env, cuda_probe=lambda: True)
+    return launch.plan_serve(argv, keyed(env), cuda_probe=lambda: True)
 
 
 def test_defaults_suit_a_spark(tmp_path):
@@ -43,7 +56,7 @@ def test_defaults_suit_a_spark(tmp_path):
     assert plan.argv[serve_at + 1] == str(model)
     expected = {"--host": "0.0.0.0", "--port": "8000", "--gpu-memory-utilization": "0.85",
                 "--max-model-len": "32768", "--served-model-name": "Ling-3.0-flash-fp4",
-                "--tensor-parallel-size": "1"}
+                "--tensor-parallel-size": "1", "--shutdown-timeout": "30"}
     assert {f: flag_value(plan.argv, f) for f in expected} == expected
     assert "--enforce-eager" not in plan.argv
     assert "--trust-remote-code" not in plan.argv
@@ -124,7 +137,7 @@ def test_cpu_mode_settings_and_context_cap(tmp_path):
     model = make_model(tmp_path, TINY_CONFIG, "tiny")
     max_positions = json.loads(TINY_CONFIG.read_text())["max_position_embeddings"]
     assert max_positions < launch.DEFAULT_MAX_MODEL_LEN  # the cap below is exercised
-    plan = launch.plan_serve([str(model), "--device", "cpu"], {}, cuda_probe=lambda: True)
+    plan = launch.plan_serve([str(model), "--device", "cpu"], keyed({}), cuda_probe=lambda: True)
     assert "--enforce-eager" in plan.argv
     assert flag_value(plan.argv, "--dtype") == "bfloat16"
     assert "--gpu-memory-utilization" not in plan.argv
@@ -132,16 +145,16 @@ def test_cpu_mode_settings_and_context_cap(tmp_path):
     assert flag_value(plan.argv, "--max-model-len") == str(max_positions)
     # A user's own KV-cache size and an explicit context length are kept.
     plan = launch.plan_serve([str(model), "--device", "cpu", "--max-model-len", "2048"],
-                             {"VLLM_CPU_KVCACHE_SPACE": "4"})
+                             keyed({"VLLM_CPU_KVCACHE_SPACE": "4"}))
     assert "VLLM_CPU_KVCACHE_SPACE" not in plan.env_changes
     assert flag_value(plan.argv, "--max-model-len") == "2048"
 
 
 def test_auto_device_picks_cpu_without_cuda(tmp_path):
     model = str(make_model(tmp_path))
-    assert "--enforce-eager" in launch.plan_serve([model], {}, cuda_probe=lambda: False).argv
-    assert "--enforce-eager" not in launch.plan_serve([model], {}, cuda_probe=lambda: True).argv
-    assert "--enforce-eager" in launch.plan_serve([model], {"VLLM_LING_DEVICE": "cpu"},
+    assert "--enforce-eager" in launch.plan_serve([model], keyed({}), cuda_probe=lambda: False).argv
+    assert "--enforce-eager" not in launch.plan_serve([model], keyed({}), cuda_probe=lambda: True).argv
+    assert "--enforce-eager" in launch.plan_serve([model], keyed({"VLLM_LING_DEVICE": "cpu"}),
                                                   cuda_probe=lambda: True).argv
 
 
@@ -154,7 +167,6 @@ def test_api_key_never_on_the_command_line(tmp_path):
     assert "s3cret-value" not in " ".join(plan.argv)
     assert "s3cret-value" not in plan.shell_line()
     assert "--api-key" not in plan.argv  # vLLM reads VLLM_API_KEY itself
-    assert any("WARNING: no API key" in n for n in gpu_plan([model], {}).notes)
     (tmp_path / "empty-key").write_text("")
     with pytest.raises(launch.LaunchError, match="empty"):
         gpu_plan([model], {"VLLM_LING_API_KEY_FILE": str(tmp_path / "empty-key")})
@@ -227,8 +239,36 @@ def test_report_path_default_and_override(tmp_path):
     model = str(make_model(tmp_path))
     plan = gpu_plan([model, "--port", "8123"], {"XDG_CACHE_HOME": str(tmp_path / "xdg")})
     assert plan.env_changes["VLLM_LING_REPORT_PATH"] == str(tmp_path / "xdg" / "vllm-ling" / "report-8123.json")
-    plan = gpu_plan([model], {"VLLM_LING_REPORT_PATH": "/r.json"})
-    assert plan.env_changes["VLLM_LING_REPORT_PATH"] == "/r.json"
+    plan = gpu_plan([model], {"VLLM_LING_REPORT_PATH": str(tmp_path / "r.json")})
+    assert plan.env_changes["VLLM_LING_REPORT_PATH"] == str(tmp_path / "r.json")
+    # A per-user runtime directory wins over the cache (never a shared /tmp name).
+    (tmp_path / "run").mkdir()
+    plan = gpu_plan([model, "--port", "8123"], {"XDG_RUNTIME_DIR": str(tmp_path / "run"),
+                                                "XDG_CACHE_HOME": str(tmp_path / "xdg")})
+    assert plan.env_changes["VLLM_LING_REPORT_PATH"] == str(tmp_path / "run" / "vllm-ling" / "report-8123.json")
+    assert oct((tmp_path / "run" / "vllm-ling").stat().st_mode & 0o777) == oct(0o700)
+
+
+@pytest.mark.parametrize("bad", ["/proc/x/report.json", "{tmp}/dir-not-file"])
+def test_unwritable_report_path_is_refused_naming_the_variable(tmp_path, bad):
+    model = str(make_model(tmp_path))
+    (tmp_path / "dir-not-file").mkdir()
+    bad = bad.format(tmp=tmp_path)
+    with pytest.raises(launch.LaunchError) as err:
+        gpu_plan([model], {"VLLM_LING_REPORT_PATH": bad})
+    assert "VLLM_LING_REPORT_PATH=" + bad in str(err.value) and "--report-path" in str(err.value)
+
+
+def test_no_api_key_on_the_network_is_refused_unless_opted_out(tmp_path):
+    model = str(make_model(tmp_path))
+    with pytest.raises(launch.LaunchError, match="VLLM_LING_ALLOW_NO_API_KEY=1"):
+        launch.plan_serve([model], {}, cuda_probe=lambda: True)
+    opted_out = launch.plan_serve([model], {"VLLM_LING_ALLOW_NO_API_KEY": "1"}, cuda_probe=lambda: True)
+    assert any(n.startswith("WARNING: no API key") for n in opted_out.notes)
+    local = launch.plan_serve([model, "--host", "127.0.0.1"], {}, cuda_probe=lambda: True)
+    assert any("open to every local user" in n for n in local.notes)
+    keyed_plan = gpu_plan([model], {})
+    assert any("/v1 requires the API key from VLLM_API_KEY" in n for n in keyed_plan.notes)
 
 
 def test_hub_ids_pass_and_stray_flag_values_are_caught(tmp_path):
@@ -272,3 +312,65 @@ def test_parsers_off_by_request(tmp_path):
     plan = gpu_plan([str(make_model(tmp_path)), "--tool-call-parser", "none"], {"VLLM_LING_REASONING_PARSER": "off"})
     assert not {"--tool-call-parser", "--reasoning-parser", "--enable-auto-tool-choice"} & set(plan.argv)
     assert sum("off by request" in n for n in plan.notes) == 2
+
+
+def _tiny_env(tmp_path, **extra):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
+    env.update({"HOME": str(tmp_path / "home"), "VLLM_LING_HOST": "127.0.0.1", **extra})
+    return env
+
+
+def test_cli_truncated_shard_refused_before_vllm_starts(tmp_path, tiny_checkpoint):
+    """Bad input met by an operator: an interrupted copy. One message naming the file, exit 2,
+    in seconds, before vLLM (or any weight) loads."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_checkpoint, model)
+    shard = model / "model-00001-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    result = run([sys.executable, "-m", "vllm_ling.cli.main", "serve", str(model), "--device", "cpu"],
+                 env=_tiny_env(tmp_path), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"{shard}: shard is truncated" in result.stderr
+    assert "Traceback" not in result.stderr and "vllm-ling serve: run" not in result.stderr
+
+
+def test_cli_memory_guard_refuses_an_oversized_configuration(tmp_path, tiny_checkpoint):
+    """With the documented override of the available memory (here: 0.5 GiB, below the CPU
+    build's 1 GiB KV space) and with a batch no machine holds, the guard refuses before vLLM
+    starts, naming the numbers and the flags to change; VLLM_LING_VERIFY=warn starts anyway
+    (checked with --print-command, which skips the guard, and in-process)."""
+    cmd = [sys.executable, "-m", "vllm_ling.cli.main", "serve", str(tiny_checkpoint), "--device", "cpu"]
+    small = run(cmd, env=_tiny_env(tmp_path, VLLM_LING_MEMORY_AVAILABLE_GB="0.5"), timeout=120)
+    assert small.returncode == 2, small.stderr
+    assert "memory guard:" in small.stderr and "only 0.50 GiB are available (VLLM_LING_MEMORY_AVAILABLE_GB)" \
+        in small.stderr
+    assert "--max-model-len" in small.stderr and "--max-num-seqs" in small.stderr
+    huge = run(cmd + ["--max-num-seqs", "100000000"], env=_tiny_env(tmp_path), timeout=120)
+    assert huge.returncode == 2 and "MemAvailable (CPU build)" in huge.stderr, huge.stderr
+    plan = launch.plan_serve([str(tiny_checkpoint), "--device", "cpu"],
+                             _tiny_env(tmp_path, VLLM_LING_MEMORY_AVAILABLE_GB="0.5", VLLM_LING_VERIFY="warn"))
+    assert any(n.startswith("WARNING: memory guard:") for n in plan.notes)
+
+
+def test_unknown_variable_warned_once_with_the_closest_name(tmp_path):
+    """`vllm-ling serve` warns once and marks the environment, so vLLM's processes (the
+    plugin) do not repeat the warning (tests/runtime/test_plugin.py)."""
+    from vllm_ling.options import UNKNOWN_WARNED_MARKER
+
+    model = str(make_model(tmp_path))
+    plan = gpu_plan([model], {"VLLM_LING_MAX_MODEL_LENGTH": "4096"})
+    warnings = [n for n in plan.notes if "VLLM_LING_MAX_MODEL_LENGTH" in n]
+    assert warnings == ["WARNING: VLLM_LING_MAX_MODEL_LENGTH is not a vllm-ling variable and is ignored; "
+                        "did you mean VLLM_LING_MAX_MODEL_LEN? (see vllm_ling/options.py)"]
+    assert plan.env_changes[UNKNOWN_WARNED_MARKER] == "1"
+    assert UNKNOWN_WARNED_MARKER not in plan.shell_line()
+
+
+def test_user_speculation_method_is_read_from_the_passthrough(tmp_path):
+    model = str(make_model(tmp_path))
+    plan = gpu_plan([model, "--", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], {})
+    assert launch.user_spec_method(plan.argv) == "ngram"
+    assert launch.user_spec_method(gpu_plan([model], {}).argv) is None

@@ -104,6 +104,22 @@ def test_missing_shard_names_the_file(tmp_path, tiny_checkpoint):
         check_checkpoint(d, _config(d))
 
 
+def test_truncated_shard_with_intact_header_names_the_file(tmp_path, tiny_checkpoint):
+    """An interrupted copy: the header is whole, the data is cut short by 1000 bytes."""
+    d = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    shard = d / "model-00002-of-00002.safetensors"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 1000)
+    with pytest.raises(CheckpointFormatError) as err:
+        check_checkpoint(d, _config(d))
+    assert f"{shard}: shard is truncated: {size - 1000} bytes on disk, its header describes {size}" \
+        in str(err.value)
+    # safetensors itself refuses the file too (what the check gets ahead of).
+    with pytest.raises(Exception, match="incomplete metadata"):
+        load_file(str(shard))
+
+
 def _rewrite_tensor(d: Path, name: str, new: torch.Tensor) -> str:
     index = json.loads((d / "model.safetensors.index.json").read_text())
     shard = index["weight_map"][name]

@@ -96,3 +96,50 @@ def test_default_schedule_reaches_vllm(tmp_path, monkeypatch):
     assert any(k == 0 for _, _, k in spec["num_speculative_tokens_per_batch_size"])
     tiny = LingHybridConfig(**json.loads((DATA / "ling3_tiny_fp4_config.json").read_text()))
     assert "num_speculative_tokens_per_batch_size" not in default_speculative_config(LingOptions(), tiny, 4)
+
+
+def _without_nextn(tiny_checkpoint, tmp_path):
+    """The tiny checkpoint with num_nextn_predict_layers: 0 in its config.json."""
+    model = tmp_path / "no-nextn"
+    model.mkdir()
+    for item in tiny_checkpoint.iterdir():
+        (model / item.name).symlink_to(item)
+    (model / "config.json").unlink()
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 0
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_checkpoint_without_nextn_layers_gets_no_default_speculation(tiny_checkpoint, tmp_path,
+                                                                    monkeypatch, caplog):
+    """Today's ZeroDivisionError from vLLM's SpeculativeConfig: the default MTP is off instead,
+    logged, and remembered for the report."""
+    import logging
+
+    from vllm_ling.runtime.spec_policy import default_applied, no_nextn_layers
+
+    monkeypatch.delenv("VLLM_LING_MTP", raising=False)
+    model = _without_nextn(tiny_checkpoint, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        cfg = _engine_config(model)
+    assert cfg.speculative_config is None
+    assert no_nextn_layers(cfg) and not default_applied(cfg)
+    assert "num_nextn_predict_layers=0" in caplog.text
+
+
+def test_explicit_mtp_without_nextn_layers_is_one_clear_error(tiny_checkpoint, tmp_path):
+    from vllm_ling.patches.config_hooks import LingConfigError
+
+    model = _without_nextn(tiny_checkpoint, tmp_path)
+    with pytest.raises(LingConfigError, match=r"method 'mtp' drafts with the checkpoint's NEXTN layers, "
+                                              r"but .*no-nextn/config.json has num_nextn_predict_layers=0"):
+        _engine_config(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_a_method_without_draft_model_is_served_as_given(tiny_checkpoint):
+    from vllm_ling.runtime.spec_policy import default_applied
+
+    cfg = _engine_config(tiny_checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                             "prompt_lookup_max": 3})
+    assert cfg.speculative_config.method == "ngram" and not default_applied(cfg)

@@ -9,6 +9,8 @@ import pytest
 
 from patch_refusal import assert_refuses_changed_source
 
+from vllm_ling.options import UNKNOWN_WARNED_MARKER
+
 pytest.importorskip("vllm")
 
 
@@ -26,6 +28,7 @@ def without_p7(monkeypatch):
         monkeypatch.delenv(name)
     monkeypatch.setenv("VLLM_LING_FP8_HEAD", "1")
     monkeypatch.setenv("VLLM_LING_PORT", "8000")
+    monkeypatch.setenv(UNKNOWN_WARNED_MARKER, "")  # as in the first process of a server
     return envs
 
 
@@ -52,3 +55,20 @@ def test_strict_validation_accepts_our_variables_only_with_p7(without_p7, monkey
 
 def test_p7_refuses_a_changed_upstream_table(without_p7, monkeypatch):
     assert_refuses_changed_source(monkeypatch, "P7", lambda: "VLLM_LING_FP8_HEAD" not in without_p7.environment_variables)
+
+
+def test_unknown_variable_warned_once_per_server(without_p7, monkeypatch, caplog):
+    """The first process warns and marks the environment; vLLM's engine core and workers
+    inherit the mark and stay quiet (three identical WARNINGs before)."""
+    from vllm_ling.patches import p7_declare_env_vars as p7
+
+    monkeypatch.setenv("VLLM_LING_MAX_MODEL_LENGTH", "4096")
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        p7.warn_unknown_ling_variables()
+    assert caplog.text.count("VLLM_LING_MAX_MODEL_LENGTH is not a vllm-ling variable") == 1
+    assert "did you mean VLLM_LING_MAX_MODEL_LEN?" in caplog.text
+    assert os.environ[UNKNOWN_WARNED_MARKER] == "1"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+        p7.warn_unknown_ling_variables()  # a child process: inherited mark
+    assert "MAX_MODEL_LENGTH" not in caplog.text

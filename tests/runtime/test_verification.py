@@ -292,3 +292,35 @@ def test_group_verdict_needs_every_rank():
     assert not agree.passed and merged["passed"] is False
     assert agree.actual == "VLLM_LING_FP8_HEAD: rank 0 (10.0.0.1) '0', rank 1 (10.0.0.2) '1'"
     assert merged["checks"][-1]["name"] == "ranks_agree"
+
+
+def test_user_chosen_ngram_passes_with_mtp_not_requested(loaded_tiny_models):
+    """--speculative-config '{"method": "ngram"}': no Ling draft is loaded, and that is what
+    was asked for; the report says MTP is not requested instead of blaming the plugin."""
+    from vllm_ling.runtime.verification import Expectations, build_report
+
+    vllm_config, target, _ = loaded_tiny_models
+    options = LingOptions()
+    exp = dataclasses.replace(Expectations.from_runtime(vllm_config, options), spec_method="ngram",
+                              num_speculative_tokens=2, default_spec=False)
+    report = build_report(target, None, vllm_config, options, exp)
+    assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+    assert report["optimizations"]["mtp"] == {
+        "requested": False, "active": False, "detail": "not requested: --speculative-config method ngram"}
+    assert _check(report, "speculative_config")["expected"] == "as configured by the user"
+    assert _check(report, "model_classes")["passed"]  # not "the plugin did not register its classes"
+
+
+def test_checkpoint_without_nextn_layers_reports_mtp_not_requested(loaded_tiny_models):
+    vllm_config, target, _ = loaded_tiny_models
+    from vllm_ling.runtime.verification import Expectations, build_report
+
+    exp = dataclasses.replace(Expectations.from_runtime(vllm_config, LingOptions()), spec_method=None,
+                              num_speculative_tokens=0, default_spec=False, no_nextn_layers=True)
+    report = build_report(target, None, vllm_config, LingOptions(), exp)
+    assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+    assert report["optimizations"]["mtp"]["requested"] is False
+    assert "num_nextn_predict_layers=0" in report["optimizations"]["mtp"]["detail"]
+    # Without the mark, missing speculation under VLLM_LING_MTP=1 is still a failure.
+    exp = dataclasses.replace(exp, no_nextn_layers=False)
+    assert not _check(build_report(target, None, vllm_config, LingOptions(), exp), "speculative_config")["passed"]

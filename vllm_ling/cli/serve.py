@@ -1,9 +1,14 @@
 """``vllm-ling serve``: the container entrypoint (``vllm-ling warmup`` is its init step).
 
 ``vllm-ling serve [MODEL] [options] [-- extra vllm serve args]`` builds a ``vllm serve``
-command with defaults that suit one DGX Spark (GB10, 128 GB unified memory) and replaces
-itself with it (``os.execvpe``), so signals and the exit code are vLLM's own. Every
-default can be overridden, with the precedence
+command with defaults that suit one DGX Spark (GB10, 128 GB unified memory), checks what can
+be checked before any weight loads (model directory, report path, API key, memory), and runs
+vLLM as its child under :mod:`vllm_ling.runtime.supervisor`: SIGTERM/SIGINT are forwarded
+from the moment it starts and vLLM drains for ``--shutdown-timeout`` seconds; the exit code
+is vLLM's after a requested stop, ``EXIT_SERVER_DIED`` (4) when vLLM stops by itself (its
+engine died), ``EXIT_SMOKE_FAILED`` (3) when the strict smoke check stopped it, and
+``EXIT_USAGE`` (2) for bad input; it reaps every process that ends up under it (it is PID 1
+in the image) and leaves none behind. Every default can be overridden, with the precedence
 
     command-line flag  >  environment variable ``VLLM_LING_<NAME>``  >  built-in default
 
@@ -25,14 +30,19 @@ import os
 import shlex
 import shutil
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
 from vllm_ling.cli.agent_defaults import parser_args
+from vllm_ling.models.checkpoint_check import INDEX_FILE, CheckpointFormatError
+from vllm_ling.options import (PREFIX, SPARK_MEMORY_FRACTION, UNKNOWN_WARNED_MARKER, LingOptionError,
+                               Option, Scope, VerifyPolicy, option, read, serve_options,
+                               unknown_variables)
 from vllm_ling.runtime.local_server import plugin_names
-from vllm_ling.options import (PREFIX, SPARK_MEMORY_FRACTION, LingOptionError, Option, Scope,
-                               VerifyPolicy, option, read, serve_options)
+from vllm_ling.runtime.report import ReportPathError, check_report_path, default_report_path
+from vllm_ling.runtime.supervisor import EXIT_SERVER_DIED, Supervisor  # noqa: F401 (exit code of serve)
 
 ENV_PREFIX = PREFIX
 DEFAULT_MODEL = option("VLLM_LING_MODEL").default
@@ -44,6 +54,7 @@ CPU_VLLM_ARGS = ["--enforce-eager", "--dtype", "bfloat16"]
 
 EXIT_USAGE = 2
 EXIT_SMOKE_FAILED = 3  # strict smoke check refused the server
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class LaunchError(Exception):
@@ -151,7 +162,7 @@ class ServePlan:
     print_only: bool = False  # --print-command
 
     def shell_line(self) -> str:
-        shown = {k: v for k, v in self.env_changes.items() if k != "VLLM_API_KEY"}
+        shown = {k: v for k, v in self.env_changes.items() if k not in ("VLLM_API_KEY", UNKNOWN_WARNED_MARKER)}
         prefix = ["env"] + [f"{k}={v}" for k, v in sorted(shown.items())] if shown else []
         return shlex.join(prefix + self.argv)
 
@@ -179,9 +190,51 @@ def build_serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def memory_guard_notes(model_dir: Path, config: dict, device: str, values: dict[str, str | None],
+                       env: Mapping[str, str]) -> list[str]:
+    """Run the memory guard (policy: VLLM_LING_VERIFY); LaunchError when it refuses."""
+    from vllm_ling.options import MoeDecode
+    from vllm_ling.runtime import memory_guard as mg
+
+    policy = read_option(env, "VLLM_LING_VERIFY")
+    if policy is VerifyPolicy.OFF:
+        return []
+    tp, pp = int(values["tensor_parallel_size"]), int(values["pipeline_parallel_size"])
+    seqs = int(values["max_num_seqs"]) if values["max_num_seqs"] else 1
+    kv_reserved = 0
+    if device == "cpu":  # vLLM-CPU allocates this KV space whatever the need
+        kv_reserved = int(float(env.get("VLLM_CPU_KVCACHE_SPACE") or CPU_ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"])
+                          * mg.GIB)
+    try:
+        need = mg.estimate(model_dir, config, device=device, max_model_len=int(values["max_model_len"]),
+                           max_num_seqs=seqs, fp8_head=values["fp8_head"] == "1",
+                           mtp=values["mtp"] == "1", expert_copy=values["moe_decode"] == MoeDecode.COPY.value,
+                           tensor_parallel_size=tp * pp, kv_reserved=kv_reserved)
+        memory = mg.device_memory(device, env)
+    except LingOptionError as exc:
+        raise LaunchError(str(exc)) from None
+    except CheckpointFormatError as exc:
+        if not any(model_dir.glob("*.safetensors")) and not (model_dir / INDEX_FILE).exists():
+            return [f"memory guard skipped: no weights in {model_dir} yet"]
+        raise LaunchError(str(exc)) from None  # a truncated or missing shard: refuse now
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        return [f"WARNING: memory guard skipped: cannot estimate ({exc})"]
+    found = mg.problems(need, memory, device, float(values["gpu_memory_utilization"] or 0.9))
+    batch = "" if values["max_num_seqs"] else " (one sequence at --max-model-len: vLLM's minimum; set --max-num-seqs to check a batch)"
+    if not found:
+        return [f"memory guard: needs {need.total / mg.GIB:.2f} GiB{batch}, {memory.available / mg.GIB:.2f} "
+                f"GiB available ({memory.source})"]
+    message = "memory guard: " + "; ".join(found) + batch
+    if policy is VerifyPolicy.STRICT:
+        raise LaunchError(message + " (VLLM_LING_VERIFY=warn starts anyway)")
+    return ["WARNING: " + message]
+
+
 def plan_serve(argv: list[str], env: Mapping[str, str],
                cuda_probe: Callable[[], bool] | None = None) -> ServePlan:
-    """Turn the arguments and environment into the ``vllm serve`` command; no side effects."""
+    """Turn the arguments and environment into the ``vllm serve`` command, after the checks that
+    need no vLLM (its only side effect: the report's directory is created). ``--print-command``
+    skips the checks that depend on this machine (report path, memory, the API-key refusal)."""
     if "--" in argv:
         cut = argv.index("--")
         ours, passthrough = argv[:cut], argv[cut + 1:]
@@ -207,8 +260,12 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
         values["served_model_name"] = (model_dir.name if model_dir
                                        else model.rstrip("/").split("/")[-1])
     if values["report_path"] is None:
-        cache = Path(env.get("XDG_CACHE_HOME") or Path(env.get("HOME") or Path.home()) / ".cache")
-        values["report_path"] = str(cache / "vllm-ling" / f"report-{values['port']}.json")
+        values["report_path"] = default_report_path(f"report-{values['port']}.json", env)
+    if not args.print_command:
+        try:
+            check_report_path(values["report_path"])
+        except ReportPathError as exc:
+            raise LaunchError(f"--report-path / {exc}") from None
     max_positions = model_config.get("max_position_embeddings")
     if ("max_model_len" not in explicit and isinstance(max_positions, int)
             and max_positions < int(values["max_model_len"])):
@@ -265,15 +322,33 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
         notes.append(f"/v1 requires the API key from {key_file} (exported as VLLM_API_KEY).")
     elif env.get("VLLM_API_KEY"):
         notes.append("/v1 requires the API key from VLLM_API_KEY.")
+    elif values["host"] in LOOPBACK_HOSTS:
+        notes.append(f"no API key: /v1 is open to every local user (--host {values['host']}).")
+    elif read_option(env, "VLLM_LING_ALLOW_NO_API_KEY"):
+        notes.append(f"WARNING: no API key and --host {values['host']}: /v1 is open to anyone who "
+                     "can reach the port (VLLM_LING_ALLOW_NO_API_KEY=1).")
     else:
-        notes.append("WARNING: no API key: /v1 is open to anyone who can reach the port. Set "
-                     "VLLM_API_KEY or --api-key-file.")
+        refusal = (f"no API key, and --host {values['host']} serves /v1 to the network: set "
+                   "VLLM_API_KEY or --api-key-file, bind --host 127.0.0.1, or set "
+                   "VLLM_LING_ALLOW_NO_API_KEY=1 to serve without a key on purpose")
+        if not args.print_command:
+            raise LaunchError(refusal)
+        notes.append(f"WARNING: would refuse to start: {refusal}")
+
+    if model_dir is not None and not args.print_command:
+        notes += memory_guard_notes(model_dir, model_config, device, values, env)
+    # Said once here; vLLM's processes inherit the marker and stay quiet about it.
+    notes += ["WARNING: " + message for message in unknown_variables(env)]
+    env_changes[UNKNOWN_WARNED_MARKER] = "1"
 
     return ServePlan(argv=cmd + passthrough, env_changes=env_changes, notes=notes,
                      print_only=args.print_command)
 
 
 def serve_main(argv: list[str]) -> int:
+    # Signal handlers from the first moment: a stop during the checks below starts nothing.
+    supervisor = Supervisor([], {}, shutdown_timeout=0.0)
+    supervisor.install_handlers()
     try:
         plan = plan_serve(list(argv), os.environ)
     except LaunchError as exc:
@@ -292,14 +367,21 @@ def serve_main(argv: list[str]) -> int:
               "(pip install 'vllm-ling[gpu]' or 'vllm-ling[cpu]').", file=sys.stderr)
         return EXIT_USAGE
     env = {**os.environ, **plan.env_changes}
-    if not smoke_enabled(env):
-        print(f"vllm-ling serve: exec {plan.shell_line()}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os.execvpe(executable, plan.argv, env)
-        return 0  # not reached
-    print(f"vllm-ling serve: run {plan.shell_line()} (then the startup smoke check)",
+    smoke = smoke_enabled(env)
+    method = user_spec_method(plan.argv)
+    if smoke and method not in (None, "mtp"):
+        smoke = False
+        print(f"vllm-ling serve: smoke check skipped: --speculative-config method {method} (the smoke "
+              "check measures the NEXTN draft)", file=sys.stderr, flush=True)
+    print(f"vllm-ling serve: run {plan.shell_line()}" + (" (then the startup smoke check)" if smoke else ""),
           file=sys.stderr, flush=True)
-    return supervise_with_smoke(executable, plan.argv, env)
+    sys.stdout.flush()
+    supervisor.argv, supervisor.env = [executable] + plan.argv[1:], env
+    supervisor.shutdown_timeout = float(_flag_value(plan.argv, "--shutdown-timeout", "0"))
+    if supervisor.start() is not None and smoke:
+        threading.Thread(target=smoke_check, args=(supervisor, plan.argv, env), daemon=True,
+                         name="vllm-ling-smoke").start()
+    return supervisor.run()
 
 
 def smoke_enabled(env: Mapping[str, str]) -> bool:
@@ -308,31 +390,41 @@ def smoke_enabled(env: Mapping[str, str]) -> bool:
             and read_option(env, "VLLM_LING_VERIFY") is not VerifyPolicy.OFF)
 
 
+def user_spec_method(argv: list[str]) -> str | None:
+    """The method of a ``--speculative-config`` passed through to vLLM (None: none given)."""
+    raw = _flag_value(argv, "--speculative-config", "")
+    if not raw:
+        return None
+    try:
+        spec = json.loads(raw)
+    except ValueError:
+        return None  # vLLM reports its own parse error
+    return spec.get("method") if isinstance(spec, dict) else None
+
+
 def _flag_value(argv: list[str], flag: str, default: str) -> str:
+    """The value vLLM's parser will take: the last occurrence (passed-through flags come last)."""
+    value = default
     for i, a in enumerate(argv):
         if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return default
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
-def supervise_with_smoke(executable: str, argv: list[str], env: dict[str, str]) -> int:
-    """Run vLLM as a child, forward signals, and run the smoke check once it is healthy."""
-    import signal
-    import subprocess
+def smoke_check(supervisor: Supervisor, argv: list[str], env: dict[str, str]) -> None:
+    """Once vLLM is healthy, run the smoke generation; under strict a failure stops the
+    server (drained like a SIGTERM) and makes the launcher exit EXIT_SMOKE_FAILED."""
     import time
     import urllib.request
 
     from vllm_ling.runtime.smoke import SmokeError, record_in_report, run_smoke
 
-    child = subprocess.Popen([executable] + argv[1:], env=env)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _f: child.send_signal(s))
     host = _flag_value(argv, "--host", "127.0.0.1")
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     base = f"http://{host}:{_flag_value(argv, '--port', '8000')}"
-    while child.poll() is None:
+    while not supervisor.exited.is_set() and supervisor.stop_signal is None:
         try:
             with urllib.request.urlopen(base + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -340,36 +432,29 @@ def supervise_with_smoke(executable: str, argv: list[str], env: dict[str, str]) 
         except OSError:
             pass
         time.sleep(2)
-    if child.poll() is not None:
-        return child.returncode
+    else:
+        return  # vLLM stopped before it was healthy: the supervisor reports why
     policy = read_option(env, "VLLM_LING_VERIFY")
     try:
         result = run_smoke(base, _flag_value(argv, "--served-model-name", argv[2] if len(argv) > 2 else ""),
                            env.get("VLLM_API_KEY"), read_option(env, "VLLM_LING_SMOKE_MIN_ACCEPT"))
     except (SmokeError, OSError, ValueError) as exc:
         print(f"vllm-ling serve: smoke check could not run: {exc}", file=sys.stderr, flush=True)
-        result = None
-    if result is not None:
-        record_in_report(read_option(env, "VLLM_LING_REPORT_PATH"), result)
-        if result.passed is None:
-            print("vllm-ling serve: smoke check: no speculative drafts observed (speculation off)",
+        return
+    record_in_report(read_option(env, "VLLM_LING_REPORT_PATH"), result)
+    if result.passed is None:
+        print("vllm-ling serve: smoke check: no speculative drafts observed (speculation off)",
+              file=sys.stderr, flush=True)
+    elif result.passed:
+        print(f"vllm-ling serve: smoke check passed: accept length {result.accept_length:.2f} over "
+              f"{result.drafts} drafts (threshold {result.threshold})", file=sys.stderr, flush=True)
+    else:
+        message = (f"smoke check FAILED: accept length {result.accept_length:.2f} over {result.drafts} "
+                   f"drafts is below VLLM_LING_SMOKE_MIN_ACCEPT={result.threshold}: the NEXTN draft "
+                   "does not predict the target (is it sharing the target's head module?)")
+        if policy is VerifyPolicy.STRICT:
+            print(f"vllm-ling serve: {message}; stopping the server (VLLM_LING_VERIFY=strict)",
                   file=sys.stderr, flush=True)
-        elif result.passed:
-            print(f"vllm-ling serve: smoke check passed: accept length {result.accept_length:.2f} over "
-                  f"{result.drafts} drafts (threshold {result.threshold})", file=sys.stderr, flush=True)
+            supervisor.stop(EXIT_SMOKE_FAILED)
         else:
-            message = (f"smoke check FAILED: accept length {result.accept_length:.2f} over {result.drafts} "
-                       f"drafts is below VLLM_LING_SMOKE_MIN_ACCEPT={result.threshold}: the NEXTN draft "
-                       "does not predict the target (is it sharing the target's head module?)")
-            if policy is VerifyPolicy.STRICT:
-                print(f"vllm-ling serve: {message}; stopping the server (VLLM_LING_VERIFY=strict)",
-                      file=sys.stderr, flush=True)
-                child.terminate()
-                try:
-                    child.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                    child.wait()
-                return EXIT_SMOKE_FAILED
             print(f"vllm-ling serve: WARNING: {message}", file=sys.stderr, flush=True)
-    return child.wait()

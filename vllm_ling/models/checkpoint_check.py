@@ -29,7 +29,11 @@ class CheckpointFormatError(ValueError):
 
 
 def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (torch dtype name, shape) from a .safetensors header."""
+    """name -> (torch dtype name, shape) from a .safetensors header.
+
+    Also checks that the file holds the data its header describes: a shard cut short
+    (an interrupted download or copy) keeps an intact header, and safetensors then fails
+    at load with "incomplete metadata, file not fully covered" and no file name."""
     with open(path, "rb") as f:
         raw_len = f.read(8)
         if len(raw_len) != 8:
@@ -40,10 +44,19 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
         except ValueError as exc:
             raise CheckpointFormatError(f"{path}: unreadable safetensors header ({exc})") from None
     out = {}
+    data_end = 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
         out[name] = (_SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]), tuple(info["shape"]))
+        data_end = max(data_end, info["data_offsets"][1])
+    size = path.stat().st_size
+    expected = 8 + n + data_end
+    if size != expected:
+        what = "truncated" if size < expected else "longer than its header describes"
+        raise CheckpointFormatError(
+            f"{path}: shard is {what}: {size} bytes on disk, its header describes {expected} "
+            f"(8 + {n} header + {data_end} data); download or copy it again")
     return out
 
 

@@ -94,6 +94,23 @@ class LingConfigHook:
                      "have. (GPU servers keep it.)")
 
 
+def check_mtp_needs_nextn_layers(engine_args, model: str) -> None:
+    """A user's MTP config for a checkpoint without NEXTN layers: one clear error (vLLM's
+    own is a ZeroDivisionError deep in SpeculativeConfig)."""
+    from typing import get_args
+
+    from vllm.config.speculative import MTPModelTypes
+
+    spec = engine_args.speculative_config
+    method = spec.get("method") if isinstance(spec, dict) else getattr(engine_args, "spec_method", None)
+    if method in get_args(MTPModelTypes):
+        raise LingConfigError(
+            f"--speculative-config method {method!r} drafts with the checkpoint's NEXTN layers, but "
+            f"{model}/config.json has num_nextn_predict_layers=0. Drop --speculative-config (or "
+            "choose a method without a draft model, such as ngram), or serve a checkpoint that has "
+            "NEXTN layers.")
+
+
 def default_speculative_config(options: LingOptions, hf_config, max_num_seqs: int | None) -> dict:
     config = hf_config.to_dict()
     schedule = speculative_schedule(config, options.num_spec_tokens,

@@ -2,7 +2,9 @@
 
 What: wraps ``EngineArgs.create_speculative_config``: for a Ling target with no
 speculative option from the user, it fills in Ling's default (``VLLM_LING_MTP=0`` turns it
-off; any user speculative config wins) and checks option conflicts first.
+off; any user speculative config wins) and checks option conflicts first. A checkpoint
+without NEXTN layers (``num_nextn_predict_layers: 0``) gets no default (one WARNING), and an
+explicit MTP config for it is one clear error instead of vLLM's ZeroDivisionError.
 Why: vLLM has no model-level default speculator, and the upstream recipe leaves MTP
 opt-in. Registry record: ``registry.PATCHES``.
 """
@@ -37,8 +39,9 @@ def _user_gave_speculation(engine_args) -> bool:
 
 def apply() -> None:
     from vllm_ling.options import LingOptions
-    from vllm_ling.patches.config_hooks import check_head_conflicts, default_speculative_config, is_ling_target
-    from vllm_ling.runtime.spec_policy import mark_default_applied
+    from vllm_ling.patches.config_hooks import (check_head_conflicts, check_mtp_needs_nextn_layers,
+                                                default_speculative_config, is_ling_target)
+    from vllm_ling.runtime.spec_policy import mark_default_applied, mark_no_nextn_layers
 
     engine_args_cls = _engine_args()
     original = engine_args_cls.create_speculative_config
@@ -48,7 +51,16 @@ def apply() -> None:
             options = LingOptions.from_env()
             check_head_conflicts(options, target_model_config.hf_config, self.speculative_config)
             user_gave = _user_gave_speculation(self)
-            if not user_gave and options.mtp:
+            nextn = getattr(target_model_config.hf_config, "num_nextn_predict_layers", 0) or 0
+            if nextn == 0:  # no draft layer: vLLM's MTP config would divide by zero
+                check_mtp_needs_nextn_layers(self, target_model_config.model)
+            if not user_gave and options.mtp and nextn == 0:
+                mark_no_nextn_layers(target_model_config.hf_config)
+                log_once(logger, logging.WARNING, "no-nextn",
+                         "NEXTN MTP speculation is off: %s/config.json has num_nextn_predict_layers=0 "
+                         "(no draft layer to speculate with). Reported as not requested; "
+                         "VLLM_LING_MTP=0 says so explicitly.", target_model_config.model)
+            elif not user_gave and options.mtp:
                 self.speculative_config = default_speculative_config(
                     options, target_model_config.hf_config, getattr(self, "max_num_seqs", None))
                 self.speculative_config[DEFAULT_MARKER_KEY] = True

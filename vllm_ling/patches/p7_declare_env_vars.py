@@ -2,7 +2,8 @@
 
 What: adds every name of vllm-ling's option table to ``vllm.envs.environment_variables``
 (read through ``os.environ``, as vLLM reads its own); a ``VLLM_LING_*`` variable that is
-not ours gets one WARNING saying it is ignored (most likely a typo).
+not ours gets one WARNING per server saying it is ignored and naming the closest declared
+variable (most likely a typo).
 Why: vLLM warns about every ``VLLM_*`` variable it does not know, and refuses them with
 ``--fail-on-environ-validation``; plugins have no way to declare theirs.
 Registry record: ``registry.PATCHES``.
@@ -11,10 +12,9 @@ Registry record: ``registry.PATCHES``.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
-from vllm_ling.log import get_logger, log_once
+from vllm_ling.log import get_logger
 
 logger = get_logger("plugin")
 
@@ -37,14 +37,17 @@ def apply() -> None:
     known = _ours()
     for name in sorted(known):
         envs.environment_variables.setdefault(name, functools.partial(os.environ.get, name))
-    warn_unknown_ling_variables(known)
+    warn_unknown_ling_variables()
 
 
-def warn_unknown_ling_variables(known: set[str]) -> None:
-    from vllm_ling.options import closest_known
+def warn_unknown_ling_variables() -> None:
+    """Once per server, not once per process: the first process that registers (or
+    ``vllm-ling serve`` before it) warns and marks the environment vLLM's engine core and
+    workers inherit."""
+    from vllm_ling.options import UNKNOWN_WARNED_MARKER, unknown_variables
 
-    for name in sorted(k for k in os.environ if k.startswith("VLLM_LING_") and k not in known):
-        meant = closest_known(name)
-        log_once(logger, logging.WARNING, f"unknown-env-{name}",
-                 "%s is not a vllm-ling variable and is ignored%s (see `vllm_ling/options.py`)",
-                 name, f"; did you mean {meant}?" if meant else "")
+    if os.environ.get(UNKNOWN_WARNED_MARKER):
+        return
+    for message in unknown_variables(os.environ):
+        logger.warning("%s", message)
+    os.environ[UNKNOWN_WARNED_MARKER] = "1"

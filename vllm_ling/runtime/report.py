@@ -14,7 +14,7 @@ import json
 import os
 import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from vllm_ling.log import get_logger
 from vllm_ling.options import read
@@ -255,10 +255,47 @@ class ReportReader:
 
 
 
+class ReportPathError(ValueError):
+    """``VLLM_LING_REPORT_PATH`` cannot be written; the message names the variable."""
+
+
+def default_report_path(name: str, env: Mapping[str, str] | None = None) -> str:
+    """``<per-user directory>/vllm-ling/<name>``: ``$XDG_RUNTIME_DIR`` (a private tmpfs per
+    user) when there is one, else ``$XDG_CACHE_HOME`` or ``~/.cache``. Never a predictable
+    name in a shared ``/tmp``."""
+    env = os.environ if env is None else env
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        base = runtime
+    else:
+        base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "vllm-ling", name)
+
+
+def check_report_path(path: str) -> None:
+    """Make sure the report can be written at ``path`` (creating its directory, 0700), before
+    any weight loads; :class:`ReportPathError` naming ``VLLM_LING_REPORT_PATH`` otherwise."""
+    problem = None
+    if os.path.isdir(path):
+        problem = "is a directory"
+    else:
+        directory = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=directory, prefix=".report-", suffix=".probe")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            problem = f"its directory cannot be written ({exc.strerror or exc}: {exc.filename or directory})"
+    if problem:
+        raise ReportPathError(f"{ENV_REPORT_PATH}={path}: {problem}; set {ENV_REPORT_PATH} (or "
+                              "--report-path) to a file in a writable directory")
+
+
 def write_report(report: dict[str, Any], path: str) -> None:
     """Replace the report at ``path`` atomically (0600 temporary file in the same directory)."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".report-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:

@@ -93,6 +93,19 @@ def mark_default_applied(hf_config) -> None:
     setattr(hf_config, DEFAULT_SPEC_ATTR, True)
 
 
+# Set when MTP was wanted (VLLM_LING_MTP=1) but the checkpoint has no NEXTN layer to draft
+# with: speculation is then off by design, not by failure.
+NO_NEXTN_ATTR = "vllm_ling_no_nextn_layers"
+
+
+def mark_no_nextn_layers(hf_config) -> None:
+    setattr(hf_config, NO_NEXTN_ATTR, True)
+
+
+def no_nextn_layers(vllm_config) -> bool:
+    return bool(getattr(vllm_config.model_config.hf_config, NO_NEXTN_ATTR, False))
+
+
 def default_applied(vllm_config) -> bool:
     """Whether the speculative config in force is vllm-ling's default."""
     return bool(getattr(vllm_config.model_config.hf_config, DEFAULT_SPEC_ATTR, False))

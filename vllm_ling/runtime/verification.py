@@ -71,6 +71,12 @@ class Expectations:
     num_speculative_tokens: int
     default_spec: bool  # the speculative config is vllm-ling's default
     dense_fp8: bool = False  # vllm-ling's W8A16 kernel serves decode-sized block-FP8 dense linears
+    no_nextn_layers: bool = False  # MTP wanted but the checkpoint has no NEXTN layer
+
+    @property
+    def mtp(self) -> bool:
+        """The NEXTN draft is what speculates (another method, e.g. ngram, has no Ling draft)."""
+        return self.spec_method == "mtp"
 
     @classmethod
     def from_runtime(cls, vllm_config, options: LingOptions) -> "Expectations":
@@ -81,13 +87,14 @@ class Expectations:
             getattr(vllm_config.kernel_config, "moe_backend", "auto") not in ("auto", MoePath.HUMMING))
         moe = MoePath.VLLM if moe_opt_out else (MoePath.REFERENCE if platform == "cpu" else MoePath.HUMMING)
         spec = vllm_config.speculative_config
-        from vllm_ling.runtime.spec_policy import default_applied
+        from vllm_ling.runtime.spec_policy import default_applied, no_nextn_layers
 
         return cls(platform=platform, moe_backend=moe, fp8_head=options.fp8_head,
                    spec_method=getattr(spec, "method", None),
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
                    default_spec=default_applied(vllm_config),
-                   dense_fp8=platform == "cuda" and options.dense_fp8 is DenseFp8.LING)
+                   dense_fp8=platform == "cuda" and options.dense_fp8 is DenseFp8.LING,
+                   no_nextn_layers=no_nextn_layers(vllm_config))
 
 
 def _routed_expert_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -102,8 +109,8 @@ def check_model_classes(target, draft, exp: Expectations) -> Check:
 
     actual = f"target {type(target).__name__}" + (f", draft {type(draft).__name__}" if draft is not None else "")
     ok = isinstance(target, LingForCausalLM) and (
-        draft is None if exp.spec_method is None else isinstance(draft, LingMTPModel))
-    expected = "target LingForCausalLM" + (", draft LingMTPModel" if exp.spec_method else "")
+        isinstance(draft, LingMTPModel) if exp.mtp else not isinstance(draft, LingMTPModel))
+    expected = "target LingForCausalLM" + (", draft LingMTPModel" if exp.mtp else "")
     return Check("model_classes", ok, expected, actual,
                  "vllm-ling's plugin did not register its classes: check VLLM_PLUGINS allows vllm_ling")
 
@@ -220,6 +227,10 @@ def check_head(target, exp: Expectations) -> Check:
 def check_draft_sharing(target, draft, exp: Expectations) -> Check:
     if exp.spec_method is None:
         return Check("draft_shares_target_modules", True, "no draft (speculation off)", "no draft")
+    if not exp.mtp:
+        return Check("draft_shares_target_modules", True,
+                     f"no NEXTN draft (--speculative-config method {exp.spec_method}: MTP not requested)",
+                     "no NEXTN draft" if draft is None else f"draft {type(draft).__name__}")
     if draft is None:
         return Check("draft_shares_target_modules", False, "draft loaded", "no NEXTN draft in this process",
                      "the speculative config names no Ling MTP draft")
@@ -252,6 +263,8 @@ def check_speculative(exp: Expectations, options: LingOptions) -> Check:
     if exp.default_spec:
         expected = f"mtp, {options.num_spec_tokens} tokens (vllm-ling default)"
         ok = exp.spec_method == "mtp" and exp.num_speculative_tokens == options.num_spec_tokens
+    elif options.mtp and exp.spec_method is None and exp.no_nextn_layers:
+        expected, ok = "off (the checkpoint has no NEXTN layers: num_nextn_predict_layers=0)", True
     elif options.mtp and exp.spec_method is None:
         expected, ok = "mtp (VLLM_LING_MTP=1)", False
     else:
@@ -316,8 +329,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
             "dense_fp8_decode": {"requested": exp.dense_fp8,
                                  "active": exp.dense_fp8 and by_name["dense_fp8_layers"].passed,
                                  "detail": by_name["dense_fp8_layers"].actual},
-            "mtp": {"requested": exp.spec_method == "mtp",
-                    "active": mtp_active, "detail": by_name["draft_shares_target_modules"].actual},
+            "mtp": {"requested": exp.mtp, "active": mtp_active, "detail": _mtp_detail(exp, by_name)},
         },
         "moe_backend": exp.moe_backend,
         "head_dtype": str(target.lm_head.weight.dtype).replace("torch.", ""),
@@ -329,6 +341,14 @@ def build_report(target, draft, vllm_config, options: LingOptions,
         "notes": _serving_notes(vllm_config, known),
         "memory": {"weights_bytes": weights_bytes(target, draft)},
     }
+
+
+def _mtp_detail(exp: Expectations, by_name: dict[str, Check]) -> str:
+    if exp.no_nextn_layers and exp.spec_method is None:
+        return "not requested: the checkpoint has no NEXTN layers (num_nextn_predict_layers=0)"
+    if exp.spec_method is not None and not exp.mtp:
+        return f"not requested: --speculative-config method {exp.spec_method}"
+    return by_name["draft_shares_target_modules"].actual
 
 
 def weights_bytes(*modules: torch.nn.Module | None) -> int:

@@ -58,8 +58,35 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and $v.ingress.enabled (not $v.ingress.host) -}}
   {{- fail "ingress.enabled=true needs ingress.host" -}}
 {{- end -}}
+{{- if and (eq $v.mode "multinode") $v.multinode.rayAuth.enabled (not $v.multinode.rayAuth.existingSecret) -}}
+  {{- fail "multinode.rayAuth.enabled=true needs multinode.rayAuth.existingSecret (a Secret holding the Ray token; this chart never stores it). Set multinode.rayAuth.enabled=false only on a network nobody else reaches." -}}
+{{- end -}}
 {{- if and $v.multinode.rdma.enabled (ne $v.mode "multinode") -}}
   {{- fail "multinode.rdma.enabled=true only applies to mode=multinode" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The image reference: repository:tag, pinned with @digest when image.digest is set. */}}
+{{- define "vllm-ling.image" -}}
+{{- $ref := printf "%s:%s" .Values.image.repository .Values.image.tag -}}
+{{- if .Values.image.digest -}}{{- $ref = printf "%s@%s" $ref .Values.image.digest -}}{{- end -}}
+{{- $ref | quote -}}
+{{- end -}}
+
+{{/* Seconds a stopping pod gets: preStop pause + vLLM's drain (--shutdown-timeout) + the
+30 s vllm-ling serve allows vLLM's teardown after it (runtime/supervisor.py TEARDOWN_MARGIN_S). */}}
+{{- define "vllm-ling.terminationGracePeriodSeconds" -}}
+{{- add (int .Values.serving.preStopSleepSeconds) (int .Values.serving.shutdownTimeout) 30 -}}
+{{- end -}}
+
+{{/* The server container's preStop: wait until the endpoint has left the Service, then
+Kubernetes sends SIGTERM and vLLM drains. */}}
+{{- define "vllm-ling.serverLifecycle" -}}
+{{- if gt (int .Values.serving.preStopSleepSeconds) 0 -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", {{ .Values.serving.preStopSleepSeconds | quote }}]
 {{- end -}}
 {{- end -}}
 
@@ -116,6 +143,15 @@ limits:
   value: {{ .Values.multinode.pipelineParallelSize | quote }}
 - name: VLLM_LING_RAY_NUM_GPUS
   value: {{ .Values.multinode.gpusPerNode | quote }}
+{{- if .Values.multinode.rayAuth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.multinode.rayAuth.existingSecret | quote }}
+      key: {{ .Values.multinode.rayAuth.secretKey | quote }}
+{{- end }}
 {{- if .Values.multinode.networkInterface }}
 - name: VLLM_LING_IFACE
   value: {{ .Values.multinode.networkInterface | quote }}
@@ -149,6 +185,8 @@ limits:
   value: {{ .Values.serving.port | quote }}
 - name: VLLM_LING_MAX_MODEL_LEN
   value: {{ .Values.serving.maxModelLen | quote }}
+- name: VLLM_LING_SHUTDOWN_TIMEOUT
+  value: {{ .Values.serving.shutdownTimeout | quote }}
 - name: VLLM_LING_GPU_MEMORY_UTILIZATION
   value: {{ .Values.serving.gpuMemoryUtilization | quote }}
 {{- if .Values.serving.maxNumSeqs }}
@@ -181,6 +219,10 @@ limits:
     secretKeyRef:
       name: {{ .Values.apiKey.existingSecret | quote }}
       key: {{ .Values.apiKey.secretKey | quote }}
+{{- else }}
+# apiKey.enabled=false is the operator's explicit choice; vllm-ling serve refuses otherwise.
+- name: VLLM_LING_ALLOW_NO_API_KEY
+  value: "1"
 {{- end }}
 {{- range $name, $value := .Values.serving.extraEnv }}
 - name: {{ $name | quote }}
@@ -266,7 +308,7 @@ livenessProbe:
 {{/* Init container compiling the humming kernels into the cache volume. */}}
 {{- define "vllm-ling.warmupInitContainer" -}}
 - name: warmup
-  image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
+  image: {{ include "vllm-ling.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
   command: ["vllm-ling", "warmup"]
   {{- if or .Values.warmup.tokenCounts .Values.warmup.rowCounts }}
@@ -293,7 +335,7 @@ livenessProbe:
 serviceAccountName: {{ include "vllm-ling.serviceAccountName" . }}
 automountServiceAccountToken: false
 enableServiceLinks: false
-terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+terminationGracePeriodSeconds: {{ include "vllm-ling.terminationGracePeriodSeconds" . }}
 securityContext:
   {{- include "vllm-ling.podSecurityContext" . | nindent 2 }}
 {{- with .Values.imagePullSecrets }}

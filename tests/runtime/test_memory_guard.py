@@ -1,0 +1,116 @@
+"""The memory guard's estimate against the tiny checkpoint's own files, and its verdicts."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from vllm_ling.options import LingOptionError
+from vllm_ling.runtime import memory_guard as mg
+from vllm_ling.runtime.memory_guard import GIB, DeviceMemory, MemoryEstimate
+
+
+def shard_data_bytes(model_dir) -> int:
+    """Bytes of tensor data in the shards: file size minus the 8-byte length and the header."""
+    total = 0
+    for shard in model_dir.glob("*.safetensors"):
+        with open(shard, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+        total += shard.stat().st_size - 8 - header_len
+    return total
+
+
+@pytest.fixture(scope="module")
+def config(tiny_checkpoint):
+    return json.loads((tiny_checkpoint / "config.json").read_text())
+
+
+def test_weights_as_stored_equal_the_shards_data(tiny_checkpoint, config):
+    stored = mg.weight_bytes(tiny_checkpoint, config, device="cuda", fp8_head=False, mtp=True,
+                             expert_copy=False, tensor_parallel_size=1)
+    assert stored == shard_data_bytes(tiny_checkpoint)
+
+
+def test_weights_after_the_load_transforms(tiny_checkpoint, config):
+    from safetensors import safe_open
+
+    tensors = {}
+    for shard in tiny_checkpoint.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    stored = sum(nbytes(t) for t in tensors.values())
+    head = tensors["lm_head.weight"]
+    experts = sum(nbytes(t) for n, t in tensors.items() if ".experts." in n)
+    common = dict(mtp=True, tensor_parallel_size=1)
+    # FP8 head: one byte per weight plus a BF16 scale per row, instead of BF16 weights.
+    fp8_head = mg.weight_bytes(tiny_checkpoint, config, device="cuda", fp8_head=True,
+                               expert_copy=False, **common)
+    assert fp8_head == stored - nbytes(head) + head.numel() + head.shape[0] * 2
+    # The decode copy doubles the routed experts.
+    copy = mg.weight_bytes(tiny_checkpoint, config, device="cuda", fp8_head=False, expert_copy=True, **common)
+    assert copy == stored + experts
+    # CPU: dense FP8 weights become BF16 and lose their block scales.
+    dense_fp8 = {n for n, t in tensors.items() if t.dtype == __import__("torch").float8_e4m3fn
+                 and ".experts." not in n}
+    scales = sum(nbytes(tensors[n + "_scale_inv"]) for n in dense_fp8)
+    cpu = mg.weight_bytes(tiny_checkpoint, config, device="cpu", fp8_head=False, expert_copy=False, **common)
+    assert cpu == stored + sum(tensors[n].numel() for n in dense_fp8) - scales
+    # Without speculation the NEXTN layer is not loaded; tensor parallelism splits the rest.
+    draft = f"model.layers.{config['num_hidden_layers']}."
+    no_mtp = mg.weight_bytes(tiny_checkpoint, config, device="cuda", fp8_head=False, mtp=False,
+                             expert_copy=False, tensor_parallel_size=2)
+    assert no_mtp == (stored - sum(nbytes(t) for n, t in tensors.items() if n.startswith(draft))) // 2
+
+
+def test_kv_and_state_scale_with_length_and_batch(config):
+    one = mg.kv_and_state_bytes(config, max_model_len=1000, max_num_seqs=1, mtp=False, tensor_parallel_size=1)
+    longer = mg.kv_and_state_bytes(config, max_model_len=2000, max_num_seqs=1, mtp=False, tensor_parallel_size=1)
+    batch = mg.kv_and_state_bytes(config, max_model_len=1000, max_num_seqs=8, mtp=False, tensor_parallel_size=1)
+    n_kda = sum(mg.is_kda_layer(i, config) for i in range(config["num_hidden_layers"]))
+    n_mla = config["num_hidden_layers"] - n_kda
+    kv_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+    assert longer - one == n_mla * kv_token * 1000
+    assert batch == 8 * one
+
+
+def fits(need_total_gib, available_gib, device="cpu", total_gib=100.0, unified=True, util=0.85):
+    need = MemoryEstimate(weights=int(need_total_gib * GIB), kv_and_state=0, workspace=0,
+                          max_model_len=1024, max_num_seqs=4)
+    memory = DeviceMemory(available=int(available_gib * GIB), total=int(total_gib * GIB),
+                          unified=unified, source="test")
+    return mg.problems(need, memory, device, util)
+
+
+def test_verdicts_name_the_numbers_and_flags():
+    assert fits(10, 20) == []
+    [message] = fits(30, 20)
+    assert "30.00 GiB" in message and "20.00 GiB" in message and "--max-model-len" in message
+    # A discrete GPU: the need must fit in vLLM's share.
+    [message] = fits(90, 95, device="cuda", unified=False)
+    assert "--gpu-memory-utilization 0.85" in message and "85.00 GiB" in message
+    # Unified memory: vLLM's claim (85 GiB) plus the margin must fit in what is available.
+    need = MemoryEstimate(weights=10 * GIB, kv_and_state=0, workspace=6 * GIB, max_model_len=1, max_num_seqs=1)
+    memory = DeviceMemory(available=88 * GIB, total=100 * GIB, unified=True, source="test")
+    [message] = mg.problems(need, memory, "cuda", 0.85)
+    assert "lower --gpu-memory-utilization to at most 0.82" in message
+
+
+def test_available_memory_override_and_sources():
+    memory = mg.device_memory("cpu", {mg.ENV_AVAILABLE_OVERRIDE: "1.5"})
+    assert memory.available == int(1.5 * GIB) and memory.source == mg.ENV_AVAILABLE_OVERRIDE
+    real = mg.device_memory("cpu", {})
+    assert 0 < real.available <= real.total and real.unified
+    gb10 = mg.device_memory("cuda", {}, cuda_memory=lambda: (1 * GIB, 120 * GIB, True),
+                            system_memory=lambda: (100 * GIB, 120 * GIB))
+    assert gb10.available == 100 * GIB and gb10.unified  # not cudaMemGetInfo's figure
+    h200 = mg.device_memory("cuda", {}, cuda_memory=lambda: (130 * GIB, 140 * GIB, False),
+                            system_memory=lambda: (1 * GIB, 2 * GIB))
+    assert h200.available == 130 * GIB and not h200.unified
+    with pytest.raises(LingOptionError, match=mg.ENV_AVAILABLE_OVERRIDE):
+        mg.device_memory("cpu", {mg.ENV_AVAILABLE_OVERRIDE: "lots"})
