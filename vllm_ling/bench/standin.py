@@ -81,13 +81,20 @@ class StandIn:
             return words[:max_tokens]
         return [f" w{i % 97}" for i in range(max_tokens)]
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def _accept(self, request: web.Request) -> tuple[dict | None, web.Response | None]:
+        """The request body, or the error response a real server gives (bad key, wrong model)."""
         if not self._authorized(request):
-            return web.json_response({"error": {"message": "bad api key"}}, status=401)
+            return None, web.json_response({"error": {"message": "bad api key"}}, status=401)
         body = await request.json()
         if body.get("model") != self.model:
-            return web.json_response({"error": {"message": f"model {body.get('model')!r} not served"}},
-                                     status=404)
+            return None, web.json_response({"error": {"message": f"model {body.get('model')!r} not served"}},
+                                           status=404)
+        return body, None
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body, refused = await self._accept(request)
+        if refused is not None:
+            return refused
         prompt = body["prompt"]
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         words = self._words(prompt, int(body.get("max_tokens", 16)), bool(body.get("ignore_eos")))
@@ -151,12 +158,9 @@ class StandIn:
         return {"name": tool.get("name", ""), "arguments": json.dumps(args)}
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        if not self._authorized(request):
-            return web.json_response({"error": {"message": "bad api key"}}, status=401)
-        body = await request.json()
-        if body.get("model") != self.model:
-            return web.json_response({"error": {"message": f"model {body.get('model')!r} not served"}},
-                                     status=404)
+        body, refused = await self._accept(request)
+        if refused is not None:
+            return refused
         messages = body.get("messages") or []
         text = _last_user_text(messages)
         prompt_tokens = sum(len(str(m.get("content") or "").split()) for m in messages)
