@@ -124,12 +124,21 @@ def render_multinode(port: int, wait_s: int) -> tuple[dict, dict]:
             template["workerTemplate"]["spec"]["containers"][0])
 
 
+# The Secrets a test cluster's pods would mount (the chart's default Ray token Secret).
+SECRETS = {("vllm-ling-ray-token", "token"): uuid.uuid4().hex + uuid.uuid4().hex}
+
+
 class Node:
     """One rendered container run as a local process group (the container's stand-in)."""
 
     def __init__(self, container: dict, env: dict[str, str], log_path: Path, extra_args=()):
         self.log_path = log_path
         rendered = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+        # What the kubelet does for secretKeyRef: the chart's Ray token (RAY_AUTH_MODE=token) is
+        # resolved from the test's own Secret, so the cluster runs with Ray's token auth on.
+        rendered.update({e["name"]: SECRETS[(e["valueFrom"]["secretKeyRef"]["name"],
+                                             e["valueFrom"]["secretKeyRef"]["key"])]
+                         for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})})
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
         full_env.pop("VLLM_PLUGINS", None)
         full_env.pop("RAY_ADDRESS", None)

@@ -231,14 +231,21 @@ def test_replay_scores_chat_answers_on_the_real_server(default_server, agreeing_
     config = json.loads((agreeing_checkpoint / "config.json").read_text())
     from vllm_ling.models.agreeing_checkpoint import expected_continuation
 
+    # The construction defines the next token after an ordinary token; Ling-3's generation prompt
+    # ends in a role marker (a special token), so each request continues an assistant prefix.
+    prefix = {"role": "assistant", "content": "Sure"}
+
     def answer(user: str, n: int) -> str:
-        text = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template([{"role": "user", "content": user}, prefix],
+                                       continue_final_message=True, tokenize=False)
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        return tok.decode(expected_continuation(ids[-1], n, config), skip_special_tokens=True)
+        # a byte-level token may end inside a UTF-8 character: the server holds such bytes back
+        return tok.decode(expected_continuation(ids[-1], n, config), skip_special_tokens=True).rstrip("\ufffd")
 
     def line(rid, user, **kw):
-        return {"id": rid, "messages": [{"role": "user", "content": user}], "max_tokens": 8,
-                "temperature": 0, "ignore_eos": True, **kw}
+        return {"id": rid, "messages": [{"role": "user", "content": user}, prefix], "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True, "continue_final_message": True,
+                "add_generation_prompt": False, **kw}
 
     weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
