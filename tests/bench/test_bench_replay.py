@@ -186,3 +186,16 @@ def test_facts_from_metrics():
     assert f["optimizations_active"] == {"mtp": False} and f["kernel_checks"] == {"fp8_linear": True}
     assert f["cache_config"] == {"block_size": "16", "num_gpu_blocks": "99"}
     assert f["api_server_resident_bytes"] == 1.5e9 and f["launch_to_ready_s"] == 42.0
+
+
+def test_facts_from_report_read_the_known_answer_section():
+    """The verification report's kernel_checks section (runtime/kernel_checks): per kernel and
+    implementation, skipped checks left out."""
+    from vllm_ling.bench.server_facts import facts_from_report
+
+    report = {"passed": True, "kernel_checks": {"passed": False, "summary": "", "seconds": 0.4, "dense_fp8": {},
+                                                "results": [
+        {"name": "fp8_head", "kernel": "torch", "passed": True, "skipped": None},
+        {"name": "moe_mxfp4", "kernel": "humming", "passed": False, "skipped": None},
+        {"name": "kda", "kernel": "vllm", "passed": False, "skipped": "no KDA layer"}]}}
+    assert facts_from_report(report)["kernel_checks"] == {"fp8_head[torch]": True, "moe_mxfp4[humming]": False}

@@ -86,8 +86,10 @@ def facts_from_report(report: dict[str, Any]) -> dict[str, Any]:
     if isinstance(kernel_checks, list):
         out["kernel_checks"] = {k.get("kernel", k.get("name")): k.get("passed") for k in kernel_checks
                                 if isinstance(k, dict)}
-    elif isinstance(kernel_checks, dict):
-        out["kernel_checks"] = {k: (v.get("passed") if isinstance(v, dict) else v) for k, v in kernel_checks.items()}
+    elif isinstance(kernel_checks, dict) and isinstance(kernel_checks.get("results"), list):
+        # the verification report's section (runtime/kernel_checks.report_section)
+        out["kernel_checks"] = {f"{r.get('name')}[{r.get('kernel')}]": r.get("passed")
+                                for r in kernel_checks["results"] if isinstance(r, dict) and not r.get("skipped")}
     for section in ("startup", "memory"):
         if isinstance(report.get(section), dict):
             out[section] = dict(report[section])
