@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_ling.bench.json_file import read_json
 from vllm_ling.bench.runner import READABLE_SCHEMAS, RESULTS_SCHEMA, SCORED_FIELDS, BenchError
 from vllm_ling.bench.server_facts import diff_facts
 from vllm_ling.bench.stats import STATISTICS, bootstrap_delta, mcnemar_exact
@@ -28,13 +29,7 @@ LATENCY_METRICS = (
 
 
 def load_results(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise BenchError(f"{path}: file not found")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise BenchError(f"{path}: not JSON ({exc})") from exc
+    data = read_json(path, path, BenchError)
     if not isinstance(data, dict) or data.get("schema") not in READABLE_SCHEMAS:
         raise BenchError(f"{path}: not a vllm-ling bench results.json (schema {RESULTS_SCHEMA})")
     return data

@@ -25,12 +25,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from vllm_ling.bench.client import auth_headers
+from vllm_ling.bench.json_file import read_json
 from vllm_ling.bench.scrape import parse_prometheus
 from vllm_ling.bench.stats import summarize
 
@@ -52,13 +52,7 @@ class FactsError(ValueError):
 
 
 def load_report_file(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise FactsError(f"--server-report {path!r}: file not found")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise FactsError(f"--server-report {path!r}: not JSON ({exc})") from exc
+    data = read_json(path, f"--server-report {path!r}", FactsError)
     if not isinstance(data, dict) or "optimizations" not in data:
         raise FactsError(f"--server-report {path!r}: not a vllm-ling verification report (no 'optimizations')")
     return data
