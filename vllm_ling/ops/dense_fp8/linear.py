@@ -54,6 +54,19 @@ def effective_config(config: W8A16Config, capability: tuple[int, int]) -> W8A16C
     )
 
 
+def _checked(config: W8A16Config, n: int, k: int, capability: tuple[int, int]) -> W8A16Config:
+    problems = config.problems(n, k)
+    if problems:
+        raise ValueError(f"W8A16 config {config} cannot run a {n}x{k} weight: {'; '.join(problems)}")
+    return effective_config(config, capability)
+
+
+@functools.lru_cache(maxsize=None)
+def launch_config(n: int, k: int, rows: int, capability: tuple[int, int], sm_count: int) -> W8A16Config:
+    """The checked, effective config for a shape: resolved once, not on every forward call."""
+    return _checked(select_config(n, k, rows, capability, sm_count)[0], n, k, capability)
+
+
 def _prefetch_split(config: W8A16Config, k: int) -> tuple[int, int]:
     """(pieces per row, bytes per piece) so that about one bulk prefetch per thread covers the
     program's part of its rows (K / split_k bytes each); pieces is a power of two and each
@@ -100,12 +113,8 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"scale must be float32 {expected} with unit stride on K, got {scale.dtype} "
                          f"{tuple(scale.shape)}")
     capability, sm_count = device_facts(x.device)
-    if config is None:
-        config, _ = select_config(n, k, m, capability, sm_count)
-    problems = config.problems(n, k)
-    if problems:
-        raise ValueError(f"W8A16 config {config} cannot run a {n}x{k} weight: {'; '.join(problems)}")
-    config = effective_config(config, capability)
+    config = launch_config(n, k, m, capability, sm_count) if config is None else \
+        _checked(config, n, k, capability)
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     elif out.shape != (m, n) or not out.is_contiguous() or out.dtype != torch.bfloat16:
