@@ -1,7 +1,7 @@
 """Config class for Ling-3.0 (`model_type: bailing_hybrid`) without trust-remote-code.
 
 transformers 5.19 does not know ``bailing_hybrid`` and 5.20's class overwrites
-``head_dim`` (BRIEF). vLLM ships a correct text config for the VL variant; we reuse
+``head_dim`` (checked against the published configs). vLLM ships a correct text config for the VL variant; we reuse
 it for the text-only model so ``head_dim`` is read from the checkpoint and the
 Ling-specific fields (KDA, MLA, MoE clamps, MTP) are validated before weights load.
 """
@@ -38,7 +38,7 @@ class LingHybridConfig(BailingMoeV3TextConfig):
                 "\"architectures\" field of the checkpoint's config.json.")
         super().__init__(**kwargs)
         # Kept explicitly: the model code reads these with getattr defaults, and the
-        # per-layer clamps must be honoured or the output is garbage (BRIEF).
+        # per-layer clamps must be honoured or the output is garbage.
         self.expert_swiglu_limit_list = kwargs.get("expert_swiglu_limit_list")
         self.share_expert_swiglu_limit_list = kwargs.get("share_expert_swiglu_limit_list")
 
