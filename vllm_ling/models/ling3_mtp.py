@@ -5,7 +5,7 @@ embedding, loads the checkpoint's BF16 head and embedding into them, and only af
 (in the V1 proposer's ``_maybe_share_lm_head`` / the V2 runner's ``load_eagle_model``, or
 through ``share_lm_head``) replaces them with the target's. With the FP8 head, a draft
 that ends up with anything but the target's module reads FP8 bytes without their
-scales/kernel and acceptance collapses (BRIEF: "the trap").
+scales/kernel and acceptance collapses ("the trap" of the DGX Spark study).
 
 This class therefore never owns a head or an embedding: both are :class:`TargetModuleSlot`
 placeholders that hold no storage and raise if used before the target's module is put
