@@ -37,11 +37,12 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from benchmarks.dense_fp8 import load_config
 from benchmarks.lm_head import copy_bandwidth_gbs
 from benchmarks.decode_standins import fused_add_rms_norm, fused_route
 from benchmarks.timing import stacked_time_us
 from benchmarks.upstream_fp8 import ScaledMmBlockFp8
-from vllm_ling.ops.dense_fp8 import W8A16Config, w8a16_linear
+from vllm_ling.ops.dense_fp8 import w8a16_linear
 from vllm_ling.ops.fp8 import block_fp8_quantize
 from vllm_ling.ops.moe.activation import swiglu
 from vllm_ling.ops.moe.humming import HummingMxfp4Experts
@@ -63,7 +64,7 @@ STANDINS = {
 }
 
 
-DENSE_CONFIGS: dict[tuple[int, int, int], W8A16Config] = {}  # --dense-configs: (N, K, rows) -> config
+DENSE_CONFIGS: dict[tuple[int, int, int], object] = {}  # --dense-configs: (N, K, rows) -> config
 
 
 class Fp8Linear:
@@ -358,7 +359,7 @@ def main(argv=None) -> int:
     if args.dense_configs:
         for key, (cfg_dict, _us) in json.load(open(args.dense_configs)).get("sweep_best", {}).items():
             n, k, rows = map(int, key.split("x"))
-            DENSE_CONFIGS[(n, k, rows)] = W8A16Config(**cfg_dict)
+            DENSE_CONFIGS[(n, k, rows)] = load_config(cfg_dict)
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)

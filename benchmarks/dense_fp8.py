@@ -1,5 +1,6 @@
 """Dense block-FP8 linears of Ling-3.0-flash at decode sizes on one GPU: vllm-ling's W8A16
-kernel against the upstream-equivalent W8A8 path and BF16 cuBLAS, every shape, 1..32 rows.
+kernels (the CUDA decode kernel up to 32 rows, the Triton kernel as its fallback) against the
+upstream-equivalent W8A8 path and BF16 cuBLAS, every shape, 1..32 rows.
 
 Shapes: every dense block-FP8 linear vLLM 0.32 builds for the full config (merged as vLLM
 merges them; TP=1; target and NEXTN layers), from ``vllm_ling.models.dense_linears``. For each
@@ -11,7 +12,8 @@ Every kernel's output is checked against the float64 reference first (``err``: t
 ``|out - ref| / (2**-8 |ref| + 2**-14 S)``, S = sum of the terms' magnitudes; <= 1 passes).
 
     python -m benchmarks.dense_fp8                  # table with the tuned configs
-    python -m benchmarks.dense_fp8 --sweep          # also sweep launch configs; prints TUNED
+    python -m benchmarks.dense_fp8 --sweep          # also sweep Triton launch configs; prints TUNED
+    python -m benchmarks.dense_fp8 --sweep-decode   # also sweep the CUDA decode kernel; prints TUNED_DECODE
 
 Prints a Markdown table and writes it to --out.
 """
@@ -36,7 +38,8 @@ from benchmarks.timing import stacked_time_us
 from benchmarks.upstream_fp8 import ScaledMmBlockFp8, TritonW8A8BlockFp8
 from vllm_ling.models.dense_linears import dense_fp8_linears
 from vllm_ling.ops.dense_fp8 import kernel as K
-from vllm_ling.ops.dense_fp8.linear import device_facts, effective_config, w8a16_linear
+from vllm_ling.ops.dense_fp8.decode_kernel import DecodeConfig
+from vllm_ling.ops.dense_fp8.linear import device_facts, effective_config, launch_config, w8a16_linear
 from vllm_ling.ops.dense_fp8.reference import magnitude_bound, reference_linear
 from vllm_ling.ops.dense_fp8.tuned_configs import W8A16Config, select_config
 from vllm_ling.ops.fp8 import block_fp8_dequantize, block_fp8_quantize
@@ -86,6 +89,37 @@ def sweep_candidates(rows: int, n: int, k: int, sm_count: int) -> list[W8A16Conf
     return out
 
 
+def decode_sweep_candidates(rows: int, n: int, k: int) -> list[DecodeConfig]:
+    """The CUDA decode kernel's shapes worth timing: 2..12 k-steps per warp, 1 or 2 tiles per CTA."""
+    out = []
+    for ksplit in range(1, k // 64 + 1):
+        for warps_n in (1, 2):
+            c = DecodeConfig(ksplit=ksplit, warps_n=warps_n)
+            if not c.problems(n, k, rows) and 2 <= c.steps(k) <= 12 and c.threads() <= 1024:
+                out.append(c)
+    return out
+
+
+def describe(config) -> str:
+    if isinstance(config, DecodeConfig):
+        return (f"cuda ks{config.ksplit} wn{config.warps_n} minb{config.min_blocks}"
+                f"{' pdl' if config.pdl else ''}")
+    c = dataclasses.asdict(config)
+    return (f"{'dot' if c['use_dot'] else 'fma'} m{c['block_m']} n{c['block_n']} ks{c['k_steps']} "
+            f"sk{c['split_k']} w{c['num_warps']} s{c['num_stages']}"
+            f"{' pdl' if c['pdl'] else ''}{' pf' if c['prefetch_l2'] else ''}")
+
+
+def config_record(config) -> dict:
+    """A config as JSON: its fields and which kernel (``load_config`` reads it back)."""
+    return {"kernel": "cuda" if isinstance(config, DecodeConfig) else "triton", **dataclasses.asdict(config)}
+
+
+def load_config(record: dict):
+    fields = {k: v for k, v in record.items() if k != "kernel"}
+    return DecodeConfig(**fields) if record.get("kernel") == "cuda" else W8A16Config(**fields)
+
+
 def precompile(configs: list[W8A16Config], x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> None:
     """Compile every config once, in threads (Triton compiles in ptxas subprocesses)."""
     def one(c):
@@ -114,6 +148,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
                         help="with --sweep: the row counts to sweep (others use the table)")
+    parser.add_argument("--sweep-decode", action="store_true",
+                        help="sweep the CUDA decode kernel's configs at --sweep-rows")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "dense_fp8_h200.md"))
@@ -170,12 +206,17 @@ def main(argv=None) -> int:
                 return stacked_time_us([(lambda i=i: fn_for_copy(i)) for i in range(count)], args.replays)
 
             row = dict(n=n, k=k, module=sh.module, layers=sh.layers, rows=rows, bytes=nbytes)
-            table_cfg, source = select_config(n, k, rows, capability, sm_count)
-            chosen = table_cfg
+            table_cfg, _ = select_config(n, k, rows, capability, sm_count)
+            chosen = launch_config(n, k, rows, capability, sm_count)
+            source = "selected (decode kernel table/heuristic)" if isinstance(chosen, DecodeConfig) else "selected"
+            sweeps = []
             if args.sweep and rows in args.sweep_rows:
-                cands = sweep_candidates(rows, n, k, sm_count)
-                if table_cfg not in cands:
-                    cands.append(table_cfg)
+                sweeps.append(sweep_candidates(rows, n, k, sm_count) + [table_cfg])
+            if args.sweep_decode and rows in args.sweep_rows:
+                sweeps.append(decode_sweep_candidates(rows, n, k)
+                              + ([chosen] if isinstance(chosen, DecodeConfig) else []))
+            if sweeps:
+                cands = list(dict.fromkeys(c for group in sweeps for c in group))
                 t0 = time.perf_counter()
                 precompile(cands, x, q0, s0)
                 best = None
@@ -194,21 +235,26 @@ def main(argv=None) -> int:
                     if best is None or us < best[0]:
                         best = (us, c)
                 print(f"  rows {rows}: swept {len(cands)} configs in {time.perf_counter() - t0:.1f} s; best "
-                      f"{best[0]:.2f} us {best[1]}", flush=True)
+                      f"{best[0]:.2f} us {describe(best[1])}", flush=True)
                 chosen = best[1]
                 source = "sweep best (this run)"
                 sweep_best[(n, k, rows)] = (best[1], best[0])
             out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=dev)
             w8a16_linear(x, q0, s0, out=out, config=chosen)
             row["err_ours"] = error_ratio(out, ref, mag)
-            row["config"] = dataclasses.asdict(effective_config(chosen, capability))
+            if not isinstance(chosen, DecodeConfig):
+                chosen = effective_config(chosen, capability)
+            row["config"] = describe(chosen)
             row["config_source"] = source
             row["us_ours"] = timed(lambda i: w8a16_linear(x, wq[i], ws[i], config=chosen))
-            if rows in (1, 4):  # what the sm_90 levers are worth
-                for lever, c in (("no_pdl", dataclasses.replace(chosen, pdl=False)),
-                                 ("no_prefetch", dataclasses.replace(chosen, prefetch_l2=False)),
-                                 ("neither", dataclasses.replace(chosen, pdl=False, prefetch_l2=False))):
-                    row[f"us_{lever}"] = timed(lambda i, c=c: w8a16_linear(x, wq[i], ws[i], config=c))
+            if rows in (1, 4):  # what PDL is worth
+                row["us_no_pdl"] = timed(lambda i: w8a16_linear(x, wq[i], ws[i],
+                                                                config=dataclasses.replace(chosen, pdl=False)))
+            triton_cfg = effective_config(table_cfg, capability)
+            out.fill_(float("nan"))
+            w8a16_linear(x, q0, s0, out=out, config=triton_cfg)
+            row["err_triton"] = error_ratio(out, ref, mag)
+            row["us_triton"] = timed(lambda i: w8a16_linear(x, wq[i], ws[i], config=triton_cfg))
             for key, objs in (("scaled_mm", up_mm), ("triton_w8a8", up_tr)):
                 if objs is None:
                     continue
@@ -224,7 +270,7 @@ def main(argv=None) -> int:
             results.append(row)
             up = row.get("us_scaled_mm")
             print(f"  rows {rows:2d}: ours {row['us_ours']:7.2f} us ({nbytes / row['us_ours'] / 1e3 / copy_gbs:.2f} of copy) "
-                  f"err {row['err_ours']:.3f} | scaled_mm {up if up else float('nan'):7.2f} | triton_w8a8 "
+                  f"err {row['err_ours']:.3f} {row['config']} | triton {row['us_triton']:7.2f} | scaled_mm {up if up else float('nan'):7.2f} | triton_w8a8 "
                   f"{row.get('us_triton_w8a8', float('nan')):7.2f} | bf16 {row['us_bf16']:7.2f}", flush=True)
         del wq, ws, wb, up_mm, up_tr
         torch.cuda.empty_cache()
@@ -237,7 +283,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"copy_gbs": copy_gbs, "head": head, "results": results, "notes": notes,
-                       "sweep_best": {f"{n}x{k}x{r}": [dataclasses.asdict(c), us]
+                       "sweep_best": {f"{n}x{k}x{r}": [config_record(c), us]
                                       for (n, k, r), (c, us) in sweep_best.items()}}, fh, indent=1)
     return 0
 
@@ -253,23 +299,18 @@ def render(results, head, copy_gbs, notes, sweep_best, args) -> str:
              "above. `vs up`: upstream-equivalent time / ours (> 1: ours faster). Upstream-equivalent = "
              f"{ScaledMmBlockFp8.name}; also {TritonW8A8BlockFp8.name}; and BF16 cuBLAS (`F.linear`). "
              "`err` <= 1 passes (see the script's docstring).", "",
-             "| shape N x K | module (layers) | rows | MB | ours us | frac | err | config | up us | vs up | "
-             "triton w8a8 us | bf16 us | ours no PDL / no prefetch / neither |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape N x K | module (layers) | rows | MB | ours us | frac | err | kernel config | up us | vs up | "
+             "Triton W8A16 us | triton w8a8 us | bf16 us | ours no PDL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        c = r["config"]
-        cfg = (f"{'dot' if c['use_dot'] else 'fma'} m{c['block_m']} n{c['block_n']} ks{c['k_steps']} "
-               f"sk{c['split_k']} w{c['num_warps']} s{c['num_stages']}"
-               f"{' pdl' if c['pdl'] else ''}{' pf' if c['prefetch_l2'] else ''}")
         up = r.get("us_scaled_mm")
         up_cells = f"{up:.2f} | {up / r['us_ours']:.2f}" if up else "- | -"
-        lev = (f"{r['us_no_pdl']:.2f} / {r['us_no_prefetch']:.2f} / {r['us_neither']:.2f}"
-               if "us_no_pdl" in r else "")
         tw = r.get("us_triton_w8a8")
+        nopdl = f"{r['us_no_pdl']:.2f}" if "us_no_pdl" in r else ""
         lines.append(
             f"| {r['n']} x {r['k']} | {r['module']} ({r['layers']}) | {r['rows']} | {r['bytes'] / 1e6:.1f} | "
-            f"{r['us_ours']:.2f} | {frac(r['bytes'], r['us_ours']):.2f} | {r['err_ours']:.2f} | {cfg} | "
-            f"{up_cells} | {f'{tw:.2f}' if tw else '-'} | {r['us_bf16']:.2f} | {lev} |")
+            f"{r['us_ours']:.2f} | {frac(r['bytes'], r['us_ours']):.2f} | {r['err_ours']:.2f} | {r['config']} | "
+            f"{up_cells} | {r['us_triton']:.2f} | {f'{tw:.2f}' if tw else '-'} | {r['us_bf16']:.2f} | {nopdl} |")
     # per-token sum over the model's layers at 1 and 4 rows
     lines += ["", "Per decode step (sum over every layer that runs each shape):", ""]
     for rows in (1, 4):
@@ -277,14 +318,17 @@ def render(results, head, copy_gbs, notes, sweep_best, args) -> str:
         if not sel:
             continue
         ours = sum(r["us_ours"] * r["layers"] for r in sel)
+        tri = sum(r["us_triton"] * r["layers"] for r in sel)
         up = sum(r.get("us_scaled_mm", float("nan")) * r["layers"] for r in sel)
         bf = sum(r["us_bf16"] * r["layers"] for r in sel)
         by = sum(r["bytes"] * r["layers"] for r in sel)
         floor = by / (copy_gbs * 1e9) * 1e6
-        lines.append(f"- {rows} row(s): ours {ours:.0f} us, upstream-equivalent {up:.0f} us, BF16 {bf:.0f} us; "
+        lines.append(f"- {rows} row(s): ours {ours:.0f} us (Triton W8A16 alone {tri:.0f} us), upstream-equivalent "
+                     f"{up:.0f} us, BF16 {bf:.0f} us; "
                      f"bytes {by / 1e6:.0f} MB, copy-bandwidth floor {floor:.0f} us (ours {floor / ours:.2f} of it)")
     if sweep_best:
-        lines += ["", "Sweep winners (paste into `TUNED` in vllm_ling/ops/dense_fp8/tuned_configs.py):", "", "```python"]
+        lines += ["", "Sweep winners (paste into `TUNED` / `TUNED_DECODE` in vllm_ling/ops/dense_fp8/tuned_configs.py):",
+                  "", "```python"]
         for (n, k, rows), (c, us) in sorted(sweep_best.items()):
             lines.append(f"# {n}x{k} rows {rows}: {us:.2f} us")
             lines.append(f"(({n}, {k}), {rows}, {c!r}),")

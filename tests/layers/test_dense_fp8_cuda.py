@@ -133,3 +133,18 @@ def test_post_load_keeps_the_loaded_weight_and_fp32_scales(monkeypatch):
     layer = _loaded_layer()
     _method().process_weights_after_loading(layer)
     assert layer.ling_w8a16 is None and "pre-processed" in layer.ling_w8a16_reason
+
+
+def test_checkpoint_with_e4m3_nan_codes_is_refused_naming_the_layer(monkeypatch):
+    from vllm.model_executor import utils as vllm_utils
+
+    monkeypatch.setattr(vllm_utils, "is_weights_pre_processed", lambda: False)
+    monkeypatch.setattr(D.Fp8LinearMethod, "process_weights_after_loading", lambda self, lyr: None)
+    layer = _loaded_layer()
+    _method().process_weights_after_loading(layer)  # randn codes: no NaN, accepted
+    assert layer.ling_w8a16 is not None
+    for code in (0x7F, 0xFF):
+        layer = _loaded_layer()
+        layer.weight.data.view(torch.uint8)[3, 5] = code
+        with pytest.raises(ValueError, match=r"test\.proc\.weight holds 1 e4m3 NaN codes"):
+            _method().process_weights_after_loading(layer)

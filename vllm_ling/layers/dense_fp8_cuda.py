@@ -74,6 +74,15 @@ dense_fp8_linear_op = torch.library.custom_op("vllm_ling::dense_fp8_linear", _de
 dense_fp8_linear_op.register_fake(_dense_fp8_linear_fake)
 
 
+def refuse_nan_codes(weight: torch.Tensor, prefix: str) -> None:
+    """A corrupt checkpoint fails here, named: the decode kernel reads the e4m3 NaN codes
+    (0x7F, 0xFF; no quantizer writes them) as +-480, where vLLM's kernels would give NaN."""
+    count = int(((weight.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if count:
+        raise ValueError(f"{prefix}.weight holds {count} e4m3 NaN codes (0x7F/0xFF): the checkpoint is corrupt; "
+                         "re-export it (or serve with VLLM_LING_DENSE_FP8=vllm to see NaN outputs instead)")
+
+
 class LingW8A16Fp8LinearMethod(Fp8LinearMethod):
     def __init__(self, quant_config, prefix: str):
         super().__init__(quant_config)
@@ -91,6 +100,7 @@ class LingW8A16Fp8LinearMethod(Fp8LinearMethod):
             self._keep_vllm(layer, "the checkpoint holds weights pre-processed for vLLM's kernel")
             return
         weight = layer.weight.data
+        refuse_nan_codes(weight, self.prefix)
         scale = block_scales_fp32(layer.weight_scale_inv.data)
         super().process_weights_after_loading(layer)
         kept = layer.weight.data

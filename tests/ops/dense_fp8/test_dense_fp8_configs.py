@@ -101,3 +101,36 @@ def test_launcher_rejects_bad_inputs_before_touching_a_gpu():
         w8a16_linear(torch.zeros((1, 256), dtype=torch.bfloat16), q.float(), s)
     with pytest.raises(ValueError, match="scale"):
         w8a16_linear(torch.zeros((1, 256), dtype=torch.bfloat16), q, torch.ones((2, 3)))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 9, 32])
+def test_decode_kernel_config_fits_every_ling_shape(rows):
+    from vllm_ling.ops.dense_fp8.tuned_configs import select_decode_config
+
+    for arch in ((9, 0), (12, 1)):
+        for n, k in SHAPES:
+            config = select_decode_config(n, k, rows, arch, 48 if arch == (12, 1) else 132)
+            assert config is not None and config.problems(n, k, rows) == [], (n, k, rows, arch)
+            assert config.steps(k) * 64 * config.ksplit == k
+    assert select_decode_config(12288, 2560, 33, (9, 0), 132) is None  # past 32 rows: Triton
+    assert select_decode_config(100, 256, 1, (9, 0), 132) is None       # N % 16
+
+
+def test_decode_kernel_source_carries_the_launch_shape():
+    from vllm_ling.ops.dense_fp8.decode_kernel import DecodeConfig, source
+
+    text = source(DecodeConfig(ksplit=5, warps_n=2), 2560, 17)
+    assert text.startswith("#define WARPS_N 2\n#define KSPLIT 5\n#define STEPS 8\n#define TG 3\n")
+    assert 'extern "C" __global__' in text and "ling_dense_w8a16" in text
+
+
+def test_decode_config_problems_name_the_cause():
+    from vllm_ling.ops.dense_fp8.decode_kernel import DecodeConfig
+
+    assert any("multiple of 16" in p for p in DecodeConfig(ksplit=1).problems(100, 256, 1))
+    assert any("64 x ksplit" in p for p in DecodeConfig(ksplit=3).problems(256, 256, 1))
+    assert any("steps per warp" in p for p in DecodeConfig(ksplit=1).problems(256, 2048, 1))
+    assert any("1024" in p for p in DecodeConfig(ksplit=40, warps_n=1).problems(256, 2560, 1))
+    assert any("shared memory" in p for p in DecodeConfig(ksplit=8, warps_n=4).problems(256, 2048, 32))
+    assert DecodeConfig(ksplit=8, warps_n=4).problems(256, 2048, 8) == []
+    assert any("activation rows" in p for p in DecodeConfig(ksplit=4).problems(256, 2560, 33))

@@ -1,9 +1,11 @@
-"""The W8A16 block-FP8 kernel against the float64 plain-PyTorch reference (GPU only).
+"""The W8A16 block-FP8 kernels against the float64 plain-PyTorch reference (GPU only).
 
 Every dense block-FP8 linear shape of Ling-3.0-flash (vLLM's merges, target + NEXTN layer) at
-1..32 rows with the configs the table/heuristic selects, plus explicit configs covering each
-kernel path (fp32 FMAs on 1/2/4 rows, tensor cores, split-K 1..8, PDL and L2 prefetch on
-and off); all 256 e4m3 codes (+-0, subnormals, NaN); extreme block scales; CUDA-graph capture.
+1..32 rows with the kernel and config selected (the CUDA decode kernel up to 32 rows), plus
+explicit configs covering each path of both kernels (CUDA: split-K 1..20 warps, 1-3 tiles per
+CTA with a partial last CTA, 1-4 row groups, PDL on and off; Triton: fp32 FMAs on 1/2/4 rows,
+tensor cores, split-K 1..8, PDL and L2 prefetch on and off); all 256 e4m3 codes (+-0,
+subnormals, NaN); extreme block scales and activations; CUDA-graph capture.
 
 Tolerance per output, with ``S = |x| @ |w * scale|.T`` (float64): ``2**-8 |ref| + 2**-14 S``:
 half a BF16 step of the output (the kernel rounds once, from fp32) plus fp32 summation of up
@@ -23,6 +25,8 @@ import torch
 
 from vllm_ling.models.dense_linears import distinct_decode_shapes
 from vllm_ling.ops.dense_fp8 import W8A16Config, unavailable_reason, w8a16_linear
+from vllm_ling.ops.dense_fp8.decode_kernel import DecodeConfig
+from vllm_ling.ops.dense_fp8.linear import decode_kernel_unavailable_reason, launch_config
 from vllm_ling.ops.dense_fp8.reference import magnitude_bound, reference_linear
 from vllm_ling.ops.fp8 import block_fp8_quantize
 
@@ -59,6 +63,51 @@ def test_every_ling_shape_with_selected_config(shape):
     for rows in ROWS:
         x = torch.randn((rows, shape[1]), device=DEV, generator=gen).to(torch.bfloat16)
         _check(x, q, s)
+
+
+def test_decode_kernel_serves_every_ling_shape_up_to_32_rows():
+    # not a silent Triton fallback: humming's JIT is on this box, every Ling shape fits
+    assert decode_kernel_unavailable_reason() is None
+    cap = torch.cuda.get_device_capability()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for n, k in SHAPES:
+        for rows in ROWS:
+            assert isinstance(launch_config(n, k, rows, cap, sms), DecodeConfig), (n, k, rows)
+        assert isinstance(launch_config(n, k, 33, cap, sms), W8A16Config)
+
+
+DECODE_CONFIGS = [
+    DecodeConfig(ksplit=1),                      # no shared-memory reduction, 16+ steps per warp
+    DecodeConfig(ksplit=2, warps_n=3),           # 3 tiles per CTA: 35 tiles leave a partial last CTA
+    DecodeConfig(ksplit=4, warps_n=2, pdl=False),
+    DecodeConfig(ksplit=8, min_blocks=2),
+    DecodeConfig(ksplit=16),
+]
+
+
+@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=lambda c: f"ks{c.ksplit}wn{c.warps_n}"
+                         f"mb{c.min_blocks}{'P' if c.pdl else ''}")
+def test_decode_kernel_configs(config):
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    # 560 rows = 35 tiles of 16 and a partial last 128-row scale block; K = 1024 and 2048
+    for n, k in ((560, 2048), (2560, 1024)):
+        q, s = _weights(n, k, gen)
+        for rows in (1, 3, 8, 9, 24, 32):
+            if config.problems(n, k, rows):
+                continue
+            x = torch.randn((rows, k), device=DEV, generator=gen).to(torch.bfloat16)
+            _check(x, q, s, config)
+
+
+@pytest.mark.parametrize("x_scale", [2.0**-60, 2.0**-20, 2.0**20, 2.0**60])
+def test_decode_kernel_activation_range(x_scale):
+    # activations scaled by 2**64 inside the kernel: exact for |x| < 2**64, products stay normal
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    q, s = _weights(2560, 4096, gen)
+    for rows in (1, 4):
+        x = (torch.randn((rows, 4096), device=DEV, generator=gen) * x_scale).to(torch.bfloat16)
+        x[0, :7] = 0.0
+        _check(x, q, s, DecodeConfig(ksplit=8))
 
 
 PATH_CONFIGS = [
@@ -100,15 +149,21 @@ def test_all_e4m3_codes_including_zero_subnormal_and_nan():
     finite = torch.where(nan_codes, torch.zeros_like(codes), codes).to(torch.uint8).view(torch.float8_e4m3fn)
     assert set(codes.unique().tolist()) == set(range(256))
     s = torch.exp2(torch.randint(-12, 4, (2, 8), device=DEV, generator=gen).float())
-    for config in (None, PATH_CONFIGS[1], PATH_CONFIGS[6]):
-        for rows in (1, 4):
+    for config in (None, DecodeConfig(ksplit=16, warps_n=2), PATH_CONFIGS[1], PATH_CONFIGS[6]):
+        for rows in (1, 4, 32):
             x = torch.randn((rows, k), device=DEV, generator=gen).to(torch.bfloat16)
             _check(x, finite, s, config)
-    # NaN codes (0x7F, 0xFF) make exactly their rows' outputs NaN
+    # NaN codes (0x7F, 0xFF): the Triton kernel makes exactly their rows' outputs NaN; the CUDA
+    # decode kernel reads them as +-480 (the layer refuses checkpoints holding them)
     q = codes.to(torch.uint8).view(torch.float8_e4m3fn)
     x = torch.randn((2, k), device=DEV, generator=gen).to(torch.bfloat16)
-    got = w8a16_linear(x, q, s)
+    got = w8a16_linear(x, q, s, config=PATH_CONFIGS[0])
     assert torch.equal(torch.isnan(got[0]), nan_codes.any(dim=1))
+    got = w8a16_linear(x, q, s, config=DecodeConfig(ksplit=4)).double()
+    w480 = finite.double().where(~nan_codes, torch.where(codes == 0x7F, 480.0, -480.0).double())
+    w480 = w480 * s.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    ref, mag = x.double() @ w480.t(), x.double().abs() @ w480.abs().t()
+    assert ((got - ref).abs() <= 2.0**-8 * ref.abs() + 2.0**-14 * mag).all(), "NaN codes are not read as +-480"
 
 
 def test_subnormal_only_weights():
@@ -121,6 +176,7 @@ def test_subnormal_only_weights():
     s = torch.ones((2, 4), device=DEV)
     x = torch.randn((1, k), device=DEV, generator=gen).to(torch.bfloat16)
     _check(x, q, s)
+    _check(x, q, s, PATH_CONFIGS[0])
 
 
 @pytest.mark.parametrize("lo,hi", [(-60, -40), (40, 60), (-60, 60)])
@@ -129,7 +185,7 @@ def test_extreme_block_scales(lo, hi):
     n, k = 512, 2048
     q, _ = _weights(n, k, gen, std=1.0)
     s = torch.exp2(torch.randint(lo, hi + 1, (n // 128, k // 128), device=DEV, generator=gen).float())
-    for config in (None, PATH_CONFIGS[1], PATH_CONFIGS[7]):
+    for config in (None, DecodeConfig(ksplit=2), PATH_CONFIGS[1], PATH_CONFIGS[7]):
         for rows in (1, 4, 32):
             x = torch.randn((rows, k), device=DEV, generator=gen).to(torch.bfloat16)
             _check(x, q, s, config)
@@ -160,8 +216,10 @@ def test_non_power_of_two_scales():
 
 def test_cuda_graph_capture_and_replay():
     gen = torch.Generator(device=DEV).manual_seed(7)
+    # the decode kernel (selected, and without PDL) between Triton ones: PDL edges both ways
     layers = [(_weights(12288, 2560, gen), None), (_weights(2560, 4096, gen), PATH_CONFIGS[1]),
-              (_weights(1536, 2560, gen), PATH_CONFIGS[7])]
+              (_weights(1536, 2560, gen), PATH_CONFIGS[7]), (_weights(2560, 768, gen), None),
+              (_weights(576, 2560, gen), DecodeConfig(ksplit=5, pdl=False))]
     for rows in (1, 4):
         xs = [torch.randn((rows, w[0].shape[1]), device=DEV, generator=gen).to(torch.bfloat16) for w, _ in layers]
         outs = [torch.empty((rows, w[0].shape[0]), dtype=torch.bfloat16, device=DEV) for w, _ in layers]
@@ -199,3 +257,7 @@ def test_rejects_bad_inputs_before_launch():
         w8a16_linear(x, q, s, config=dataclasses.replace(PATH_CONFIGS[0], k_steps=2))
     with pytest.raises(ValueError, match="scale"):
         w8a16_linear(x, q, torch.ones((2, 2), device=DEV))
+    with pytest.raises(ValueError, match="multiple of 64 x ksplit"):
+        w8a16_linear(x, q, s, config=DecodeConfig(ksplit=4))
+    with pytest.raises(ValueError, match="activation rows"):
+        w8a16_linear(torch.zeros((33, 384), dtype=torch.bfloat16, device=DEV), q, s, config=DecodeConfig(ksplit=2))

@@ -1,20 +1,29 @@
-"""Launch the W8A16 block-FP8 kernel: checks, config selection, PDL/prefetch availability.
+"""Launch the W8A16 block-FP8 kernels: checks, kernel and config selection, PDL/prefetch
+availability.
 
 ``w8a16_linear(x, weight, scale)`` computes ``x @ (weight * scale).T`` for BF16 ``x`` [M, K],
 an e4m3 ``weight`` [N, K] and fp32 block scales [ceil(N/128), K/128] (the checkpoint's
-``weight_scale_inv``, used as is). CUDA-graph capturable (no host sync, no allocation
-besides the output when ``out`` is not given). No vLLM import.
+``weight_scale_inv``, used as is). Up to 32 rows the CUDA decode kernel
+(:mod:`.decode_kernel`) runs where it can (N % 16 == 0, K % 64 == 0, humming's JIT and the CUDA
+driver bindings importable), otherwise the Triton kernel (:mod:`.kernel`), with one WARNING
+naming the reason. CUDA-graph capturable (no host sync, no allocation besides the output when
+``out`` is not given). No vLLM import.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import torch
 
+from vllm_ling.log import get_logger, log_once
+from vllm_ling.ops.dense_fp8 import decode_kernel as D
 from vllm_ling.ops.dense_fp8 import kernel as K
-from vllm_ling.ops.dense_fp8.tuned_configs import QUANT_BLOCK, W8A16Config, select_config
+from vllm_ling.ops.dense_fp8.tuned_configs import QUANT_BLOCK, W8A16Config, select_config, select_decode_config
+
+logger = get_logger("ops.dense_fp8")
 
 
 def unavailable_reason(device: torch.device | str | None = None) -> str | None:
@@ -62,9 +71,46 @@ def _checked(config: W8A16Config, n: int, k: int, capability: tuple[int, int]) -
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(n: int, k: int, rows: int, capability: tuple[int, int], sm_count: int) -> W8A16Config:
-    """The checked, effective config for a shape: resolved once, not on every forward call."""
+def decode_kernel_unavailable_reason() -> str | None:
+    """Why the CUDA decode kernel cannot be compiled here (None when it can)."""
+    try:
+        import cuda.bindings.driver  # noqa: F401 - the launcher's driver bindings
+        import humming.jit.runtime  # noqa: F401 - the NVRTC runtime and cache it compiles through
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _decode_config(n: int, k: int, rows: int, capability: tuple[int, int], sm_count: int) -> D.DecodeConfig | None:
+    if rows > D.MAX_ROWS:
+        return None
+    reason = decode_kernel_unavailable_reason() or ("needs sm_80+" if capability < (8, 0) else None)
+    if reason is None:
+        config = select_decode_config(n, k, rows, capability, sm_count)
+        if config is None:
+            reason = f"shape {n}x{k} does not fit it (N % 16, K % 64)"
+        else:
+            return dataclasses.replace(config, pdl=config.pdl and capability >= (9, 0))
+    log_once(logger, logging.WARNING, f"dense-fp8-decode-kernel-{reason}",
+             "Dense FP8 CUDA decode kernel unavailable (%s): the Triton W8A16 kernel serves decode sizes.", reason)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def launch_config(n: int, k: int, rows: int, capability: tuple[int, int],
+                  sm_count: int) -> W8A16Config | D.DecodeConfig:
+    """The checked, effective config for a shape: resolved once, not on every forward call. A
+    :class:`~.decode_kernel.DecodeConfig` selects the CUDA decode kernel."""
+    decode = _decode_config(n, k, rows, capability, sm_count)
+    if decode is not None:
+        return decode
     return _checked(select_config(n, k, rows, capability, sm_count)[0], n, k, capability)
+
+
+def kernel_name(config: W8A16Config | D.DecodeConfig) -> str:
+    """The kernel a config runs, for reports."""
+    return "CUDA W8A16 decode" if isinstance(config, D.DecodeConfig) else \
+        f"Triton W8A16 ({'tensor cores' if config.use_dot else 'fp32 FMA'})"
 
 
 def _prefetch_split(config: W8A16Config, k: int) -> tuple[int, int]:
@@ -97,8 +143,11 @@ def _workspace(device: torch.device, kind: str, numel: int, dtype: torch.dtype) 
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                 out: torch.Tensor | None = None, config: W8A16Config | None = None) -> torch.Tensor:
-    """``x @ (weight * scale).T`` in BF16 (fp32 accumulation); ``config`` overrides the table."""
+                 out: torch.Tensor | None = None,
+                 config: W8A16Config | D.DecodeConfig | None = None) -> torch.Tensor:
+    """``x @ (weight * scale).T`` in BF16 (fp32 accumulation); ``config`` overrides the table
+    (a :class:`~.decode_kernel.DecodeConfig` runs the CUDA decode kernel, a
+    :class:`~.tuned_configs.W8A16Config` the Triton one)."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be a 2-D BF16 tensor with unit stride on K, got {x.dtype} {tuple(x.shape)}")
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or not weight.is_contiguous():
@@ -113,13 +162,18 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"scale must be float32 {expected} with unit stride on K, got {scale.dtype} "
                          f"{tuple(scale.shape)}")
     capability, sm_count = device_facts(x.device)
-    config = launch_config(n, k, m, capability, sm_count) if config is None else \
-        _checked(config, n, k, capability)
+    if config is None:
+        config = launch_config(n, k, m, capability, sm_count)
+    elif isinstance(config, W8A16Config):
+        config = _checked(config, n, k, capability)
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     elif out.shape != (m, n) or not out.is_contiguous() or out.dtype != torch.bfloat16:
         raise ValueError(f"out must be a contiguous BF16 [{m}, {n}] tensor")
     if m == 0:
+        return out
+    if isinstance(config, D.DecodeConfig):
+        D.run(x, weight, scale, out, config)
         return out
     grid = (-(-n // config.block_n), -(-m // config.block_m), config.split_k)
     if config.split_k > 1:

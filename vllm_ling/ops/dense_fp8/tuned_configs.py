@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.ops.dense_fp8.decode_kernel import DecodeConfig
+from vllm_ling.ops.dense_fp8.decode_kernel import heuristic_config as decode_heuristic_config
 
 logger = get_logger("ops.dense_fp8")
 
@@ -181,3 +183,19 @@ def select_config(n: int, k: int, rows: int, capability: tuple[int, int], sm_cou
         if rows <= max_rows and not config.problems(n, k):
             return config, f"tuned sm_{arch[0]}{arch[1]}"
     return heuristic_config(n, k, rows, sm_count, arch), f"heuristic (shape {n}x{k} at {rows} rows not tuned)"
+
+
+# The CUDA decode kernel (decode_kernel.py), per architecture and shape: (max_rows, config)
+# buckets from benchmarks/dense_fp8.py --sweep-decode. Its configs change speed only, never the
+# numerics, so untuned architectures and shapes take decode_kernel.heuristic_config silently.
+TUNED_DECODE: dict[tuple[int, int], dict[tuple[int, int], tuple[tuple[int, DecodeConfig], ...]]] = {}
+
+
+def select_decode_config(n: int, k: int, rows: int, capability: tuple[int, int],
+                         sm_count: int) -> DecodeConfig | None:
+    """The CUDA decode kernel's config for an [n, k] weight at ``rows`` rows (None: it cannot run it)."""
+    for max_rows, config in TUNED_DECODE.get(tuple(capability), {}).get((n, k), ()):
+        if rows <= max_rows and not config.problems(n, k, rows):
+            return config
+    config = decode_heuristic_config(n, k, rows, sm_count)
+    return None if config.problems(n, k, rows) else config

@@ -39,9 +39,8 @@ Known limit: because of the 2**100 shift, a partial sum above about 2**27 (activ
 startup known-answer check keeps its inputs below that (benchmarks/results/kernel_checks_h200.md).
 
 Modules: :mod:`.packing` (layouts and their PyTorch emulation), :mod:`.sources` (the CUDA
-sources, ``*.cu`` / ``*.cuh`` package data), :mod:`.launcher` (NVRTC through humming-kernels'
-JIT runtime: :class:`humming.jit.runtime.KernelRuntime` is subclassed, humming's cache
-directory and file locks, no humming code copied; driver launches), :mod:`.shapes` (launch
+sources, ``*.cu`` / ``*.cuh`` package data; compiled and launched by
+:mod:`vllm_ling.ops.cuda_jit`), :mod:`.shapes` (launch
 shapes), :mod:`.layouts` (the two decoders). No vLLM import; nothing here imports the humming
 wrapper. Limits: BF16 activations, hidden and intermediate multiples of 64, top_k <= 8
 (cluster size), int32 top-k ids (others are converted).

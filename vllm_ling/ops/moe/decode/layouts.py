@@ -4,14 +4,20 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from vllm_ling.ops.cuda_jit import compiled_kernel, launch
 from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, clamp_define, effective_limit
-from vllm_ling.ops.moe.decode.launcher import DOWN_ARG_TYPES, GATE_UP_ARG_TYPES, compiled_kernel, launch
 from vllm_ling.ops.moe.decode.packing import TILE_ROWS, check_shapes, pack_down, pack_gate_up
 from vllm_ling.ops.moe.decode.shapes import (HummingDecodeConfig, KernelShape, PackedDecodeConfig,
                                              default_humming_decode_configs)
 from vllm_ling.ops.moe.decode.sources import packed_layout_source
+
+GATE_UP_ARG_TYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                     ctypes.c_void_p, ctypes.c_float, ctypes.c_int)
+DOWN_ARG_TYPES = (ctypes.c_void_p,) * 6
 
 
 def _limit(swiglu_limit: float | None) -> tuple[float, int]:

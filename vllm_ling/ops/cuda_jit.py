@@ -1,26 +1,24 @@
-"""Compile and launch the decode kernels: NVRTC through humming-kernels' JIT runtime
-(:class:`humming.jit.runtime.KernelRuntime` is subclassed: humming's cache directory and file
-locks, no humming code copied), launched with the CUDA driver's ``cuLaunchKernelEx`` (thread-
-block clusters, programmatic dependent launch, dynamic shared memory)."""
+"""Compile and launch this package's CUDA kernels (the MoE and dense FP8 decode kernels): NVRTC
+through humming-kernels' JIT runtime (:class:`humming.jit.runtime.KernelRuntime` is subclassed:
+humming's cache directory and file locks, no humming code copied), launched with the CUDA
+driver's ``cuLaunchKernelEx`` (thread-block clusters, programmatic dependent launch, dynamic
+shared memory)."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from typing import ClassVar
 
 import torch
 
-GATE_UP_ARG_TYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                 ctypes.c_void_p, ctypes.c_float, ctypes.c_int)
-DOWN_ARG_TYPES = (ctypes.c_void_p,) * 6
-_KERNEL_NAMES = ("ling_moe_decode_gate_up", "ling_moe_decode_down", "ling_moe_hs_gate_up", "ling_moe_hl_down")
+_KERNEL_BASE: list[type] = []
 _KERNEL_CLASSES: dict[str, type] = {}
 
 
 def compiled_kernel(name: str, source: str, device: torch.device):
-    """A compiled kernel of ``source`` (cached per source by humming's KernelRuntime)."""
-    if not _KERNEL_CLASSES:
+    """The ``extern "C"`` kernel ``name`` of ``source``, compiled (cached per source by humming's
+    KernelRuntime)."""
+    if not _KERNEL_BASE:
         from humming.jit.runtime import KernelRuntime
 
         @dataclasses.dataclass(kw_only=True)
@@ -33,10 +31,10 @@ def compiled_kernel(name: str, source: str, device: torch.device):
                 self.kernel_expr = None
                 self.prepare()
 
-        for kname in _KERNEL_NAMES:
-            _KERNEL_CLASSES[kname] = dataclasses.make_dataclass(
-                kname, [], bases=(_LingDecodeKernel,), kw_only=True,
-                namespace={"name": kname})
+        _KERNEL_BASE.append(_LingDecodeKernel)
+    if name not in _KERNEL_CLASSES:
+        _KERNEL_CLASSES[name] = dataclasses.make_dataclass(
+            name, [], bases=(_KERNEL_BASE[0],), kw_only=True, namespace={"name": name})
     with torch.cuda.device(device):
         return _KERNEL_CLASSES[name](source=source)
 
