@@ -90,20 +90,28 @@ def sweep_candidates(rows: int, n: int, k: int, sm_count: int) -> list[W8A16Conf
 
 
 def decode_sweep_candidates(rows: int, n: int, k: int) -> list[DecodeConfig]:
-    """The CUDA decode kernel's shapes worth timing: 2..12 k-steps per warp, 1 or 2 tiles per CTA."""
+    """The CUDA decode kernel's shapes worth timing: one wave with 2..12 k-steps per warp and 1 or
+    2 tiles per CTA (1 or 2 CTAs per SM planned); the streaming kernel with 2..8 k-steps per warp
+    and 1..4 CTAs per SM."""
     out = []
     for ksplit in range(1, k // 64 + 1):
+        steps = k // 64 // ksplit if (k // 64) % ksplit == 0 else 0
         for warps_n in (1, 2):
-            c = DecodeConfig(ksplit=ksplit, warps_n=warps_n)
-            if not c.problems(n, k, rows) and 2 <= c.steps(k) <= 12 and c.threads() <= 1024:
+            for min_blocks in (1, 2):
+                c = DecodeConfig(ksplit=ksplit, warps_n=warps_n, min_blocks=min_blocks)
+                if not c.problems(n, k, rows) and 2 <= steps <= 12:
+                    out.append(c)
+        for ctas in (1, 2, 3, 4):
+            c = DecodeConfig(ksplit=ksplit, stream=True, ctas_per_sm=ctas, min_blocks=min(ctas, 2))
+            if not c.problems(n, k, rows) and 2 <= steps <= 8 and ctas * c.threads() <= 2048:
                 out.append(c)
     return out
 
 
 def describe(config) -> str:
     if isinstance(config, DecodeConfig):
-        return (f"cuda ks{config.ksplit} wn{config.warps_n} minb{config.min_blocks}"
-                f"{' pdl' if config.pdl else ''}")
+        return (f"cuda{' stream x' + str(config.ctas_per_sm) if config.stream else ''} ks{config.ksplit} "
+                f"wn{config.warps_n} minb{config.min_blocks}{' pdl' if config.pdl else ''}")
     c = dataclasses.asdict(config)
     return (f"{'dot' if c['use_dot'] else 'fma'} m{c['block_m']} n{c['block_n']} ks{c['k_steps']} "
             f"sk{c['split_k']} w{c['num_warps']} s{c['num_stages']}"
@@ -195,7 +203,16 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001
             notes.append(f"scaled_mm stand-in unavailable: {exc}")
         up_tr = [TritonW8A8BlockFp8(q, s) for q, s in zip(wq, ws)]
-        print(f"shape {n}x{k} ({sh.module}, {sh.layers} layers): {wbytes / 1e6:.1f} MB, {copies} copies", flush=True)
+        # the same bytes moved by a device copy (half read, half written), rotated the same way:
+        # what a kernel of this size reaches in this graph setting, launch and ramp included
+        half = max(16, wbytes // 2)
+        cp_src = [torch.empty(half, dtype=torch.uint8, device=dev) for _ in range(copies)]
+        cp_dst = [torch.empty(half, dtype=torch.uint8, device=dev) for _ in range(copies)]
+        same_copy_us = stacked_time_us([(lambda i=i: cp_dst[i].copy_(cp_src[i])) for i in range(copies)],
+                                       args.replays)
+        del cp_src, cp_dst
+        print(f"shape {n}x{k} ({sh.module}, {sh.layers} layers): {wbytes / 1e6:.1f} MB, {copies} copies; "
+              f"a copy moving the same bytes {same_copy_us:.2f} us", flush=True)
         for rows in args.rows:
             x = torch.randn((rows, k), device=dev, generator=gen).to(torch.bfloat16)
             ref = reference_linear(x, q0, s0, dtype=torch.float64)
@@ -205,7 +222,8 @@ def main(argv=None) -> int:
             def timed(fn_for_copy, count=copies):
                 return stacked_time_us([(lambda i=i: fn_for_copy(i)) for i in range(count)], args.replays)
 
-            row = dict(n=n, k=k, module=sh.module, layers=sh.layers, rows=rows, bytes=nbytes)
+            row = dict(n=n, k=k, module=sh.module, layers=sh.layers, rows=rows, bytes=nbytes,
+                       us_same_bytes_copy=same_copy_us)
             table_cfg, _ = select_config(n, k, rows, capability, sm_count)
             chosen = launch_config(n, k, rows, capability, sm_count)
             source = "selected (decode kernel table/heuristic)" if isinstance(chosen, DecodeConfig) else "selected"
@@ -299,9 +317,11 @@ def render(results, head, copy_gbs, notes, sweep_best, args) -> str:
              "above. `vs up`: upstream-equivalent time / ours (> 1: ours faster). Upstream-equivalent = "
              f"{ScaledMmBlockFp8.name}; also {TritonW8A8BlockFp8.name}; and BF16 cuBLAS (`F.linear`). "
              "`err` <= 1 passes (see the script's docstring).", "",
+             "`same-bytes copy`: a device copy moving the weight's bytes (half read, half written) in the same "
+             "graph setting, i.e. what any kernel of this size reaches here, launch and ramp included.", "",
              "| shape N x K | module (layers) | rows | MB | ours us | frac | err | kernel config | up us | vs up | "
-             "Triton W8A16 us | triton w8a8 us | bf16 us | ours no PDL |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Triton W8A16 us | triton w8a8 us | bf16 us | ours no PDL | same-bytes copy us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         up = r.get("us_scaled_mm")
         up_cells = f"{up:.2f} | {up / r['us_ours']:.2f}" if up else "- | -"
@@ -310,7 +330,8 @@ def render(results, head, copy_gbs, notes, sweep_best, args) -> str:
         lines.append(
             f"| {r['n']} x {r['k']} | {r['module']} ({r['layers']}) | {r['rows']} | {r['bytes'] / 1e6:.1f} | "
             f"{r['us_ours']:.2f} | {frac(r['bytes'], r['us_ours']):.2f} | {r['err_ours']:.2f} | {r['config']} | "
-            f"{up_cells} | {r['us_triton']:.2f} | {f'{tw:.2f}' if tw else '-'} | {r['us_bf16']:.2f} | {nopdl} |")
+            f"{up_cells} | {r['us_triton']:.2f} | {f'{tw:.2f}' if tw else '-'} | {r['us_bf16']:.2f} | {nopdl} | "
+            f"{r['us_same_bytes_copy']:.2f} |")
     # per-token sum over the model's layers at 1 and 4 rows
     lines += ["", "Per decode step (sum over every layer that runs each shape):", ""]
     for rows in (1, 4):

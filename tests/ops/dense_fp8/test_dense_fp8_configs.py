@@ -109,11 +109,14 @@ def test_decode_kernel_config_fits_every_ling_shape(rows):
 
     for arch in ((9, 0), (12, 1)):
         for n, k in SHAPES:
-            config = select_decode_config(n, k, rows, arch, 48 if arch == (12, 1) else 132)
-            assert config is not None and config.problems(n, k, rows) == [], (n, k, rows, arch)
+            config, reason = select_decode_config(n, k, rows, arch, 48 if arch == (12, 1) else 132)
+            if config is None:  # only where the table says the Triton kernel measured faster
+                assert reason is None and arch in T.TUNED_DECODE, (n, k, rows, arch)
+                continue
+            assert config.problems(n, k, rows) == [], (n, k, rows, arch)
             assert config.steps(k) * 64 * config.ksplit == k
-    assert select_decode_config(12288, 2560, 33, (9, 0), 132) is None  # past 32 rows: Triton
-    assert select_decode_config(100, 256, 1, (9, 0), 132) is None       # N % 16
+    assert "activation rows" in select_decode_config(12288, 2560, 33, (12, 1), 48)[1]  # past 32 rows
+    assert "multiple of 16" in select_decode_config(100, 256, 1, (12, 1), 48)[1]
 
 
 def test_decode_kernel_source_carries_the_launch_shape():
@@ -134,3 +137,4 @@ def test_decode_config_problems_name_the_cause():
     assert any("shared memory" in p for p in DecodeConfig(ksplit=8, warps_n=4).problems(256, 2048, 32))
     assert DecodeConfig(ksplit=8, warps_n=4).problems(256, 2048, 8) == []
     assert any("activation rows" in p for p in DecodeConfig(ksplit=4).problems(256, 2560, 33))
+    assert any("warps_n = 1" in p for p in DecodeConfig(ksplit=4, warps_n=2, stream=True).problems(256, 2560, 1))

@@ -27,6 +27,7 @@ from vllm_ling.models.dense_linears import distinct_decode_shapes
 from vllm_ling.ops.dense_fp8 import W8A16Config, unavailable_reason, w8a16_linear
 from vllm_ling.ops.dense_fp8.decode_kernel import DecodeConfig
 from vllm_ling.ops.dense_fp8.linear import decode_kernel_unavailable_reason, launch_config
+from vllm_ling.ops.dense_fp8.tuned_configs import select_decode_config
 from vllm_ling.ops.dense_fp8.reference import magnitude_bound, reference_linear
 from vllm_ling.ops.fp8 import block_fp8_quantize
 
@@ -66,13 +67,16 @@ def test_every_ling_shape_with_selected_config(shape):
 
 
 def test_decode_kernel_serves_every_ling_shape_up_to_32_rows():
-    # not a silent Triton fallback: humming's JIT is on this box, every Ling shape fits
+    # not a silent Triton fallback: humming's JIT is on this box, every Ling shape fits; the
+    # Triton kernel serves only where the tuned table says it measured faster
     assert decode_kernel_unavailable_reason() is None
     cap = torch.cuda.get_device_capability()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, k in SHAPES:
         for rows in ROWS:
-            assert isinstance(launch_config(n, k, rows, cap, sms), DecodeConfig), (n, k, rows)
+            tuned_triton = select_decode_config(n, k, rows, cap, sms) == (None, None)
+            kind = W8A16Config if tuned_triton else DecodeConfig
+            assert isinstance(launch_config(n, k, rows, cap, sms), kind), (n, k, rows)
         assert isinstance(launch_config(n, k, 33, cap, sms), W8A16Config)
 
 
@@ -82,6 +86,8 @@ DECODE_CONFIGS = [
     DecodeConfig(ksplit=4, warps_n=2, pdl=False),
     DecodeConfig(ksplit=8, min_blocks=2),
     DecodeConfig(ksplit=16),
+    DecodeConfig(ksplit=4, stream=True, ctas_per_sm=1),
+    DecodeConfig(ksplit=8, stream=True, ctas_per_sm=3, min_blocks=2, pdl=False),
 ]
 
 
@@ -92,11 +98,21 @@ def test_decode_kernel_configs(config):
     # 560 rows = 35 tiles of 16 and a partial last 128-row scale block; K = 1024 and 2048
     for n, k in ((560, 2048), (2560, 1024)):
         q, s = _weights(n, k, gen)
-        for rows in (1, 3, 8, 9, 24, 32):
+        for rows in (1, 3, 9, 32):
             if config.problems(n, k, rows):
                 continue
             x = torch.randn((rows, k), device=DEV, generator=gen).to(torch.bfloat16)
             _check(x, q, s, config)
+
+
+def test_streaming_kernel_walks_several_tiles_per_cta():
+    # 8192 rows = 512 tiles over 132..264 CTAs: two to four tiles per CTA, odd and even counts
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    q, s = _weights(8192, 1024, gen)
+    for ctas in (1, 2):
+        for rows in (1, 9, 32):
+            x = torch.randn((rows, 1024), device=DEV, generator=gen).to(torch.bfloat16)
+            _check(x, q, s, DecodeConfig(ksplit=4, stream=True, ctas_per_sm=ctas))
 
 
 @pytest.mark.parametrize("x_scale", [2.0**-60, 2.0**-20, 2.0**20, 2.0**60])
@@ -149,7 +165,7 @@ def test_all_e4m3_codes_including_zero_subnormal_and_nan():
     finite = torch.where(nan_codes, torch.zeros_like(codes), codes).to(torch.uint8).view(torch.float8_e4m3fn)
     assert set(codes.unique().tolist()) == set(range(256))
     s = torch.exp2(torch.randint(-12, 4, (2, 8), device=DEV, generator=gen).float())
-    for config in (None, DecodeConfig(ksplit=16, warps_n=2), PATH_CONFIGS[1], PATH_CONFIGS[6]):
+    for config in (None, DecodeConfig(ksplit=8, warps_n=2), PATH_CONFIGS[1], PATH_CONFIGS[6]):
         for rows in (1, 4, 32):
             x = torch.randn((rows, k), device=DEV, generator=gen).to(torch.bfloat16)
             _check(x, finite, s, config)
@@ -219,7 +235,8 @@ def test_cuda_graph_capture_and_replay():
     # the decode kernel (selected, and without PDL) between Triton ones: PDL edges both ways
     layers = [(_weights(12288, 2560, gen), None), (_weights(2560, 4096, gen), PATH_CONFIGS[1]),
               (_weights(1536, 2560, gen), PATH_CONFIGS[7]), (_weights(2560, 768, gen), None),
-              (_weights(576, 2560, gen), DecodeConfig(ksplit=5, pdl=False))]
+              (_weights(576, 2560, gen), DecodeConfig(ksplit=5, pdl=False)),
+              (_weights(4096, 2560, gen), DecodeConfig(ksplit=8, stream=True, ctas_per_sm=1))]
     for rows in (1, 4):
         xs = [torch.randn((rows, w[0].shape[1]), device=DEV, generator=gen).to(torch.bfloat16) for w, _ in layers]
         outs = [torch.empty((rows, w[0].shape[0]), dtype=torch.bfloat16, device=DEV) for w, _ in layers]

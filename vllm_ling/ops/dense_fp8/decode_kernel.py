@@ -3,7 +3,8 @@ launch. Up to 32 activation rows (four MMA groups of 8), N a multiple of 16, K a
 
 A warp owns 16 output rows x K / ``ksplit`` and loads all of those weight bytes into registers
 before it waits for the previous kernel, so ``steps`` = K / (64 ``ksplit``) sets the bytes in
-flight per warp (32 per lane per step). Compiled by NVRTC through :mod:`vllm_ling.ops.cuda_jit`
+flight per warp (32 per lane per step). ``stream`` selects the persistent kernel: ``ctas_per_sm``
+CTAs per SM walk the tiles with two register buffers (loading tile i + 2 while computing i + 1). Compiled by NVRTC through :mod:`vllm_ling.ops.cuda_jit`
 (humming's JIT cache); runs on sm_80+ (programmatic dependent launch from sm_90). No vLLM import.
 """
 
@@ -16,7 +17,8 @@ from importlib import resources
 
 import torch
 
-KERNEL_NAME = "ling_dense_w8a16"
+# by ``stream``; neither name contains the other (humming finds a kernel by substring)
+KERNEL_NAMES = {False: "ling_dense_w8a16_wave", True: "ling_dense_w8a16_stream"}
 MAX_ROWS = 32
 _ROWS_PER_GROUP = 8
 _TILE_ROWS = 16
@@ -32,6 +34,8 @@ class DecodeConfig:
     warps_n: int = 1     # 16-row tiles per CTA
     min_blocks: int = 1  # CTAs per SM the register allocator plans for
     pdl: bool = True     # programmatic dependent launch (sm_90+)
+    stream: bool = False  # persistent CTAs with two register buffers (warps_n == 1)
+    ctas_per_sm: int = 2  # stream: the grid is min(tiles, SMs x ctas_per_sm)
 
     def steps(self, k: int) -> int:
         return k // (_STEP_K * self.ksplit)
@@ -50,6 +54,8 @@ class DecodeConfig:
             out.append(f"K / (64 x ksplit) = {self.steps(k)} steps per warp is outside 1..{_MAX_STEPS}")
         if not 1 <= rows <= MAX_ROWS:
             out.append(f"{rows} activation rows is outside 1..{MAX_ROWS}")
+        if self.stream and self.warps_n != 1:
+            out.append("the streaming kernel runs one tile per CTA (warps_n = 1)")
         if self.threads() > 1024:
             out.append(f"{self.threads()} threads per CTA exceed 1024")
         if self.ksplit > 1 and self.warps_n * self.ksplit * _groups(rows) * 512 > _SMEM_LIMIT:
@@ -93,13 +99,18 @@ _COMPILED: dict[tuple, object] = {}
 
 
 def _compiled(config: DecodeConfig, k: int, rows: int, device: torch.device):
-    key = (config.warps_n, config.ksplit, config.min_blocks, config.steps(k), _groups(rows), device)
+    key = (config.warps_n, config.ksplit, config.min_blocks, config.steps(k), _groups(rows), config.stream, device)
     kernel = _COMPILED.get(key)
     if kernel is None:
         from vllm_ling.ops.cuda_jit import compiled_kernel
 
-        kernel = _COMPILED[key] = compiled_kernel(KERNEL_NAME, source(config, k, rows), device)
+        kernel = _COMPILED[key] = compiled_kernel(KERNEL_NAMES[config.stream], source(config, k, rows), device)
     return kernel
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
@@ -116,6 +127,9 @@ def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.T
         raise ValueError(f"dense FP8 decode config {config} cannot run {rows} x [{n}, {k}]: {'; '.join(problems)}")
     kernel = _compiled(config, k, rows, x.device)
     grid = -(-(n // _TILE_ROWS) // config.warps_n)
+    if config.stream:
+        grid = min(grid, config.ctas_per_sm * _sm_count(x.device.index if x.device.index is not None
+                                                          else torch.cuda.current_device()))
     launch(kernel, (grid, 1), config.threads(),
            (weight.data_ptr(), scale.data_ptr(), x.data_ptr(), out.data_ptr(), n, rows, scale.stride(0),
             x.stride(0)),

@@ -86,11 +86,12 @@ def _decode_config(n: int, k: int, rows: int, capability: tuple[int, int], sm_co
         return None
     reason = decode_kernel_unavailable_reason() or ("needs sm_80+" if capability < (8, 0) else None)
     if reason is None:
-        config = select_decode_config(n, k, rows, capability, sm_count)
-        if config is None:
-            reason = f"shape {n}x{k} does not fit it (N % 16, K % 64)"
-        else:
+        config, reason = select_decode_config(n, k, rows, capability, sm_count)
+        if config is not None:
             return dataclasses.replace(config, pdl=config.pdl and capability >= (9, 0))
+        if reason is None:  # the Triton kernel measured faster here
+            return None
+        reason = f"shape {n}x{k}: {reason}"
     log_once(logger, logging.WARNING, f"dense-fp8-decode-kernel-{reason}",
              "Dense FP8 CUDA decode kernel unavailable (%s): the Triton W8A16 kernel serves decode sizes.", reason)
     return None

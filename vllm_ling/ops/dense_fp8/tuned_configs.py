@@ -186,16 +186,42 @@ def select_config(n: int, k: int, rows: int, capability: tuple[int, int], sm_cou
 
 
 # The CUDA decode kernel (decode_kernel.py), per architecture and shape: (max_rows, config)
-# buckets from benchmarks/dense_fp8.py --sweep-decode. Its configs change speed only, never the
-# numerics, so untuned architectures and shapes take decode_kernel.heuristic_config silently.
-TUNED_DECODE: dict[tuple[int, int], dict[tuple[int, int], tuple[tuple[int, DecodeConfig], ...]]] = {}
+# buckets from benchmarks/dense_fp8.py --sweep-decode; a bucket whose config is None is one
+# where the Triton kernel measured faster. The decode kernel's configs change speed only,
+# never the numerics, so untuned architectures and shapes take decode_kernel.heuristic_config.
+TUNED_DECODE: dict[tuple[int, int], dict[tuple[int, int], tuple[tuple[int, DecodeConfig | None], ...]]] = {
+    (9, 0): {  # H200 sweep of 2026-12-01 (benchmarks/results/dense_fp8_h200.md)
+        (12288, 2560): ((8, DecodeConfig(ksplit=8, min_blocks=2)), (16, DecodeConfig(ksplit=4)), (32, None)),
+        (2560, 6144): ((4, DecodeConfig(ksplit=16)), (8, DecodeConfig(ksplit=8, min_blocks=2)),
+                       (16, DecodeConfig(ksplit=8)), (32, None)),
+        (6144, 2560): ((1, DecodeConfig(ksplit=8, stream=True, ctas_per_sm=1)),
+                       (16, DecodeConfig(ksplit=4, warps_n=2, min_blocks=2)), (32, None)),
+        (2560, 5120): ((1, DecodeConfig(ksplit=10, warps_n=2)), (4, DecodeConfig(ksplit=8, warps_n=2)),
+                       (16, DecodeConfig(ksplit=8, min_blocks=2)), (32, None)),
+        (4096, 2560): ((8, DecodeConfig(ksplit=8, min_blocks=2)), (16, DecodeConfig(ksplit=4, min_blocks=2)),
+                       (32, DecodeConfig(ksplit=4, warps_n=2))),
+        (2560, 4096): ((32, DecodeConfig(ksplit=8, min_blocks=2)),),
+        (1536, 2560): ((4, DecodeConfig(ksplit=8)), (8, DecodeConfig(ksplit=10)), (32, DecodeConfig(ksplit=8))),
+        (2560, 768): ((1, DecodeConfig(ksplit=3, min_blocks=2, stream=True, ctas_per_sm=2)),
+                      (4, DecodeConfig(ksplit=4, warps_n=2)), (8, DecodeConfig(ksplit=3, warps_n=2, min_blocks=2)),
+                      (16, DecodeConfig(ksplit=4, min_blocks=2, stream=True, ctas_per_sm=3)),
+                      (32, DecodeConfig(ksplit=6, warps_n=2))),
+        (576, 2560): ((8, DecodeConfig(ksplit=10)), (32, DecodeConfig(ksplit=8))),
+    },
+}
 
 
 def select_decode_config(n: int, k: int, rows: int, capability: tuple[int, int],
-                         sm_count: int) -> DecodeConfig | None:
-    """The CUDA decode kernel's config for an [n, k] weight at ``rows`` rows (None: it cannot run it)."""
+                         sm_count: int) -> tuple[DecodeConfig | None, str | None]:
+    """(the CUDA decode kernel's config, None) for an [n, k] weight at ``rows`` rows; (None, why)
+    when it cannot run it; (None, None) where the Triton kernel is tuned to serve instead."""
     for max_rows, config in TUNED_DECODE.get(tuple(capability), {}).get((n, k), ()):
-        if rows <= max_rows and not config.problems(n, k, rows):
-            return config
+        if rows <= max_rows:
+            if config is None:
+                return None, None
+            if not config.problems(n, k, rows):
+                return config, None
+            break
     config = decode_heuristic_config(n, k, rows, sm_count)
-    return None if config.problems(n, k, rows) else config
+    problems = config.problems(n, k, rows)
+    return (None, "; ".join(problems)) if problems else (config, None)
