@@ -7,7 +7,9 @@ the bytes and the extra quantization launch costs more than it saves
 (same parameters, loaders and post-load processing, and vLLM's kernel for larger batches); it
 keeps a reference to the loaded e4m3 weight and an fp32 copy of the block scales from before
 vLLM's processing, and runs :func:`vllm_ling.ops.dense_fp8.w8a16_linear` (BF16 activations, fp32
-accumulation, one launch) for batches of at most ``DECODE_MAX_ROWS`` tokens. vLLM compiles the
+accumulation, one launch: the CUDA decode kernel, or the Triton kernel where it cannot run or the
+tuned table prefers it) for batches of at most ``DECODE_MAX_ROWS`` tokens. The decode kernel
+reads the e4m3 NaN codes as +-480, so a weight holding them is refused at load, named. vLLM compiles the
 model with ``torch.compile(fullgraph=True)`` and symbolic batch sizes, so the choice between the
 two kernels happens inside one custom op (``vllm_ling::dense_fp8_linear``, the layer found by
 name as vLLM's own layer ops do), never as a Python branch on the traced batch size. Where vLLM's
