@@ -137,10 +137,29 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "passed": {"type": ["boolean", "null"]},
             },
         },
-        # Optional: bytes of the weights one worker holds (each storage once).
+        # Optional: bytes one worker (the reporting rank) holds, each storage once: its weights
+        # (verification, after load) and its allocated KV cache (after warm-up, patch P8).
         "memory": {
             "type": "object",
-            "properties": {"weights_bytes": {"type": "integer", "minimum": 0}},
+            "properties": {"weights_bytes": {"type": "integer", "minimum": 0},
+                           "kv_cache_bytes": {"type": "integer", "minimum": 0}},
+        },
+        # Added after warm-up by the reporting worker (vllm_ling.runtime.startup_facts): its
+        # humming JIT kernels compiled vs loaded from the cache. Not applicable (CPU): zeros and
+        # the reason; applicable but not observed: null counts and the reason.
+        "startup": {
+            "type": "object",
+            "required": ["humming_jit_applicable", "humming_jit_compiled_kernels", "humming_jit_cache_hits",
+                         "humming_jit_compile_s", "humming_jit_detail", "rank"],
+            "properties": {
+                "humming_jit_applicable": {"type": "boolean"},
+                "humming_jit_compiled_kernels": {"type": ["integer", "null"], "minimum": 0},
+                "humming_jit_cache_hits": {"type": ["integer", "null"], "minimum": 0},
+                "humming_jit_compile_s": {"type": ["number", "null"], "minimum": 0},
+                "humming_jit_compile_s_total": {"type": "number", "minimum": 0},
+                "humming_jit_detail": {"type": "string"},
+                "rank": {"type": "integer", "minimum": 0},
+            },
         },
     },
 }
