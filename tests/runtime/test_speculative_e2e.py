@@ -74,6 +74,12 @@ def test_defaults_verified_and_reported(default_server):
     assert ("vllm-ling startup verification (cpu, policy strict, runner "
             "vllm.v1.worker.cpu_model_runner.CPUModelRunner): PASSED") in log
     assert "Ling default speculative decoding" in log
+    # the worker merged its startup facts after warm-up (patch P8); the whole report keeps the schema
+    from vllm_ling.runtime.report import REPORT_JSON_SCHEMA
+
+    pytest.importorskip("jsonschema").validate(report, REPORT_JSON_SCHEMA)
+    assert report["memory"]["kv_cache_bytes"] > 0 and report["startup"]["humming_jit_applicable"] is False
+    assert f"vllm-ling startup facts (rank 0): KV cache {report['memory']['kv_cache_bytes']} bytes" in log
 
 
 def test_agreeing_checkpoint_accepts_every_draft(default_server, agreeing_checkpoint):
