@@ -1,6 +1,7 @@
 """The startup verification report: its schema, its one writer and its reader.
 
-Workers write it once after load (:mod:`vllm_ling.runtime.verification`), the API server
+Workers write it once after load (:mod:`vllm_ling.runtime.verification`) and add their
+memory and startup facts after warm-up (:mod:`vllm_ling.runtime.startup_facts`), the API server
 adds the chat round-trip check (:mod:`vllm_ling.runtime.chat_roundtrip`), ``vllm-ling
 serve`` merges the smoke result into it (:mod:`vllm_ling.runtime.smoke`), and the stat
 logger and ``GET /vllm_ling/report`` read it. Every write goes through :func:`write_report`
@@ -309,6 +310,16 @@ def check_report_path(path: str) -> None:
     if problem:
         raise ReportPathError(f"{ENV_REPORT_PATH}={path}: {problem}; set {ENV_REPORT_PATH} (or "
                               "--report-path) to a file in a writable directory")
+
+
+def is_reporting_rank() -> bool:
+    """Tensor-parallel rank 0 of the last pipeline stage writes the report (every rank when unknown)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_pp_group
+
+        return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
+    except Exception:
+        return True
 
 
 def write_report(report: dict[str, Any], path: str) -> None:

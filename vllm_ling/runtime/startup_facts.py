@@ -7,7 +7,7 @@ only ``num_gpu_blocks`` and the capacity in tokens (``EngineCoreReadyResponse``;
 logs the bytes, no metric carries them), and vLLM calls no plugin in the worker after its
 warm-up, so patch P8 calls :func:`record_after_warmup` there, before the engine reports ready.
 Compiles that warm-up and CUDA-graph capture trigger are therefore included. The worker that
-writes the verification report (:func:`~vllm_ling.runtime.verification.is_reporting_rank`)
+writes the verification report (:func:`~vllm_ling.runtime.report.is_reporting_rank`)
 merges its own numbers into it: ``startup`` (humming JIT, flat keys) and
 ``memory.kv_cache_bytes``; the stat logger exports them as gauges.
 """
@@ -20,6 +20,8 @@ import torch
 
 from vllm_ling.log import get_logger
 from vllm_ling.ops import humming_jit
+from vllm_ling.options import LingOptions
+from vllm_ling.runtime.report import is_reporting_rank, update_report
 
 logger = get_logger("startup")
 
@@ -63,9 +65,6 @@ def record_after_warmup(worker) -> dict[str, Any]:
     """Measure, log one INFO line, and merge into the report where this worker writes it."""
     from vllm.platforms import current_platform
 
-    from vllm_ling.options import LingOptions
-    from vllm_ling.runtime.report import update_report
-    from vllm_ling.runtime.verification import is_reporting_rank
 
     startup = startup_section(applicable=current_platform.is_cuda())
     kv_bytes = kv_cache_bytes(worker.model_runner)

@@ -40,7 +40,7 @@ import torch
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import (DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy,
                                plugin_options, read)
-from vllm_ling.runtime.report import write_report
+from vllm_ling.runtime.report import is_reporting_rank, write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
 
@@ -390,16 +390,6 @@ def format_table(report: dict[str, Any]) -> str:
     for note in report.get("notes", []):
         lines.append("  note: " + note)
     return "\n".join(lines)
-
-
-def is_reporting_rank() -> bool:
-    """Tensor-parallel rank 0 of the last pipeline stage writes the report (every rank when unknown)."""
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank, get_pp_group
-
-        return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
-    except Exception:
-        return True
 
 
 def apply_negative_control(target, draft) -> None:
