@@ -111,6 +111,17 @@ def test_other_processes_files_and_other_directories_are_not_counted(tmp_path):
     snap = counter.snapshot()
     assert (snap["compiled_kernels"], snap["cache_hits"], snap["hook_errors"]) == (0, 0, 1)
 
+    # a compile followed by humming's cubin post-processing (a second program on kernel_tmp.cubin):
+    # one compile, timed from the compiler's start
+    tmp_cubin = os.path.join(cache, md5, "kernel_tmp.cubin")
+    counter.on_event("os.mkdir", (os.path.join(cache, md5), 0o777, -1))
+    counter.on_event("subprocess.Popen", ("nvrtc_compile", ["nvrtc_compile", "--output", tmp_cubin], None, None))
+    started = counter.started[md5]
+    counter.on_event("subprocess.Popen", ("patch_cubin", ["patch_cubin", tmp_cubin], None, None))
+    counter.on_event("os.rename", (tmp_cubin, os.path.join(cache, md5, "kernel.cubin"), -1, -1))
+    assert counter.compiled[md5][0] == started
+    assert (counter.snapshot()["compiled_kernels"], counter.snapshot()["cache_hits"]) == (1, 0)
+
 
 GPU_SCRIPT = textwrap.dedent("""
     import json, torch

@@ -77,8 +77,8 @@ class JitCounter:
                 if os.path.basename(arg) == _TMP_CUBIN:
                     kernel = _kernel_of(os.path.dirname(arg), cache)
                     if kernel:
-                        with self._lock:
-                            self.started[kernel] = time.perf_counter()
+                        with self._lock:  # the first: humming may post-process the cubin with another
+                            self.started.setdefault(kernel, time.perf_counter())
         else:  # os.rename(src, dst, ...): humming's os.replace publishing a cubin
             dst = os.fsdecode(os.fspath(args[1]))
             if os.path.basename(dst) == _CUBIN:
@@ -91,18 +91,17 @@ class JitCounter:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             intervals = sorted(self.compiled.values())
-            prepared, compiled = set(self.prepared), set(self.compiled)
-            running = len(self.started)
+            prepared, compiled, running = set(self.prepared), set(self.compiled), set(self.started)
         wall = 0.0
         end = float("-inf")
         for a, b in intervals:  # union of the compile intervals
             if b > end:
                 wall += b - max(a, end)
                 end = b
-        return {"compiled_kernels": len(compiled), "cache_hits": len(prepared - compiled - set(self.started)),
+        return {"compiled_kernels": len(compiled), "cache_hits": len(prepared - compiled - running),
                 "compile_seconds": round(wall, 3),
                 "compile_seconds_total": round(sum(b - a for a, b in intervals), 3),
-                "compiling_now": running, "observed_since": self.since, "hook_errors": self.hook_errors}
+                "compiling_now": len(running), "observed_since": self.since, "hook_errors": self.hook_errors}
 
 
 def _humming_cache_dir() -> str | None:
