@@ -221,8 +221,9 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# Facts that differ between any two runs and say nothing about the server's configuration.
-_VOLATILE = ("sources.", "metrics.api_server_resident_bytes", "run.")
+# Facts that differ between any two runs and say nothing about the server's configuration
+# (the JIT detail restates the JIT numbers, which are compared).
+_VOLATILE = ("sources.", "metrics.api_server_resident_bytes", "run.", "report.startup.humming_jit_detail")
 
 
 def comparable_facts(facts: dict[str, Any] | None) -> dict[str, Any]:
