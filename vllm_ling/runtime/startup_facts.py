@@ -65,7 +65,6 @@ def record_after_warmup(worker) -> dict[str, Any]:
     """Measure, log one INFO line, and merge into the report where this worker writes it."""
     from vllm.platforms import current_platform
 
-
     startup = startup_section(applicable=current_platform.is_cuda())
     kv_bytes = kv_cache_bytes(worker.model_runner)
     jit = ("humming JIT: " + startup["humming_jit_detail"]) if startup["humming_jit_applicable"] \
@@ -80,5 +79,5 @@ def record_after_warmup(worker) -> dict[str, Any]:
     path = LingOptions.from_env().report_path
     if is_reporting_rank() and path and not update_report(path, merge):
         logger.info("vllm-ling startup facts are in the log only: no verification report at %s "
-                   "(VLLM_LING_VERIFY=off?).", path)
+                    "(VLLM_LING_VERIFY=off?).", path)
     return {"startup": startup, "kv_cache_bytes": kv_bytes}
