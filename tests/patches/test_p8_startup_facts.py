@@ -36,13 +36,27 @@ def test_workers_warm_up_is_our_wrapper_around_vllms(upstream_workers):
     assert p8.is_applied()
     wrapped = {f"{cls.__module__}:{cls.__qualname__}.{p8.METHOD}": cls.__dict__[p8.METHOD]
                for cls in upstream_workers}
-    assert set(wrapped) == set(by_id("P8").upstream_sha256)  # both import on the CPU build
+    assert set(wrapped) == set(by_id("P8").upstream_sha256)  # both on the CPU platform
     for symbol, wrapper in wrapped.items():
         source = inspect.getsource(wrapper.__wrapped__)
         assert hashlib.sha256(source.encode()).hexdigest() == source_sha256(symbol), symbol
     apply_all("register", ids=("P8",))
     assert not any(getattr(cls.compile_or_warm_up_model.__wrapped__, p8._MARK, False)
                    for cls in upstream_workers)  # wrapped once
+
+
+def test_a_cuda_process_never_imports_the_cpu_worker(monkeypatch):
+    """Importing vllm.v1.worker.cpu_worker swaps torch.cuda.Event / Stream for CPU stand-ins."""
+    from vllm.platforms import current_platform
+
+    from vllm_ling.patches import p8_startup_facts as p8
+
+    imported = []
+    real_import = p8.importlib.import_module
+    monkeypatch.setattr(p8.importlib, "import_module", lambda name: imported.append(name) or real_import(name))
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    assert [c.__qualname__ for c in p8.worker_classes()] == ["Worker"]
+    assert imported == ["vllm.v1.worker.gpu_worker"]
 
 
 class Runner:

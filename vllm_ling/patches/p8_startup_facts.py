@@ -17,18 +17,20 @@ from __future__ import annotations
 import functools
 import importlib
 
-WORKERS = (
-    ("vllm.v1.worker.gpu_worker", "Worker"),
-    ("vllm.v1.worker.cpu_worker", "CPUWorker"),
-)
+GPU_WORKER = ("vllm.v1.worker.gpu_worker", "Worker")
+# Imported on the CPU platform only: importing it replaces torch.cuda.Event / Stream and other
+# torch functions with CPU stand-ins (vllm.v1.worker.cpu.shm), which would break a CUDA process.
+CPU_WORKER = ("vllm.v1.worker.cpu_worker", "CPUWorker")
 METHOD = "compile_or_warm_up_model"
 _MARK = "_vllm_ling_startup_facts_wrapped"
 
 
 def worker_classes() -> list[type]:
-    """The worker classes this vLLM build can import (a platform may lack one)."""
+    """This platform's worker classes that this vLLM build can import."""
+    from vllm.platforms import current_platform
+
     classes = []
-    for module_name, cls_name in WORKERS:
+    for module_name, cls_name in (GPU_WORKER, CPU_WORKER) if current_platform.is_cpu() else (GPU_WORKER,):
         try:
             module = importlib.import_module(module_name)
         except Exception:  # noqa: BLE001 - a worker this platform's build cannot import
