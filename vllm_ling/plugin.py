@@ -58,6 +58,17 @@ def _default_report_path() -> None:
     check_report_path(os.environ[ENV_REPORT_PATH])
 
 
+def _observe_humming_jit() -> None:
+    """On CUDA, count humming JIT compiles and cache hits in this process from its start, so
+    vLLM's own humming use (an opted-out MoE backend) is counted too (vllm_ling.ops.humming_jit)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        from vllm_ling.ops.humming_jit import observe
+
+        observe()
+
+
 def register() -> list[str]:
     """Apply the runtime patches and register models, config and layers once per process;
     return what was registered."""
@@ -66,6 +77,7 @@ def register() -> list[str]:
         return _registered
     check_vllm_version()
     _default_report_path()
+    _observe_humming_jit()
     # Runtime patches first, in the registry's order; refuses a vLLM they were not written for.
     patches = apply_all(Stage.REGISTER)
     done = _register_config() + _register_models() + _register_layers() + [f"patches {', '.join(patches)}"]

@@ -199,3 +199,39 @@ def test_facts_from_report_read_the_known_answer_section():
         {"name": "moe_mxfp4", "kernel": "humming", "passed": False, "skipped": None},
         {"name": "kda", "kernel": "vllm", "passed": False, "skipped": "no KDA layer"}]}}
     assert facts_from_report(report)["kernel_checks"] == {"fp8_head[torch]": True, "moe_mxfp4[humming]": False}
+
+
+def test_memory_and_jit_facts_are_compared_and_printed():
+    """KV-cache bytes and humming JIT counts (report sections, or the gauges) reach `bench compare`
+    and results.md; CPU says "not applicable" rather than nothing."""
+    from vllm_ling.bench.results_files import facts_lines
+
+    cold = json.loads(json.dumps(REPORT))
+    cold["memory"] = {"weights_bytes": 3 * 2**20, "kv_cache_bytes": 2**30}
+    cold["startup"] = {"humming_jit_applicable": True, "humming_jit_compiled_kernels": 12,
+                       "humming_jit_cache_hits": 0, "humming_jit_compile_s": 40.0, "humming_jit_detail": "d",
+                       "rank": 0}
+    warm = json.loads(json.dumps(cold))
+    warm["memory"]["kv_cache_bytes"] = 2**29
+    warm["startup"].update(humming_jit_compiled_kernels=0, humming_jit_cache_hits=12, humming_jit_compile_s=0.0,
+                           humming_jit_detail="restates the numbers")
+    a, b = {"report": facts_from_report(cold)}, {"report": facts_from_report(warm)}
+    diff = {d["fact"]: (d["a"], d["b"]) for d in diff_facts(a, b)}
+    assert diff == {"report.memory.kv_cache_bytes": (2**30, 2**29),
+                    "report.startup.humming_jit_compiled_kernels": (12, 0),
+                    "report.startup.humming_jit_cache_hits": (0, 12),
+                    "report.startup.humming_jit_compile_s": (40.0, 0.0)}
+    text = "\n".join(facts_lines({**a, "sources": {}}))
+    assert "- humming JIT: 12 kernel(s) compiled in 40.0 s, 0 loaded from the cache (worker rank 0)" in text
+    assert "kv_cache 1024.0 MiB" in text and "weights 3.0 MiB" in text
+
+    metrics = facts_from_metrics("\n".join([
+        'vllm_ling:kv_cache_bytes{model_name="m"} 1.073741824e+09',
+        'vllm_ling:humming_jit_applicable{model_name="m"} 0.0',
+        'vllm_ling:humming_jit_compiled_kernels{model_name="m"} 0.0',
+        'vllm_ling:humming_jit_cache_hits{model_name="m"} 0.0',
+        'vllm_ling:humming_jit_compile_seconds{model_name="m"} 0.0']))
+    assert metrics == {"kv_cache_bytes": 2**30, "humming_jit_applicable": 0.0, "humming_jit_compiled_kernels": 0.0,
+                       "humming_jit_cache_hits": 0.0, "humming_jit_compile_s": 0.0}
+    text = "\n".join(facts_lines({"report": None, "metrics": metrics, "sources": {"report": "none"}}))
+    assert "- humming JIT: not applicable" in text and "kv_cache 1024.0 MiB" in text

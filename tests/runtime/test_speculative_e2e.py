@@ -5,6 +5,7 @@ the agreeing checkpoint's acceptance, the trap's collapse, and the startup verif
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -73,6 +74,12 @@ def test_defaults_verified_and_reported(default_server):
     assert ("vllm-ling startup verification (cpu, policy strict, runner "
             "vllm.v1.worker.cpu_model_runner.CPUModelRunner): PASSED") in log
     assert "Ling default speculative decoding" in log
+    # the worker merged its startup facts after warm-up (patch P8); the whole report keeps the schema
+    from vllm_ling.runtime.report import REPORT_JSON_SCHEMA
+
+    pytest.importorskip("jsonschema").validate(report, REPORT_JSON_SCHEMA)
+    assert report["memory"]["kv_cache_bytes"] > 0 and report["startup"]["humming_jit_applicable"] is False
+    assert f"vllm-ling startup facts (rank 0): KV cache {report['memory']['kv_cache_bytes']} bytes" in log
 
 
 def test_agreeing_checkpoint_accepts_every_draft(default_server, agreeing_checkpoint):
@@ -272,10 +279,27 @@ def test_replay_scores_chat_answers_on_the_real_server(default_server, agreeing_
     assert facts["metrics"]["cache_config"]["num_gpu_blocks"]  # vLLM's own cache config metric
     assert facts["metrics"]["launch_to_ready_s"] > 1  # vllm_ling:startup_seconds: loading takes seconds
     assert facts["report"]["memory"]["weights_bytes"] > 0
+    # KV-cache bytes the worker allocated (patch P8), against what the test derives on its own:
+    # whole MLA pages (block_size x (kv_lora_rank + rope dim) BF16 values) for each of vLLM's
+    # blocks (/metrics), filling VLLM_CPU_KVCACHE_SPACE to within one block.
+    kv_bytes = facts["report"]["memory"]["kv_cache_bytes"]
+    cache = facts["metrics"]["cache_config"]
+    blocks, page = int(cache["num_gpu_blocks"]), int(cache["block_size"]) * (
+        config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+    cap = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30)
+    assert kv_bytes % (blocks * page) == 0 and cap - kv_bytes // blocks < kv_bytes <= cap, (kv_bytes, blocks, page)
+    assert facts["metrics"]["kv_cache_bytes"] == kv_bytes  # vllm_ling:kv_cache_bytes
+    # humming is not used on CPU, and the facts say so (zeros with the reason, not nothing)
+    startup = facts["report"]["startup"]
+    assert startup["humming_jit_applicable"] is False and "CPU" in startup["humming_jit_detail"]
+    assert (startup["humming_jit_compiled_kernels"], startup["humming_jit_cache_hits"]) == (0, 0)
+    assert facts["metrics"]["humming_jit_applicable"] == 0
     assert facts["usage"]["samples"]  # KV-cache usage sampled during the run
     files = {p.name for p in (tmp_path / "a").iterdir()}
     assert {"results.json", "results.md", "latency.png", "lengths.png", "acceptance.png"} <= files
-    assert "Server facts:" in (tmp_path / "a" / "results.md").read_text()
+    md = (tmp_path / "a" / "results.md").read_text()
+    assert "Server facts:" in md and "- humming JIT: not applicable" in md
+    assert f"kv_cache {kv_bytes / 2**20:.1f} MiB" in md
     cmp_json = tmp_path / "cmp.json"
     assert bench_main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(cmp_json)]) == 0
     cmp = json.loads(cmp_json.read_text())

@@ -375,3 +375,35 @@ def test_startup_seconds_is_this_process_age_when_the_engine_is_ready(make_logge
     age_after = time.time() - psutil.Process().create_time()
     value = REGISTRY.get_sample_value("vllm_ling:startup_seconds", {"model_name": "tiny"})
     assert age_before <= value <= age_after
+
+
+def test_memory_and_startup_facts_are_exported_from_the_report(make_logger, tmp_path):
+    """The worker's KV-cache bytes and humming JIT facts (runtime/startup_facts) as gauges; the
+    CPU section says humming is not applicable with zero counts, not nothing."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from vllm_ling.runtime.startup_facts import startup_section
+
+    stat_logger = make_logger()
+    path = tmp_path / "report.json"
+    report = sample_report(memory={"weights_bytes": 123456, "kv_cache_bytes": 1073741824},
+                           startup=startup_section(applicable=False))
+    jsonschema.validate(report, REPORT_JSON_SCHEMA)
+    path.write_text(json.dumps(report))
+    stat_logger.log()
+    assert value("vllm_ling:weights_bytes") == 123456
+    assert value("vllm_ling:kv_cache_bytes") == 1073741824
+    assert value("vllm_ling:humming_jit_applicable") == 0
+    assert value("vllm_ling:humming_jit_compiled_kernels") == 0
+    assert value("vllm_ling:humming_jit_cache_hits") == 0
+    assert value("vllm_ling:humming_jit_compile_seconds") == 0
+
+    report["startup"] = {"humming_jit_applicable": True, "humming_jit_compiled_kernels": 12,
+                         "humming_jit_cache_hits": 30, "humming_jit_compile_s": 41.5,
+                         "humming_jit_detail": "d", "rank": 0}
+    jsonschema.validate(report, REPORT_JSON_SCHEMA)
+    path.write_text(json.dumps(report))
+    os.utime(path, (time.time() + 5, time.time() + 5))
+    stat_logger.log()
+    assert value("vllm_ling:humming_jit_applicable") == 1
+    assert (value("vllm_ling:humming_jit_compiled_kernels"), value("vllm_ling:humming_jit_cache_hits"),
+            value("vllm_ling:humming_jit_compile_seconds")) == (12, 30, 41.5)

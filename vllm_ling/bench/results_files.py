@@ -138,13 +138,13 @@ def facts_lines(facts: dict[str, Any] | None) -> list[str]:
     else:
         lines.append(f"- no verification report ({facts['sources'].get('report')})")
     lines.append(f"- bench client: vllm-ling {facts.get('bench_vllm_ling_version')}")
-    startup = {**(rep or {}).get("startup", {}), **{k: met[k] for k in
-               ("launch_to_ready_s", "humming_jit_compile_s", "humming_jit_cache_hits") if k in met}}
-    if facts.get("launch_to_ready_s") is not None:
-        startup["launch_to_ready_s"] = facts["launch_to_ready_s"]
-    lines.append("- startup: " + (", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                            for k, v in startup.items()) or "not exposed by this server"))
-    memory = (rep or {}).get("memory") or {}
+    launch = facts.get("launch_to_ready_s") or met.get("launch_to_ready_s")
+    lines.append("- startup: " + (f"launch to ready {launch:.1f} s" if launch is not None
+                                  else "launch to ready not exposed by this server"))
+    lines.append("- humming JIT: " + _jit_line({**{k: met[k] for k in met if k.startswith("humming_jit_")},
+                                               **((rep or {}).get("startup") or {})}))
+    memory = {**{k: met[k] for k in ("weights_bytes", "kv_cache_bytes") if k in met},
+              **((rep or {}).get("memory") or {})}
     cache = met.get("cache_config") or {}
     mem = [f"{k.removesuffix('_bytes')} {v / 2**20:.1f} MiB" if k.endswith("_bytes") and isinstance(v, (int, float))
            else f"{k} {v}" for k, v in memory.items()] + [f"KV {k} {v}" for k, v in cache.items()]
@@ -160,6 +160,19 @@ def facts_lines(facts: dict[str, Any] | None) -> list[str]:
     else:
         lines.append("- KV-cache usage over the run: not sampled (no `vllm:kv_cache_usage_perc`)")
     return lines
+
+
+def _jit_line(jit: dict[str, Any]) -> str:
+    """The humming JIT facts of the reporting worker (report's startup section, else the gauges)."""
+    if "humming_jit_applicable" not in jit:
+        return "not exposed by this server"
+    if not jit["humming_jit_applicable"]:
+        return "not applicable" + (f" ({jit['humming_jit_detail']})" if jit.get("humming_jit_detail") else "")
+    if jit.get("humming_jit_compiled_kernels") is None:
+        return jit.get("humming_jit_detail") or "not observed"
+    return (f"{jit['humming_jit_compiled_kernels']:.0f} kernel(s) compiled in {jit['humming_jit_compile_s']:.1f} s, "
+            f"{jit['humming_jit_cache_hits']:.0f} loaded from the cache"
+            + (f" (worker rank {jit['rank']})" if "rank" in jit else ""))
 
 
 def write_plots(results: dict[str, Any], out: Path) -> list[str]:

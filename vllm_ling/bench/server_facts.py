@@ -6,12 +6,15 @@ Sources, each optional (a plain OpenAI server has none of the vllm-ling ones):
   pass/fail and policy, platform and GPU arch, vLLM / humming versions, each optimization's
   requested/active state, each check (and known-answer kernel check) passed or not, MoE
   backend, head dtype, speculation, the smoke check's accept length, and its ``startup`` /
-  ``memory`` sections where the server writes them (launch-to-ready seconds, humming JIT
-  compile seconds and cache hits, weight and KV-cache bytes);
+  ``memory`` sections where the server writes them (the reporting worker's humming JIT
+  kernels compiled vs loaded from the cache and compile seconds, or "not applicable" on CPU;
+  its weight and allocated KV-cache bytes);
 - ``/metrics`` at the start: ``vllm_ling:info`` labels, ``vllm_ling:optimization_active``,
   ``vllm_ling:kernel_check_passed``, vLLM's ``vllm:cache_config_info`` (KV blocks, block size,
   KV capacity in tokens and requests, cache dtypes, memory fraction), the API server's resident
-  memory, ``vllm_ling:startup_seconds`` and humming JIT gauges where exported;
+  memory, ``vllm_ling:startup_seconds`` (launch to ready), and the gauges of the report's
+  memory / startup facts where exported (``vllm_ling:kv_cache_bytes``, ``vllm_ling:weights_bytes``,
+  ``vllm_ling:humming_jit_*``);
 - ``/metrics`` sampled during the run: ``vllm:kv_cache_usage_perc`` and the running / waiting
   request counts (:class:`UsageSampler`);
 - the harness itself: its vllm-ling version and, when it launched the server (ablation), the
@@ -38,12 +41,16 @@ REPORT_ROUTE = "/vllm_ling/report"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
-# Gauges a server may export about its start (none in vLLM 0.32 itself).
+# Gauges a server may export about its start and memory (none in vLLM 0.32 itself; vllm-ling's
+# stat logger exports them, runtime/stat_logger.py), and the facts they become.
 STARTUP_GAUGES = {
     "vllm_ling:startup_seconds": "launch_to_ready_s",
+    "vllm_ling:humming_jit_applicable": "humming_jit_applicable",
     "vllm_ling:humming_jit_compile_seconds": "humming_jit_compile_s",
     "vllm_ling:humming_jit_cache_hits": "humming_jit_cache_hits",
     "vllm_ling:humming_jit_compiled_kernels": "humming_jit_compiled_kernels",
+    "vllm_ling:weights_bytes": "weights_bytes",
+    "vllm_ling:kv_cache_bytes": "kv_cache_bytes",
 }
 
 
@@ -214,8 +221,9 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# Facts that differ between any two runs and say nothing about the server's configuration.
-_VOLATILE = ("sources.", "metrics.api_server_resident_bytes", "run.")
+# Facts that differ between any two runs and say nothing about the server's configuration
+# (the JIT detail restates the JIT numbers, which are compared).
+_VOLATILE = ("sources.", "metrics.api_server_resident_bytes", "run.", "report.startup.humming_jit_detail")
 
 
 def comparable_facts(facts: dict[str, Any] | None) -> dict[str, Any]:

@@ -68,10 +68,14 @@ def humming_cache_root() -> Path:
 def configure_humming_cache() -> Path:
     """Point humming's cache and tmp (lock) directories under :func:`humming_cache_root`.
 
-    Must run before humming compiles anything; safe to call repeatedly. Environment
+    Must run before humming compiles anything; safe to call repeatedly; starts the per-process
+    JIT counter (:mod:`vllm_ling.ops.humming_jit`). Environment
     variables are inherited by worker processes started afterwards. Returns the kernel
     cache directory humming will use.
     """
+    from vllm_ling.ops.humming_jit import observe
+
+    observe()  # count this process's compiles and cache hits from here on (vllm_ling.ops.humming_jit)
     root = humming_cache_root()
     if read(ENV_CACHE) or not os.environ.get(HUMMING_ENV_CACHE):
         kernels = root / "kernels"

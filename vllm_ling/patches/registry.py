@@ -182,6 +182,24 @@ PATCHES: tuple[Patch, ...] = (
         upstream="none (no public way to declare plugin variables)",
         delete_when="vLLM lets plugins declare variables, or stops checking foreign prefixes",
     ),
+    Patch(
+        id="P8", slug="worker-post-warmup-hook",
+        module="vllm_ling.patches.p8_startup_facts",
+        targets=("vllm.v1.worker.gpu_worker:Worker.compile_or_warm_up_model",
+                 "vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model"),
+        upstream_sha256={
+            "vllm.v1.worker.gpu_worker:Worker.compile_or_warm_up_model":
+                "4cc9795229ca9497f399e473469feeee62970ba62746e704c38d69daf4631914",
+            "vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model":
+                "faf0a9720ca45d4a0aff2c3cedcc297f34bd61d19b6119ecb13f03f358d7d268",
+        },
+        stage=Stage.REGISTER, condition="every process (acts in workers)",
+        why="the worker records its allocated KV-cache bytes and its humming JIT compiles and "
+            "cache hits into the report once warm-up is done, before the engine is ready; vLLM "
+            "sends the front end only block counts and has no worker post-warm-up hook",
+        upstream="none (the allocated KV-cache bytes are only logged)",
+        delete_when="vLLM offers a worker post-warm-up hook, or reports KV-cache bytes to the front end",
+    ),
 )
 
 
@@ -261,6 +279,10 @@ UPSTREAM_FILE_SHA256: dict[str, str] = {
         "d2810a0bae39552342cb447d4e864763e76c5802422d830a9022d084263fc50c",
     "vllm.v1.worker.gpu.model_runner":
         "5240fe8d62d403e466a4aa07a28fb7af5c0f1e9b9c3bb08c4003185bde461f87",
+    "vllm.v1.worker.gpu_worker":
+        "e970aa29a738aa15cd963d9f9202ca6d3d504e98fd344959fd998e940472a5a0",
+    "vllm.v1.worker.cpu_worker":
+        "5889af10bfa836b8d7b141c56af85305f367e19b95ef208d5cbfebc1cff0894f",
     "vllm.envs":
         "e963af06cf6c775fe285147e0d811ea5b4d679e5cbd6958980ec2a0d1da70694",
     "vllm.platforms.interface":

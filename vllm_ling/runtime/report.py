@@ -1,6 +1,7 @@
 """The startup verification report: its schema, its one writer and its reader.
 
-Workers write it once after load (:mod:`vllm_ling.runtime.verification`), the API server
+Workers write it once after load (:mod:`vllm_ling.runtime.verification`) and add their
+memory and startup facts after warm-up (:mod:`vllm_ling.runtime.startup_facts`), the API server
 adds the chat round-trip check (:mod:`vllm_ling.runtime.chat_roundtrip`), ``vllm-ling
 serve`` merges the smoke result into it (:mod:`vllm_ling.runtime.smoke`), and the stat
 logger and ``GET /vllm_ling/report`` read it. Every write goes through :func:`write_report`
@@ -137,10 +138,29 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "passed": {"type": ["boolean", "null"]},
             },
         },
-        # Optional: bytes of the weights one worker holds (each storage once).
+        # Optional: bytes one worker (the reporting rank) holds, each storage once: its weights
+        # (verification, after load) and its allocated KV cache (after warm-up, patch P8).
         "memory": {
             "type": "object",
-            "properties": {"weights_bytes": {"type": "integer", "minimum": 0}},
+            "properties": {"weights_bytes": {"type": "integer", "minimum": 0},
+                           "kv_cache_bytes": {"type": "integer", "minimum": 0}},
+        },
+        # Added after warm-up by the reporting worker (vllm_ling.runtime.startup_facts): its
+        # humming JIT kernels compiled vs loaded from the cache. Not applicable (CPU): zeros and
+        # the reason; applicable but not observed: null counts and the reason.
+        "startup": {
+            "type": "object",
+            "required": ["humming_jit_applicable", "humming_jit_compiled_kernels", "humming_jit_cache_hits",
+                         "humming_jit_compile_s", "humming_jit_detail", "rank"],
+            "properties": {
+                "humming_jit_applicable": {"type": "boolean"},
+                "humming_jit_compiled_kernels": {"type": ["integer", "null"], "minimum": 0},
+                "humming_jit_cache_hits": {"type": ["integer", "null"], "minimum": 0},
+                "humming_jit_compile_s": {"type": ["number", "null"], "minimum": 0},
+                "humming_jit_compile_s_total": {"type": "number", "minimum": 0},
+                "humming_jit_detail": {"type": "string"},
+                "rank": {"type": "integer", "minimum": 0},
+            },
         },
     },
 }
@@ -290,6 +310,16 @@ def check_report_path(path: str) -> None:
     if problem:
         raise ReportPathError(f"{ENV_REPORT_PATH}={path}: {problem}; set {ENV_REPORT_PATH} (or "
                               "--report-path) to a file in a writable directory")
+
+
+def is_reporting_rank() -> bool:
+    """Tensor-parallel rank 0 of the last pipeline stage writes the report (every rank when unknown)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_pp_group
+
+        return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
+    except Exception:
+        return True
 
 
 def write_report(report: dict[str, Any], path: str) -> None:

@@ -32,6 +32,13 @@ head_dtype,spec_method,gpu_arch,platform,policy}``
 ``vllm_ling:startup_seconds``                                this API-server process's start to the
                                                              engine ready (weights, profiling, KV
                                                              cache, warm-up, compilation)
+``vllm_ling:weights_bytes``                                  weight bytes the reporting worker holds
+``vllm_ling:kv_cache_bytes``                                 KV-cache bytes that worker allocated
+``vllm_ling:humming_jit_applicable``                         1 where humming can run (CUDA), 0 on CPU
+``vllm_ling:humming_jit_compiled_kernels``                   humming kernels that worker compiled up
+                                                             to ready (0 on CPU)
+``vllm_ling:humming_jit_cache_hits``                         humming kernels it loaded from the cache
+``vllm_ling:humming_jit_compile_seconds``                    wall seconds it spent compiling them
 ==========================================================  =======================================
 
 The accept metrics appear with the first draft; the report metrics once the startup
@@ -62,6 +69,21 @@ logger = get_logger("metrics")
 METRIC_PREFIX = "vllm_ling:"
 # How often record() looks at the report file (a stat() call) until the file changes.
 REPORT_POLL_SECONDS = 1.0
+# (report section, key) -> gauge exported from it; absent keys leave the gauge unset.
+REPORT_VALUE_GAUGES = {
+    ("memory", "weights_bytes"): ("vllm_ling:weights_bytes",
+                                  "Bytes of the weights the reporting worker holds (each storage once)."),
+    ("memory", "kv_cache_bytes"): ("vllm_ling:kv_cache_bytes",
+                                   "Bytes of the KV cache the reporting worker allocated (each storage once)."),
+    ("startup", "humming_jit_applicable"): ("vllm_ling:humming_jit_applicable",
+                                            "1 where humming kernels can run (CUDA), 0 where not (CPU)."),
+    ("startup", "humming_jit_compiled_kernels"): ("vllm_ling:humming_jit_compiled_kernels",
+                                                  "humming JIT kernels the reporting worker compiled up to ready."),
+    ("startup", "humming_jit_cache_hits"): ("vllm_ling:humming_jit_cache_hits",
+                                            "humming JIT kernels the reporting worker loaded from the cache."),
+    ("startup", "humming_jit_compile_s"): ("vllm_ling:humming_jit_compile_seconds",
+                                           "Wall seconds the reporting worker spent compiling humming kernels."),
+}
 INFO_LABELS = ("vllm_version", "humming_version", "moe_backend", "head_dtype", "spec_method",
                "gpu_arch", "platform", "policy")
 
@@ -153,6 +175,11 @@ class LingStatLogger(AggregateStatLoggerBase):
             "vllm_ling:startup_seconds",
             "Seconds from the API-server process's start to the engine being ready to serve.",
             labelnames=["model_name"], multiprocess_mode="mostrecent")
+
+        # The report's memory / startup sections (vllm_ling.runtime.startup_facts), one gauge each.
+        self.g_report_values = {
+            key: Gauge(name, doc, labelnames=["model_name"], multiprocess_mode="mostrecent")
+            for key, (name, doc) in REPORT_VALUE_GAUGES.items()}
 
         self.windows: dict[int, AcceptWindow] = {}
         self.guards: dict[int, CollapseGuard] = {}
@@ -261,6 +288,10 @@ class LingStatLogger(AggregateStatLoggerBase):
             _label(report.get("spec_method")), _label(report.get("gpu_arch")),
             _label(report.get("platform")), _label(report.get("policy")),
         ).set(1)
+        for (section, key), gauge in self.g_report_values.items():
+            value = (report.get(section) or {}).get(key)
+            if isinstance(value, (bool, int, float)):
+                gauge.labels(self.model_name).set(float(value))
         inactive = [n for n, e in report["optimizations"].items() if e["requested"] and not e["active"]]
         logger.info("vllm-ling report %s loaded: verification %s (policy %s)%s.",
                     self.report_reader.path, "passed" if report["passed"] else "FAILED",

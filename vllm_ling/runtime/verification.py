@@ -40,7 +40,7 @@ import torch
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import (DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy,
                                plugin_options, read)
-from vllm_ling.runtime.report import write_report
+from vllm_ling.runtime.report import is_reporting_rank, write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
 
@@ -354,17 +354,10 @@ def _mtp_detail(exp: Expectations, by_name: dict[str, Check]) -> str:
 def weights_bytes(*modules: torch.nn.Module | None) -> int:
     """Bytes of the parameters and buffers of the given modules in this worker, each storage
     once (the draft shares the target's head and embedding)."""
-    seen: set[int] = set()
-    total = 0
-    for module in modules:
-        if module is None:
-            continue
-        for t in [*module.parameters(), *module.buffers()]:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
+    from vllm_ling.runtime.startup_facts import distinct_storage_bytes
+
+    return distinct_storage_bytes(t for m in modules if m is not None for t in [*m.parameters(), *m.buffers()])
+
 
 def _serving_notes(vllm_config, known: dict[str, Any]) -> list[str]:
     """What computes, as read from the loaded layers' methods and kernels (not the platform)."""
@@ -397,15 +390,6 @@ def format_table(report: dict[str, Any]) -> str:
     for note in report.get("notes", []):
         lines.append("  note: " + note)
     return "\n".join(lines)
-
-
-def _is_reporting_rank() -> bool:
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank, get_pp_group
-
-        return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
-    except Exception:
-        return True
 
 
 def apply_negative_control(target, draft) -> None:
@@ -553,7 +537,7 @@ def verify_once(target, vllm_config, runner: str | None = None) -> dict[str, Any
     own["model_runner"] = runner or "first forward (no runner hook)"
     report = dict(own, optimizations={n: dict(e) for n, e in own["optimizations"].items()})
     agree = merge_ranks(report, gather_ranks(rank_entry(own)))
-    if _is_reporting_rank():
+    if is_reporting_rank():
         logger.info("%s\n%s", format_table(report), format_ranks(report["ranks"]))
         if options.report_path:
             write_report(report, options.report_path)

@@ -1,0 +1,83 @@
+"""Startup facts a worker knows only after vLLM allocated the KV cache and warmed up: the KV
+cache's bytes and this process's humming JIT compiles and cache hits.
+
+vLLM 0.32 holds the allocated KV cache only in the worker: its model runner's ``kv_caches``
+are views of the raw tensors sized by the engine's ``KVCacheConfig``. The front end learns
+only ``num_gpu_blocks`` and the capacity in tokens (``EngineCoreReadyResponse``; the server
+logs the bytes, no metric carries them), and vLLM calls no plugin in the worker after its
+warm-up, so patch P8 calls :func:`record_after_warmup` there, before the engine reports ready.
+Compiles that warm-up and CUDA-graph capture trigger are therefore included. The worker that
+writes the verification report (:func:`~vllm_ling.runtime.report.is_reporting_rank`)
+merges its own numbers into it: ``startup`` (humming JIT, flat keys) and
+``memory.kv_cache_bytes``; the stat logger exports them as gauges.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from vllm_ling.log import get_logger
+from vllm_ling.ops import humming_jit
+from vllm_ling.options import LingOptions
+from vllm_ling.runtime.report import is_reporting_rank, update_report
+
+logger = get_logger("startup")
+
+CPU_REASON = "CPU platform: humming kernels run on CUDA GPUs only; nothing was compiled or loaded"
+
+
+def distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each storage once (views share one)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def kv_cache_bytes(model_runner) -> int:
+    """Bytes of the KV cache a model runner has bound: every layer's cache is a view of a raw
+    allocation, and layers of different groups share one (hybrid models), so storages count once."""
+    return distinct_storage_bytes(t for t in getattr(model_runner, "kv_caches", []) if t is not None)
+
+
+def _world_rank() -> int:
+    try:
+        from vllm.distributed import get_world_group
+
+        return get_world_group().rank_in_group
+    except Exception:  # noqa: BLE001 - no distributed state (unit tests)
+        return 0
+
+
+def startup_section(applicable: bool) -> dict[str, Any]:
+    facts = humming_jit.jit_facts(applicable, "" if applicable else CPU_REASON)
+    facts["rank"] = _world_rank()
+    return facts
+
+
+def record_after_warmup(worker) -> dict[str, Any]:
+    """Measure, log one INFO line, and merge into the report where this worker writes it."""
+    from vllm.platforms import current_platform
+
+    startup = startup_section(applicable=current_platform.is_cuda())
+    kv_bytes = kv_cache_bytes(worker.model_runner)
+    jit = ("humming JIT: " + startup["humming_jit_detail"]) if startup["humming_jit_applicable"] \
+        else "humming JIT not applicable (CPU)"
+    logger.info("vllm-ling startup facts (rank %d): KV cache %d bytes (%.1f MiB); %s.",
+                startup["rank"], kv_bytes, kv_bytes / 2**20, jit)
+
+    def merge(report: dict[str, Any]) -> None:
+        report["startup"] = startup
+        report.setdefault("memory", {})["kv_cache_bytes"] = kv_bytes
+
+    path = LingOptions.from_env().report_path
+    if is_reporting_rank() and path and not update_report(path, merge):
+        logger.info("vllm-ling startup facts are in the log only: no verification report at %s "
+                    "(VLLM_LING_VERIFY=off?).", path)
+    return {"startup": startup, "kv_cache_bytes": kv_bytes}
