@@ -126,7 +126,7 @@ def _ticket(device: torch.device) -> torch.Tensor:
 
 def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor, *, top_k: int,
                 n_group: int, topk_group: int, routed_scaling_factor: float,
-                return_logits: bool = False):
+                return_logits: bool = False, block_e: int = 4, num_warps: int = 4):
     """(weights fp32 [T, k], ids int32 [T, k]) as ``vllm_ling.ops.moe.routing.route``, in one
     launch; with ``return_logits`` also the fp32 logits [T, E] the top-k selected from."""
     T, H = x.shape
@@ -135,7 +135,6 @@ def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.T
         raise ValueError("fused_route wants a contiguous fp32 router weight and x with unit last stride")
     if E % n_group or (E & (E - 1)) or (n_group & (n_group - 1)) or (top_k & (top_k - 1)):
         raise ValueError(f"fused_route needs power-of-2 experts/groups/top_k, got {E}/{n_group}/{top_k}")
-    block_e = 4
     t_pad = triton.next_power_of_2(T)
     block_k = max(32, min(512, 4096 // (t_pad * block_e)))
     logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
@@ -143,7 +142,7 @@ def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.T
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
     _router_kernel[(E // block_e,)](x, x.stride(0), gate_weight, expert_bias, logits, w, ids, _ticket(x.device),
                                     float(routed_scaling_factor), T, H=H, E=E, G=n_group, TG=topk_group, K=top_k,
-                                    T_PAD=t_pad, TOK=min(t_pad, 4), BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+                                    T_PAD=t_pad, TOK=min(t_pad, 4), BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps)
     return (w, ids, logits) if return_logits else (w, ids)
 
 

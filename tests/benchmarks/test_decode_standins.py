@@ -207,7 +207,7 @@ def test_standins_gpu():
 
 
 @pytest.mark.gpu
-def test_router_and_mla_capture_in_cuda_graph():
+def test_router_in_cuda_graph():
     """The router's ticket is reset by the kernel itself, so graph replays keep routing right."""
     from benchmarks import decode_standins as S
     from vllm_ling.ops.moe.routing import route
@@ -226,8 +226,12 @@ def test_router_and_mla_capture_in_cuda_graph():
         x.copy_(torch.randn((4, 2560), device="cuda", generator=g))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(ids, route(x, gate_w, bias, **kw)[1])
+        ids_ref = route(x, gate_w, bias, **kw)[1]
+        choice = torch.sigmoid(x.float() @ gate_w.t()) + bias
+        # another GEMV summation order may only swap experts whose biased scores tie within 1e-5
+        assert ((choice.gather(1, ids.long()) - choice.gather(1, ids_ref.long())).abs() <= 1e-5).all()
 
 
-if __name__ == "__main__":  # the interpreter run (see test_standins_in_triton_interpreter)
-    print(json.dumps(measure("cpu")))
+if __name__ == "__main__":  # the interpreter run (see test_standins_in_triton_interpreter); "cuda": full size
+    full = sys.argv[1:] == ["cuda"]
+    print(json.dumps(measure("cuda" if full else "cpu", full=full)))
