@@ -366,8 +366,10 @@ def _mla_split_kernel(qlat_ptr, s_l_h, s_l_t, q_ptr, s_q_t, s_q_h, cache_ptr, s_
                       pos, N, R, chunk, scale_log2,
                       HEADS: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr, PE_OFF: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    split = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # row = token * HEADS + head
+    # row blocks of one split are neighbours in the launch order, so they run together and
+    # the second one finds the split's cache rows in L2
+    split = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row = token * HEADS + head
     rmask = rows < R
     t = rows // HEADS
     h = rows % HEADS
@@ -462,7 +464,7 @@ def mla_decode(q: torch.Tensor, q_lat: torch.Tensor, cache: torch.Tensor, pos: i
     splits = triton.cdiv(N, chunk)
     part = torch.empty((splits, R, lora), dtype=torch.float32, device=q.device)
     lse = torch.empty((splits, R), dtype=torch.float32, device=q.device)
-    _mla_split_kernel[(splits, triton.cdiv(R, block_m))](
+    _mla_split_kernel[(triton.cdiv(R, block_m), splits)](
         q_lat, q_lat.stride(0), q_lat.stride(1), q, q.stride(0), q.stride(1), cache, cache.stride(0), part, lse,
         pos, N, R, chunk, scale * 1.4426950408889634, HEADS=heads, LORA=lora, ROPE=rope, PE_OFF=nope,
         BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_UPCAST_DOT, num_warps=num_warps, num_stages=num_stages)
