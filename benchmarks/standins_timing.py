@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         R = T * heads
         sweep = []
         for bm, bn, nw, st in itertools.product([32] if R <= 32 else [32, 64], [32, 64], [4, 8], [2, 3] if R <= 32 else [2]):
-            for programs in ([sms, 2 * sms, 4 * sms] if T == 1 else [2 * sms]):
+            for programs in ([sms, 2 * sms] if T == 1 else [2 * sms]):
                 splits = S.mla_splits(R, ctx + T, bm, bn, programs)
 
                 def layer(i, bm=bm, bn=bn, nw=nw, st=st, splits=splits):
