@@ -113,7 +113,16 @@ def _router_kernel(x_ptr, s_x, gate_ptr, bias_ptr, logits_ptr, w_ptr, ids_ptr, t
         tl.store(ticket_ptr, 0)  # ready for the next launch (and the next graph replay)
 
 
+@triton.jit
+def _grouped_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, T,
+                         E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr, TOK: tl.constexpr):
+    _grouped_topk_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, tl.program_id(0) * TOK, T, TOK, E, G, TG, K)
+
+
 _TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+FUSED_ROUTE_MAX_TOKENS = 4
 
 
 def _ticket(device: torch.device) -> torch.Tensor:
@@ -126,23 +135,32 @@ def _ticket(device: torch.device) -> torch.Tensor:
 
 def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor, *, top_k: int,
                 n_group: int, topk_group: int, routed_scaling_factor: float,
-                return_logits: bool = False, block_e: int = 4, num_warps: int = 4):
-    """(weights fp32 [T, k], ids int32 [T, k]) as ``vllm_ling.ops.moe.routing.route``, in one
-    launch; with ``return_logits`` also the fp32 logits [T, E] the top-k selected from."""
+                return_logits: bool = False, fused: bool | None = None, block_e: int = 2, num_warps: int = 1):
+    """(weights fp32 [T, k], ids int32 [T, k]) as ``vllm_ling.ops.moe.routing.route``; with
+    ``return_logits`` also the fp32 logits [T, E] the top-k selected from. ``fused`` (default:
+    up to ``FUSED_ROUTE_MAX_TOKENS`` tokens): one launch, GEMV + top-k in its last program;
+    otherwise vLLM's two launches, the cuBLAS fp32 GEMV and the top-k with a program per token
+    (the last program's top-k is serial over tokens, the GEMV's reduction slows with T)."""
     T, H = x.shape
     E = gate_weight.shape[0]
     if gate_weight.dtype != torch.float32 or not gate_weight.is_contiguous() or x.stride(1) != 1:
         raise ValueError("fused_route wants a contiguous fp32 router weight and x with unit last stride")
     if E % n_group or (E & (E - 1)) or (n_group & (n_group - 1)) or (top_k & (top_k - 1)):
         raise ValueError(f"fused_route needs power-of-2 experts/groups/top_k, got {E}/{n_group}/{top_k}")
-    t_pad = triton.next_power_of_2(T)
-    block_k = max(32, min(512, 4096 // (t_pad * block_e)))
     logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
     w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    if not (T <= FUSED_ROUTE_MAX_TOKENS if fused is None else fused):
+        torch.mm(x.float(), gate_weight.t(), out=logits)
+        _grouped_topk_kernel[(T,)](logits, expert_bias, w, ids, float(routed_scaling_factor), T, E=E, G=n_group,
+                                   TG=topk_group, K=top_k, TOK=1, num_warps=num_warps)
+        return (w, ids, logits) if return_logits else (w, ids)
+    t_pad = triton.next_power_of_2(T)
+    block_k = max(32, min(512, 4096 // (t_pad * block_e)))
     _router_kernel[(E // block_e,)](x, x.stride(0), gate_weight, expert_bias, logits, w, ids, _ticket(x.device),
                                     float(routed_scaling_factor), T, H=H, E=E, G=n_group, TG=topk_group, K=top_k,
-                                    T_PAD=t_pad, TOK=min(t_pad, 4), BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps)
+                                    T_PAD=t_pad, TOK=min(t_pad, 2 * num_warps), BLOCK_E=block_e, BLOCK_K=block_k,
+                                    num_warps=num_warps)
     return (w, ids, logits) if return_logits else (w, ids)
 
 
@@ -369,6 +387,7 @@ def _mla_split_kernel(qlat_ptr, s_l_h, s_l_t, q_ptr, s_q_t, s_q_h, cache_ptr, s_
     # row blocks of one split are neighbours in the launch order, so they run together and
     # the second one finds the split's cache rows in L2
     split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row = token * HEADS + head
     rmask = rows < R
     t = rows // HEADS
@@ -399,41 +418,47 @@ def _mla_split_kernel(qlat_ptr, s_l_h, s_l_t, q_ptr, s_q_t, s_q_h, cache_ptr, s_
         m = m_new
     seen = l_sum > 0
     l_safe = tl.where(seen, l_sum, 1.0)
-    tl.store(part_ptr + (split * R + rows)[:, None] * LORA + dl[None, :], acc / l_safe[:, None],
+    # partials [R, splits, LORA] and log2-sum-exp [R, splits]: a row's splits are contiguous
+    tl.store(part_ptr + (rows * n_splits + split)[:, None] * LORA + dl[None, :], acc / l_safe[:, None],
              mask=rmask[:, None])
-    tl.store(lse_ptr + split * R + rows, tl.where(seen, m + tl.log2(l_safe), float("-inf")), mask=rmask)
+    tl.store(lse_ptr + rows * n_splits + split, tl.where(seen, m + tl.log2(l_safe), float("-inf")), mask=rmask)
 
 
 @triton.jit
-def _mla_combine_uv_kernel(part_ptr, lse_ptr, gate_ptr, s_g_t, wuv_ptr, out_ptr, T, R, n_splits,
-                           HEADS: tl.constexpr, LORA: tl.constexpr, VD: tl.constexpr, BLOCK_T: tl.constexpr,
-                           CHUNK: tl.constexpr, HAS_GATE: tl.constexpr, UPCAST: tl.constexpr):
-    h = tl.program_id(0)
-    tt = tl.arange(0, BLOCK_T)
-    tmask = tt < T
-    rows = tt * HEADS + h
-    m = tl.full((BLOCK_T,), -1e30, tl.float32)
-    for s in range(n_splits):
-        m = tl.maximum(m, tl.load(lse_ptr + s * R + rows, mask=tmask, other=float("-inf")))
-    total = tl.zeros((BLOCK_T,), tl.float32)
-    for s in range(n_splits):
-        total += tl.exp2(tl.load(lse_ptr + s * R + rows, mask=tmask, other=float("-inf")) - m)
-    total = tl.where(tmask, total, 1.0)
-    dv = tl.arange(0, VD)
-    out = tl.zeros((BLOCK_T, VD), tl.float32)
-    for c0 in tl.static_range(0, LORA, CHUNK):
-        dc = c0 + tl.arange(0, CHUNK)
-        lat = tl.zeros((BLOCK_T, CHUNK), tl.float32)
-        for s in range(n_splits):
-            wgt = tl.exp2(tl.load(lse_ptr + s * R + rows, mask=tmask, other=float("-inf")) - m) / total
-            o = tl.load(part_ptr + (s * R + rows)[:, None] * LORA + dc[None, :], mask=tmask[:, None], other=0.0)
-            lat += wgt[:, None] * o
-        w = tl.load(wuv_ptr + h * LORA * VD + dc[:, None] * VD + dv[None, :])
-        out += _dot(lat.to(w.dtype), w, UPCAST)  # the attention output in BF16, as the unfused path rounds it
+def _mla_combine_uv_kernel(part_ptr, lse_ptr, gate_ptr, s_g_t, wuvt_ptr, out_ptr, n_splits,
+                           HEADS: tl.constexpr, LORA: tl.constexpr, VD: tl.constexpr, S_BLOCK: tl.constexpr,
+                           V_PART: tl.constexpr, V_BLOCK: tl.constexpr, HAS_GATE: tl.constexpr):
+    """One program per (query row, VD / V_PART columns): merge the row's splits by their
+    log-sum-exp weights (all splits of a block at once), round the latent to BF16 as the
+    unfused path does, then W_UV's columns and the sigmoid gate."""
+    r = tl.program_id(0)
+    t = r // HEADS
+    h = r % HEADS
+    ss = tl.arange(0, S_BLOCK)
+    m = tl.full((S_BLOCK,), -1e30, tl.float32)
+    for s0 in range(0, n_splits, S_BLOCK):
+        m = tl.maximum(m, tl.load(lse_ptr + r * n_splits + s0 + ss, mask=s0 + ss < n_splits, other=float("-inf")))
+    m_all = tl.max(m, axis=0)
+    dl = tl.arange(0, LORA)
+    lat = tl.zeros((LORA,), tl.float32)
+    total = tl.zeros((S_BLOCK,), tl.float32)
+    for s0 in range(0, n_splits, S_BLOCK):
+        smask = s0 + ss < n_splits
+        wgt = tl.exp2(tl.load(lse_ptr + r * n_splits + s0 + ss, mask=smask, other=float("-inf")) - m_all)
+        total += wgt
+        o = tl.load(part_ptr + (r * n_splits + s0 + ss)[:, None] * LORA + dl[None, :], mask=smask[:, None],
+                    other=0.0)
+        lat += tl.sum(wgt[:, None] * o, axis=0)
+    lat = (lat / tl.sum(total, axis=0)).to(wuvt_ptr.dtype.element_ty).to(tl.float32)
+    g = 1.0
     if HAS_GATE:
-        out = out * tl.sigmoid(tl.load(gate_ptr + tt * s_g_t + h, mask=tmask, other=0.0).to(tl.float32))[:, None]
-    tl.store(out_ptr + tt[:, None] * (HEADS * VD) + h * VD + dv[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=tmask[:, None])
+        g = tl.sigmoid(tl.load(gate_ptr + t * s_g_t + h).to(tl.float32))
+    v_base = tl.program_id(1) * (VD // V_PART)
+    for v0 in tl.static_range(0, VD // V_PART, V_BLOCK):
+        dv = v_base + v0 + tl.arange(0, V_BLOCK)
+        w = tl.load(wuvt_ptr + (h * VD + dv)[:, None] * LORA + dl[None, :]).to(tl.float32)  # W_UV^T rows
+        o = tl.sum(w * lat[None, :], axis=1) * g
+        tl.store(out_ptr + t * (HEADS * VD) + h * VD + dv, o.to(out_ptr.dtype.element_ty))
 
 
 def mla_splits(rows: int, n_kv: int, block_m: int, block_n: int, programs: int) -> int:
@@ -442,35 +467,58 @@ def mla_splits(rows: int, n_kv: int, block_m: int, block_n: int, programs: int) 
     return max(1, min(triton.cdiv(n_kv, block_n), triton.cdiv(programs, row_blocks)))
 
 
-def mla_decode(q: torch.Tensor, q_lat: torch.Tensor, cache: torch.Tensor, pos: int, w_uv: torch.Tensor,
-               gate_logits: torch.Tensor | None, *, nope: int, scale: float, splits: int | None = None,
-               block_m: int | None = None, block_n: int = 32, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """MLA decode attention of T query tokens at positions pos..pos+T-1 over ``cache[:pos + T]``
-    (the new rows already written): q [T, heads, nope + rope] (its rope part used, RoPE applied),
-    q_lat [heads, T, lora] (q_nope absorbed through W_UK; any strides with unit last), cache
-    [rows, lora + rope] BF16, w_uv [heads, lora, vd]. Returns [T, heads * vd]: softmax(scale *
-    q . cache) . cache[:, :lora] through W_UV, times sigmoid(gate_logits [T, heads]) if given."""
+def mla_split_pass(q: torch.Tensor, q_lat: torch.Tensor, cache: torch.Tensor, pos: int, *, nope: int, scale: float,
+                   splits: int | None = None, block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
+                   num_stages: int = 2, programs_per_sm: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K pass of :func:`mla_decode`: (partial outputs fp32 [R, splits, lora], their
+    log2-sum-exp [R, splits]), R = T * heads rows ordered token-major."""
     T, heads, qd = q.shape
-    lora, vd = w_uv.shape[1], w_uv.shape[2]
+    lora = q_lat.shape[2]
     rope = qd - nope
-    if q_lat.shape != (heads, T, lora) or q_lat.stride(2) != 1 or cache.shape[1] != lora + rope:
-        raise ValueError("mla_decode: q_lat / cache shapes do not match q and w_uv")
+    if q_lat.shape[:2] != (heads, T) or q_lat.stride(2) != 1 or cache.shape[1] != lora + rope:
+        raise ValueError("mla_decode: q_lat / cache shapes do not match q")
     R, N = T * heads, pos + T
     block_m = block_m or (32 if R <= 32 else 64)
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-        splits = mla_splits(R, N, block_m, block_n, 2 * sms)
+        splits = mla_splits(R, N, block_m, block_n, programs_per_sm * sms)
     chunk = triton.cdiv(triton.cdiv(N, splits), block_n) * block_n
     splits = triton.cdiv(N, chunk)
-    part = torch.empty((splits, R, lora), dtype=torch.float32, device=q.device)
-    lse = torch.empty((splits, R), dtype=torch.float32, device=q.device)
+    part = torch.empty((R, splits, lora), dtype=torch.float32, device=q.device)
+    lse = torch.empty((R, splits), dtype=torch.float32, device=q.device)
     _mla_split_kernel[(triton.cdiv(R, block_m), splits)](
         q_lat, q_lat.stride(0), q_lat.stride(1), q, q.stride(0), q.stride(1), cache, cache.stride(0), part, lse,
         pos, N, R, chunk, scale * 1.4426950408889634, HEADS=heads, LORA=lora, ROPE=rope, PE_OFF=nope,
         BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_UPCAST_DOT, num_warps=num_warps, num_stages=num_stages)
-    out = torch.empty((T, heads * vd), dtype=q.dtype, device=q.device)
+    return part, lse
+
+
+def mla_combine_pass(part: torch.Tensor, lse: torch.Tensor, w_uv_t: torch.Tensor, gate_logits: torch.Tensor | None,
+                     *, s_block: int = 16, v_part: int = 2, num_warps: int = 4) -> torch.Tensor:
+    """The combine pass of :func:`mla_decode`: [T, heads * vd] from the split pass's output."""
+    R, splits, lora = part.shape
+    heads, vd = w_uv_t.shape[0], w_uv_t.shape[1]
+    T = R // heads
+    out = torch.empty((T, heads * vd), dtype=w_uv_t.dtype, device=part.device)
     g = gate_logits if gate_logits is not None else out
-    _mla_combine_uv_kernel[(heads,)](part, lse, g, g.stride(0), w_uv.contiguous(), out, T, R, splits, HEADS=heads,
-                                     LORA=lora, VD=vd, BLOCK_T=max(16, triton.next_power_of_2(T)), CHUNK=min(128, lora),
-                                     HAS_GATE=gate_logits is not None, UPCAST=_UPCAST_DOT, num_warps=4)
+    _mla_combine_uv_kernel[(R, v_part)](part, lse, g, g.stride(0), w_uv_t, out, splits, HEADS=heads, LORA=lora, VD=vd,
+                                        S_BLOCK=min(s_block, triton.next_power_of_2(splits)), V_PART=v_part,
+                                        V_BLOCK=min(16, vd // v_part), HAS_GATE=gate_logits is not None,
+                                        num_warps=num_warps)
     return out
+
+
+def mla_decode(q: torch.Tensor, q_lat: torch.Tensor, cache: torch.Tensor, pos: int, w_uv_t: torch.Tensor,
+               gate_logits: torch.Tensor | None, *, nope: int, scale: float, combine: dict | None = None,
+               **split) -> torch.Tensor:
+    """MLA decode attention of T query tokens at positions pos..pos+T-1 over ``cache[:pos + T]``
+    (the new rows already written): q [T, heads, nope + rope] (its rope part used, RoPE applied),
+    q_lat [heads, T, lora] (q_nope absorbed through W_UK; any strides with unit last), cache
+    [rows, lora + rope] BF16, w_uv_t [heads, vd, lora] (W_UV transposed once, so the combine
+    pass reads its rows contiguously). Returns [T, heads * vd]: softmax(scale * q . cache) .
+    cache[:, :lora] through W_UV, times sigmoid(gate_logits [T, heads]) if given. ``split`` and
+    ``combine`` pass launch settings to the two passes."""
+    if w_uv_t.shape[0] != q.shape[1] or w_uv_t.shape[2] != q_lat.shape[2] or not w_uv_t.is_contiguous():
+        raise ValueError("mla_decode: w_uv_t must be contiguous [heads, vd, lora]")
+    part, lse = mla_split_pass(q, q_lat, cache, pos, nope=nope, scale=scale, **split)
+    return mla_combine_pass(part, lse, w_uv_t, gate_logits, **(combine or {}))

@@ -157,8 +157,9 @@ class Model:
                 L["kv_norm"] = torch.ones(self.kv_lora, device=dev, dtype=torch.bfloat16)
                 L["w_uk"] = (torch.randn((heads, self.nope, self.kv_lora), device=dev, generator=g)
                              * self.nope**-0.5).to(torch.bfloat16)
-                L["w_uv"] = (torch.randn((heads, self.kv_lora, self.vd), device=dev, generator=g)
-                             * self.kv_lora**-0.5).to(torch.bfloat16)
+                # W_UV stored transposed [heads, vd, kv_lora] (a layout choice made once at load)
+                L["w_uv_t"] = (torch.randn((heads, self.vd, self.kv_lora), device=dev, generator=g)
+                               * self.kv_lora**-0.5).to(torch.bfloat16)
                 L["g"] = (torch.randn((heads, H), device=dev, generator=g) * H**-0.5).to(torch.bfloat16)
                 L["dense"] = Fp8Linear(H, heads * self.vd, g, dev)
                 L["cache"] = (torch.randn((context + tokens_max + 1, self.kv_lora + self.rope), device=dev,
@@ -243,7 +244,7 @@ class Model:
             # RoPE of q's rope part happens in place, as vLLM's rotary does
             mla_prepare(q, kv, L["kv_norm"], L["cache"], pos, self.rope_cos, self.rope_sin, nope=self.nope)
             q_lat = torch.bmm(q[:, :, :self.nope].transpose(0, 1), L["w_uk"])  # [h, T, kv_lora]
-            return mla_decode(q, q_lat, L["cache"], pos, L["w_uv"], gate, nope=self.nope,
+            return mla_decode(q, q_lat, L["cache"], pos, L["w_uv_t"], gate, nope=self.nope,
                               scale=(self.nope + self.rope) ** -0.5)
         a = op("mla_attention", attention)
         return op("dense_fp8", lambda: L["dense"](a, comp))
@@ -314,7 +315,7 @@ def class_bytes(model: Model, T: int, comp: str) -> dict[str, float]:
             out["kda_conv_norm"] += 2 * L["conv_state"].numel() * 2
             out["small_bf16"] += L["b"].numel() * 2
         else:
-            out["mla_attention"] += (ctx + T) * L["cache"].shape[1] * 2 + (L["w_uk"].numel() + L["w_uv"].numel()) * 2
+            out["mla_attention"] += (ctx + T) * L["cache"].shape[1] * 2 + (L["w_uk"].numel() + L["w_uv_t"].numel()) * 2
             out["small_bf16"] += L["g"].numel() * 2
         if "experts" in L:
             out["router"] += L["router"].numel() * 4 + L["bias"].numel() * 4

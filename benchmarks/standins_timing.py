@@ -1,7 +1,7 @@
 """Times the decode-step stand-ins (``benchmarks/decode_standins.py``) alone on the GPU, per
 layer, at the model's sizes: each op over as many layers' weights/caches as the model has
 (rotated beyond the 60 MB L2), captured back to back in one CUDA graph; MLA and router over a
-small config sweep. Prints us per layer, the bytes the op must move, and the fraction of the
+small config sweep, MLA's passes also alone. Prints us per layer, the bytes the op must move, and the fraction of the
 copy bandwidth measured in the same run; for the router also cuBLAS's fp32 GEMV alone.
 
 ``python -m benchmarks.standins_timing [--tokens 1 4 8 32] [--context 32768]``
@@ -10,7 +10,6 @@ copy bandwidth measured in the same run; for the router also cuBLAS's fp32 GEMV 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
     Tmax = max(args.tokens)
     caches = [(torch.randn((ctx + Tmax + 1, lora + rope), device=dev, generator=g) * 0.1).to(bf) for _ in range(n_mla)]
     w_uk = [(torch.randn((heads, nope, lora), device=dev, generator=g) * nope**-0.5).to(bf) for _ in range(n_mla)]
-    w_uv = [(torch.randn((heads, lora, vd), device=dev, generator=g) * lora**-0.5).to(bf) for _ in range(n_mla)]
+    w_uv_t = [(torch.randn((heads, vd, lora), device=dev, generator=g) * lora**-0.5).to(bf) for _ in range(n_mla)]
     norm_w = torch.ones(lora, device=dev, dtype=bf)
     cos, sin = S.rope_table(cfg["rope_theta"], rope, ctx + Tmax + 2, dev)
     routers = [torch.randn((E, H), device=dev, generator=g) * H**-0.5 for _ in range(n_moe)]
@@ -74,29 +73,54 @@ def main(argv=None) -> int:
               routed_scaling_factor=cfg["routed_scaling_factor"])
     for T in args.tokens:
         x = torch.randn((T, H), device=dev, generator=g).to(bf)
-        # ---- MLA: prepare + W_UK bmm + split-K + combine (W_UV, gate) ----
+        # ---- MLA: prepare, W_UK bmm, split pass (sweep), combine pass (sweep), all four ----
         q = (torch.randn((T, heads, nope + rope), device=dev, generator=g)).to(bf)
         kv = torch.randn((T, lora + rope), device=dev, generator=g).to(bf)
         gate = torch.randn((T, heads), device=dev, generator=g).to(bf)
-        mla_bytes = (ctx + T) * (lora + rope) * 2 + (w_uk[0].numel() + w_uv[0].numel()) * 2
+        mla_bytes = (ctx + T) * (lora + rope) * 2 + (w_uk[0].numel() + w_uv_t[0].numel()) * 2
+        scale = (nope + rope) ** -0.5
         R = T * heads
+        us = timed([lambda i=i: S.mla_prepare(q, kv, norm_w, caches[i], ctx, cos, sin, nope=nope)
+                    for i in range(n_mla)])
+        row("mla_prepare", T, "", us, 0)
+        q_lat = torch.bmm(q[:, :, :nope].transpose(0, 1), w_uk[0])
+        us = timed([lambda i=i: torch.bmm(q[:, :, :nope].transpose(0, 1), w_uk[i]) for i in range(n_mla)])
+        row("mla_wuk_bmm", T, "cuBLAS", us, w_uk[0].numel() * 2)
         sweep = []
-        for bm, bn, nw, st in itertools.product([32] if R <= 32 else [32, 64], [32, 64], [4, 8], [2, 3] if R <= 32 else [2]):
-            for programs in ([sms, 2 * sms] if T == 1 else [2 * sms]):
-                splits = S.mla_splits(R, ctx + T, bm, bn, programs)
+        grid = ([(32, bn, nw, st, 1) for bn in (32, 64) for nw in (4, 8) for st in (2, 3)] + [(32, 64, 4, 3, 2)]
+                if R <= 32 else [(bm, bn, nw, 2, 2) for bm in (32, 64) for bn in (32, 64) for nw in (4, 8)])
+        for bm, bn, nw, st, pps in grid:
+            split = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=st, programs_per_sm=pps)
+            us = timed([lambda i=i, split=split: S.mla_split_pass(q, q_lat, caches[i], ctx, nope=nope, scale=scale,
+                                                                  **split) for i in range(n_mla)])
+            sweep.append((us, split))
+        for us, split in sorted(sweep, key=lambda t: t[0])[:3]:
+            row("mla_split_pass", T, " ".join(f"{k}={v}" for k, v in split.items()), us,
+                (ctx + T) * (lora + rope) * 2)
+        best_split = min(sweep, key=lambda t: t[0])[1]
+        parts = [S.mla_split_pass(q, q_lat, caches[i], ctx, nope=nope, scale=scale, **best_split) for i in range(n_mla)]
+        sweep = []
+        for sb, vp, nw in [(16, 1, 4), (16, 2, 4), (16, 4, 4), (32, 1, 4), (32, 2, 4), (32, 4, 4), (32, 2, 8)]:
+            comb = dict(s_block=sb, v_part=vp, num_warps=nw)
+            us = timed([lambda i=i, comb=comb: S.mla_combine_pass(*parts[i], w_uv_t[i], gate, **comb)
+                        for i in range(n_mla)])
+            sweep.append((us, comb))
+        for us, comb in sorted(sweep, key=lambda t: t[0])[:3]:
+            row("mla_combine_pass", T,
+                f"splits={parts[0][0].shape[1]} " + " ".join(f"{k}={v}" for k, v in comb.items()), us, parts[0][0].numel() * 4 + w_uv_t[0].numel() * 2)
+        best_comb = min(sweep, key=lambda t: t[0])[1]
 
-                def layer(i, bm=bm, bn=bn, nw=nw, st=st, splits=splits):
-                    def f():
-                        S.mla_prepare(q, kv, norm_w, caches[i], ctx, cos, sin, nope=nope)
-                        q_lat = torch.bmm(q[:, :, :nope].transpose(0, 1), w_uk[i])
-                        return S.mla_decode(q, q_lat, caches[i], ctx, w_uv[i], gate, nope=nope,
-                                            scale=(nope + rope) ** -0.5, splits=splits, block_m=bm, block_n=bn,
-                                            num_warps=nw, num_stages=st)
-                    return f
-                us = timed([layer(i) for i in range(n_mla)])
-                sweep.append((us, f"bm{bm} bn{bn} w{nw} s{st} splits{splits}"))
-        for us, c in sorted(sweep)[:3]:
-            row("mla_attention", T, c, us, mla_bytes)
+        def layer(i, split, comb):
+            def f():
+                S.mla_prepare(q, kv, norm_w, caches[i], ctx, cos, sin, nope=nope)
+                ql = torch.bmm(q[:, :, :nope].transpose(0, 1), w_uk[i])
+                return S.mla_decode(q, ql, caches[i], ctx, w_uv_t[i], gate, nope=nope, scale=scale, combine=comb,
+                                    **split)
+            return f
+        row("mla_attention", T, "all four launches, best configs",
+            timed([layer(i, best_split, best_comb) for i in range(n_mla)]), mla_bytes)
+        row("mla_attention", T, "all four launches, defaults", timed([layer(i, {}, None) for i in range(n_mla)]),
+            mla_bytes)
         # ---- KDA conv + gated norm ----
         qkv = torch.randn((T, 3 * P), device=dev, generator=g).to(bf)
         o = torch.randn((1, T, heads, hd), device=dev, generator=g).to(bf)
@@ -106,10 +130,11 @@ def main(argv=None) -> int:
         us = timed([lambda: S.gated_rms_norm(o, gt, o_norm) for _ in range(n_kda)])
         row("kda_gated_norm", T, "", us, 3 * o.numel() * 2)
         # ---- router ----
-        for be, nw in ((2, 4), (4, 4), (8, 4), (4, 8)):
-            us = timed([lambda i=i, be=be, nw=nw: S.fused_route(x, routers[i], bias, block_e=be, num_warps=nw, **kw)
+        for fused, be, nw in ((True, 2, 1), (True, 2, 2), (True, 4, 1), (True, 2, 4), (False, 2, 1), (False, 2, 2)):
+            us = timed([lambda i=i, be=be, nw=nw, fused=fused: S.fused_route(x, routers[i], bias, fused=fused,
+                                                                             block_e=be, num_warps=nw, **kw)
                         for i in range(n_moe)])
-            row("router", T, f"block_e{be} w{nw}", us, E * H * 4)
+            row("router", T, f"{'fused' if fused else 'cuBLAS+topk'} block_e{be} w{nw}", us, E * H * 4)
         xf = x.float()
         us = timed([lambda i=i: F.linear(xf, routers[i]) for i in range(n_moe)])
         row("router_gemv_cublas", T, "(fp32 GEMV alone, reference)", us, E * H * 4)

@@ -98,21 +98,22 @@ def measure(device: str, full: bool = False) -> dict[str, list[float]]:
     E, H, G, TG, K = (512, 2560, 8, 4, 8) if full else (64, 96, 8, 4, 8)
     gate_w = rnd(E, H, scale=H**-0.5, dtype=torch.float32)
     bias = rnd(E, scale=0.01, dtype=torch.float32)
-    for T in (1, 5, 32) if full else (1, 5):
+    for T, fused, warps in ((1, True, 1), (5, True, 4), (5, True, 1), (5, False, 1), (32, None, 2)):
         x = rnd(T, H)
         kw = dict(top_k=K, n_group=G, topk_group=TG, routed_scaling_factor=2.5)
-        w, ids, logits = S.fused_route(x, gate_w, bias, return_logits=True, **kw)
+        w, ids, logits = S.fused_route(x, gate_w, bias, return_logits=True, fused=fused, num_warps=warps, **kw)
+        tag = f"{T}_{fused}_{warps}"
         ref_logits = x.float() @ gate_w.t()
-        res[f"router_logits_T{T}"] = [rel(logits, ref_logits), 1e-5]
+        res[f"router_logits_T{tag}"] = [rel(logits, ref_logits), 1e-5]
         w_ref, ids_ref = grouped_topk(logits, K, G, TG, bias, True, 2.5)
-        res[f"router_ids_on_own_logits_T{T}"] = [float((ids != ids_ref).sum()), 0.0]
-        res[f"router_weights_T{T}"] = [rel(w, w_ref), 1e-6]
+        res[f"router_ids_on_own_logits_T{tag}"] = [float((ids != ids_ref).sum()), 0.0]
+        res[f"router_weights_T{tag}"] = [rel(w, w_ref), 1e-6]
         w_r, ids_r = route(x, gate_w, bias, **kw)
         choice = torch.sigmoid(ref_logits) + bias
         picked = choice.gather(1, ids.long())
         picked_r = choice.gather(1, ids_r.long())
         # a different pick is allowed only where the two choices' biased scores tie within 1e-5
-        res[f"router_vs_route_T{T}"] = [float(((picked - picked_r).abs() > 1e-5).sum()), 0.0]
+        res[f"router_vs_route_T{tag}"] = [float(((picked - picked_r).abs() > 1e-5).sum()), 0.0]
     # the ticket was reset: a second call on other input still agrees
     x = rnd(3, H)
     w, ids = S.fused_route(x, gate_w, bias, top_k=K, n_group=G, topk_group=TG, routed_scaling_factor=2.5)
@@ -173,8 +174,9 @@ def measure(device: str, full: bool = False) -> dict[str, list[float]]:
         before = cache.clone()
         S.mla_prepare(q, kv, norm_w, cache, pos, cos, sin, nope=nope)
         q_lat = torch.bmm(q[:, :, :nope].transpose(0, 1), w_uk)
-        out = S.mla_decode(q, q_lat, cache, pos, w_uv, gate_logits, nope=nope, scale=scale, splits=splits,
-                           block_n=block_n or 32)
+        split = {} if splits is None else dict(splits=splits, block_n=block_n)
+        out = S.mla_decode(q, q_lat, cache, pos, w_uv.transpose(1, 2).contiguous(), gate_logits, nope=nope,
+                           scale=scale, combine=dict(s_block=2, v_part=2) if not full else None, **split)
         tag = f"T{T}_splits{splits}"
         res[f"mla_cache_rows_{tag}"] = [rel(cache[pos:pos + T], new_rows), BF16_REL]
         res[f"mla_cache_untouched_{tag}"] = [float((cache[:pos] != before[:pos]).sum()
