@@ -7,11 +7,12 @@ the named vLLM kernel computes (same inputs, same math, tests against a plain-Py
 in ``tests/benchmarks/test_decode_standins.py``) in at most as many launches:
 
 - ``fused_route``: Ling's router. vLLM: the fp32 router GEMM, then one fused ``grouped_topk``
-  kernel. Here one launch: the fp32 GEMV spread over the GPU, and the last program to finish
-  (an atomic ticket) runs the grouped top-k for all tokens: sigmoid scores, expert bias for
-  selection only, each group scored by the sum of its top-2 biased scores, the ``topk_group``
-  best groups kept, the top-k biased scores inside them, weights = unbiased scores renormalised
-  times ``routed_scaling_factor``. Ties break towards the lower index.
+  kernel. Here, up to 4 tokens, one launch: the fp32 GEMV spread over the GPU, and the last
+  program to finish (an atomic ticket) runs the grouped top-k for all tokens; above 4 tokens
+  vLLM's two launches (cuBLAS GEMV, a top-k program per token). The top-k: sigmoid scores,
+  expert bias for selection only, each group scored by the sum of its top-2 biased scores, the
+  ``topk_group`` best groups kept, the top-k biased scores inside them, weights = unbiased
+  scores renormalised times ``routed_scaling_factor``. Ties break towards the lower index.
 - ``fused_add_rms_norm``: vLLM's ``fused_add_rms_norm`` (``residual += x``; RMSNorm), with an
   optional second addend so the MoE layer's ``routed + shared`` sum costs no launch of its own.
 - ``swiglu_act``: vLLM's ``SiluAndMul`` / ``SwigluStepAndMul`` with the per-layer limit, in both
@@ -27,7 +28,8 @@ in ``tests/benchmarks/test_decode_standins.py``) in at most as many launches:
   vLLM: RMSNorm + rotary + ``concat_and_cache_mla``), ``mla_decode`` = a split-K pass (each cache
   row read once per block of query rows, online softmax with a running max, partial outputs +
   log-sum-exp per split) and a combine pass that merges the splits and applies W_UV and the
-  head-wise sigmoid output gate. Query token t of a T-token verify window attends to the
+  head-wise sigmoid output gate (partials in fp32; launch settings from an H200 sweep,
+  ``benchmarks/standins_timing.py``). Query token t of a T-token verify window attends to the
   ``pos + t + 1`` rows up to and including its own (causal, as vLLM's spec-decode metadata does).
 """
 
@@ -135,12 +137,14 @@ def _ticket(device: torch.device) -> torch.Tensor:
 
 def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor, *, top_k: int,
                 n_group: int, topk_group: int, routed_scaling_factor: float,
-                return_logits: bool = False, fused: bool | None = None, block_e: int = 2, num_warps: int = 1):
+                return_logits: bool = False, fused: bool | None = None, block_e: int = 2,
+                num_warps: int | None = None):
     """(weights fp32 [T, k], ids int32 [T, k]) as ``vllm_ling.ops.moe.routing.route``; with
     ``return_logits`` also the fp32 logits [T, E] the top-k selected from. ``fused`` (default:
     up to ``FUSED_ROUTE_MAX_TOKENS`` tokens): one launch, GEMV + top-k in its last program;
     otherwise vLLM's two launches, the cuBLAS fp32 GEMV and the top-k with a program per token
-    (the last program's top-k is serial over tokens, the GEMV's reduction slows with T)."""
+    (the last program's top-k is serial over tokens, the GEMV's reduction slows with T). The
+    defaults are the fastest of ``benchmarks/standins_timing.py``'s sweep on the H200."""
     T, H = x.shape
     E = gate_weight.shape[0]
     if gate_weight.dtype != torch.float32 or not gate_weight.is_contiguous() or x.stride(1) != 1:
@@ -151,10 +155,12 @@ def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.T
     w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
     if not (T <= FUSED_ROUTE_MAX_TOKENS if fused is None else fused):
+        num_warps = num_warps or 1
         torch.mm(x.float(), gate_weight.t(), out=logits)
         _grouped_topk_kernel[(T,)](logits, expert_bias, w, ids, float(routed_scaling_factor), T, E=E, G=n_group,
                                    TG=topk_group, K=top_k, TOK=1, num_warps=num_warps)
         return (w, ids, logits) if return_logits else (w, ids)
+    num_warps = num_warps or (1 if T == 1 else 4)
     t_pad = triton.next_power_of_2(T)
     block_k = max(32, min(512, 4096 // (t_pad * block_e)))
     _router_kernel[(E // block_e,)](x, x.stride(0), gate_weight, expert_bias, logits, w, ids, _ticket(x.device),
@@ -467,18 +473,29 @@ def mla_splits(rows: int, n_kv: int, block_m: int, block_n: int, programs: int) 
     return max(1, min(triton.cdiv(n_kv, block_n), triton.cdiv(programs, row_blocks)))
 
 
+def mla_split_settings(rows: int) -> dict:
+    """Launch settings of the split pass by query rows (T * heads): the fastest of
+    ``benchmarks/standins_timing.py``'s sweep on the H200 at 1, 4, 8 and 32 tokens x 32 heads."""
+    if rows <= 32:
+        return dict(block_m=32, block_n=64, num_warps=8, num_stages=3, programs_per_sm=1)
+    if rows <= 128:
+        return dict(block_m=32, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2)
+    return dict(block_m=64, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2)
+
+
 def mla_split_pass(q: torch.Tensor, q_lat: torch.Tensor, cache: torch.Tensor, pos: int, *, nope: int, scale: float,
-                   splits: int | None = None, block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
-                   num_stages: int = 2, programs_per_sm: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                   splits: int | None = None, **settings) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-K pass of :func:`mla_decode`: (partial outputs fp32 [R, splits, lora], their
-    log2-sum-exp [R, splits]), R = T * heads rows ordered token-major."""
+    log2-sum-exp [R, splits]), R = T * heads rows ordered token-major. ``settings`` override
+    :func:`mla_split_settings` (block_m, block_n, num_warps, num_stages, programs_per_sm)."""
     T, heads, qd = q.shape
     lora = q_lat.shape[2]
     rope = qd - nope
     if q_lat.shape[:2] != (heads, T) or q_lat.stride(2) != 1 or cache.shape[1] != lora + rope:
         raise ValueError("mla_decode: q_lat / cache shapes do not match q")
     R, N = T * heads, pos + T
-    block_m = block_m or (32 if R <= 32 else 64)
+    settings = {**mla_split_settings(R), **settings}
+    block_m, block_n, programs_per_sm = settings["block_m"], settings["block_n"], settings["programs_per_sm"]
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         splits = mla_splits(R, N, block_m, block_n, programs_per_sm * sms)
@@ -489,16 +506,19 @@ def mla_split_pass(q: torch.Tensor, q_lat: torch.Tensor, cache: torch.Tensor, po
     _mla_split_kernel[(triton.cdiv(R, block_m), splits)](
         q_lat, q_lat.stride(0), q_lat.stride(1), q, q.stride(0), q.stride(1), cache, cache.stride(0), part, lse,
         pos, N, R, chunk, scale * 1.4426950408889634, HEADS=heads, LORA=lora, ROPE=rope, PE_OFF=nope,
-        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_UPCAST_DOT, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_UPCAST_DOT, num_warps=settings["num_warps"],
+        num_stages=settings["num_stages"])
     return part, lse
 
 
 def mla_combine_pass(part: torch.Tensor, lse: torch.Tensor, w_uv_t: torch.Tensor, gate_logits: torch.Tensor | None,
-                     *, s_block: int = 16, v_part: int = 2, num_warps: int = 4) -> torch.Tensor:
-    """The combine pass of :func:`mla_decode`: [T, heads * vd] from the split pass's output."""
+                     *, s_block: int = 32, v_part: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """The combine pass of :func:`mla_decode`: [T, heads * vd] from the split pass's output.
+    Defaults: the fastest of ``benchmarks/standins_timing.py``'s sweep on the H200."""
     R, splits, lora = part.shape
     heads, vd = w_uv_t.shape[0], w_uv_t.shape[1]
     T = R // heads
+    v_part = v_part or (4 if T <= 4 else 2)
     out = torch.empty((T, heads * vd), dtype=w_uv_t.dtype, device=part.device)
     g = gate_logits if gate_logits is not None else out
     _mla_combine_uv_kernel[(R, v_part)](part, lse, g, g.stride(0), w_uv_t, out, splits, HEADS=heads, LORA=lora, VD=vd,

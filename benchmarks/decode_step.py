@@ -63,9 +63,10 @@ STANDINS = {
                      "W_UK bmm (cuBLAS), one split-K pass reading each cache row once per block of query rows "
                      "(online softmax, causal over the verify window), one combine pass that merges the splits "
                      "and applies W_UV and the sigmoid head gate",
-    "router": "Triton, one launch (benchmarks/decode_standins.py): fp32 router GEMV over the GPU, the last "
-              "program to finish runs the grouped top-k (vLLM: fp32 router GEMM + fused grouped_topk); ids "
-              "checked against vllm_ling.ops.moe.routing.route",
+    "router": "Triton (benchmarks/decode_standins.py; vLLM: fp32 router GEMM + fused grouped_topk): up to 4 "
+              "tokens one launch, the fp32 GEMV spread over the GPU and the grouped top-k in the last program "
+              "to finish; above, the cuBLAS fp32 GEMV + a top-k launch with a program per token; ids checked "
+              "against vllm_ling.ops.moe.routing.route",
     "norms_residual": "Triton (benchmarks/decode_standins.py): residual add + RMSNorm in one launch, the MoE "
                       "layer's routed + shared sum folded in (vLLM: fused_add_rms_norm), SwiGLU with the "
                       "per-layer limit in one launch (vLLM: SiluAndMul / SwigluStepAndMul); embedding gather "
