@@ -210,6 +210,27 @@ def test_tensor_parallel_2_on_cpu_serves_the_same_tokens(agreeing_checkpoint, tm
         server.stop()
 
 
+def test_pipeline_parallel_2_on_cpu_verifies_each_stage(agreeing_checkpoint, tmp_path):
+    """PP=2 on CPU with MTP: each stage checks its own layers (the head and draft on the last
+    one), world rank 0 writes the last stage's report, and outputs equal the single-rank ones."""
+    report_path = tmp_path / "report.json"
+    server = serve_cpu(agreeing_checkpoint, tmp_path / "server.log", extra_args=["--pipeline-parallel-size", "2"],
+                       env={"VLLM_LING_REPORT_PATH": str(report_path), "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    try:
+        assert _complete(server.base_url, max_tokens=20) == _expected(agreeing_checkpoint)[:20]
+        report = json.loads(report_path.read_text())
+        assert report["passed"], report["checks"]
+        assert [(r["rank"], r["pp_rank"], r["passed"]) for r in report["ranks"]] == [(0, 0, True), (1, 1, True)]
+        first = {c["name"]: c for c in report["ranks"][0]["checks"]}
+        assert first["lm_head"]["expected"].startswith("no head on pipeline stage 0 of 2")
+        assert "pipeline stage 0 of 2" in first["moe_layers"]["expected"]
+        last = {c["name"]: c for c in report["checks"]}  # the written report is the last stage's
+        assert "float8_e4m3fn" in last["lm_head"]["actual"] and last["draft_shares_target_modules"]["passed"]
+        assert report["optimizations"]["mtp"]["active"] and report["optimizations"]["fp8_head"]["active"]
+    finally:
+        server.stop()
+
+
 def test_wrong_architecture_is_refused_naming_config_json(agreeing_checkpoint, tmp_path):
     import shutil
 

@@ -324,3 +324,30 @@ def test_checkpoint_without_nextn_layers_reports_mtp_not_requested(loaded_tiny_m
     # Without the mark, missing speculation under VLLM_LING_MTP=1 is still a failure.
     exp = dataclasses.replace(exp, no_nextn_layers=False)
     assert not _check(build_report(target, None, vllm_config, LingOptions(), exp), "speculative_config")["passed"]
+
+
+def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_models):
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from vllm_ling.runtime.verification import (Expectations, Stage, check_draft_sharing, check_head,
+                                                check_moe_layers)
+
+    vllm_config, target, draft = loaded_tiny_models
+    exp = Expectations.from_runtime(vllm_config, LingOptions())
+    config = vllm_config.model_config.hf_config
+    n = config.num_hidden_layers
+    whole = check_moe_layers(target, draft, exp, config, Stage(0, 1, 0, n))
+    assert whole.passed and "pipeline" not in whole.expected
+    # the full model measured against a later stage's range: the stage's count is expected
+    later = check_moe_layers(target, None, exp, config, Stage(1, 2, n // 2, n))
+    stage_moe = sum(1 for i in range(n // 2, n) if i >= config.first_k_dense_replace)
+    assert not later.passed
+    assert later.expected == f"{stage_moe} x reference ({stage_moe} target MoE + 0 NEXTN on pipeline stage 1 of 2 " \
+                             f"(layers {n // 2}..{n - 1}))"
+    with swapped(target, "lm_head", PPMissingLayer()):
+        first = check_head(target, exp, Stage(0, 2, 0, n // 2))
+        assert first.passed and first.expected.startswith("no head on pipeline stage 0 of 2")
+        last = check_head(target, exp, Stage(1, 2, n // 2, n))  # the last stage must have it
+        assert not last.passed and last.actual == "PPMissingLayer (no head here)"
+    assert check_draft_sharing(target, None, exp, Stage(0, 2, 0, n // 2)).passed
+    assert not check_draft_sharing(target, None, exp, Stage(1, 2, n // 2, n)).passed  # MTP needs the draft there

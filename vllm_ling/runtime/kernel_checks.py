@@ -87,7 +87,7 @@ def run_kernel_checks(target, draft) -> list[KernelCheckResult]:
     results = [layer_checks.check_dense_fp8_method(qm, dev) for qm, dev in dense.values()]
     results += [layer_checks.check_moe_method(qm, dev) for qm, dev in moe.values()]
     head = getattr(target, "lm_head", None)
-    if head is not None and isinstance(head.quant_method, Fp8LmHeadMethod):
+    if isinstance(getattr(head, "quant_method", None), Fp8LmHeadMethod):  # PPMissingLayer: no head here
         results.append(layer_checks.check_head_method(head.quant_method, head.weight.device))
     if kda_serves:  # the functions the layer calls, looked up as it looks them up
         results.append(check_kda(kda_cpu.kda_ops.kda_prefill_pooled, kda_cpu.kda_ops.kda_decode_pooled,

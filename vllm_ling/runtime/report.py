@@ -313,9 +313,21 @@ def check_report_path(path: str) -> None:
 
 
 def is_reporting_rank() -> bool:
-    """Tensor-parallel rank 0 of the last pipeline stage writes the report (every rank when unknown)."""
+    """World rank 0 writes the report (every process when unknown): vLLM's Ray executor puts it
+    on the driver's node, where the API server reads the file, whatever the pipeline layout."""
     try:
-        from vllm.distributed import get_tensor_model_parallel_rank, get_pp_group
+        from vllm.distributed import get_world_group
+
+        return get_world_group().rank_in_group == 0
+    except Exception:
+        return True
+
+
+def is_report_source() -> bool:
+    """Tensor-parallel rank 0 of the last pipeline stage: the rank whose checks cover the head and
+    the draft, so its report is the one written (every process when unknown)."""
+    try:
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
     except Exception:

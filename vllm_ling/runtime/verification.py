@@ -20,7 +20,10 @@ modules that are really there:
 
 Every rank checks its own modules; the entries are gathered over vLLM's world group (so a
 rank on another node is covered too) and the reporting rank writes them under ``ranks``.
-The group passes, and an optimization is active, only where it does on every rank.
+The group passes, and an optimization is active, only where it does on every rank. Under
+pipeline parallelism a rank checks its stage: the MoE layers of its layer range, and the head
+and draft on the last stage only; the report is the last stage's (it holds the head and draft),
+written by world rank 0 (the node the API server runs on).
 
 Output: one INFO table, a JSON report (``VLLM_LING_REPORT_PATH``, atomically replaced),
 and through it the ``vllm_ling:*`` metrics. Policy ``VLLM_LING_VERIFY``: ``strict`` (the
@@ -40,7 +43,7 @@ import torch
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import (DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy,
                                plugin_options, read)
-from vllm_ling.runtime.report import is_reporting_rank, write_report
+from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
 
@@ -97,6 +100,42 @@ class Expectations:
                    no_nextn_layers=no_nextn_layers(vllm_config))
 
 
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """This process's pipeline stage: rank, size and the target's layer range [start, end)."""
+
+    rank: int
+    size: int
+    start: int
+    end: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def label(self) -> str:
+        return f"pipeline stage {self.rank} of {self.size} (layers {self.start}..{self.end - 1})"
+
+
+def pipeline_stage(target, num_layers: int) -> Stage:
+    """The stage from vLLM's pipeline group and the target's own layer range (the whole model
+    when there is no distributed state, e.g. in unit tests)."""
+    try:
+        from vllm.distributed import get_pp_group
+
+        group = get_pp_group()
+        rank, size = group.rank_in_group, group.world_size
+    except Exception:  # noqa: BLE001 - no distributed state
+        rank, size = 0, 1
+    model = getattr(target, "model", None)
+    return Stage(rank, size, int(getattr(model, "start_layer", 0)), int(getattr(model, "end_layer", num_layers)))
+
+
+def _has_head(target) -> bool:
+    """False on a pipeline stage without the head (vLLM's PPMissingLayer stands in)."""
+    return hasattr(getattr(target, "lm_head", None), "quant_method")
+
+
 def _routed_expert_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
@@ -115,10 +154,12 @@ def check_model_classes(target, draft, exp: Expectations) -> Check:
                  "vllm-ling's plugin did not register its classes: check VLLM_PLUGINS allows vllm_ling")
 
 
-def check_moe_layers(target, draft, exp: Expectations, config) -> Check:
+def check_moe_layers(target, draft, exp: Expectations, config, stage: Stage | None = None) -> Check:
     from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
 
-    moe_layers = config.num_hidden_layers - config.first_k_dense_replace
+    stage = stage or Stage(0, 1, 0, config.num_hidden_layers)
+    # vLLM's BailingMoeV3 builds an MoE block for layer_id >= first_k_dense_replace
+    moe_layers = sum(1 for i in range(stage.start, stage.end) if i >= config.first_k_dense_replace)
     nextn = config.num_nextn_predict_layers if draft is not None else 0
     layers = [("target." + n, m) for n, m in _routed_expert_layers(target)]
     if draft is not None:
@@ -137,8 +178,9 @@ def check_moe_layers(target, draft, exp: Expectations, config) -> Check:
     ok = not wrong and len(layers) == expected_count
     if wrong:
         actual += f"; not {exp.moe_backend}: {wrong[:3]}"
-    return Check("moe_layers", ok, f"{expected_count} x {exp.moe_backend} ({moe_layers} target MoE + {nextn} NEXTN)",
-                 actual, "install humming-kernels 0.1.17 on an sm_75+ GPU, or opt out with VLLM_LING_MOE_BACKEND=vllm")
+    where = f" on {stage.label()}" if stage.size > 1 else ""
+    return Check("moe_layers", ok,
+                 f"{expected_count} x {exp.moe_backend} ({moe_layers} target MoE + {nextn} NEXTN{where})", actual, "install humming-kernels 0.1.17 on an sm_75+ GPU, or opt out with VLLM_LING_MOE_BACKEND=vllm")
 
 
 def moe_decode_summary(target, draft) -> tuple[bool, str]:
@@ -200,9 +242,15 @@ def check_dense_fp8(target, draft, exp: Expectations) -> Check:
                  "see the WARNING naming the layers vLLM's processing changed, or set VLLM_LING_DENSE_FP8=vllm")
 
 
-def check_head(target, exp: Expectations) -> Check:
+def check_head(target, exp: Expectations, stage: Stage | None = None) -> Check:
     from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
 
+    if not _has_head(target):  # vLLM's PPMissingLayer: only the last pipeline stage has the head
+        here = f"{type(getattr(target, 'lm_head', None)).__name__} (no head here)"
+        if stage is not None and not stage.is_last:
+            return Check("lm_head", True, f"no head on {stage.label()}: the last stage holds it", here)
+        return Check("lm_head", False, "the head on the last pipeline stage", here,
+                     "vLLM built no head where the last stage runs: check --pipeline-parallel-size")
     head = target.lm_head
     qm = head.quant_method
     w = head.weight
@@ -224,7 +272,10 @@ def check_head(target, exp: Expectations) -> Check:
                  "the ling_fp8 quantization was not selected: do not pass --quantization, or set VLLM_LING_FP8_HEAD=0")
 
 
-def check_draft_sharing(target, draft, exp: Expectations) -> Check:
+def check_draft_sharing(target, draft, exp: Expectations, stage: Stage | None = None) -> Check:
+    if stage is not None and not stage.is_last and draft is None:
+        return Check("draft_shares_target_modules", True,
+                     f"no draft on {stage.label()}: vLLM runs it on the last stage", "no draft here")
     if exp.spec_method is None:
         return Check("draft_shares_target_modules", True, "no draft (speculation off)", "no draft")
     if not exp.mtp:
@@ -297,8 +348,10 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     exp = exp or Expectations.from_runtime(vllm_config, options)
     config = vllm_config.model_config.hf_config
     known = kernel_checks.report_section(target, draft)
-    checks = [check_model_classes(target, draft, exp), check_moe_layers(target, draft, exp, config),
-              check_head(target, exp), check_draft_sharing(target, draft, exp), check_dense_fp8(target, draft, exp),
+    stage = pipeline_stage(target, config.num_hidden_layers)
+    checks = [check_model_classes(target, draft, exp), check_moe_layers(target, draft, exp, config, stage),
+              check_head(target, exp, stage), check_draft_sharing(target, draft, exp, stage),
+              check_dense_fp8(target, draft, exp),
               check_speculative(exp, options), check_versions(exp),
               Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
                     kernel_checks.FIX)]
@@ -332,7 +385,8 @@ def build_report(target, draft, vllm_config, options: LingOptions,
             "mtp": {"requested": exp.mtp, "active": mtp_active, "detail": _mtp_detail(exp, by_name)},
         },
         "moe_backend": exp.moe_backend,
-        "head_dtype": str(target.lm_head.weight.dtype).replace("torch.", ""),
+        "head_dtype": (str(target.lm_head.weight.dtype).replace("torch.", "") if _has_head(target)
+                       else f"none ({stage.label()})"),
         "spec_method": exp.spec_method,
         "num_speculative_tokens": exp.num_speculative_tokens,
         "checks": [dataclasses.asdict(c) for c in checks],
@@ -535,8 +589,14 @@ def verify_once(target, vllm_config, runner: str | None = None) -> dict[str, Any
         return None
     own = build_report(target, draft, vllm_config, options)
     own["model_runner"] = runner or "first forward (no runner hook)"
-    report = dict(own, optimizations={n: dict(e) for n, e in own["optimizations"].items()})
-    agree = merge_ranks(report, gather_ranks(rank_entry(own)))
+    entry = rank_entry(own)
+    if is_report_source():  # the last stage's report travels to the writer (world rank 0)
+        entry["report"] = own
+    ranks = gather_ranks(entry)
+    sources = [r.pop("report") for r in ranks if "report" in r]
+    source = sources[0] if sources else own
+    report = dict(source, optimizations={n: dict(e) for n, e in source["optimizations"].items()})
+    agree = merge_ranks(report, ranks)
     if is_reporting_rank():
         logger.info("%s\n%s", format_table(report), format_ranks(report["ranks"]))
         if options.report_path:
