@@ -77,6 +77,11 @@ class LingConfigHook:
         validate = getattr(model_config.hf_config, "validate_ling_fields", None)
         if validate is not None:  # our config class: a wrong field fails here, before any weight loads
             validate(f"{model_config.model}/config.json")
+        from vllm_ling.models.ling3 import check_local_checkpoint
+
+        # shards against config.json in the launching process, before any engine process starts
+        # (the model's constructor checks again where only a worker sees the directory)
+        check_local_checkpoint(vllm_config, include_mtp=False)
         options = LingOptions.from_env()
         check_head_conflicts(options, model_config.hf_config)
         if ray_env.attach_to(vllm_config.parallel_config):
