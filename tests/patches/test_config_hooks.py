@@ -143,3 +143,33 @@ def test_a_method_without_draft_model_is_served_as_given(tiny_checkpoint):
     cfg = _engine_config(tiny_checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                              "prompt_lookup_max": 3})
     assert cfg.speculative_config.method == "ngram" and not default_applied(cfg)
+
+
+def test_pipeline_parallel_gets_no_default_mtp_and_refuses_an_explicit_draft(tiny_checkpoint, monkeypatch, caplog):
+    """vLLM 0.32 builds the draft on the last pipeline stage only and reads it on every stage:
+    under PP the default MTP is off (logged, remembered for the report) and a user's draft-model
+    config is one clear error before any engine process starts; ngram still works."""
+    import logging
+
+    from vllm_ling.patches.config_hooks import LingConfigError
+    from vllm_ling.runtime.spec_policy import default_applied, pp_no_draft
+
+    monkeypatch.delenv("VLLM_LING_MTP", raising=False)
+    # PP=1 keeps the default (and sets vLLM's logging up before caplog watches)
+    assert _engine_config(tiny_checkpoint).speculative_config.method == "mtp"
+    logger = logging.getLogger("vllm.ling")
+    logger.addHandler(caplog.handler)  # vLLM's "vllm" logger does not propagate to caplog's root handler
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.ling"):
+            cfg = _engine_config(tiny_checkpoint, pipeline_parallel_size=2)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert cfg.speculative_config is None and pp_no_draft(cfg) and not default_applied(cfg)
+    assert "NEXTN MTP speculation is off: --pipeline-parallel-size 2" in caplog.text
+    with pytest.raises(LingConfigError, match=r"method 'mtp' with --pipeline-parallel-size 2: vLLM 0.32 cannot run "
+                                              r"a draft model with pipeline parallelism"):
+        _engine_config(tiny_checkpoint, pipeline_parallel_size=2,
+                       speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    ngram = _engine_config(tiny_checkpoint, pipeline_parallel_size=2,
+                           speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert ngram.speculative_config.method == "ngram"

@@ -4,7 +4,10 @@ What: wraps ``EngineArgs.create_speculative_config``: for a Ling target with no
 speculative option from the user, it fills in Ling's default (``VLLM_LING_MTP=0`` turns it
 off; any user speculative config wins) and checks option conflicts first. A checkpoint
 without NEXTN layers (``num_nextn_predict_layers: 0``) gets no default (one WARNING), and an
-explicit MTP config for it is one clear error instead of vLLM's ZeroDivisionError.
+explicit MTP config for it is one clear error instead of vLLM's ZeroDivisionError. Under
+pipeline parallelism vLLM 0.32 cannot run a draft model at all (runtime.spec_policy
+``PP_NO_DRAFT_REASON``): no default there (one WARNING), and a user's draft-model config is
+one clear error before any engine process starts.
 Why: vLLM has no model-level default speculator, and the upstream recipe leaves MTP
 opt-in. Registry record: ``registry.PATCHES``.
 """
@@ -37,11 +40,25 @@ def _user_gave_speculation(engine_args) -> bool:
         getattr(engine_args, f, None) is not None for f in ("spec_method", "spec_model", "spec_tokens"))
 
 
+# vLLM 0.32's speculative methods that build no draft model (every other one does)
+DRAFTLESS_METHODS = frozenset(("ngram", "ngram_gpu", "suffix"))
+
+
+def _user_draft_method(engine_args) -> str | None:
+    spec = engine_args.speculative_config
+    method = spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
+    method = method or getattr(engine_args, "spec_method", None)
+    if method is None and (isinstance(spec, dict) and spec.get("model") or getattr(engine_args, "spec_model", None)):
+        return "draft_model"
+    return method
+
+
 def apply() -> None:
     from vllm_ling.options import LingOptions
-    from vllm_ling.patches.config_hooks import (check_head_conflicts, check_mtp_needs_nextn_layers,
+    from vllm_ling.patches.config_hooks import (LingConfigError, check_head_conflicts, check_mtp_needs_nextn_layers,
                                                 default_speculative_config, is_ling_target)
-    from vllm_ling.runtime.spec_policy import mark_default_applied, mark_no_nextn_layers
+    from vllm_ling.runtime.spec_policy import (PP_NO_DRAFT_REASON, mark_default_applied, mark_no_nextn_layers,
+                                               mark_pp_no_draft)
 
     engine_args_cls = _engine_args()
     original = engine_args_cls.create_speculative_config
@@ -54,7 +71,18 @@ def apply() -> None:
             nextn = getattr(target_model_config.hf_config, "num_nextn_predict_layers", 0) or 0
             if nextn == 0:  # no draft layer: vLLM's MTP config would divide by zero
                 check_mtp_needs_nextn_layers(self, target_model_config.model)
-            if not user_gave and options.mtp and nextn == 0:
+            pp = int(getattr(target_parallel_config, "pipeline_parallel_size", 1) or 1)
+            if pp > 1 and user_gave and _user_draft_method(self) not in DRAFTLESS_METHODS:
+                raise LingConfigError(
+                    f"--speculative-config method {_user_draft_method(self)!r} with --pipeline-parallel-size {pp}: "
+                    f"{PP_NO_DRAFT_REASON}. Drop --speculative-config (or use method ngram), or serve with "
+                    "--tensor-parallel-size instead of pipeline parallelism.")
+            if not user_gave and options.mtp and pp > 1:
+                mark_pp_no_draft(target_model_config.hf_config)
+                log_once(logger, logging.WARNING, "pp-no-mtp",
+                         "NEXTN MTP speculation is off: --pipeline-parallel-size %d, and %s. Reported as not "
+                         "requested; --tensor-parallel-size keeps MTP.", pp, PP_NO_DRAFT_REASON)
+            elif not user_gave and options.mtp and nextn == 0:
                 mark_no_nextn_layers(target_model_config.hf_config)
                 log_once(logger, logging.WARNING, "no-nextn",
                          "NEXTN MTP speculation is off: %s/config.json has num_nextn_predict_layers=0 "

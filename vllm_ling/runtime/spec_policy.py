@@ -106,6 +106,22 @@ def no_nextn_layers(vllm_config) -> bool:
     return bool(getattr(vllm_config.model_config.hf_config, NO_NEXTN_ATTR, False))
 
 
+# Set when MTP was wanted but the server runs pipeline parallelism: vLLM 0.32 builds the draft
+# on the last stage only and then reads it on every stage (gpu_model_runner's
+# _check_and_update_cudagraph_mode), so speculation is off by design there.
+PP_NO_DRAFT_ATTR = "vllm_ling_pp_no_draft"
+PP_NO_DRAFT_REASON = ("vLLM 0.32 cannot run a draft model with pipeline parallelism (its model runner reads "
+                      "the drafter on every stage; only the last stage builds one)")
+
+
+def mark_pp_no_draft(hf_config) -> None:
+    setattr(hf_config, PP_NO_DRAFT_ATTR, True)
+
+
+def pp_no_draft(vllm_config) -> bool:
+    return bool(getattr(vllm_config.model_config.hf_config, PP_NO_DRAFT_ATTR, False))
+
+
 def default_applied(vllm_config) -> bool:
     """Whether the speculative config in force is vllm-ling's default."""
     return bool(getattr(vllm_config.model_config.hf_config, DEFAULT_SPEC_ATTR, False))

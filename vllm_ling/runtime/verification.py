@@ -75,6 +75,7 @@ class Expectations:
     default_spec: bool  # the speculative config is vllm-ling's default
     dense_fp8: bool = False  # vllm-ling's W8A16 kernel serves decode-sized block-FP8 dense linears
     no_nextn_layers: bool = False  # MTP wanted but the checkpoint has no NEXTN layer
+    pp_no_draft: bool = False  # MTP wanted but pipeline parallelism: vLLM 0.32 runs no draft there
 
     @property
     def mtp(self) -> bool:
@@ -90,14 +91,14 @@ class Expectations:
             getattr(vllm_config.kernel_config, "moe_backend", "auto") not in ("auto", MoePath.HUMMING))
         moe = MoePath.VLLM if moe_opt_out else (MoePath.REFERENCE if platform == "cpu" else MoePath.HUMMING)
         spec = vllm_config.speculative_config
-        from vllm_ling.runtime.spec_policy import default_applied, no_nextn_layers
+        from vllm_ling.runtime.spec_policy import default_applied, no_nextn_layers, pp_no_draft
 
         return cls(platform=platform, moe_backend=moe, fp8_head=options.fp8_head,
                    spec_method=getattr(spec, "method", None),
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
                    default_spec=default_applied(vllm_config),
                    dense_fp8=platform == "cuda" and options.dense_fp8 is DenseFp8.LING,
-                   no_nextn_layers=no_nextn_layers(vllm_config))
+                   no_nextn_layers=no_nextn_layers(vllm_config), pp_no_draft=pp_no_draft(vllm_config))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,14 +143,16 @@ def _routed_expert_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Mo
     return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]
 
 
-def check_model_classes(target, draft, exp: Expectations) -> Check:
+def check_model_classes(target, draft, exp: Expectations, stage: Stage | None = None) -> Check:
     from vllm_ling.models.ling3 import LingForCausalLM
     from vllm_ling.models.ling3_mtp import LingMTPModel
 
     actual = f"target {type(target).__name__}" + (f", draft {type(draft).__name__}" if draft is not None else "")
+    draft_here = exp.mtp and (stage is None or stage.is_last)  # vLLM runs the draft on the last stage
     ok = isinstance(target, LingForCausalLM) and (
-        isinstance(draft, LingMTPModel) if exp.mtp else not isinstance(draft, LingMTPModel))
-    expected = "target LingForCausalLM" + (", draft LingMTPModel" if exp.mtp else "")
+        isinstance(draft, LingMTPModel) if draft_here else not isinstance(draft, LingMTPModel))
+    expected = "target LingForCausalLM" + (", draft LingMTPModel" if draft_here else
+                                           f" (no draft on {stage.label()})" if exp.mtp else "")
     return Check("model_classes", ok, expected, actual,
                  "vllm-ling's plugin did not register its classes: check VLLM_PLUGINS allows vllm_ling")
 
@@ -287,23 +290,30 @@ def check_draft_sharing(target, draft, exp: Expectations, stage: Stage | None = 
                      "the speculative config names no Ling MTP draft")
     heads = draft.heads()
     same_head = all(h is target.lm_head for h in heads)
-    same_embed = draft.model.embed_tokens is target.model.word_embeddings
+    target_embed = target.model.word_embeddings
+    # vLLM shares the embedding with the draft only without pipeline parallelism: on a later
+    # stage the target has none (PPMissingLayer) and the draft keeps its own, as vLLM intends
+    embed_here = hasattr(target_embed, "weight")
+    same_embed = draft.model.embed_tokens is target_embed if embed_here else True
     own = draft.own_storage_bytes(target)
     head_bytes = target.lm_head.weight.numel() * target.lm_head.weight.element_size()
     # A duplicate head or embedding is a [vocab rows, ...] tensor the target does not own.
-    vocab_rows = {target.lm_head.weight.shape[0], target.model.word_embeddings.weight.shape[0]}
+    vocab_rows = {target.lm_head.weight.shape[0]} | ({target_embed.weight.shape[0]} if embed_here else set())
     target_ptrs = {q.data_ptr() for q in target.parameters()}
+    draft_embed = getattr(draft.model.embed_tokens, "weight", None)
     big_own = [n for n, p in draft.named_parameters()
-               if p.dim() == 2 and p.shape[0] in vocab_rows and p.data_ptr() not in target_ptrs]
+               if p.dim() == 2 and p.shape[0] in vocab_rows and p.data_ptr() not in target_ptrs
+               and (embed_here or p is not draft_embed)]
     ok = same_head and same_embed and not big_own
     if big_own:
         actual_extra = f"; duplicate vocabulary-sized tensors in the draft: {big_own[:3]}"
     else:
         actual_extra = ""
     path = draft.ling_sharing_path or "vLLM proposer module sharing"
+    embed_text = (f"embedding {'is' if same_embed else 'is NOT'} the target's" if embed_here else
+                  "embedding is the draft's own (the target's is on the first pipeline stage)")
     actual = (f"{len(heads)} head ref(s) {'are' if same_head else 'are NOT all'} the target's module; "
-              f"embedding {'is' if same_embed else 'is NOT'} the target's; draft-only storage {own} bytes "
-              f"(head {head_bytes} bytes); path: {path}{actual_extra}")
+              f"{embed_text}; draft-only storage {own} bytes (head {head_bytes} bytes); path: {path}{actual_extra}")
     return Check("draft_shares_target_modules", ok,
                  "draft head(s) and embedding are the target's objects; no duplicate storage", actual,
                  "the draft must share the target's whole head module (weights, scales, method); "
@@ -316,6 +326,8 @@ def check_speculative(exp: Expectations, options: LingOptions) -> Check:
         ok = exp.spec_method == "mtp" and exp.num_speculative_tokens == options.num_spec_tokens
     elif options.mtp and exp.spec_method is None and exp.no_nextn_layers:
         expected, ok = "off (the checkpoint has no NEXTN layers: num_nextn_predict_layers=0)", True
+    elif options.mtp and exp.spec_method is None and exp.pp_no_draft:
+        expected, ok = "off (pipeline parallelism: vLLM 0.32 runs no draft model there)", True
     elif options.mtp and exp.spec_method is None:
         expected, ok = "mtp (VLLM_LING_MTP=1)", False
     else:
@@ -349,7 +361,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     config = vllm_config.model_config.hf_config
     known = kernel_checks.report_section(target, draft)
     stage = pipeline_stage(target, config.num_hidden_layers)
-    checks = [check_model_classes(target, draft, exp), check_moe_layers(target, draft, exp, config, stage),
+    checks = [check_model_classes(target, draft, exp, stage), check_moe_layers(target, draft, exp, config, stage),
               check_head(target, exp, stage), check_draft_sharing(target, draft, exp, stage),
               check_dense_fp8(target, draft, exp),
               check_speculative(exp, options), check_versions(exp),
@@ -400,6 +412,8 @@ def build_report(target, draft, vllm_config, options: LingOptions,
 def _mtp_detail(exp: Expectations, by_name: dict[str, Check]) -> str:
     if exp.no_nextn_layers and exp.spec_method is None:
         return "not requested: the checkpoint has no NEXTN layers (num_nextn_predict_layers=0)"
+    if exp.pp_no_draft and exp.spec_method is None:
+        return "not requested: pipeline parallelism (vLLM 0.32 runs no draft model there)"
     if exp.spec_method is not None and not exp.mtp:
         return f"not requested: --speculative-config method {exp.spec_method}"
     return by_name["draft_shares_target_modules"].actual
