@@ -158,6 +158,8 @@ def main(argv=None) -> int:
                         help="with --sweep: the row counts to sweep (others use the table)")
     parser.add_argument("--sweep-decode", action="store_true",
                         help="sweep the CUDA decode kernel's configs at --sweep-rows")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="NxK",
+                        help="only these weight shapes (the model's or others, e.g. 20480x2560)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "dense_fp8_h200.md"))
@@ -178,6 +180,9 @@ def main(argv=None) -> int:
         if d.module not in sh.module:
             sh.module += " / " + d.module
     shapes = sorted(by_shape.values(), key=lambda s: -s.n * s.k)
+    if args.shapes:  # e.g. a merge of linears that share their input, next to the parts
+        wanted = [tuple(map(int, x.split("x"))) for x in args.shapes]
+        shapes = [by_shape.get(nk) or Shape("(not in the model: a merge)", nk[0], nk[1], 0) for nk in wanted]
     copy_gbs, copy_how = copy_bandwidth_gbs()
     feats = K.triton_features()
     head = (f"device {props.name} sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
