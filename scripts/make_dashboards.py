@@ -158,6 +158,24 @@ def overview() -> dict:
              "fieldConfig": {"defaults": {}, "overrides": []},
              "options": {"showHeader": True}}, 24, 4)
 
+    lay.row("Startup and memory")
+    lay.add(stat("Launch to ready", "vllm_ling:startup_seconds: this API server's start to the "
+                 "engine being ready (weights, warm-up, checks).",
+                 [target(f"vllm_ling:startup_seconds{{{SEL}}}", "{{model_name}}")], unit="s", decimals=0), 4, 5)
+    lay.add(stat("Weights / KV cache", "vllm_ling:weights_bytes and vllm_ling:kv_cache_bytes: device "
+                 "memory the reporting worker holds for weights and allocated for the KV cache (each "
+                 "storage once).",
+                 [target(f"vllm_ling:weights_bytes{{{SEL}}}", "weights", "A"),
+                  target(f"vllm_ling:kv_cache_bytes{{{SEL}}}", "KV cache", "B")], unit="bytes"), 8, 5)
+    lay.add(stat("humming JIT up to ready", "vllm_ling:humming_jit_compiled_kernels (compiled by this "
+                 "worker), vllm_ling:humming_jit_cache_hits (loaded from the cache) and "
+                 "vllm_ling:humming_jit_compile_seconds; after `vllm-ling warmup` a warm cache has 0 compiled. "
+                 "CPU: not applicable (vllm_ling:humming_jit_applicable 0).",
+                 [target(f"vllm_ling:humming_jit_compiled_kernels{{{SEL}}}", "compiled", "A"),
+                  target(f"vllm_ling:humming_jit_cache_hits{{{SEL}}}", "cache hits", "B"),
+                  target(f"vllm_ling:humming_jit_compile_seconds{{{SEL}}}", "compile s", "C"),
+                  target(f"vllm_ling:humming_jit_applicable{{{SEL}}}", "applicable", "D")], decimals=0), 12, 5)
+
     lay.row("Latency")
     lay.add(timeseries("Time to first token (TTFT)", "vllm:time_to_first_token_seconds",
                        latency_quantiles("vllm:time_to_first_token_seconds"), unit="s", min_value=0), 12, 8)
