@@ -104,8 +104,11 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
     def fake_head(vocab, hidden, *, row_counts):
         calls.append(("lm_head", vocab, hidden, tuple(row_counts)))
 
+    def fake_dense(shapes):
+        calls.append(("dense_fp8", tuple(shapes)))
+
     monkeypatch.setattr(warmup, "_load_warmup_functions",
-                        lambda: [("moe", fake_moe), ("lm_head", fake_head)])
+                        lambda: [("moe", fake_moe), ("lm_head", fake_head), ("dense_fp8", fake_dense)])
     monkeypatch.setattr(launch, "cuda_available", lambda: True)
     for var in ("VLLM_LING_HUMMING_CACHE", "HUMMING_CACHE_DIR", "HUMMING_TMP_DIR"):
         # warmup exports these for the kernels; setenv makes pytest restore them afterwards.
@@ -120,6 +123,9 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
         ("moe", config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
          config["num_experts_per_tok"], (1, 4), False, (None, *limits), "auto", 32),
         ("lm_head", config["vocab_size"], config["hidden_size"], (1, 4)),  # 157184 = 64 x 2456
+        # every block-FP8 dense linear the model runs at decode, as vLLM merges them
+        ("dense_fp8", ((12288, 2560), (2560, 6144), (6144, 2560), (2560, 5120), (2560, 4096),
+                       (4096, 2560), (1536, 2560), (2560, 768), (576, 2560))),
     ]
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.split() and line.split()[0] in ("moe", "lm_head")}
@@ -151,6 +157,7 @@ def test_real_kernel_warmup_functions_accept_the_arguments_warmup_passes():
         shapes.hidden_size, shapes.intermediate_size, shapes.num_experts, shapes.top_k,
         token_counts=[1, 4], swiglu_limits=shapes.swiglu_limits, **kwargs)
     inspect.signature(groups["lm_head"]).bind(shapes.vocab_rows, shapes.hidden_size, row_counts=[1, 4])
+    inspect.signature(groups["dense_fp8"]).bind([(12288, 2560)])
 
 
 COMBINATIONS = [
@@ -159,7 +166,7 @@ COMBINATIONS = [
     {"VLLM_LING_MOE_DECODE": "off"},
     {"VLLM_LING_MOE_DECODE": "copy", "VLLM_LING_MOE_DECODE_MAX_TOKENS": "8"},
     {"VLLM_LING_MOE_W4A8": "1", "VLLM_LING_MOE_DECODE": "off", "VLLM_LING_FP8_HEAD": "0"},
-    {"VLLM_LING_MOE_BACKEND": "vllm"},
+    {"VLLM_LING_MOE_BACKEND": "vllm", "VLLM_LING_DENSE_FP8": "vllm"},
 ]
 
 
@@ -172,7 +179,7 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     from vllm_ling.options import LingOptions
 
     for name in list(env) + ["VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_BACKEND",
-                             "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD"]:
+                             "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8"]:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -194,3 +201,5 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
                   "decode_max_tokens": 0 if method.decode == "off" else method.decode_max_tokens}
         assert plan.moe_kwargs() == server
     assert plan.head == options.fp8_head
+    # the dense FP8 group follows the server's switch, on every decode shape of the model
+    assert plan.dense == (options.dense_fp8.value == "ling") and len(plan.dense_shapes) == 9

@@ -78,3 +78,20 @@ def test_tiny_config_enumerates():
     tiny = json.load(open(os.path.join(DATA, "ling3_tiny_fp4_config.json")))
     shapes = distinct_decode_shapes(tiny)
     assert shapes and all(n > 0 and k % 128 == 0 for n, k in shapes)
+
+
+def test_tensor_parallel_shapes_follow_vllms_layouts():
+    import json
+    from pathlib import Path
+
+    from vllm_ling.models.dense_linears import dense_fp8_linears, distinct_decode_shapes, partitioned_shape
+
+    config = json.loads((Path(__file__).resolve().parents[2] / "vllm_ling" / "data"
+                         / "ling3_flash_fp4_config.json").read_text())
+    by_module = {d.module: d for d in dense_fp8_linears(config)}
+    assert partitioned_shape(by_module["self_attn.qkv_proj"], 2) == (6144, 2560)       # column: N / 2
+    assert partitioned_shape(by_module["mlp.shared_experts.down_proj"], 2) == (2560, 384)  # row: K / 2
+    assert partitioned_shape(by_module["self_attn.kv_a_proj_with_mqa"], 2) == (576, 2560)  # replicated
+    assert partitioned_shape(by_module["eh_proj"], 2) == (2560, 5120)                  # replicated
+    assert distinct_decode_shapes(config, tensor_parallel_size=1) == distinct_decode_shapes(config)
+    assert (2560, 384) in distinct_decode_shapes(config, tensor_parallel_size=2)

@@ -20,12 +20,13 @@ from typing import Mapping
 
 from vllm_ling.cli.serve import (DEFAULT_MODEL, EXIT_USAGE, LaunchError, check_model_dir, read_model_config,
                                  read_option, resolve_device, resolve_model)
-from vllm_ling.options import LingOptionError, LingOptions, MoeBackend, MoeDecode, option
+from vllm_ling.models.dense_linears import distinct_decode_shapes
+from vllm_ling.options import DenseFp8, LingOptionError, LingOptions, MoeBackend, MoeDecode, option
 
 # The plugin switches that decide which kernels run; warmup takes each as a flag too
 # (flag > environment > default, like `vllm-ling serve`).
 KERNEL_OPTIONS = ("VLLM_LING_MOE_BACKEND", "VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE",
-                  "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD")
+                  "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8")
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
 
@@ -98,6 +99,7 @@ class WarmupPlan:
     token_counts: tuple[int, ...]
     row_counts: tuple[int, ...]
     humming_cache: str | None
+    dense_shapes: tuple[tuple[int, int], ...] = ()  # block-FP8 dense linears per rank (N, K)
 
     @property
     def moe(self) -> bool:
@@ -107,6 +109,11 @@ class WarmupPlan:
     @property
     def head(self) -> bool:
         return self.options.fp8_head
+
+    @property
+    def dense(self) -> bool:
+        """The server runs vllm-ling's W8A16 kernels on block-FP8 dense linears (CUDA)."""
+        return self.options.dense_fp8 is DenseFp8.LING and bool(self.dense_shapes)
 
     def moe_kwargs(self) -> dict:
         """Exactly the kernel switches the server's MoE method gets (layers.quant_config)."""
@@ -120,10 +127,14 @@ class WarmupPlan:
                f" (<= {self.options.moe_decode_max_tokens} tokens)" if self.moe
                else "MoE skipped (VLLM_LING_MOE_BACKEND=vllm: vLLM's backend serves)")
         head = "FP8 LM head" if self.head else "LM head skipped (VLLM_LING_FP8_HEAD=0: BF16 head)"
+        dense = (f"dense FP8 W8A16 on {len(self.dense_shapes)} weight shapes" if self.dense else
+                 "dense FP8 skipped (" + ("VLLM_LING_DENSE_FP8=vllm: vLLM's kernel serves"
+                                          if self.options.dense_fp8 is not DenseFp8.LING
+                                          else "no block-FP8 dense linears") + ")")
         return (f"{self.model_dir} (tensor parallel {self.tensor_parallel_size}): hidden "
                 f"{s.hidden_size}, expert intermediate {s.intermediate_size}, {s.num_experts} "
                 f"experts, top-{s.top_k}, SwiGLU limits {list(s.swiglu_limits)}; {moe}; {head} "
-                f"{s.vocab_rows} x {s.hidden_size}")
+                f"{s.vocab_rows} x {s.hidden_size}; {dense}")
 
 
 def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
@@ -144,9 +155,14 @@ def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
     except LingOptionError as exc:
         raise LaunchError(str(exc)) from None
     tp = read_option(values, "VLLM_LING_TENSOR_PARALLEL_SIZE")
+    config = read_model_config(model_dir)
+    try:
+        dense_shapes = tuple(distinct_decode_shapes(config, tensor_parallel_size=tp))
+    except (KeyError, ValueError):  # not the -fp4 layout (e.g. a BF16 checkpoint): nothing block-FP8
+        dense_shapes = ()
     return WarmupPlan(
-        model_dir=model_dir, tensor_parallel_size=tp,
-        shapes=kernel_shapes(read_model_config(model_dir), tp, model_dir / "config.json"),
+        model_dir=model_dir, tensor_parallel_size=tp, dense_shapes=dense_shapes,
+        shapes=kernel_shapes(config, tp, model_dir / "config.json"),
         options=options,
         token_counts=read_option(values, "VLLM_LING_WARMUP_TOKEN_COUNTS"),
         row_counts=read_option(values, "VLLM_LING_WARMUP_ROW_COUNTS"),
@@ -157,7 +173,9 @@ def _load_warmup_functions():
     """The kernel groups' warmup entry points, imported lazily (they import humming)."""
     try:
         from vllm_ling.ops import lm_head, moe
-        return [("moe", moe.warmup_kernels), ("lm_head", lm_head.warmup_kernels)]
+        from vllm_ling.ops.dense_fp8 import warmup as dense_fp8
+        return [("moe", moe.warmup_kernels), ("lm_head", lm_head.warmup_kernels),
+                ("dense_fp8", dense_fp8.warmup_kernels)]
     except (ImportError, AttributeError) as exc:
         raise LaunchError(
             "this vllm-ling has no kernel warmup (vllm_ling.ops.moe.warmup_kernels / "
@@ -201,8 +219,8 @@ def warmup_main(argv: list[str]) -> int:
         return EXIT_USAGE
 
     try:
-        groups = [(name, warm) for name, warm in _load_warmup_functions()
-                  if (plan.moe if name == "moe" else plan.head)]
+        wanted = {"moe": plan.moe, "lm_head": plan.head, "dense_fp8": plan.dense}
+        groups = [(name, warm) for name, warm in _load_warmup_functions() if wanted[name]]
     except LaunchError as exc:
         print(f"vllm-ling warmup: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -222,6 +240,8 @@ def warmup_main(argv: list[str]) -> int:
                 result = warm(shapes.hidden_size, shapes.intermediate_size, shapes.num_experts,
                               shapes.top_k, token_counts=list(plan.token_counts),
                               swiglu_limits=shapes.swiglu_limits, **plan.moe_kwargs())
+            elif name == "dense_fp8":
+                result = warm(list(plan.dense_shapes))
             else:
                 result = warm(shapes.vocab_rows, shapes.hidden_size, row_counts=list(plan.row_counts))
             seconds = time.perf_counter() - start

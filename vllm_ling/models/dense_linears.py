@@ -88,7 +88,27 @@ def dense_fp8_linears(config: dict[str, Any], include_mtp: bool = True) -> list[
     return sorted(out, key=lambda d: (d.layers[0], d.module))
 
 
-def distinct_decode_shapes(config: dict[str, Any], include_mtp: bool = True) -> list[tuple[int, int]]:
-    """The distinct [N, K] weight shapes run as dense FP8 linears at decode, largest first."""
-    shapes = {d.shape for d in dense_fp8_linears(config, include_mtp) if d.decode}
+# vLLM's parallel layouts of these modules (bailing_moe_v3.py): row-parallel ones split K, the
+# replicated ones (the MLA compressed-KV projection, the NEXTN eh_proj) split nothing, every
+# other (column-parallel, merged or not) splits N
+_ROW_PARALLEL = ("o_proj", "dense", "down_proj")
+_REPLICATED = ("kv_a_proj_with_mqa", "eh_proj")
+
+
+def partitioned_shape(linear: DenseLinear, tensor_parallel_size: int) -> tuple[int, int]:
+    """The [N, K] weight one tensor-parallel rank holds for ``linear``."""
+    n, k = linear.shape
+    leaf = linear.module.rsplit(".", 1)[-1]
+    if leaf in _REPLICATED:
+        return n, k
+    if leaf in _ROW_PARALLEL:
+        return n, k // tensor_parallel_size
+    return n // tensor_parallel_size, k
+
+
+def distinct_decode_shapes(config: dict[str, Any], include_mtp: bool = True,
+                           tensor_parallel_size: int = 1) -> list[tuple[int, int]]:
+    """The distinct [N, K] weight shapes (per tensor-parallel rank) run as dense FP8 linears at
+    decode, largest first."""
+    shapes = {partitioned_shape(d, tensor_parallel_size) for d in dense_fp8_linears(config, include_mtp) if d.decode}
     return sorted(shapes, key=lambda s: (-s[0] * s[1], s))

@@ -278,3 +278,22 @@ def test_rejects_bad_inputs_before_launch():
         w8a16_linear(x, q, s, config=DecodeConfig(ksplit=4))
     with pytest.raises(ValueError, match="activation rows"):
         w8a16_linear(torch.zeros((33, 384), dtype=torch.bfloat16, device=DEV), q, s, config=DecodeConfig(ksplit=2))
+
+
+def test_warmup_compiles_every_kernel_the_server_launches():
+    from vllm_ling.ops.dense_fp8 import decode_kernel as D
+    from vllm_ling.ops.dense_fp8.warmup import warmup_kernels
+
+    shapes = [(576, 2560), (2560, 768), (12288, 2560)]
+    result = warmup_kernels(shapes)
+    assert "CUDA W8A16 decode" in result["kernel"] and result["shapes"] == 3
+    cap = torch.cuda.get_device_capability()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    compiled = set(D._COMPILED)
+    for n, k in shapes:
+        for rows in range(1, 33):
+            config = launch_config(n, k, rows, cap, sms)
+            if isinstance(config, DecodeConfig):  # the server's launch would find it compiled
+                key = (config.warps_n, config.ksplit, config.min_blocks, config.steps(k), -(-rows // 8),
+                       config.stream, torch.device("cuda", 0))
+                assert key in compiled or (*key[:-1], torch.device("cuda")) in compiled, (n, k, rows, config)
