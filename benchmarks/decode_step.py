@@ -38,10 +38,11 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from benchmarks.dense_fp8 import load_config
-from benchmarks.lm_head import copy_bandwidth_gbs
 from benchmarks.decode_standins import (conv4_silu_update, fused_add_rms_norm, fused_route, gated_rms_norm,
                                         mla_decode, mla_prepare, rope_table, swiglu_act)
+from benchmarks.dense_fp8 import load_config
+from benchmarks.lm_head import copy_bandwidth_gbs
+from benchmarks.output import write_outputs
 from benchmarks.timing import stacked_time_us
 from benchmarks.upstream_fp8 import ScaledMmBlockFp8
 from vllm_ling.ops.dense_fp8 import w8a16_linear
@@ -424,15 +425,8 @@ def main(argv=None) -> int:
         row["distinct_experts_mean"] = sum(distinct) / max(1, len(distinct))
         row["expected_distinct"] = pl.distinct_experts_verify
         results.append(row)
-    text = render(results, head, copy_gbs, notes, model, args)
-    print(text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        fh.write(text)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"copy_gbs": copy_gbs, "device": head, "results": results, "notes": notes,
-                       "standins": STANDINS}, fh, indent=1)
+    write_outputs(render(results, head, copy_gbs, notes, model, args), args.out, args.json,
+                  {"copy_gbs": copy_gbs, "device": head, "results": results, "notes": notes, "standins": STANDINS})
     return 0
 
 

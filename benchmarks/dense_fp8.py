@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.lm_head import copy_bandwidth_gbs
+from benchmarks.output import write_outputs
 from benchmarks.timing import stacked_time_us
 from benchmarks.upstream_fp8 import ScaledMmBlockFp8, TritonW8A8BlockFp8
 from vllm_ling.models.dense_linears import dense_fp8_linears
@@ -298,16 +299,10 @@ def main(argv=None) -> int:
         del wq, ws, wb, up_mm, up_tr
         torch.cuda.empty_cache()
 
-    text = render(results, head, copy_gbs, notes, sweep_best, args)
-    print(text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        fh.write(text)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"copy_gbs": copy_gbs, "head": head, "results": results, "notes": notes,
-                       "sweep_best": {f"{n}x{k}x{r}": [config_record(c), us]
-                                      for (n, k, r), (c, us) in sweep_best.items()}}, fh, indent=1)
+    write_outputs(render(results, head, copy_gbs, notes, sweep_best, args), args.out, args.json,
+                  {"copy_gbs": copy_gbs, "head": head, "results": results, "notes": notes,
+                   "sweep_best": {f"{n}x{k}x{r}": [config_record(c), us]
+                                  for (n, k, r), (c, us) in sweep_best.items()}})
     return 0
 
 

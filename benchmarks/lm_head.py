@@ -31,6 +31,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from benchmarks.output import write_outputs
 from benchmarks.timing import stacked_time_us
 from vllm_ling.ops.lm_head.head import fp8_head_logits, prepare_fp8_head
 from vllm_ling.ops.lm_head.humming import HUMMING_COMPUTE_CONFIG
@@ -274,14 +275,8 @@ def main(argv=None) -> int:
     if args.sweep:
         sweep_rows = run_sweep(args, states, w_bf16, err_hidden, ref, gen)
 
-    table = render(results, (copy_gbs, copy_how), props, notes, sweep_rows, args)
-    print(table)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        fh.write(table)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"copy_gbs": copy_gbs, "results": results, "sweep": sweep_rows, "notes": notes}, fh, indent=1)
+    write_outputs(render(results, (copy_gbs, copy_how), props, notes, sweep_rows, args), args.out, args.json,
+                  {"copy_gbs": copy_gbs, "results": results, "sweep": sweep_rows, "notes": notes})
     return 0
 
 

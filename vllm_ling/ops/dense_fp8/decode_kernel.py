@@ -58,12 +58,13 @@ class DecodeConfig:
             out.append("the streaming kernel runs one tile per CTA (warps_n = 1)")
         if self.threads() > 1024:
             out.append(f"{self.threads()} threads per CTA exceed 1024")
-        if self.ksplit > 1 and self.warps_n * self.ksplit * _groups(rows) * 512 > _SMEM_LIMIT:
+        if self.ksplit > 1 and self.warps_n * self.ksplit * row_groups(rows) * 512 > _SMEM_LIMIT:
             out.append("the split-K reduction needs more than 48 KB of shared memory")
         return out
 
 
-def _groups(rows: int) -> int:
+def row_groups(rows: int) -> int:
+    """MMA groups of 8 activation rows: one compiled kernel serves each count."""
     return -(-rows // _ROWS_PER_GROUP)
 
 
@@ -90,7 +91,7 @@ def _kernel_text() -> str:
 
 def source(config: DecodeConfig, k: int, rows: int) -> str:
     """The CUDA text handed to NVRTC: the launch shape as ``#define`` lines, then the kernel."""
-    defines = dict(WARPS_N=config.warps_n, KSPLIT=config.ksplit, STEPS=config.steps(k), TG=_groups(rows),
+    defines = dict(WARPS_N=config.warps_n, KSPLIT=config.ksplit, STEPS=config.steps(k), TG=row_groups(rows),
                    MINB=config.min_blocks)
     return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _kernel_text()
 
@@ -99,7 +100,7 @@ _COMPILED: dict[tuple, object] = {}
 
 
 def _compiled(config: DecodeConfig, k: int, rows: int, device: torch.device):
-    key = (config.warps_n, config.ksplit, config.min_blocks, config.steps(k), _groups(rows), config.stream, device)
+    key = (config.warps_n, config.ksplit, config.min_blocks, config.steps(k), row_groups(rows), config.stream, device)
     kernel = _COMPILED.get(key)
     if kernel is None:
         from vllm_ling.ops.cuda_jit import compiled_kernel
@@ -108,13 +109,9 @@ def _compiled(config: DecodeConfig, k: int, rows: int, device: torch.device):
     return kernel
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
 
 def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-        config: DecodeConfig) -> None:
+        config: DecodeConfig, sm_count: int) -> None:
     """Launch on checked inputs (:func:`~vllm_ling.ops.dense_fp8.linear.w8a16_linear` checks
     dtypes and shapes; this checks what the kernel adds: alignment and the config)."""
     from vllm_ling.ops.cuda_jit import launch
@@ -128,8 +125,7 @@ def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.T
     kernel = _compiled(config, k, rows, x.device)
     grid = -(-(n // _TILE_ROWS) // config.warps_n)
     if config.stream:
-        grid = min(grid, config.ctas_per_sm * _sm_count(x.device.index if x.device.index is not None
-                                                          else torch.cuda.current_device()))
+        grid = min(grid, config.ctas_per_sm * sm_count)
     launch(kernel, (grid, 1), config.threads(),
            (weight.data_ptr(), scale.data_ptr(), x.data_ptr(), out.data_ptr(), n, rows, scale.stride(0),
             x.stride(0)),

@@ -174,7 +174,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return out
     if isinstance(config, D.DecodeConfig):
-        D.run(x, weight, scale, out, config)
+        D.run(x, weight, scale, out, config, sm_count)
         return out
     grid = (-(-n // config.block_n), -(-m // config.block_m), config.split_k)
     if config.split_k > 1:

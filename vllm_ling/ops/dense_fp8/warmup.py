@@ -21,8 +21,8 @@ from vllm_ling.ops.fp8 import block_fp8_quantize
 
 
 def _kernel_key(config, rows: int) -> tuple:
-    """What one compiled kernel is: a decode config compiles once per group of 8 rows."""
-    return (config, -(-rows // 8)) if isinstance(config, D.DecodeConfig) else (config,)
+    """What one compiled kernel is: a decode config compiles once per row-group count."""
+    return (config, D.row_groups(rows)) if isinstance(config, D.DecodeConfig) else (config,)
 
 
 def warmup_kernels(shapes: list[tuple[int, int]], max_rows: int = D.MAX_ROWS,
