@@ -148,3 +148,15 @@ def test_checkpoint_with_e4m3_nan_codes_is_refused_naming_the_layer(monkeypatch)
         layer.weight.data.view(torch.uint8)[3, 5] = code
         with pytest.raises(ValueError, match=r"test\.proc\.weight holds 1 e4m3 NaN codes"):
             _method().process_weights_after_loading(layer)
+
+
+def test_the_decode_kernel_in_use_is_named_in_the_label_with_the_fallbacks_reason(monkeypatch):
+    from vllm_ling.layers.known_answer import dense_kernel_label
+    from vllm_ling.ops.dense_fp8 import linear
+
+    method = _method()
+    monkeypatch.setattr(linear, "decode_kernel_unavailable_reason", lambda: None)
+    assert dense_kernel_label(method).endswith("; decode: CUDA W8A16 kernel")
+    monkeypatch.setattr(linear, "decode_kernel_unavailable_reason", lambda: "ImportError: no module named humming")
+    assert dense_kernel_label(method).endswith(
+        "; decode: Triton W8A16 kernel (CUDA decode kernel unavailable: ImportError: no module named humming)")

@@ -113,6 +113,13 @@ class LingW8A16Fp8LinearMethod(Fp8LinearMethod):
         layer.ling_w8a16 = (kept, scale)
         layer.ling_w8a16_reason = None
 
+    @property
+    def decode_kernel_status(self) -> str:
+        """The kernel serving decode-sized batches (CUDA decode or, with the reason, Triton)."""
+        from vllm_ling.ops.dense_fp8.linear import decode_kernel_status
+
+        return decode_kernel_status()
+
     def _keep_vllm(self, layer: torch.nn.Module, reason: str) -> None:
         layer.ling_w8a16 = None
         layer.ling_w8a16_reason = reason

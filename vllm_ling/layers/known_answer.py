@@ -21,10 +21,13 @@ from vllm_ling.ops import known_answer as ka
 
 
 def dense_kernel_label(method) -> str:
-    """What computes a dense linear: the method class and, for vLLM's FP8 method, its kernel."""
+    """What computes a dense linear: the method class and, for vLLM's FP8 method, its kernel;
+    for vllm-ling's W8A16 method also the kernel serving decode sizes."""
     kernel = getattr(method, "fp8_linear", None)
     name = type(method).__name__
-    return f"{name}/{type(kernel).__name__}" if kernel is not None else name
+    label = f"{name}/{type(kernel).__name__}" if kernel is not None else name
+    status = getattr(method, "decode_kernel_status", None)
+    return f"{label}; {status}" if status else label
 
 
 def _load_param(param: torch.Tensor, value: torch.Tensor) -> None:

@@ -220,6 +220,8 @@ def check_dense_fp8(target, draft, exp: Expectations) -> Check:
     ours = [(n, m) for n, m in layers if isinstance(m.quant_method, LingW8A16Fp8LinearMethod)]
     serving = [(n, m) for n, m in ours if getattr(m, "ling_w8a16", None) is not None]
     actual = f"{len(serving)} of {len(layers)} block-FP8 dense linears on the W8A16 kernel"
+    if serving:
+        actual += f" ({serving[0][1].quant_method.decode_kernel_status})"
     if not exp.dense_fp8:
         return Check("dense_fp8_layers", not ours,
                      "vLLM's block-FP8 kernels (CPU platform or VLLM_LING_DENSE_FP8=vllm)", actual,

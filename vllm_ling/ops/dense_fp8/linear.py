@@ -81,10 +81,25 @@ def decode_kernel_unavailable_reason() -> str | None:
     return None
 
 
+def _decode_unavailable(capability: tuple[int, int]) -> str | None:
+    """Why the CUDA decode kernel cannot serve on a GPU of ``capability`` (None when it can)."""
+    return decode_kernel_unavailable_reason() or ("needs sm_80+" if capability < (8, 0) else None)
+
+
+def decode_kernel_status(device: torch.device | str | None = None) -> str:
+    """Which kernel serves decode-sized batches here, for the startup report and metrics: the CUDA
+    decode kernel, or the Triton kernel alone with the reason (the explicit fallback)."""
+    reason = decode_kernel_unavailable_reason()
+    if reason is None and torch.cuda.is_available():
+        reason = _decode_unavailable(device_facts(torch.device(device or "cuda"))[0])
+    return ("decode: CUDA W8A16 kernel" if reason is None
+            else f"decode: Triton W8A16 kernel (CUDA decode kernel unavailable: {reason})")
+
+
 def _decode_config(n: int, k: int, rows: int, capability: tuple[int, int], sm_count: int) -> D.DecodeConfig | None:
     if rows > D.MAX_ROWS:
         return None
-    reason = decode_kernel_unavailable_reason() or ("needs sm_80+" if capability < (8, 0) else None)
+    reason = _decode_unavailable(capability)
     if reason is None:
         config, reason = select_decode_config(n, k, rows, capability, sm_count)
         if config is not None:
