@@ -223,6 +223,10 @@ OPTIONS: tuple[Option, ...] = (
            "on CUDA (vLLM's kernel above; an error where it cannot run); `vllm` opts out (one WARNING, "
            "reported). The CPU path is unchanged",
            choices=DenseFp8, serve_flag=True),
+    Option("VLLM_LING_KDA_MERGED_PROJ", "bool", True,
+           "`1`: each KDA layer runs its q, k, v, f and g projections (same input) as one column-parallel "
+           "block-FP8 linear, one launch; `0`: vLLM's three linears (one WARNING, reported)",
+           serve_flag=True),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
@@ -411,6 +415,7 @@ class LingOptions:
     moe_decode_max_tokens: int = BY_NAME["VLLM_LING_MOE_DECODE_MAX_TOKENS"].default
     fp8_head: bool = BY_NAME["VLLM_LING_FP8_HEAD"].default
     dense_fp8: DenseFp8 = BY_NAME["VLLM_LING_DENSE_FP8"].default
+    kda_merged_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_PROJ"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
     num_spec_tokens: int = BY_NAME["VLLM_LING_NUM_SPEC_TOKENS"].default
     verify: VerifyPolicy = BY_NAME["VLLM_LING_VERIFY"].default

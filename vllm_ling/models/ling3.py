@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Iterable
+
+import torch
 
 from vllm.config import VllmConfig
 from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3ForCausalLM
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models import loaded
+from vllm_ling.models.kda_in_proj import MEMBERS, MERGED_NAME, MergedInProjRouter
 
 logger = get_logger("models")
 
@@ -38,7 +42,21 @@ def check_local_checkpoint(vllm_config: VllmConfig, include_mtp: bool) -> None:
 class LingForCausalLM(BailingMoeV3ForCausalLM):
     """The Ling-3.0 target as registered by vllm-ling."""
 
+    # vLLM's merges plus the KDA in-projection (vllm_ling.layers.kda_merged_proj): the quant
+    # config reads this to decide a merged linear's precision from its members'
+    packed_modules_mapping = {**BailingMoeV3ForCausalLM.packed_modules_mapping, MERGED_NAME: list(MEMBERS)}
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         check_local_checkpoint(vllm_config, include_mtp=False)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         loaded.remember("target", self)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """vLLM's loader, with the merged KDA layers' q/k/v/f/g routed into their shards
+        (:mod:`vllm_ling.models.kda_in_proj`)."""
+        router = MergedInProjRouter(self)
+        if not router.layers:
+            return super().load_weights(weights)
+        loaded_names = super().load_weights(router.route(self.hf_to_vllm_mapper.apply(weights)))
+        router.check_complete()
+        return loaded_names | router.loaded

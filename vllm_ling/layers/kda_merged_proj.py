@@ -1,0 +1,165 @@
+"""Ling-3.0's KDA layer with its five block-FP8 input projections as one launch.
+
+vLLM 0.32's ``BailingMoeV3KimiDeltaAttention`` runs three linears that all read the layer's
+input: ``qkv_proj`` (q, k, v), ``f_proj`` and ``g_proj`` (``b_proj`` stays BF16 and separate).
+:class:`MergedInProjection` (a mixin placed before the in-tree class) replaces them with one
+column-parallel ``MergedColumnParallelLinear`` ``qkvfg_proj`` = [q, k, v, f, g], each its own
+shard of ``heads * head_dim / tp`` rows, built with the layer's quant config: the dense
+block-FP8 method that serves any other linear (vllm-ling's W8A16 kernel on CUDA, the dequantized
+path on CPU, or vLLM's method when ``VLLM_LING_DENSE_FP8=vllm``) serves it unchanged, and the
+block scales concatenate like the rows because every shard is a whole number of 128-row blocks
+(vLLM's own ``qkv_proj`` already requires that of q and k; the merge adds nothing). Loading is
+:mod:`vllm_ling.models.kda_in_proj`. ``VLLM_LING_KDA_MERGED_PROJ=0`` keeps vLLM's three linears.
+
+A layer is left unmerged, with one WARNING, where the members differ in precision or vLLM builds
+``qkvb_proj`` (b_proj block-FP8, not the Ling-3.0-flash-fp4 layout: its 32-row shard would sit
+between q, k, v and f, g, off the 128-row grid the W8A16 kernel indexes scales by).
+
+:func:`merged_in_projections` gives (q, k, v, beta logits, f, g) for either form;
+:class:`VllmKdaMergedInProj` (every platform but CPU) is vLLM's forward on those parts, with
+vLLM's Triton kernels. q, k, v and g stay row-strided views, as q, k, v are in vLLM; ``f`` is
+made contiguous because ``fused_kda_gate`` indexes rows as packed (a no-op at one token).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+from vllm_ling.log import get_logger, log_once
+from vllm_ling.models.kda_in_proj import MEMBERS, MERGED_NAME
+from vllm_ling.options import read
+
+logger = get_logger("kda")
+
+IN_TREE_NAME = "BailingMoeV3KimiDeltaAttention"
+OPTION = "VLLM_LING_KDA_MERGED_PROJ"
+MERGED_DESCRIPTION = f"one {MERGED_NAME} linear = [{', '.join(MEMBERS)}] per KDA layer"
+
+
+def refusal(layer: torch.nn.Module, quant_config, prefix: str) -> str | None:
+    """Why this layer keeps vLLM's three linears (None: it merges)."""
+    if not read(OPTION):
+        return f"{OPTION}=0"
+    if not layer.separate_b_proj:
+        return ("b_proj is block-FP8 in this checkpoint, so vLLM stacks q, k, v, b (qkvb_proj); the merge "
+                "needs b_proj in BF16 (modules_to_not_convert), as in Ling-3.0-flash-fp4")
+    from vllm.model_executor.models.bailing_moe_v3 import _is_fp8_module_excluded
+
+    skipped = {m: _is_fp8_module_excluded(quant_config, f"{prefix}.{m}") for m in MEMBERS}
+    if len(set(skipped.values())) > 1:
+        return "the projections differ in precision (BF16: " + ", ".join(m for m, s in skipped.items() if s) + ")"
+    return None
+
+
+class MergedInProjection:
+    """Mixin for subclasses of vLLM's ``BailingMoeV3KimiDeltaAttention``: builds ``qkvfg_proj``
+    in place of ``qkv_proj``, ``f_proj`` and ``g_proj`` (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        arguments = inspect.signature(super().__init__).bind(*args, **kwargs)
+        arguments.apply_defaults()
+        quant_config, prefix = arguments.arguments["quant_config"], arguments.arguments["prefix"]
+        why = refusal(self, quant_config, prefix)
+        self.ling_in_proj_merged = why is None
+        self.ling_in_proj_reason = why or MERGED_DESCRIPTION
+        if why is not None:
+            log_once(logger, logging.WARNING, f"kda-unmerged-{why}",
+                     "KDA in-projections NOT merged (%s and similar layers): %s; vLLM's qkv_proj, f_proj and "
+                     "g_proj run as separate linears (the startup report marks kda_merged_in_proj inactive).",
+                     prefix, why)
+            return
+        from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+        from vllm.model_executor.models.bailing_moe_v3 import _is_fp8_module_excluded
+
+        # all members share one precision (refusal above): BF16 members build an unquantized linear
+        quantized = not _is_fp8_module_excluded(quant_config, f"{prefix}.{MEMBERS[0]}")
+        width = self.head_dim * self.num_heads
+        merged = MergedColumnParallelLinear(self.hidden_size, [width] * len(MEMBERS), bias=False,
+                                            quant_config=quant_config if quantized else None,
+                                            prefix=f"{prefix}.{MERGED_NAME}")
+        # vLLM's three are dropped before any weight loads (their storage with them)
+        self.qkv_proj = self.f_proj = self.g_proj = None
+        setattr(self, MERGED_NAME, merged)
+        log_once(logger, logging.INFO, "kda-merged", "KDA in-projections: %s.", MERGED_DESCRIPTION)
+
+
+def merged_in_projections(layer: torch.nn.Module, hidden_states: torch.Tensor):
+    """(q, k, v, beta_logits, f, g) of ``hidden_states``, each [tokens, width per rank] (beta
+    logits [tokens, heads per rank]), from the merged linear or from vLLM's modules."""
+    width = layer.projection_size_per_partition
+    if getattr(layer, "ling_in_proj_merged", False):
+        q, k, v, f, g = getattr(layer, MERGED_NAME)(hidden_states)[0].split(width, dim=-1)
+        return q, k, v, layer.b_proj(hidden_states)[0], f, g
+    if layer.separate_b_proj:
+        q, k, v = layer.qkv_proj(hidden_states)[0].split(width, dim=-1)
+        beta_logits = layer.b_proj(hidden_states)[0]
+    else:
+        q, k, v, beta_logits = layer.qkvb_proj(hidden_states)[0].split(
+            [width, width, width, layer.local_num_heads], dim=-1)
+    return q, k, v, beta_logits, layer.f_proj(hidden_states)[0], layer.g_proj(hidden_states)[0]
+
+
+_VLLM_CLASS = None
+
+
+def vllm_merged_class():
+    """vLLM's KDA layer with the merged in-projection and vLLM's own (Triton) computation."""
+    global _VLLM_CLASS
+    if _VLLM_CLASS is not None:
+        return _VLLM_CLASS
+    from einops import rearrange
+    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention, fused_kda_gate
+
+    class VllmKdaMergedInProj(MergedInProjection, BailingMoeV3KimiDeltaAttention):
+        """vLLM's forward on the parts of the merged projection."""
+
+        def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, output: torch.Tensor) -> None:
+            if not self.ling_in_proj_merged:
+                return super().forward(hidden_states, positions, output)
+            num_tokens = hidden_states.size(0)
+            q, k, v, beta_logits, f, g = merged_in_projections(self, hidden_states)
+            beta = beta_logits.float().sigmoid().unsqueeze(0)
+            g1 = fused_kda_gate(f.contiguous(), self.A_log, self.head_dim, g_bias=self.dt_bias,
+                                lower_bound=self.lower_bound if self.safe_gate else None).unsqueeze(0)
+            g2 = rearrange(g, "... (h d) -> ... h d", d=self.head_dim)
+            core_attn_out = torch.zeros((1, num_tokens, self.local_num_heads, self.head_dim),
+                                        dtype=hidden_states.dtype, device=hidden_states.device)
+            torch.ops.vllm.bailing_v3_kda_attention(q, k, v, g1, beta, core_attn_out, self.prefix)
+            core_attn_out = self.o_norm(core_attn_out, g2)
+            output[:] = self.o_proj(rearrange(core_attn_out, "1 n h d -> n (h d)"))[0]
+
+    VllmKdaMergedInProj.__qualname__ = "VllmKdaMergedInProj"
+    _VLLM_CLASS = VllmKdaMergedInProj
+    return _VLLM_CLASS
+
+
+def install(cls, description: str) -> list[str]:
+    """Register ``cls`` as the out-of-tree replacement of vLLM's KDA layer (idempotent: vLLM loads
+    plugins in every process, sometimes twice); another plugin's replacement is left in place with
+    one WARNING. Returns ``[description]`` when ``cls`` serves, else []."""
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+
+    present = op_registry_oot.get(IN_TREE_NAME)
+    if present is None:
+        PluggableLayer.register_oot(cls, name=IN_TREE_NAME)
+    elif present is not cls:
+        log_once(logger, logging.WARNING, f"kda-foreign-{cls.__qualname__}",
+                 "%s already has an out-of-tree replacement (%s.%s); leaving it in place, so vllm_ling's %s is "
+                 "NOT used", IN_TREE_NAME, present.__module__, present.__qualname__, cls.__qualname__)
+        return []
+    return [description]
+
+
+def register_merged_kda() -> list[str]:
+    """Off the CPU platform (where :mod:`vllm_ling.layers.kda_cpu` carries the merge): vLLM's KDA
+    layer with the merged in-projection and vLLM's kernels. With the option off the layer still
+    installs and builds vLLM's three linears (the WARNING comes from the layer, reported)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return []
+    return install(vllm_merged_class(), f"KDA: {MERGED_DESCRIPTION} (vLLM's kernels)")
