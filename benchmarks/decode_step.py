@@ -7,11 +7,13 @@ pattern (35 KDA + 7 MLA attention, 2 dense MLP + 40 MoE), then one NEXTN draft s
 MLA, MoE, head). A step of T tokens is one sequence's verify window of T positions over a
 32K-token context (what ``vllm-ling plan`` counts). Two compositions, same weights, same run:
 
-- ``vllm-ling``: dense FP8 linears through ``vllm_ling.ops.dense_fp8`` (W8A16), routed experts
+- ``vllm-ling``: dense FP8 linears through ``vllm_ling.ops.dense_fp8`` (W8A16; each KDA layer's
+  q, k, v, f, g as one 20480 x 2560 launch, as ``vllm_ling.layers.kda_merged_proj`` serves them), routed experts
   through the MoE decode kernels on humming's weights (``HummingMxfp4Experts`` default), the
   FP8 head (``vllm_ling.ops.lm_head``, kernel chosen per arch);
 - ``upstream``: what vLLM 0.32 runs on sm_90: humming's indexed GEMM for the experts, the BF16
-  head, and the W8A8 block-FP8 stand-in for DeepGEMM (``benchmarks/upstream_fp8.py``).
+  head, and the W8A8 block-FP8 stand-in for DeepGEMM (``benchmarks/upstream_fp8.py``), KDA's
+  qkv_proj, f_proj and g_proj as three launches on row slices of the same merged weight.
 
 Ops that live in vLLM and have no kernel in this repo are stand-ins, named in the output and
 the same in both compositions: the KDA recurrence is flash-linear-attention 0.6.0's
@@ -89,6 +91,18 @@ class Fp8Linear:
         self.up = ScaledMmBlockFp8(self.q, self.s)
         self.bytes = self.q.numel() + 4 * self.s.numel()
 
+    @classmethod
+    def rows(cls, whole: "Fp8Linear", start: int, stop: int) -> "Fp8Linear":
+        """Rows [start, stop) of ``whole`` (128-row aligned: the block scales slice the same way),
+        sharing its storage: the upstream composition's unmerged parts of a merged weight."""
+        if start % 128 or stop % 128:
+            raise ValueError(f"rows {start}:{stop} are not on the 128-row block grid")
+        part = cls.__new__(cls)
+        part.q, part.s = whole.q[start:stop], whole.s[start // 128: stop // 128]
+        part.up = ScaledMmBlockFp8(part.q, part.s)
+        part.bytes = part.q.numel() + 4 * part.s.numel()
+        return part
+
     def __call__(self, x: torch.Tensor, comp: str) -> torch.Tensor:
         if comp != "ours":
             return self.up(x)
@@ -143,9 +157,11 @@ class Model:
                  "in_norm": torch.ones(H, device=dev, dtype=torch.bfloat16),
                  "post_norm": torch.ones(H, device=dev, dtype=torch.bfloat16)}
             if kda:
-                L["qkv"] = Fp8Linear(3 * proj, H, g, dev)
-                L["f"] = Fp8Linear(proj, H, g, dev)
-                L["gp"] = Fp8Linear(proj, H, g, dev)
+                # q|k|v|f|g: one weight; upstream's three linears are row slices of it (a tuple,
+                # so class_bytes counts the bytes once)
+                L["qkvfg"] = Fp8Linear(5 * proj, H, g, dev)
+                L["upstream_in_proj"] = tuple(Fp8Linear.rows(L["qkvfg"], a * proj, b * proj)
+                                              for a, b in ((0, 3), (3, 4), (4, 5)))
                 L["o"] = Fp8Linear(H, proj, g, dev)
                 L["b"] = (torch.randn((heads, H), device=dev, generator=g) * H**-0.5).to(torch.bfloat16)
                 L["conv_w"] = torch.randn((3 * proj, 4), device=dev, generator=g) * 0.5
@@ -218,9 +234,16 @@ class Model:
     def kda(self, L, x, comp, op):
         T = x.shape[0]
         heads, hd = self.heads, self.hd
-        qkv = op("dense_fp8", lambda: L["qkv"](x, comp))
-        f = op("dense_fp8", lambda: L["f"](x, comp))
-        gate = op("dense_fp8", lambda: L["gp"](x, comp))
+        if comp == "ours":  # one launch; the parts are column slices (f and gate copied only when T > 1)
+            qkvfg = op("dense_fp8", lambda: L["qkvfg"](x, comp))
+            proj = heads * hd
+            qkv, f, gate = qkvfg[:, :3 * proj], qkvfg[:, 3 * proj:4 * proj], qkvfg[:, 4 * proj:]
+            f, gate = op("dense_fp8", lambda: (f.contiguous(), gate.contiguous()))
+        else:
+            qkv_l, f_l, g_l = L["upstream_in_proj"]
+            qkv = op("dense_fp8", lambda: qkv_l(x, comp))
+            f = op("dense_fp8", lambda: f_l(x, comp))
+            gate = op("dense_fp8", lambda: g_l(x, comp))
         b = op("small_bf16", lambda: F.linear(x, L["b"]))
 
         qkv_c = op("kda_conv_norm", lambda: conv4_silu_update(qkv, L["conv_state"], L["conv_w"], split=heads * hd))

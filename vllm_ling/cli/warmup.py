@@ -26,7 +26,8 @@ from vllm_ling.options import DenseFp8, LingOptionError, LingOptions, MoeBackend
 # The plugin switches that decide which kernels run; warmup takes each as a flag too
 # (flag > environment > default, like `vllm-ling serve`).
 KERNEL_OPTIONS = ("VLLM_LING_MOE_BACKEND", "VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE",
-                  "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8")
+                  "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8",
+                  "VLLM_LING_KDA_MERGED_PROJ")
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
 
@@ -157,7 +158,8 @@ def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
     tp = read_option(values, "VLLM_LING_TENSOR_PARALLEL_SIZE")
     config = read_model_config(model_dir)
     try:
-        dense_shapes = tuple(distinct_decode_shapes(config, tensor_parallel_size=tp))
+        dense_shapes = tuple(distinct_decode_shapes(config, tensor_parallel_size=tp,
+                                                    kda_merged_in_proj=options.kda_merged_proj))
     except (KeyError, ValueError):  # not the -fp4 layout (e.g. a BF16 checkpoint): nothing block-FP8
         dense_shapes = ()
     return WarmupPlan(

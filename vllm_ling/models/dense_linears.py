@@ -3,7 +3,10 @@
 Derived from the checkpoint's tensors (:mod:`checkpoint_format`) and the merges vLLM's
 ``bailing_moe_v3.py`` makes (``packed_modules_mapping``: ``qkv_proj`` = q, k, v when ``b_proj``
 is left in BF16 by ``modules_to_not_convert``, else ``qkvb_proj`` = q, k, v, b;
-``gate_up_proj`` = gate, up; the MTP layer's ``eh_proj`` is a ``ReplicatedLinear``). Each
+``gate_up_proj`` = gate, up; the MTP layer's ``eh_proj`` is a ``ReplicatedLinear``), plus
+vllm-ling's merge of each KDA layer's q, k, v, f, g into ``qkvfg_proj`` when
+``VLLM_LING_KDA_MERGED_PROJ`` is on (:mod:`kda_in_proj`; only where b_proj stays BF16 and all
+five are block-FP8, as the layer decides). Each
 entry is one weight shape [N, K] with the layers that use it; these are the GEMMs the dense
 FP8 decode kernels must cover. ``kv_b_proj`` is listed with ``decode=False``: vLLM's MLA
 dequantizes it at load into BF16 W_UK / W_UV and never runs it as a linear at decode.
@@ -16,6 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_ling.models.checkpoint_format import FP8_BLOCK, checkpoint_specs, is_kda_layer, is_not_converted
+from vllm_ling.models.kda_in_proj import MEMBERS as KDA_MERGED_MEMBERS
+from vllm_ling.models.kda_in_proj import MERGED_NAME as KDA_MERGED_NAME
+from vllm_ling.options import read
 
 _MERGES = {  # checkpoint projection -> vLLM module it is stacked into (suffix match)
     "gate_proj": "gate_up_proj",
@@ -45,10 +51,13 @@ class DenseLinear:
         return self.out_features * self.in_features + 4 * blocks
 
 
-def _vllm_module(module: str, layer: int, kda_layer: bool, b_proj_separate: bool) -> tuple[str, str]:
+def _vllm_module(module: str, layer: int, kda_layer: bool, b_proj_separate: bool,
+                 kda_merged: bool = False) -> tuple[str, str]:
     """(vLLM module suffix, checkpoint projection) for a checkpoint module of one layer."""
     local = module.split(f"model.layers.{layer}.", 1)[1].replace("attention.", "self_attn.", 1)
     parent, _, proj = local.rpartition(".")
+    if kda_merged and parent == "self_attn" and proj in KDA_MERGED_MEMBERS:
+        return f"{parent}.{KDA_MERGED_NAME}", proj
     if kda_layer and parent == "self_attn" and proj in _QKV + ("b_proj",):
         if proj == "b_proj" and b_proj_separate:
             return local, proj
@@ -58,8 +67,21 @@ def _vllm_module(module: str, layer: int, kda_layer: bool, b_proj_separate: bool
     return local, proj
 
 
-def dense_fp8_linears(config: dict[str, Any], include_mtp: bool = True) -> list[DenseLinear]:
-    """Every dense block-FP8 linear shape with the layers that use it (target, then NEXTN)."""
+def _kda_merges(config: dict[str, Any], layer: int, skip: list[str]) -> bool:
+    """Whether vllm-ling's KDA layer merges its in-projections (vllm_ling.layers.kda_merged_proj's
+    rule): b_proj BF16 (else vLLM builds qkvb_proj) and the five members all block-FP8."""
+    attention = f"model.layers.{layer}.attention"
+    return (is_not_converted(f"{attention}.b_proj", skip)
+            and not any(is_not_converted(f"{attention}.{m}", skip) for m in KDA_MERGED_MEMBERS))
+
+
+def dense_fp8_linears(config: dict[str, Any], include_mtp: bool = True,
+                      kda_merged_in_proj: bool | None = None) -> list[DenseLinear]:
+    """Every dense block-FP8 linear shape with the layers that use it (target, then NEXTN).
+    ``kda_merged_in_proj``: whether KDA layers merge q, k, v, f, g (default: the
+    ``VLLM_LING_KDA_MERGED_PROJ`` option, as the server reads it)."""
+    if kda_merged_in_proj is None:
+        kda_merged_in_proj = bool(read("VLLM_LING_KDA_MERGED_PROJ"))
     n_layers = config["num_hidden_layers"]
     skip = (config.get("quantization_config") or {}).get("modules_to_not_convert") or []
     merged: dict[tuple[int, str], dict] = {}
@@ -71,7 +93,8 @@ def dense_fp8_linears(config: dict[str, Any], include_mtp: bool = True) -> list[
         layer = spec.layer
         kda = layer < n_layers and is_kda_layer(layer, config)
         b_separate = is_not_converted(f"model.layers.{layer}.attention.b_proj", skip)
-        vllm_name, proj = _vllm_module(module, layer, kda, b_separate)
+        vllm_name, proj = _vllm_module(module, layer, kda, b_separate,
+                                       kda and kda_merged_in_proj and _kda_merges(config, layer, skip))
         entry = merged.setdefault((layer, vllm_name), {"n": 0, "k": spec.shape[1], "members": [],
                                                        "cls": spec.tensor_class})
         entry["n"] += spec.shape[0]
@@ -107,8 +130,9 @@ def partitioned_shape(linear: DenseLinear, tensor_parallel_size: int) -> tuple[i
 
 
 def distinct_decode_shapes(config: dict[str, Any], include_mtp: bool = True,
-                           tensor_parallel_size: int = 1) -> list[tuple[int, int]]:
+                           tensor_parallel_size: int = 1, kda_merged_in_proj: bool | None = None) -> list[tuple[int, int]]:
     """The distinct [N, K] weight shapes (per tensor-parallel rank) run as dense FP8 linears at
     decode, largest first."""
-    shapes = {partitioned_shape(d, tensor_parallel_size) for d in dense_fp8_linears(config, include_mtp) if d.decode}
+    shapes = {partitioned_shape(d, tensor_parallel_size)
+              for d in dense_fp8_linears(config, include_mtp, kda_merged_in_proj) if d.decode}
     return sorted(shapes, key=lambda s: (-s[0] * s[1], s))

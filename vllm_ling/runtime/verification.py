@@ -74,6 +74,7 @@ class Expectations:
     num_speculative_tokens: int
     default_spec: bool  # the speculative config is vllm-ling's default
     dense_fp8: bool = False  # vllm-ling's W8A16 kernel serves decode-sized block-FP8 dense linears
+    kda_merged_proj: bool = False  # each KDA layer's q, k, v, f, g projections are one linear
     no_nextn_layers: bool = False  # MTP wanted but the checkpoint has no NEXTN layer
     pp_no_draft: bool = False  # MTP wanted but pipeline parallelism: vLLM 0.32 runs no draft there
 
@@ -98,6 +99,7 @@ class Expectations:
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
                    default_spec=default_applied(vllm_config),
                    dense_fp8=platform == "cuda" and options.dense_fp8 is DenseFp8.LING,
+                   kda_merged_proj=options.kda_merged_proj,
                    no_nextn_layers=no_nextn_layers(vllm_config), pp_no_draft=pp_no_draft(vllm_config))
 
 
@@ -247,6 +249,76 @@ def check_dense_fp8(target, draft, exp: Expectations) -> Check:
                  "see the WARNING naming the layers vLLM's processing changed, or set VLLM_LING_DENSE_FP8=vllm")
 
 
+@dataclasses.dataclass
+class KdaInProjState:
+    """What the loaded KDA layers of this rank hold (:mod:`vllm_ling.layers.kda_merged_proj`)."""
+
+    layers: int
+    merged: list[str]           # one qkvfg_proj of five equal shards, vLLM's three linears gone
+    malformed: list[str]        # says merged but the structure differs
+    unmerged: dict[str, int]    # reason -> layer count (the layer's own WARNING states it)
+    foreign: list[str]          # not vllm-ling's KDA class (no reason recorded)
+    detail: str
+
+    @property
+    def all_merged(self) -> bool:
+        return 0 < len(self.merged) == self.layers
+
+
+def kda_in_proj_state(target) -> KdaInProjState:
+    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
+
+    from vllm_ling.models.kda_in_proj import MEMBERS, MERGED_NAME
+
+    layers = [(n, m) for n, m in target.named_modules() if isinstance(m, BailingMoeV3KimiDeltaAttention)]
+    merged, malformed, foreign, unmerged = [], [], [], {}
+    shapes, methods = set(), set()
+    for name, layer in layers:
+        if not hasattr(layer, "ling_in_proj_merged"):
+            foreign.append(name)
+        elif not layer.ling_in_proj_merged:
+            unmerged[layer.ling_in_proj_reason] = unmerged.get(layer.ling_in_proj_reason, 0) + 1
+        else:
+            linear = getattr(layer, MERGED_NAME, None)
+            sizes = list(getattr(linear, "output_partition_sizes", None) or [])
+            leftovers = [a for a in ("qkv_proj", "f_proj", "g_proj") if getattr(layer, a, None) is not None]
+            if sizes != [layer.projection_size_per_partition] * len(MEMBERS) or leftovers:
+                malformed.append(name)
+                continue
+            merged.append(name)
+            shapes.add(f"{sum(sizes)}x{linear.input_size_per_partition} = {len(MEMBERS)} x {sizes[0]} rows")
+            methods.add(type(linear.quant_method).__name__)
+    detail = f"{len(merged)} of {len(layers)} KDA layers run one {MERGED_NAME} linear"
+    if merged:
+        detail += f" ({', '.join(sorted(shapes))}; {', '.join(sorted(methods))})"
+    detail += "".join(f"; {count} unmerged: {why}" for why, count in unmerged.items())
+    if malformed:
+        detail += f"; malformed merge (shards or leftover linears): {malformed[:3]}"
+    if foreign:
+        detail += f"; not vllm-ling's KDA layer ({type(dict(layers)[foreign[0]]).__name__}): {foreign[:3]}"
+    return KdaInProjState(len(layers), merged, malformed, unmerged, foreign, detail)
+
+
+def check_kda_in_proj(target, exp: Expectations, config, stage: Stage | None = None) -> Check:
+    """Requested: every KDA layer of this stage merged, except those a checkpoint property
+    refuses with a stated reason; not requested: none merged."""
+    from vllm.model_executor.models.bailing_moe_v3 import _is_kda_layer
+
+    stage = stage or Stage(0, 1, 0, config.num_hidden_layers)
+    expected = sum(1 for i in range(stage.start, stage.end)
+                   if _is_kda_layer(i, config.layer_group_size, config.num_hidden_layers))
+    state = kda_in_proj_state(target)
+    counted = state.layers == expected
+    detail = state.detail if counted else f"{state.detail}; expected {expected} KDA layers"
+    if not exp.kda_merged_proj:
+        return Check("kda_in_proj", not state.merged and counted,
+                     "vLLM's qkv_proj, f_proj, g_proj (VLLM_LING_KDA_MERGED_PROJ=0)", detail,
+                     "the KDA layer merged although VLLM_LING_KDA_MERGED_PROJ=0")
+    ok = counted and not state.malformed and not state.foreign
+    return Check("kda_in_proj", ok, f"{expected} KDA layers with one q|k|v|f|g linear (or a stated reason not to)",
+                 detail, "see the WARNING naming the layer, or set VLLM_LING_KDA_MERGED_PROJ=0")
+
+
 def check_head(target, exp: Expectations, stage: Stage | None = None) -> Check:
     from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
 
@@ -366,6 +438,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     checks = [check_model_classes(target, draft, exp, stage), check_moe_layers(target, draft, exp, config, stage),
               check_head(target, exp, stage), check_draft_sharing(target, draft, exp, stage),
               check_dense_fp8(target, draft, exp),
+              check_kda_in_proj(target, exp, config, stage),
               check_speculative(exp, options), check_versions(exp),
               Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
                     kernel_checks.FIX)]
@@ -396,6 +469,13 @@ def build_report(target, draft, vllm_config, options: LingOptions,
             "dense_fp8_decode": {"requested": exp.dense_fp8,
                                  "active": exp.dense_fp8 and by_name["dense_fp8_layers"].passed,
                                  "detail": by_name["dense_fp8_layers"].actual},
+            # active where every KDA layer of this rank runs the merged linear (a checkpoint the
+            # merge refuses passes the check, with the reason, but is not active)
+            "kda_merged_in_proj": {"requested": exp.kda_merged_proj,
+                                   "active": exp.kda_merged_proj and by_name["kda_in_proj"].passed
+                                   and kda_in_proj_state(target).all_merged,
+                                   "detail": by_name["kda_in_proj"].actual if exp.kda_merged_proj else
+                                   "opted out (VLLM_LING_KDA_MERGED_PROJ=0): vLLM's qkv_proj, f_proj, g_proj"},
             "mtp": {"requested": exp.mtp, "active": mtp_active, "detail": _mtp_detail(exp, by_name)},
         },
         "moe_backend": exp.moe_backend,
