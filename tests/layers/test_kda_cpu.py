@@ -329,3 +329,143 @@ def test_profile_run_without_metadata_is_a_no_op(vllm_config):
         layer(hidden, torch.zeros(4, dtype=torch.long), out)
     assert bool(torch.isfinite(out).all())
     assert not bool(layer.kv_cache[1].any())
+
+
+# ---- the merged in-projection (vllm_ling.layers.kda_merged_proj) against vLLM's three linears
+
+def fp8_quant_config():
+    """Ling's block-FP8 config as the model sets it up: b_proj left in BF16 (suffix match)."""
+    from vllm_ling.layers.quant_config import LingFp8Config
+    from vllm_ling.models.ling3 import LingForCausalLM
+
+    config = LingFp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                           ignored_layers=["b_proj"], weight_block_size=[128, 128])
+    config.ignored_layers_match_mode = "suffix"
+    config.packed_modules_mapping = dict(LingForCausalLM.packed_modules_mapping)
+    return config
+
+
+def _seeded(name: str, seed: int) -> torch.Generator:
+    import zlib
+
+    return torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(name.encode()))
+
+
+def build_fp8_layer(config, merged: bool, monkeypatch, seed=0, num_spec=0):
+    """A KDA layer with block-FP8 projections (merged or vLLM's three), every parameter drawn
+    from a generator keyed by its name, so two layers built with the same seed hold the same
+    numbers; q, k, v, f, g go through the layers' own weight loaders, shard by shard."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
+
+    from vllm_ling.models.kda_in_proj import MEMBERS
+    from vllm_ling.ops.fp8 import block_fp8_quantize
+
+    monkeypatch.setenv("VLLM_LING_KDA_MERGED_PROJ", "1" if merged else "0")
+    hf = types.SimpleNamespace(hidden_size=HIDDEN, head_dim=HEAD_DIM, num_attention_heads=HEADS,
+                               short_conv_kernel_size=CONV, kda_safe_gate=True,
+                               kda_lower_bound=-5.0, no_kda_lora=True, rms_norm_eps=1e-6)
+    with set_current_vllm_config(config):
+        layer = BailingMoeV3KimiDeltaAttention(
+            hf, fp8_quant_config(), 0, prefix=f"model.layers.{next(_prefix_ids)}.attention",
+            model_config=types.SimpleNamespace(dtype=torch.float32), cache_config=config.cache_config,
+            num_speculative_tokens=num_spec)
+    monkeypatch.delenv("VLLM_LING_KDA_MERGED_PROJ")
+    assert layer.ling_in_proj_merged is merged
+
+    def quantized(name, rows, cols):
+        return block_fp8_quantize(torch.randn(rows, cols, generator=_seeded(name, seed)) * cols ** -0.5)
+
+    width = HEADS * HEAD_DIM
+    members = {m: quantized(m, width, HIDDEN) for m in MEMBERS}
+    if merged:
+        targets = [(layer.qkvfg_proj, i, m) for i, m in enumerate(MEMBERS)]
+    else:
+        targets = [(layer.qkv_proj, i, m) for i, m in enumerate(MEMBERS[:3])]
+        targets += [(layer.f_proj, None, "f_proj"), (layer.g_proj, None, "g_proj")]
+    with torch.no_grad():
+        for module, shard, member in targets:
+            for param, tensor in zip((module.weight, module.weight_scale_inv), members[member]):
+                args = () if shard is None else (shard,)
+                param.weight_loader(param, tensor, *args)
+        w, s = quantized("o_proj", HIDDEN, width)
+        layer.o_proj.weight.copy_(w)
+        layer.o_proj.weight_scale_inv.copy_(s)
+        for name, p in layer.named_parameters():
+            leaf = name.split(".")[-1]
+            if name.startswith(("qkv", "f_proj", "g_proj", "o_proj")):
+                continue
+            gen = _seeded(name, seed)
+            if "o_norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                scale = {"A_log": 0.5, "dt_bias": 1.0}.get(leaf, 0.5 if "conv1d" in name else p.shape[-1] ** -0.5)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    for module in layer.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
+    page = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes))
+    layer.bind_kv_cache(torch.zeros(SLOTS, 1, 1, page, dtype=torch.int8))
+    return layer
+
+
+def test_merged_layer_builds_one_linear_of_five_shards(vllm_config, monkeypatch):
+    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
+
+    layer = build_fp8_layer(vllm_config, True, monkeypatch)
+    assert layer.qkvfg_proj.output_partition_sizes == [HEADS * HEAD_DIM] * 5
+    assert isinstance(layer.qkvfg_proj.quant_method, CpuBlockFp8LinearMethod)
+    assert layer.qkv_proj is None and layer.f_proj is None and layer.g_proj is None
+    names = {n for n, _ in layer.named_parameters()}
+    assert not any(n.startswith(("qkv_proj.", "f_proj.", "g_proj.")) for n in names)
+    assert "b_proj.weight" in names and layer.b_proj.weight.dtype == torch.float32  # BF16 in the checkpoint
+
+
+def test_merged_layer_computes_what_vllms_three_linears_compute(vllm_config, monkeypatch):
+    """Same weights, same vLLM metadata: prefill of two requests, then two decode steps. fp32
+    GEMMs over the same dequantized rows agree to rounding (1e-5); a shard in the wrong place
+    (f and g swapped, say) changes every output at order 1."""
+    layers = [build_fp8_layer(vllm_config, merged, monkeypatch, seed=21) for merged in (True, False)]
+    outs = []
+    for layer in layers:
+        builder = metadata_builder(layer, vllm_config, monkeypatch=monkeypatch)
+        a, b = hidden_states(11, 22), hidden_states(6, 23)
+        steps = [run_layer(layer, vllm_config, build_metadata(builder, [11, 6], [0, 0], [[1], [4]]),
+                           torch.cat([a, b]))]
+        for t in range(2):
+            x = torch.stack([hidden_states(1, 30 + t)[0], hidden_states(1, 40 + t)[0]])
+            steps.append(run_layer(layer, vllm_config, build_metadata(builder, [1, 1], [11 + t, 6 + t],
+                                                                      [[1], [4]]), x))
+        outs.append(torch.cat(steps))
+    merged, vllm_three = outs
+    assert vllm_three.abs().max() > 1e-2  # the comparison is not between two zeros
+    torch.testing.assert_close(merged, vllm_three, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layers[0].kv_cache[1], layers[1].kv_cache[1], atol=1e-5, rtol=1e-5)
+
+
+def test_opt_out_and_qkvb_keep_vllms_linears_with_one_warning(vllm_config, monkeypatch, caplog):
+    import logging
+
+    from vllm_ling.layers.kda_merged_proj import refusal
+
+    logging.getLogger("vllm.ling").addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.ling.kda"):
+            plain = build_fp8_layer(vllm_config, False, monkeypatch)
+    finally:
+        logging.getLogger("vllm.ling").removeHandler(caplog.handler)
+    assert plain.ling_in_proj_reason == "VLLM_LING_KDA_MERGED_PROJ=0"
+    assert plain.qkv_proj.output_partition_sizes == [HEADS * HEAD_DIM] * 3 and plain.f_proj is not None
+    assert not hasattr(plain, "qkvfg_proj")
+    # the WARNING is logged once per process and reason (an earlier test may have logged it)
+    assert len([r for r in caplog.records if "NOT merged" in r.getMessage()]) <= 1
+    # b_proj in FP8: vLLM builds qkvb_proj, the merge refuses and says why
+    qkvb = build_layer(vllm_config, seed=1)  # quant_config None: vLLM's qkvb_proj form
+    assert not qkvb.ling_in_proj_merged and "qkvb_proj" in qkvb.ling_in_proj_reason
+    # members of different precision
+    config = fp8_quant_config()
+    config.ignored_layers = ["b_proj", "f_proj"]
+    assert "differ in precision (BF16: f_proj)" in refusal(types.SimpleNamespace(separate_b_proj=True), config,
+                                                           "model.layers.0.self_attn")
