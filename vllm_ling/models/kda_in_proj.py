@@ -39,15 +39,15 @@ class MergedInProjRouter:
     """Routes the merged layers' q/k/v/f/g tensors into their shards (see the module docstring).
 
     ``route(weights)`` yields every tensor it does not load itself; afterwards ``loaded`` holds the
-    merged parameters' names (for vLLM's loaded-parameter set) and :meth:`check_complete` raises if
-    a merged parameter that received some shard lacks another.
+    merged parameters' names (for vLLM's loaded-parameter set). Each merged linear records the
+    (parameter, member) pairs it received in ``ling_loaded_shards`` (cumulative over calls: vLLM
+    may feed the checkpoint in pieces); :func:`missing_shards` reads it for the startup check.
     """
 
     def __init__(self, model: torch.nn.Module):
         self.layers = merged_layer_prefixes(model)
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.loaded: set[str] = set()
-        self._shards: dict[str, set[int]] = {}
 
     def route(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
@@ -84,12 +84,14 @@ class MergedInProjRouter:
                 "it would be dropped. Fix the checkpoint, or serve with VLLM_LING_KDA_MERGED_PROJ=0")
         param.weight_loader(param, tensor, shard)
         self.loaded.add(target)
-        self._shards.setdefault(target, set()).add(shard)
+        module = self.layers[layer]
+        if not hasattr(module, "ling_loaded_shards"):
+            module.ling_loaded_shards = set()
+        module.ling_loaded_shards.add((param_name, MEMBERS[shard]))
 
-    def check_complete(self) -> None:
-        for target, shards in sorted(self._shards.items()):
-            missing = [MEMBERS[i] for i in range(len(MEMBERS)) if i not in shards]
-            if missing:
-                raise UnroutedCheckpointTensor(
-                    f"{target}: the checkpoint gave shards {[MEMBERS[i] for i in sorted(shards)]} but not "
-                    f"{missing}; the merged KDA in-projection would hold uninitialized rows")
+
+def missing_shards(linear: torch.nn.Module) -> list[str]:
+    """``param.member`` pairs a merged linear has not received from the checkpoint, for every
+    parameter that received at least one shard (nothing loaded at all, e.g. dummy weights: [])."""
+    got = getattr(linear, "ling_loaded_shards", set())
+    return [f"{param}.{m}" for param in sorted({p for p, _ in got}) for m in MEMBERS if (param, m) not in got]

@@ -57,6 +57,4 @@ class LingForCausalLM(BailingMoeV3ForCausalLM):
         router = MergedInProjRouter(self)
         if not router.layers:
             return super().load_weights(weights)
-        loaded_names = super().load_weights(router.route(self.hf_to_vllm_mapper.apply(weights)))
-        router.check_complete()
-        return loaded_names | router.loaded
+        return super().load_weights(router.route(self.hf_to_vllm_mapper.apply(weights))) | router.loaded

@@ -255,7 +255,7 @@ class KdaInProjState:
 
     layers: int
     merged: list[str]           # one qkvfg_proj of five equal shards, vLLM's three linears gone
-    malformed: list[str]        # says merged but the structure differs
+    malformed: list[str]        # says merged but the shards, leftovers or loaded members differ
     unmerged: dict[str, int]    # reason -> layer count (the layer's own WARNING states it)
     foreign: list[str]          # not vllm-ling's KDA class (no reason recorded)
     detail: str
@@ -268,7 +268,7 @@ class KdaInProjState:
 def kda_in_proj_state(target) -> KdaInProjState:
     from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
 
-    from vllm_ling.models.kda_in_proj import MEMBERS, MERGED_NAME
+    from vllm_ling.models.kda_in_proj import MEMBERS, MERGED_NAME, missing_shards
 
     layers = [(n, m) for n, m in target.named_modules() if isinstance(m, BailingMoeV3KimiDeltaAttention)]
     merged, malformed, foreign, unmerged = [], [], [], {}
@@ -282,8 +282,9 @@ def kda_in_proj_state(target) -> KdaInProjState:
             linear = getattr(layer, MERGED_NAME, None)
             sizes = list(getattr(linear, "output_partition_sizes", None) or [])
             leftovers = [a for a in ("qkv_proj", "f_proj", "g_proj") if getattr(layer, a, None) is not None]
-            if sizes != [layer.projection_size_per_partition] * len(MEMBERS) or leftovers:
-                malformed.append(name)
+            unloaded = missing_shards(linear)
+            if sizes != [layer.projection_size_per_partition] * len(MEMBERS) or leftovers or unloaded:
+                malformed.append(f"{name} ({'; '.join(leftovers + unloaded) or sizes})")
                 continue
             merged.append(name)
             shapes.add(f"{sum(sizes)}x{linear.input_size_per_partition} = {len(MEMBERS)} x {sizes[0]} rows")
@@ -293,7 +294,7 @@ def kda_in_proj_state(target) -> KdaInProjState:
         detail += f" ({', '.join(sorted(shapes))}; {', '.join(sorted(methods))})"
     detail += "".join(f"; {count} unmerged: {why}" for why, count in unmerged.items())
     if malformed:
-        detail += f"; malformed merge (shards or leftover linears): {malformed[:3]}"
+        detail += f"; malformed merge (shard sizes, leftover linears or shards the checkpoint did not fill): {malformed[:3]}"
     if foreign:
         detail += f"; not vllm-ling's KDA layer ({type(dict(layers)[foreign[0]]).__name__}): {foreign[:3]}"
     return KdaInProjState(len(layers), merged, malformed, unmerged, foreign, detail)
