@@ -351,3 +351,43 @@ def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_model
         assert not last.passed and last.actual == "PPMissingLayer (no head here)"
     assert check_draft_sharing(target, None, exp, Stage(0, 2, 0, n // 2)).passed
     assert not check_draft_sharing(target, None, exp, Stage(1, 2, n // 2, n)).passed  # MTP needs the draft there
+
+
+def test_kda_merge_is_reported_from_the_loaded_layers(loaded_tiny_models):
+    report = _report(loaded_tiny_models)
+    check = _check(report, "kda_in_proj")
+    assert check["passed"], check
+    assert check["actual"] == ("5 of 5 KDA layers run one qkvfg_proj linear "
+                               "(5120x256 = 5 x 1024 rows; CpuBlockFp8LinearMethod)")
+    assert report["optimizations"]["kda_merged_in_proj"] == {"requested": True, "active": True,
+                                                             "detail": check["actual"]}
+
+
+def test_kda_merge_opted_out_but_merged_fails(loaded_tiny_models):
+    report = _report(loaded_tiny_models, {"kda_merged_proj": False})
+    check = _check(report, "kda_in_proj")
+    assert not check["passed"] and check["expected"].endswith("(VLLM_LING_KDA_MERGED_PROJ=0)")
+    assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
+    assert "opted out" in report["optimizations"]["kda_merged_in_proj"]["detail"]
+
+
+def test_kda_merge_with_a_shard_the_checkpoint_did_not_fill_is_named(loaded_tiny_models):
+    _, target, _ = loaded_tiny_models
+    linear = target.model.layers[2].self_attn.qkvfg_proj
+    with swapped(linear, "ling_loaded_shards", linear.ling_loaded_shards - {("weight", "f_proj")}):
+        report = _report(loaded_tiny_models)
+    check = _check(report, "kda_in_proj")
+    assert not check["passed"] and check["actual"].startswith("4 of 5 KDA layers")
+    assert "model.layers.2.self_attn (weight.f_proj)" in check["actual"]
+    assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
+
+
+def test_unmerged_kda_layers_pass_with_their_reason_but_are_not_active(loaded_tiny_models):
+    _, target, _ = loaded_tiny_models
+    layer = target.model.layers[1].self_attn
+    why = "the projections differ in precision (BF16: f_proj)"
+    with swapped(layer, "ling_in_proj_merged", False), swapped(layer, "ling_in_proj_reason", why):
+        report = _report(loaded_tiny_models)
+    check = _check(report, "kda_in_proj")
+    assert check["passed"] and check["actual"].endswith(f"; 1 unmerged: {why}")
+    assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
