@@ -110,6 +110,7 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
     monkeypatch.setattr(warmup, "_load_warmup_functions",
                         lambda: [("moe", fake_moe), ("lm_head", fake_head), ("dense_fp8", fake_dense)])
     monkeypatch.setattr(launch, "cuda_available", lambda: True)
+    monkeypatch.delenv("VLLM_LING_KDA_MERGED_PROJ", raising=False)  # the default: merged
     for var in ("VLLM_LING_HUMMING_CACHE", "HUMMING_CACHE_DIR", "HUMMING_TMP_DIR"):
         # warmup exports these for the kernels; setenv makes pytest restore them afterwards.
         monkeypatch.setenv(var, str(tmp_path / "overridden"))
@@ -123,9 +124,10 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
         ("moe", config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
          config["num_experts_per_tok"], (1, 4), False, (None, *limits), "auto", 32),
         ("lm_head", config["vocab_size"], config["hidden_size"], (1, 4)),  # 157184 = 64 x 2456
-        # every block-FP8 dense linear the model runs at decode, as vLLM merges them
-        ("dense_fp8", ((12288, 2560), (2560, 6144), (6144, 2560), (2560, 5120), (2560, 4096),
-                       (4096, 2560), (1536, 2560), (2560, 768), (576, 2560))),
+        # every block-FP8 dense linear the model runs at decode, as vLLM merges them plus the KDA
+        # in-projection merge (on by default: q|k|v|f|g = 20480 x 2560, no 4096 x 2560 left)
+        ("dense_fp8", ((20480, 2560), (12288, 2560), (2560, 6144), (6144, 2560), (2560, 5120),
+                       (2560, 4096), (1536, 2560), (2560, 768), (576, 2560))),
     ]
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.split() and line.split()[0] in ("moe", "lm_head")}
@@ -167,6 +169,7 @@ COMBINATIONS = [
     {"VLLM_LING_MOE_DECODE": "copy", "VLLM_LING_MOE_DECODE_MAX_TOKENS": "8"},
     {"VLLM_LING_MOE_W4A8": "1", "VLLM_LING_MOE_DECODE": "off", "VLLM_LING_FP8_HEAD": "0"},
     {"VLLM_LING_MOE_BACKEND": "vllm", "VLLM_LING_DENSE_FP8": "vllm"},
+    {"VLLM_LING_KDA_MERGED_PROJ": "0"},
 ]
 
 
@@ -179,7 +182,8 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     from vllm_ling.options import LingOptions
 
     for name in list(env) + ["VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_BACKEND",
-                             "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8"]:
+                             "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8",
+                             "VLLM_LING_KDA_MERGED_PROJ"]:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -203,3 +207,6 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     assert plan.head == options.fp8_head
     # the dense FP8 group follows the server's switch, on every decode shape of the model
     assert plan.dense == (options.dense_fp8.value == "ling") and len(plan.dense_shapes) == 9
+    # the KDA shapes follow the same switch as the server's KDA layer: one merged 20480 x 2560, or three
+    assert ((20480, 2560) in plan.dense_shapes) == options.kda_merged_proj
+    assert ((4096, 2560) in plan.dense_shapes) != options.kda_merged_proj
