@@ -351,7 +351,7 @@ def _seeded(name: str, seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(name.encode()))
 
 
-def build_fp8_layer(config, merged: bool, monkeypatch, seed=0, num_spec=0):
+def build_fp8_layer(config, merged: bool, monkeypatch, seed=0, num_spec=0, cls=None, bind_cache=True):
     """A KDA layer with block-FP8 projections (merged or vLLM's three), every parameter drawn
     from a generator keyed by its name, so two layers built with the same seed hold the same
     numbers; q, k, v, f, g go through the layers' own weight loaders, shard by shard."""
@@ -366,7 +366,7 @@ def build_fp8_layer(config, merged: bool, monkeypatch, seed=0, num_spec=0):
                                short_conv_kernel_size=CONV, kda_safe_gate=True,
                                kda_lower_bound=-5.0, no_kda_lora=True, rms_norm_eps=1e-6)
     with set_current_vllm_config(config):
-        layer = BailingMoeV3KimiDeltaAttention(
+        layer = (cls or BailingMoeV3KimiDeltaAttention)(
             hf, fp8_quant_config(), 0, prefix=f"model.layers.{next(_prefix_ids)}.attention",
             model_config=types.SimpleNamespace(dtype=torch.float32), cache_config=config.cache_config,
             num_speculative_tokens=num_spec)
@@ -405,9 +405,10 @@ def build_fp8_layer(config, merged: bool, monkeypatch, seed=0, num_spec=0):
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
-    shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
-    page = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes))
-    layer.bind_kv_cache(torch.zeros(SLOTS, 1, 1, page, dtype=torch.int8))
+    if bind_cache:
+        shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
+        page = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes))
+        layer.bind_kv_cache(torch.zeros(SLOTS, 1, 1, page, dtype=torch.int8))
     return layer
 
 
@@ -469,3 +470,58 @@ def test_opt_out_and_qkvb_keep_vllms_linears_with_one_warning(vllm_config, monke
     config.ignored_layers = ["b_proj", "f_proj"]
     assert "differ in precision (BF16: f_proj)" in refusal(types.SimpleNamespace(separate_b_proj=True), config,
                                                            "model.layers.0.self_attn")
+
+
+# ---- the same merge with vLLM's own computation (the layer every non-CPU platform gets)
+
+def test_vllm_kernel_layer_feeds_vllms_computation_the_same_parts(vllm_config, monkeypatch):
+    """VllmKdaMergedInProj's forward against vLLM's own forward (the opted-out twin, same weights).
+    vLLM's kernels are Triton-only, so both run with stand-ins for them: the KDA gate is
+    ops.kda.kda_gate behind the Triton kernel's precondition (packed rows), the attention core a
+    fixed mix of q, k, v, the gate and beta; o_norm (vLLM's CustomOp) runs its native path."""
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.models import bailing_moe_v3
+
+    from vllm_ling.layers.kda_merged_proj import vllm_merged_class
+    from vllm_ling.ops import kda as kda_ops
+
+    def gate_standin(g, A, head_k_dim, g_bias=None, lower_bound=None, **_):
+        assert g.stride(0) == g.shape[-1], "fused_kda_gate's kernel reads packed rows"
+        return kda_ops.kda_gate(g, A, g_bias, lower_bound=lower_bound)
+
+    def core_standin(self, q_proj_states, k_proj_states, v_proj_states, g1, beta, core_attn_out):
+        n = q_proj_states.shape[0]
+        mix = (q_proj_states + 2 * k_proj_states + 3 * v_proj_states).float().view(
+            1, n, self.local_num_heads, self.head_dim)
+        core_attn_out.copy_((mix * g1.exp() * beta.unsqueeze(-1)).to(core_attn_out.dtype))
+
+    cls = vllm_merged_class()
+    monkeypatch.setattr(bailing_moe_v3, "fused_kda_gate", gate_standin)
+    monkeypatch.setattr(cls, "_forward", core_standin)
+    merged, plain = (build_fp8_layer(vllm_config, m, monkeypatch, seed=5, cls=cls, bind_cache=False)
+                     for m in (True, False))
+    assert type(merged) is cls and merged.ling_in_proj_merged and not plain.ling_in_proj_merged
+    outs = []
+    for layer in (merged, plain):
+        x = hidden_states(5, 50)
+        out = torch.empty_like(x)
+        with torch.no_grad(), set_forward_context(None, vllm_config):
+            layer(x, torch.zeros(5, dtype=torch.long), out)
+        outs.append(out)
+    assert outs[1].abs().max() > 1e-2
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_register_merged_kda_off_cpu(vllm_config, monkeypatch):
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from vllm_ling.layers.kda_cpu import register_cpu_kda
+    from vllm_ling.layers.kda_merged_proj import register_merged_kda, vllm_merged_class
+
+    assert register_merged_kda() == []  # on CPU the CPU layer carries the merge
+    monkeypatch.delitem(op_registry_oot, "BailingMoeV3KimiDeltaAttention")
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert register_cpu_kda() == []
+    done = register_merged_kda()
+    assert done == register_merged_kda() and "qkvfg_proj" in done[0]  # idempotent
+    assert op_registry_oot["BailingMoeV3KimiDeltaAttention"] is vllm_merged_class()

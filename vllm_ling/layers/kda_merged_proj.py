@@ -112,9 +112,9 @@ def vllm_merged_class():
     if _VLLM_CLASS is not None:
         return _VLLM_CLASS
     from einops import rearrange
-    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention, fused_kda_gate
+    from vllm.model_executor.models import bailing_moe_v3
 
-    class VllmKdaMergedInProj(MergedInProjection, BailingMoeV3KimiDeltaAttention):
+    class VllmKdaMergedInProj(MergedInProjection, bailing_moe_v3.BailingMoeV3KimiDeltaAttention):
         """vLLM's forward on the parts of the merged projection."""
 
         def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, output: torch.Tensor) -> None:
@@ -123,8 +123,9 @@ def vllm_merged_class():
             num_tokens = hidden_states.size(0)
             q, k, v, beta_logits, f, g = merged_in_projections(self, hidden_states)
             beta = beta_logits.float().sigmoid().unsqueeze(0)
-            g1 = fused_kda_gate(f.contiguous(), self.A_log, self.head_dim, g_bias=self.dt_bias,
-                                lower_bound=self.lower_bound if self.safe_gate else None).unsqueeze(0)
+            # the kernel vLLM's forward calls, looked up as it does (its rows must be packed)
+            g1 = bailing_moe_v3.fused_kda_gate(f.contiguous(), self.A_log, self.head_dim, g_bias=self.dt_bias,
+                                               lower_bound=self.lower_bound if self.safe_gate else None).unsqueeze(0)
             g2 = rearrange(g, "... (h d) -> ... h d", d=self.head_dim)
             core_attn_out = torch.zeros((1, num_tokens, self.local_num_heads, self.head_dim),
                                         dtype=hidden_states.dtype, device=hidden_states.device)
