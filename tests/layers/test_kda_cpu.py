@@ -525,3 +525,32 @@ def test_register_merged_kda_off_cpu(vllm_config, monkeypatch):
     done = register_merged_kda()
     assert done == register_merged_kda() and "qkvfg_proj" in done[0]  # idempotent
     assert op_registry_oot["BailingMoeV3KimiDeltaAttention"] is vllm_merged_class()
+
+
+def test_tensor_parallel_rank_holds_the_concatenation_of_its_local_shards(vllm_config, monkeypatch):
+    """TP=2, rank 1: the merged linear's local rows are [q, k, v, f, g] each cut to its second
+    half, and its block scales are cut the same way (each half is 512 rows = 4 scale rows)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor import parameter
+    from vllm.model_executor.layers import linear
+
+    from vllm_ling.ops.fp8 import block_fp8_quantize
+
+    for module in (linear, parameter):
+        monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: 2)
+        monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: 1)
+    width = HEADS * HEAD_DIM
+    with set_current_vllm_config(vllm_config):
+        merged = linear.MergedColumnParallelLinear(HIDDEN, [width] * 5, bias=False, quant_config=fp8_quant_config(),
+                                                   prefix="model.layers.0.self_attn.qkvfg_proj")
+    assert merged.output_partition_sizes == [width // 2] * 5
+    gen = torch.Generator().manual_seed(9)
+    members = [block_fp8_quantize(torch.randn(width, HIDDEN, generator=gen) * 0.05) for _ in range(5)]
+    for shard, (w, s) in enumerate(members):
+        merged.weight.weight_loader(merged.weight, w, shard)
+        merged.weight_scale_inv.weight_loader(merged.weight_scale_inv, s, shard)
+    half, blocks = width // 2, width // 2 // 128
+    want_w = torch.cat([w[half:].view(torch.uint8) for w, _ in members])
+    want_s = torch.cat([s[blocks:] for _, s in members])
+    assert torch.equal(merged.weight.data.view(torch.uint8), want_w)
+    assert torch.equal(merged.weight_scale_inv.data.float(), want_s.float())
