@@ -8,6 +8,10 @@ form for prefill and the pooled state cache); ops.kda itself is checked against 
 loop in tests/ops/test_kda.py. float32 comparisons use 2e-4 (float32 chunked vs
 recurrent over <= 40 tokens agrees to ~1e-5; a wrong state hand-over gives errors of
 order 1e-1); bfloat16 continuity uses 3e-2 (bf16 output rounding).
+
+The merged in-projection (vllm_ling.layers.kda_merged_proj) is checked against vLLM's three
+linears on the same block-FP8 weights: the CPU layer through real metadata, the vLLM-kernel
+layer (every other platform) with stand-ins for its Triton kernels; both to 1e-5 in fp32.
 """
 
 from __future__ import annotations

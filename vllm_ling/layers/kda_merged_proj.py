@@ -12,7 +12,7 @@ block scales concatenate like the rows because every shard is a whole number of 
 :mod:`vllm_ling.models.kda_in_proj`. ``VLLM_LING_KDA_MERGED_PROJ=0`` keeps vLLM's three linears.
 
 A layer is left unmerged, with one WARNING, where the members differ in precision or vLLM builds
-``qkvb_proj`` (b_proj block-FP8, not the Ling-3.0-flash-fp4 layout: its 32-row shard would sit
+``qkvb_proj`` (b_proj quantized, not the Ling-3.0-flash-fp4 layout: its 32-row shard would sit
 between q, k, v and f, g, off the 128-row grid the W8A16 kernel indexes scales by).
 
 :func:`merged_in_projections` gives (q, k, v, beta logits, f, g) for either form;
@@ -44,8 +44,8 @@ def refusal(layer: torch.nn.Module, quant_config, prefix: str) -> str | None:
     if not read(OPTION):
         return f"{OPTION}=0"
     if not layer.separate_b_proj:
-        return ("b_proj is block-FP8 in this checkpoint, so vLLM stacks q, k, v, b (qkvb_proj); the merge "
-                "needs b_proj in BF16 (modules_to_not_convert), as in Ling-3.0-flash-fp4")
+        return ("vLLM stacks q, k, v, b into qkvb_proj (b_proj is not left in BF16 by modules_to_not_convert); "
+                "the merge needs b_proj separate, as in Ling-3.0-flash-fp4")
     from vllm.model_executor.models.bailing_moe_v3 import _is_fp8_module_excluded
 
     skipped = {m: _is_fp8_module_excluded(quant_config, f"{prefix}.{m}") for m in MEMBERS}
@@ -163,4 +163,5 @@ def register_merged_kda() -> list[str]:
 
     if current_platform.is_cpu():
         return []
-    return install(vllm_merged_class(), f"KDA: {MERGED_DESCRIPTION} (vLLM's kernels)")
+    what = MERGED_DESCRIPTION if read(OPTION) else f"vLLM's three in-projection linears ({OPTION}=0)"
+    return install(vllm_merged_class(), f"KDA: {what} (vLLM's kernels)")
