@@ -21,7 +21,8 @@ in ``tests/benchmarks/test_decode_standins.py``) in at most as many launches:
   Ling KDA layer calls three times (q, k, v); here one launch over the merged channels that
   writes q, k and v as separate contiguous tensors.
 - ``gated_rms_norm``: vLLM's ``FusedRMSNormGated`` (fla ``layernorm_gated``), sigmoid gate:
-  ``rmsnorm(o) * weight * sigmoid(g)`` per head.
+  ``rmsnorm(o) * weight * sigmoid(g)`` per head; g may be row-strided (a column slice of a merged
+  projection), as vLLM's kernel allows.
 - MLA decode over the BF16 latent cache (vLLM's TRITON_MLA backend, ``triton_decode_attention``;
   on sm_90 vLLM prefers FlashMLA, same data movement): ``mla_prepare`` (kv_a RMSNorm,
   interleaved RoPE of k_pe and q_pe from a cos/sin table, latent-cache write of the new rows;
@@ -291,13 +292,15 @@ def conv4_silu_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, R, eps, D: tl.constexpr, BLOCK_R: tl.constexpr):
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, R, eps, heads, g_row_stride, D: tl.constexpr,
+                           BLOCK_R: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, D)
     m = (rows < R)[:, None]
     idx = rows[:, None] * D + d[None, :]
+    g_idx = (rows // heads)[:, None] * g_row_stride + (rows % heads)[:, None] * D + d[None, :]
     x = tl.load(x_ptr + idx, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + g_idx, mask=m, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     w = tl.load(w_ptr + d).to(tl.float32)
     y = x * inv[:, None] * w[None, :] * tl.sigmoid(g)
@@ -306,16 +309,19 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, R, eps, D: tl.constexpr
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``RMSNorm(x) * weight * sigmoid(gate)`` over the last ``D = weight.numel()`` elements of
-    each head; x and gate contiguous with T * heads * D elements. Returns [T, heads * D] in x's
-    dtype, where T is gate's first dimension."""
+    each head; x contiguous with T * heads * D elements, gate [T, heads * D] with unit last stride
+    and any row stride (a column slice of a merged projection, as vLLM's FusedRMSNormGated reads
+    it). Returns [T, heads * D] in x's dtype."""
     D = weight.numel()
-    if x.numel() != gate.numel() or x.numel() % D or not (x.is_contiguous() and gate.is_contiguous()):
-        raise ValueError("gated_rms_norm wants contiguous x and gate of equal size, a multiple of the norm width")
+    if gate.dim() != 2 or x.numel() != gate.numel() or gate.shape[1] % D or not x.is_contiguous() \
+            or gate.stride(1) != 1:
+        raise ValueError("gated_rms_norm wants contiguous x and a [T, heads * D] gate of the same size with unit "
+                         "last stride")
     R = x.numel() // D
-    out = torch.empty((gate.shape[0], x.numel() // gate.shape[0]), dtype=x.dtype, device=x.device)
+    out = torch.empty((gate.shape[0], gate.shape[1]), dtype=x.dtype, device=x.device)
     block_r = 16
-    _gated_rms_norm_kernel[(triton.cdiv(R, block_r),)](x, gate, weight, out, R, eps, D=D, BLOCK_R=block_r,
-                                                       num_warps=4)
+    _gated_rms_norm_kernel[(triton.cdiv(R, block_r),)](x, gate, weight, out, R, eps, gate.shape[1] // D,
+                                                       gate.stride(0), D=D, BLOCK_R=block_r, num_warps=4)
     return out
 
 

@@ -234,11 +234,12 @@ class Model:
     def kda(self, L, x, comp, op):
         T = x.shape[0]
         heads, hd = self.heads, self.hd
-        if comp == "ours":  # one launch; the parts are column slices (f and gate copied only when T > 1)
+        if comp == "ours":  # one launch; the parts are column slices, read in place by the conv and
+            # the gated norm; f is copied when T > 1 as the server does (vLLM's KDA gate kernel reads packed rows)
             qkvfg = op("dense_fp8", lambda: L["qkvfg"](x, comp))
             proj = heads * hd
             qkv, f, gate = qkvfg[:, :3 * proj], qkvfg[:, 3 * proj:4 * proj], qkvfg[:, 4 * proj:]
-            f, gate = op("dense_fp8", lambda: (f.contiguous(), gate.contiguous()))
+            f = op("dense_fp8", lambda: f.contiguous())
         else:
             qkv_l, f_l, g_l = L["upstream_in_proj"]
             qkv = op("dense_fp8", lambda: qkv_l(x, comp))

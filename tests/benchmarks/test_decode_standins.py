@@ -152,6 +152,11 @@ def measure(device: str, full: bool = False) -> dict[str, list[float]]:
     o, gate, w = rnd(1, 3, heads, D), rnd(3, heads * D), rnd(D, scale=0.1) + 1
     want = (ref_rms(o.view(3, heads, D), w) * torch.sigmoid(gate.float().view(3, heads, D))).view(3, heads * D)
     res["gated_rms_norm"] = [rel(S.gated_rms_norm(o, gate, w), want), BF16_REL]
+    # the gate as a column slice of a merged q|k|v|f|g projection output (row stride 5x its width)
+    merged = rnd(3, 5 * heads * D)
+    merged[:, 4 * heads * D:] = gate
+    res["gated_rms_norm_row_strided_gate"] = [rel(S.gated_rms_norm(o, merged[:, 4 * heads * D:], w), want),
+                                              BF16_REL]
 
     # MLA: prepare (norm, RoPE, cache write) + split-K decode + combine with W_UV and the gate
     if full:
