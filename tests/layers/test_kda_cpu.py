@@ -417,11 +417,11 @@ def build_fp8_layer(config, merged: bool, monkeypatch, seed=0, num_spec=0, cls=N
 
 
 def test_merged_layer_builds_one_linear_of_five_shards(vllm_config, monkeypatch):
-    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
-
     layer = build_fp8_layer(vllm_config, True, monkeypatch)
     assert layer.qkvfg_proj.output_partition_sizes == [HEADS * HEAD_DIM] * 5
-    assert isinstance(layer.qkvfg_proj.quant_method, CpuBlockFp8LinearMethod)
+    # the same dense block-FP8 method as any other linear of the layer
+    assert type(layer.qkvfg_proj.quant_method) is type(layer.o_proj.quant_method)
+    assert type(layer.o_proj.quant_method).__name__ != "UnquantizedLinearMethod"
     assert layer.qkv_proj is None and layer.f_proj is None and layer.g_proj is None
     names = {n for n, _ in layer.named_parameters()}
     assert not any(n.startswith(("qkv_proj.", "f_proj.", "g_proj.")) for n in names)
