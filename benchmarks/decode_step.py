@@ -9,15 +9,17 @@ MLA, MoE, head). A step of T tokens is one sequence's verify window of T positio
 
 - ``vllm-ling``: dense FP8 linears through ``vllm_ling.ops.dense_fp8`` (W8A16), routed experts
   through the MoE decode kernels on humming's weights (``HummingMxfp4Experts`` default), the
-  FP8 head (``vllm_ling.ops.lm_head``, kernel chosen per arch);
+  FP8 head (``vllm_ling.ops.lm_head``, kernel chosen per arch), the router GEMV
+  (``vllm_ling.ops.router``);
 - ``upstream``: what vLLM 0.32 runs on sm_90: humming's indexed GEMM for the experts, the BF16
-  head, and the W8A8 block-FP8 stand-in for DeepGEMM (``benchmarks/upstream_fp8.py``).
+  head, the W8A8 block-FP8 stand-in for DeepGEMM (``benchmarks/upstream_fp8.py``) and
+  GateLinear's fp32 path for the router (cast + cuBLAS).
 
 Ops that live in vLLM and have no kernel in this repo are stand-ins, named in the output and
 the same in both compositions: the KDA recurrence is flash-linear-attention 0.6.0's
 ``fused_recurrent_kda`` (gate, beta and q/k L2 norm fused, what vLLM vendors); the KDA short
 conv and gated output norm, MLA decode attention (split-K over the 32K BF16 latent cache), the
-router GEMV + grouped top-k, SwiGLU and residual add + RMSNorm are Triton kernels in
+router's grouped top-k, SwiGLU and residual add + RMSNorm are Triton kernels in
 ``benchmarks/decode_standins.py`` that compute what vLLM's kernels compute in at most as many
 launches. Reports us per step, per op class time (a graph of that class's ops alone),
 bytes, fraction of the copy bandwidth measured in the same run, the byte-model floor from
@@ -38,7 +40,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from benchmarks.decode_standins import (conv4_silu_update, fused_add_rms_norm, fused_route, gated_rms_norm,
+from benchmarks.decode_standins import (conv4_silu_update, fused_add_rms_norm, gated_rms_norm, grouped_topk,
                                         mla_decode, mla_prepare, rope_table, swiglu_act)
 from benchmarks.dense_fp8 import load_config
 from benchmarks.lm_head import copy_bandwidth_gbs
@@ -51,6 +53,8 @@ from vllm_ling.ops.moe.activation import SHARED_EXPERT_CLAMP
 from vllm_ling.ops.moe.humming import HummingMxfp4Experts
 from vllm_ling.ops.moe.routing import route
 from vllm_ling.ops.moe.warmup import random_mxfp4_experts
+from vllm_ling.ops.router import MAX_ROWS as ROUTER_MAX_ROWS
+from vllm_ling.ops.router import router_logits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "vllm_ling", "data", "ling3_flash_fp4_config.json")
@@ -65,10 +69,10 @@ STANDINS = {
                      "W_UK bmm (cuBLAS), one split-K pass reading each cache row once per block of query rows "
                      "(online softmax, causal over the verify window), one combine pass that merges the splits "
                      "and applies W_UV and the sigmoid head gate",
-    "router": "Triton (benchmarks/decode_standins.py; vLLM: fp32 router GEMM + fused grouped_topk): up to 4 "
-              "tokens one launch, the fp32 GEMV spread over the GPU and the grouped top-k in the last program "
-              "to finish; above, the cuBLAS fp32 GEMV + a top-k launch with a program per token; ids checked "
-              "against vllm_ling.ops.moe.routing.route",
+    "router": "the gate GEMV is each composition's own (vllm-ling: vllm_ling.ops.router up to 32 tokens; "
+              "upstream: vLLM GateLinear's path for this gate, cast to fp32 + cuBLAS fp32 F.linear); the grouped "
+              "top-k after it is a stand-in, Triton with a program per token (benchmarks/decode_standins.py; "
+              "vLLM: the fused grouped_topk kernel); ids checked against vllm_ling.ops.moe.routing.route",
     "norms_residual": "Triton (benchmarks/decode_standins.py): residual add + RMSNorm in one launch, the MoE "
                       "layer's routed + shared sum folded in (vLLM: fused_add_rms_norm), SwiGLU with the "
                       "per-layer limit in one launch (vLLM: SiluAndMul / SwigluStepAndMul); embedding gather "
@@ -259,9 +263,12 @@ class Model:
             return op("dense_fp8", lambda: L["down"](act, comp))
 
         def router():
-            w, ids = fused_route(x, L["router"], L["bias"], top_k=self.cfg["num_experts_per_tok"],
-                           n_group=self.cfg["n_group"], topk_group=self.cfg["topk_group"],
-                           routed_scaling_factor=self.cfg["routed_scaling_factor"])
+            # the gate GEMV as each composition runs it, then the grouped top-k both share
+            logits = (router_logits(x, L["router"]) if comp == "ours" and x.shape[0] <= ROUTER_MAX_ROWS
+                      else F.linear(x.to(torch.float32), L["router"]))
+            w, ids = grouped_topk(logits, L["bias"], top_k=self.cfg["num_experts_per_tok"],
+                                  n_group=self.cfg["n_group"], topk_group=self.cfg["topk_group"],
+                                  routed_scaling_factor=self.cfg["routed_scaling_factor"])
             L["ids"] = ids
             return w, ids
         w, ids = op("router", router)
@@ -412,12 +419,15 @@ def main(argv=None) -> int:
         L2 = model.layers[cfg["first_k_dense_replace"]]
         kw = dict(top_k=cfg["num_experts_per_tok"], n_group=cfg["n_group"], topk_group=cfg["topk_group"],
                   routed_scaling_factor=cfg["routed_scaling_factor"])
-        ids_chk = fused_route(x_chk, L2["router"], L2["bias"], **kw)[1].long()
-        ids_ref = route(x_chk, L2["router"], L2["bias"], **kw)[1].long()
+        x_chk = x_chk.to(torch.bfloat16)
+        logits_chk = (router_logits(x_chk, L2["router"]) if T <= ROUTER_MAX_ROWS
+                      else F.linear(x_chk.float(), L2["router"]))
+        ids_chk = grouped_topk(logits_chk, L2["bias"], **kw)[1].long()
+        ids_ref = route(x_chk.float(), L2["router"], L2["bias"], **kw)[1].long()
         choice = torch.sigmoid(x_chk.float() @ L2["router"].t()) + L2["bias"]
         # another summation order may only swap experts whose biased scores tie within 1e-5
         if ((choice.gather(1, ids_chk) - choice.gather(1, ids_ref)).abs() > 1e-5).any():
-            notes.append(f"T={T}: the Triton router stand-in picked other experts than the reference router")
+            notes.append(f"T={T}: the router (GEMV + top-k stand-in) picked other experts than the reference router")
         b1, bk = P.totals(pl, "fp8")
         row["plan_bytes_target"] = bk
         row["plan_bytes_draft"] = pl.draft_step_bytes_without_head + pl.head_bytes["fp8"]
