@@ -55,6 +55,8 @@ from vllm_ling.ops.moe.routing import route
 from vllm_ling.ops.moe.warmup import random_mxfp4_experts
 from vllm_ling.ops.router import MAX_ROWS as ROUTER_MAX_ROWS
 from vllm_ling.ops.router import router_logits
+from vllm_ling.ops.small_gemv import MAX_ROWS as SMALL_GEMV_MAX_ROWS
+from vllm_ling.ops.small_gemv import small_gemv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "vllm_ling", "data", "ling3_flash_fp4_config.json")
@@ -69,7 +71,7 @@ STANDINS = {
                      "W_UK bmm (cuBLAS), one split-K pass reading each cache row once per block of query rows "
                      "(online softmax, causal over the verify window), one combine pass that merges the splits "
                      "and applies W_UV and the sigmoid head gate",
-    "router": "the gate GEMV is each composition's own (vllm-ling: vllm_ling.ops.router up to 32 tokens; "
+    "router": "the gate GEMV is each composition's own (vllm-ling: vllm_ling.ops.router up to 16 tokens; "
               "upstream: vLLM GateLinear's path for this gate, cast to fp32 + cuBLAS fp32 F.linear); the grouped "
               "top-k after it is a stand-in, Triton with a program per token (benchmarks/decode_standins.py; "
               "vLLM: the fused grouped_topk kernel); ids checked against vllm_ling.ops.moe.routing.route",
@@ -77,7 +79,8 @@ STANDINS = {
                       "layer's routed + shared sum folded in (vLLM: fused_add_rms_norm), SwiGLU with the "
                       "per-layer limit in one launch (vLLM: SiluAndMul / SwigluStepAndMul); embedding gather "
                       "and the NEXTN input norms as PyTorch ops",
-    "small_bf16": "BF16 cuBLAS: KDA b_proj, MLA g_proj (left in BF16 by the checkpoint; the g_proj sigmoid "
+    "small_bf16": "KDA b_proj, MLA g_proj (left in BF16 by the checkpoint): vllm-ling's small GEMV up to 16 "
+                  "tokens (vllm_ling.ops.small_gemv), BF16 cuBLAS above and upstream (the g_proj sigmoid "
                   "runs in the MLA combine pass, b's in the KDA recurrence)",
 }
 
@@ -97,6 +100,13 @@ class Fp8Linear:
         if comp != "ours":
             return self.up(x)
         return w8a16_linear(x, self.q, self.s, config=DENSE_CONFIGS.get((*self.q.shape, x.shape[0])))
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, comp: str) -> torch.Tensor:
+    """A BF16 linear the checkpoint leaves unquantized, as each composition runs it."""
+    if comp == "ours" and x.shape[0] <= SMALL_GEMV_MAX_ROWS:
+        return small_gemv(x, weight, torch.bfloat16)
+    return F.linear(x, weight)
 
 
 def torch_kda_recurrent(q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound, **_):
@@ -225,7 +235,7 @@ class Model:
         qkv = op("dense_fp8", lambda: L["qkv"](x, comp))
         f = op("dense_fp8", lambda: L["f"](x, comp))
         gate = op("dense_fp8", lambda: L["gp"](x, comp))
-        b = op("small_bf16", lambda: F.linear(x, L["b"]))
+        b = op("small_bf16", lambda: bf16_linear(x, L["b"], comp))
 
         qkv_c = op("kda_conv_norm", lambda: conv4_silu_update(qkv, L["conv_state"], L["conv_w"], split=heads * hd))
 
@@ -245,7 +255,7 @@ class Model:
         heads = self.heads
         q = op("dense_fp8", lambda: L["q"](x, comp)).view(T, heads, self.nope + self.rope)
         kv = op("dense_fp8", lambda: L["kv_a"](x, comp))
-        gate = op("small_bf16", lambda: F.linear(x, L["g"]))  # logits; the sigmoid is in the combine pass
+        gate = op("small_bf16", lambda: bf16_linear(x, L["g"], comp))  # logits; the sigmoid is in the combine pass
 
         def attention():
             # RoPE of q's rope part happens in place, as vLLM's rotary does
@@ -468,7 +478,7 @@ def render(results, head, copy_gbs, notes, model, args) -> str:
              "verify window + one NEXTN draft step (eh_proj, MLA, MoE, head) for the next position. "
              f"FP8 head kernel: {model.head_kernel}. Dense FP8 configs: "
              f"{'the sweep winners of ' + args.dense_configs if args.dense_configs else 'the tuned table'}. "
-             "Stand-ins (no serving kernel in this repo):", ""]
+             "Op classes beyond the dense, MoE and head kernels (stand-ins where the serving kernel lives in vLLM, named):", ""]
     lines += [f"- {k}: {v}" for k, v in STANDINS.items()]
     lines += ["", "| T | composition | us/step | launches | plan bytes (MB) | floor us @ copy BW | step / floor | "
               "vllm-ling / upstream |", "|---|---|---|---|---|---|---|---|"]

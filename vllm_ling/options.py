@@ -70,6 +70,11 @@ class DenseFp8(Choice):
     VLLM = "vllm"  # opt out: vLLM's block-FP8 kernel always
 
 
+class SmallGemv(Choice):
+    LING = "ling"  # vllm-ling's small GEMV for the router gate and the unquantized BF16 linears (CUDA)
+    VLLM = "vllm"  # opt out: vLLM's GEMMs always
+
+
 class VerifyPolicy(Choice):
     STRICT = "strict"  # refuse to serve on a failed check
     WARN = "warn"      # log and serve
@@ -223,6 +228,11 @@ OPTIONS: tuple[Option, ...] = (
            "on CUDA (vLLM's kernel above; an error where it cannot run); `vllm` opts out (one WARNING, "
            "reported). The CPU path is unchanged",
            choices=DenseFp8, serve_flag=True),
+    Option("VLLM_LING_SMALL_GEMV", "choice", SmallGemv.LING,
+           "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
+           "small GEMV for batches of at most 8 tokens on CUDA (vLLM's GEMM above; an error where it cannot "
+           "run); `vllm` opts out (one WARNING, reported). The CPU path is unchanged",
+           choices=SmallGemv, serve_flag=True),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
@@ -411,6 +421,7 @@ class LingOptions:
     moe_decode_max_tokens: int = BY_NAME["VLLM_LING_MOE_DECODE_MAX_TOKENS"].default
     fp8_head: bool = BY_NAME["VLLM_LING_FP8_HEAD"].default
     dense_fp8: DenseFp8 = BY_NAME["VLLM_LING_DENSE_FP8"].default
+    small_gemv: SmallGemv = BY_NAME["VLLM_LING_SMALL_GEMV"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
     num_spec_tokens: int = BY_NAME["VLLM_LING_NUM_SPEC_TOKENS"].default
     verify: VerifyPolicy = BY_NAME["VLLM_LING_VERIFY"].default

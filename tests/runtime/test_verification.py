@@ -351,3 +351,16 @@ def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_model
         assert not last.passed and last.actual == "PPMissingLayer (no head here)"
     assert check_draft_sharing(target, None, exp, Stage(0, 2, 0, n // 2)).passed
     assert not check_draft_sharing(target, None, exp, Stage(1, 2, n // 2, n)).passed  # MTP needs the draft there
+
+
+def test_requested_small_gemv_needs_the_unquantized_linears_on_it(loaded_tiny_models):
+    # the CPU-loaded model keeps vLLM's GEMM for b_proj / g_proj, so asking for the CUDA small
+    # GEMV must fail and say what it found; not requested (CPU) it passes and reports inactive
+    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "small_bf16": True})
+    check = _check(report, "small_bf16_layers")
+    assert not check["passed"] and check["actual"].startswith("0 of ")
+    assert report["optimizations"]["small_bf16_decode"] == {"requested": True, "active": False,
+                                                             "detail": check["actual"]}
+    report = _report(loaded_tiny_models)
+    assert _check(report, "small_bf16_layers")["passed"]
+    assert report["optimizations"]["small_bf16_decode"]["requested"] is False

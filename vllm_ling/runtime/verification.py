@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import (DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy,
+from vllm_ling.options import (DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, SmallGemv, VerifyPolicy,
                                plugin_options, read)
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
@@ -74,6 +74,7 @@ class Expectations:
     num_speculative_tokens: int
     default_spec: bool  # the speculative config is vllm-ling's default
     dense_fp8: bool = False  # vllm-ling's W8A16 kernel serves decode-sized block-FP8 dense linears
+    small_bf16: bool = False  # vllm-ling's small GEMV serves the checkpoint's BF16 linears at decode sizes
     no_nextn_layers: bool = False  # MTP wanted but the checkpoint has no NEXTN layer
     pp_no_draft: bool = False  # MTP wanted but pipeline parallelism: vLLM 0.32 runs no draft there
 
@@ -98,6 +99,7 @@ class Expectations:
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
                    default_spec=default_applied(vllm_config),
                    dense_fp8=platform == "cuda" and options.dense_fp8 is DenseFp8.LING,
+                   small_bf16=platform == "cuda" and options.small_gemv is SmallGemv.LING,
                    no_nextn_layers=no_nextn_layers(vllm_config), pp_no_draft=pp_no_draft(vllm_config))
 
 
@@ -247,6 +249,57 @@ def check_dense_fp8(target, draft, exp: Expectations) -> Check:
                  "see the WARNING naming the layers vLLM's processing changed, or set VLLM_LING_DENSE_FP8=vllm")
 
 
+SMALL_BF16_MAX_REL_DIFF = 2.0**-7  # vs vLLM's BF16 GEMM: both round once to BF16 from fp32 sums
+
+
+def _unquantized_linears(model) -> list[tuple[str, torch.nn.Module]]:
+    """The linears the checkpoint leaves unquantized: built with the quant config, which gave them
+    vLLM's unquantized method (the ones built without one, e.g. the KDA conv weights and the router
+    gate, are not the checkpoint's to quantize)."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, LinearBase) and getattr(m, "quant_config", None) is not None
+            and isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)
+            and isinstance(getattr(m, "weight", None), torch.Tensor)]
+
+
+def check_small_bf16(target, draft, exp: Expectations) -> Check:
+    """Which unquantized BF16 linears run the small GEMV, and a known answer: on the first of
+    them, the small GEMV for two random rows against vLLM's own GEMM on the same layer."""
+    from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
+
+    layers = [("target." + n, m) for n, m in _unquantized_linears(target)]
+    if draft is not None:
+        layers += [("draft." + n, m) for n, m in _unquantized_linears(draft)]
+    ours = [(n, m) for n, m in layers if isinstance(m.quant_method, LingSmallBf16LinearMethod)]
+    serving = [(n, m) for n, m in ours if getattr(m, "ling_small_gemv", None) is not None]
+    actual = f"{len(serving)} of {len(layers)} unquantized linears on the small GEMV"
+    kept = [f"{n}: {m.ling_small_gemv_reason}" for n, m in ours if getattr(m, "ling_small_gemv", None) is None]
+    if kept:
+        actual += f"; vLLM's GEMM for {kept[:3]}"
+    if not exp.small_bf16:
+        return Check("small_bf16_layers", not ours, "vLLM's GEMM (CPU platform or VLLM_LING_SMALL_GEMV=vllm)",
+                     actual, "the quant config chose vllm-ling's method although it was not requested")
+    ok = bool(layers) and len(ours) == len(layers) and bool(serving)
+    if serving:
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+        name, layer = serving[0]
+        gen = torch.Generator(device=layer.weight.device).manual_seed(0)
+        x = torch.randn((2, layer.weight.shape[1]), device=layer.weight.device, generator=gen).to(torch.bfloat16)
+        with torch.no_grad():
+            ours_out = LingSmallBf16LinearMethod.apply_small_gemv(layer, x).float()
+            vllm_out = UnquantizedLinearMethod.apply(layer.quant_method, layer, x).float()
+        rel = float((ours_out - vllm_out).norm() / vllm_out.norm().clamp_min(1e-30))
+        ok = ok and rel < SMALL_BF16_MAX_REL_DIFF
+        actual += f"; known answer on {name}: relative L2 difference to vLLM's GEMM {rel:.3g} " \
+                  f"(limit {SMALL_BF16_MAX_REL_DIFF:.3g})"
+    return Check("small_bf16_layers", ok, "every unquantized linear on vllm-ling's method, the small GEMV serving "
+                 "the ones it holds and agreeing with vLLM's GEMM", actual,
+                 "see the WARNING naming the layers the small GEMV cannot hold, or set VLLM_LING_SMALL_GEMV=vllm")
+
+
 def check_head(target, exp: Expectations, stage: Stage | None = None) -> Check:
     from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
 
@@ -365,7 +418,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     stage = pipeline_stage(target, config.num_hidden_layers)
     checks = [check_model_classes(target, draft, exp, stage), check_moe_layers(target, draft, exp, config, stage),
               check_head(target, exp, stage), check_draft_sharing(target, draft, exp, stage),
-              check_dense_fp8(target, draft, exp),
+              check_dense_fp8(target, draft, exp), check_small_bf16(target, draft, exp),
               check_speculative(exp, options), check_versions(exp),
               Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
                     kernel_checks.FIX)]
@@ -396,6 +449,9 @@ def build_report(target, draft, vllm_config, options: LingOptions,
             "dense_fp8_decode": {"requested": exp.dense_fp8,
                                  "active": exp.dense_fp8 and by_name["dense_fp8_layers"].passed,
                                  "detail": by_name["dense_fp8_layers"].actual},
+            "small_bf16_decode": {"requested": exp.small_bf16,
+                                  "active": exp.small_bf16 and by_name["small_bf16_layers"].passed,
+                                  "detail": by_name["small_bf16_layers"].actual},
             "mtp": {"requested": exp.mtp, "active": mtp_active, "detail": _mtp_detail(exp, by_name)},
         },
         "moe_backend": exp.moe_backend,

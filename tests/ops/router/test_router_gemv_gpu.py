@@ -98,7 +98,7 @@ def test_cuda_graph_capture_and_replay():
 
 def test_rejects_bad_inputs_before_launch():
     x, w = _inputs(2, E, H)
-    for bad_x, bad_w, words in [(x.float(), w, "BF16"), (x, w.bfloat16(), "fp32 weight"),
+    for bad_x, bad_w, words in [(x.float(), w, "BF16"), (x, w.bfloat16(), "fp32 gate"),
                                 (x[:, :2048], w, "do not match"), (x, w[:, :2000].contiguous(), "multiple of 128"),
                                 (torch.zeros((MAX_ROWS + 1, H), dtype=torch.bfloat16, device=DEV), w, "rows"),
                                 (x, torch.zeros((E, 8192), device=DEV), "exceeds")]:

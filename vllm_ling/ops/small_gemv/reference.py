@@ -1,4 +1,4 @@
-"""Plain-PyTorch oracle for the router GEMV: float64 logits and the magnitude bound that
+"""Plain-PyTorch oracle for the small GEMV: float64 products and the magnitude bound that
 tolerances are fractions of. Any device, no vLLM import."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 
-def reference_router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[T, H] activations, [E, H] gate weight -> [T, E] float64 logits."""
+def reference_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[T, K] activations, [N, K] weight -> [T, N] float64."""
     return x.to(torch.float64) @ weight.to(torch.float64).t()
 
 
