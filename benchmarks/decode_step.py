@@ -55,7 +55,7 @@ from vllm_ling.ops.moe.routing import route
 from vllm_ling.ops.moe.warmup import random_mxfp4_experts
 from vllm_ling.ops.router import MAX_ROWS as ROUTER_MAX_ROWS
 from vllm_ling.ops.router import router_logits
-from vllm_ling.ops.small_gemv import MAX_ROWS as SMALL_GEMV_MAX_ROWS
+from vllm_ling.ops.small_gemv import BF16_MAX_ROWS
 from vllm_ling.ops.small_gemv import small_gemv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +79,7 @@ STANDINS = {
                       "layer's routed + shared sum folded in (vLLM: fused_add_rms_norm), SwiGLU with the "
                       "per-layer limit in one launch (vLLM: SiluAndMul / SwigluStepAndMul); embedding gather "
                       "and the NEXTN input norms as PyTorch ops",
-    "small_bf16": "KDA b_proj, MLA g_proj (left in BF16 by the checkpoint): vllm-ling's small GEMV up to 16 "
+    "small_bf16": "KDA b_proj, MLA g_proj (left in BF16 by the checkpoint): vllm-ling's small GEMV up to 8 "
                   "tokens (vllm_ling.ops.small_gemv), BF16 cuBLAS above and upstream (the g_proj sigmoid "
                   "runs in the MLA combine pass, b's in the KDA recurrence)",
 }
@@ -104,7 +104,7 @@ class Fp8Linear:
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, comp: str) -> torch.Tensor:
     """A BF16 linear the checkpoint leaves unquantized, as each composition runs it."""
-    if comp == "ours" and x.shape[0] <= SMALL_GEMV_MAX_ROWS:
+    if comp == "ours" and x.shape[0] <= BF16_MAX_ROWS:
         return small_gemv(x, weight, torch.bfloat16)
     return F.linear(x, weight)
 

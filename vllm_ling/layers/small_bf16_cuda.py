@@ -22,10 +22,10 @@ import torch
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.ops.small_gemv.kernel import BF16_MAX_ROWS as SMALL_BF16_MAX_ROWS
 
 logger = get_logger("quant.small_bf16")
 
-SMALL_BF16_MAX_ROWS = 8   # above, cuBLAS measured as fast or faster (small_gemv_h200.md)
 SMALL_BF16_MAX_N = 512    # output rows per rank: the sizes measured (a GEMM library wins on wide weights)
 OPT_OUT_HINT = "VLLM_LING_SMALL_GEMV=vllm"
 

@@ -4,7 +4,7 @@
 rows 16-byte aligned) and an fp32 or BF16 ``weight`` [N, K] whose row fits a warp's registers
 (K a multiple of 128 fp32 / 256 BF16 weights, at most 32 16-byte chunks per lane), into fp32 or
 BF16. One warp per weight row, ``warps`` rows per CTA, one token per pass for a single row and
-two above (``benchmarks/results/router_h200.md``). Compiled by NVRTC through
+two above (``benchmarks/results/small_gemv_h200.md``). Compiled by NVRTC through
 :mod:`vllm_ling.ops.cuda_jit` (humming's JIT cache); runs on sm_80+, with programmatic dependent
 launch from sm_90. CUDA-graph capturable (no host sync; one allocation, the output, when ``out``
 is not given). No vLLM import.
@@ -19,7 +19,8 @@ from importlib import resources
 import torch
 
 KERNEL_NAME = "ling_small_gemv"
-MAX_ROWS = 16  # above, the per-token passes cost more than cuBLAS (benchmarks/results/router_h200.md)
+MAX_ROWS = 16  # above, the per-token passes cost more than cuBLAS (benchmarks/results/small_gemv_h200.md)
+BF16_MAX_ROWS = 8  # Ling's 32-row BF16 linears: cuBLAS is as fast from 16 rows (small_gemv_h200.md)
 _MAX_CHUNKS_PER_LANE = 32  # 16-byte weight chunks held per lane (128 registers)
 _WARPS = 4                 # weight rows per CTA
 _WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -67,7 +68,7 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
 
 
 def default_tokens_per_pass(rows: int) -> int:
-    """One token per pass for a single row, else two (the sweep in router_h200.md)."""
+    """One token per pass for a single row, else two (the sweep in small_gemv_h200.md)."""
     return 1 if rows == 1 else 2
 
 
