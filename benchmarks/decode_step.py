@@ -15,6 +15,9 @@ MLA, MoE, head). A step of T tokens is one sequence's verify window of T positio
   head, the W8A8 block-FP8 stand-in for DeepGEMM (``benchmarks/upstream_fp8.py``) and
   GateLinear's fp32 path for the router (cast + cuBLAS).
 
+Both compositions run each MoE layer's shared expert on a second stream, overlapping the top-k and
+the routed experts, as vLLM 0.32's MoE runner does for up to 256 tokens on CUDA.
+
 Ops that live in vLLM and have no kernel in this repo are stand-ins, named in the output and
 the same in both compositions: the KDA recurrence is flash-linear-attention 0.6.0's
 ``fused_recurrent_kda`` (gate, beta and q/k L2 norm fused, what vLLM vendors); the KDA short
@@ -138,6 +141,7 @@ class Model:
             STANDINS["kda_recurrent"] = f"PyTorch per-token recurrence (fla unavailable: {type(exc).__name__}: {exc})"
             fused_recurrent_kda = torch_kda_recurrent
         self.kda_fn = fused_recurrent_kda
+        self.aux = torch.cuda.Stream(device=dev)  # vLLM's shared-expert stream
         g = torch.Generator(device=dev).manual_seed(seed)
         self.cfg, self.dev = cfg, dev
         H, heads, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
@@ -272,20 +276,33 @@ class Model:
             act = op("norms_residual", lambda: swiglu_act(h))
             return op("dense_fp8", lambda: L["down"](act, comp))
 
-        def router():
-            # the gate GEMV as each composition runs it, then the grouped top-k both share
-            logits = (router_logits(x, L["router"]) if comp == "ours" and x.shape[0] <= ROUTER_MAX_ROWS
-                      else F.linear(x.to(torch.float32), L["router"]))
+        # the gate GEMV as each composition runs it (vLLM: the model's GateLinear, before FusedMoE)
+        logits = op("router", lambda: (router_logits(x, L["router"]) if comp == "ours" and x.shape[0] <= ROUTER_MAX_ROWS
+                                       else F.linear(x.to(torch.float32), L["router"])))
+        # vLLM 0.32's MoE runner launches the shared expert on an auxiliary stream for <= 256 tokens
+        # on CUDA (SharedExpertsOrder.MULTI_STREAM_OVERLAPPED), overlapping top-k and the routed experts
+        main = torch.cuda.current_stream()
+        forked = torch.cuda.Event()
+        forked.record(main)
+        with torch.cuda.stream(self.aux):
+            self.aux.wait_event(forked)
+            sh = op("dense_fp8", lambda: L["sh_gate_up"](x, comp))
+            sh_act = op("norms_residual", lambda: swiglu_act(sh, L["shared_limit"], SHARED_EXPERT_CLAMP))
+            sh_out = op("dense_fp8", lambda: L["sh_down"](sh_act, comp))
+            x.record_stream(self.aux)  # the caching allocator must not reuse x before the aux stream read it
+            sh_out.record_stream(main)
+            joined = torch.cuda.Event()
+            joined.record(self.aux)
+
+        def topk():
             w, ids = grouped_topk(logits, L["bias"], top_k=self.cfg["num_experts_per_tok"],
                                   n_group=self.cfg["n_group"], topk_group=self.cfg["topk_group"],
                                   routed_scaling_factor=self.cfg["routed_scaling_factor"])
             L["ids"] = ids
             return w, ids
-        w, ids = op("router", router)
+        w, ids = op("router", topk)
         routed = op("moe_routed", lambda: L["experts"](x, w, ids, L["limit"]))
-        sh = op("dense_fp8", lambda: L["sh_gate_up"](x, comp))
-        sh_act = op("norms_residual", lambda: swiglu_act(sh, L["shared_limit"], SHARED_EXPERT_CLAMP))
-        sh_out = op("dense_fp8", lambda: L["sh_down"](sh_act, comp))
+        main.wait_event(joined)
         return routed, sh_out  # summed by the next add + RMSNorm launch
 
     def step(self, tokens: torch.Tensor, comp: str, op, draft: bool = True):
@@ -476,6 +493,8 @@ def render(results, head, copy_gbs, notes, model, args) -> str:
              f"`python -m benchmarks.decode_step {' '.join(sys.argv[1:])}`", "", head, "",
              f"Context {args.context} tokens; a step of T tokens = the target model over one sequence's T-token "
              "verify window + one NEXTN draft step (eh_proj, MLA, MoE, head) for the next position. "
+             "Shared experts run on a second stream, overlapping top-k and the routed experts (vLLM 0.32's MoE "
+             "runner, <= 256 tokens). "
              f"FP8 head kernel: {model.head_kernel}. Dense FP8 configs: "
              f"{'the sweep winners of ' + args.dense_configs if args.dense_configs else 'the tuned table'}. "
              "Op classes beyond the dense, MoE and head kernels (stand-ins where the serving kernel lives in vLLM, named):", ""]
