@@ -70,6 +70,11 @@ class DenseFp8(Choice):
     VLLM = "vllm"  # opt out: vLLM's block-FP8 kernel always
 
 
+class RouterGemv(Choice):
+    LING = "ling"  # vllm-ling's router GEMV kernel for Ling's fp32 MoE gates at <= 16 tokens (CUDA)
+    VLLM = "vllm"  # opt out: vLLM's GateLinear path always
+
+
 class VerifyPolicy(Choice):
     STRICT = "strict"  # refuse to serve on a failed check
     WARN = "warn"      # log and serve
@@ -223,6 +228,11 @@ OPTIONS: tuple[Option, ...] = (
            "on CUDA (vLLM's kernel above; an error where it cannot run); `vllm` opts out (one WARNING, "
            "reported). The CPU path is unchanged",
            choices=DenseFp8, serve_flag=True),
+    Option("VLLM_LING_ROUTER_GEMV", "choice", RouterGemv.LING,
+           "`ling`: fp32 MoE router gates (Ling's) run vllm-ling's one-launch GEMV for batches of at most 16 "
+           "tokens on CUDA (vLLM's GateLinear path above; an error where it cannot run); `vllm` opts out (one "
+           "WARNING, reported). The CPU path is unchanged",
+           choices=RouterGemv, serve_flag=True),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
@@ -411,6 +421,7 @@ class LingOptions:
     moe_decode_max_tokens: int = BY_NAME["VLLM_LING_MOE_DECODE_MAX_TOKENS"].default
     fp8_head: bool = BY_NAME["VLLM_LING_FP8_HEAD"].default
     dense_fp8: DenseFp8 = BY_NAME["VLLM_LING_DENSE_FP8"].default
+    router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
     num_spec_tokens: int = BY_NAME["VLLM_LING_NUM_SPEC_TOKENS"].default
     verify: VerifyPolicy = BY_NAME["VLLM_LING_VERIFY"].default

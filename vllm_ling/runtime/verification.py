@@ -13,6 +13,8 @@ modules that are really there:
   byte size (or BF16 when opted out);
 - the draft's head(s) and embedding are the target's module objects, and the draft holds no
   storage of that size of its own;
+- every MoE router gate is vllm-ling's GateLinear on CUDA, on the router GEMV wherever the kernel
+  holds it (:mod:`vllm_ling.runtime.router_gates`; not applicable on CPU);
 - the speculative config is the one requested;
 - vLLM (and on CUDA humming) are the tested versions;
 - every kernel that serves a quantized or custom op, found on the loaded layers, matches its
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import (DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy,
+from vllm_ling.options import (DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, RouterGemv, VerifyPolicy,
                                plugin_options, read)
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
@@ -74,6 +76,7 @@ class Expectations:
     num_speculative_tokens: int
     default_spec: bool  # the speculative config is vllm-ling's default
     dense_fp8: bool = False  # vllm-ling's W8A16 kernel serves decode-sized block-FP8 dense linears
+    router_gemv: bool = False  # vllm-ling's router GEMV serves decode-sized batches of the MoE gates
     no_nextn_layers: bool = False  # MTP wanted but the checkpoint has no NEXTN layer
     pp_no_draft: bool = False  # MTP wanted but pipeline parallelism: vLLM 0.32 runs no draft there
 
@@ -98,6 +101,7 @@ class Expectations:
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
                    default_spec=default_applied(vllm_config),
                    dense_fp8=platform == "cuda" and options.dense_fp8 is DenseFp8.LING,
+                   router_gemv=platform == "cuda" and options.router_gemv is RouterGemv.LING,
                    no_nextn_layers=no_nextn_layers(vllm_config), pp_no_draft=pp_no_draft(vllm_config))
 
 
@@ -357,15 +361,17 @@ def _gpu_arch() -> str | None:
 
 def build_report(target, draft, vllm_config, options: LingOptions,
                  exp: Expectations | None = None) -> dict[str, Any]:
-    from vllm_ling.runtime import kernel_checks
+    from vllm_ling.runtime import kernel_checks, router_gates
 
     exp = exp or Expectations.from_runtime(vllm_config, options)
     config = vllm_config.model_config.hf_config
     known = kernel_checks.report_section(target, draft)
     stage = pipeline_stage(target, config.num_hidden_layers)
+    gates = router_gates.gate_census(target, draft)
     checks = [check_model_classes(target, draft, exp, stage), check_moe_layers(target, draft, exp, config, stage),
               check_head(target, exp, stage), check_draft_sharing(target, draft, exp, stage),
               check_dense_fp8(target, draft, exp),
+              Check(router_gates.CHECK_NAME, *router_gates.check_router_gates(gates, exp.router_gemv, exp.platform)),
               check_speculative(exp, options), check_versions(exp),
               Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
                     kernel_checks.FIX)]
@@ -396,6 +402,8 @@ def build_report(target, draft, vllm_config, options: LingOptions,
             "dense_fp8_decode": {"requested": exp.dense_fp8,
                                  "active": exp.dense_fp8 and by_name["dense_fp8_layers"].passed,
                                  "detail": by_name["dense_fp8_layers"].actual},
+            "router_gemv": router_gates.optimization_entry(gates, by_name[router_gates.CHECK_NAME].passed,
+                                                           exp.router_gemv, exp.platform, known),
             "mtp": {"requested": exp.mtp, "active": mtp_active, "detail": _mtp_detail(exp, by_name)},
         },
         "moe_backend": exp.moe_backend,
