@@ -247,3 +247,15 @@ def test_registered_on_cuda_only(tp1, monkeypatch, records):
         assert any("NOT used" in w for w in _warnings(records))
     finally:
         op_registry_oot.pop("GateLinear", None)
+
+
+def test_logits_dtype_set_after_construction(tp1, kernel_runs, kernel_calls):
+    later = _gate(out_dtype=None)
+    assert not later.ling_router_gemv  # no fp32 logits yet: GateLinear's path
+    later.set_out_dtype(torch.float32)
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    _assert_logits(later(x)[0], x, later.weight)
+    assert later.ling_router_gemv and kernel_calls == [2]
+    bf16_logits = _gate(out_dtype=None)
+    bf16_logits.set_out_dtype(torch.bfloat16)
+    assert not bf16_logits.ling_router_gemv and "bfloat16 logits" in bf16_logits.ling_router_gemv_reason

@@ -185,12 +185,13 @@ def _gate_class():
 
         @property
         def ling_router_gemv(self) -> bool:
-            """The router GEMV serves this gate's batches of 1..MAX_ROWS BF16 tokens."""
-            return self.ling_router_gemv_reason is None
+            """The router GEMV serves this gate's batches of 1..MAX_ROWS BF16 tokens (fp32 logits:
+            a gate built without ``out_dtype`` takes it once ``set_out_dtype(float32)`` is called)."""
+            return self.ling_router_gemv_reason is None and self.out_dtype == torch.float32
 
         def set_out_dtype(self, out_dtype: torch.dtype) -> None:
             super().set_out_dtype(out_dtype)
-            if self.ling_router_gemv and out_dtype != torch.float32:
+            if self.ling_router_gemv_reason is None and out_dtype != torch.float32:
                 self.ling_router_gemv_reason = decide(self.gate_facts(), RouterGemv.LING)
 
         def vllm_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,8 +201,7 @@ def _gate_class():
 
         def forward(self, x: torch.Tensor):
             # static facts only (dtype, rank, attributes): the row count is decided inside the op
-            if not self.ling_router_gemv or x.dtype != torch.bfloat16 or x.dim() != 2 \
-                    or self.out_dtype != torch.float32:
+            if not self.ling_router_gemv or x.dtype != torch.bfloat16 or x.dim() != 2:
                 return super().forward(x)
             return self._return(torch.ops.vllm_ling.router_logits(x, self.ling_router_key))
 

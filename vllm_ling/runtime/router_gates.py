@@ -48,7 +48,8 @@ def gate_census(target, draft) -> GateCensus:
             elif m.ling_router_gemv:
                 census.serving += 1
             else:
-                census.off[m.ling_router_gemv_reason] = census.off.get(m.ling_router_gemv_reason, 0) + 1
+                why = m.ling_router_gemv_reason or f"logits dtype {m.out_dtype}, not float32"
+                census.off[why] = census.off.get(why, 0) + 1
     return census
 
 
