@@ -2,8 +2,8 @@
 
 It reads the model's ``config.json`` for the shapes and **the same options the server reads**
 (:class:`vllm_ling.options.LingOptions`: MoE backend, W4A8, decode mode and threshold, FP8
-head, dense FP8, router GEMV), so it compiles exactly the kernel set the server will use and nothing else: a kernel
-group the server will not run is skipped with the reason. It is meant as an init container /
+head, dense FP8, router GEMV), so it compiles exactly the kernel set the server will use and
+nothing else: a kernel group the server will not run is skipped with the reason. It is meant as an init container /
 one-shot compose service that shares the humming JIT cache volume
 (``VLLM_LING_HUMMING_CACHE``) with the server. Imports torch and the kernels lazily.
 """
@@ -187,8 +187,7 @@ def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
 def _load_warmup_functions():
     """The kernel groups' warmup entry points, imported lazily (they import humming)."""
     try:
-        from vllm_ling.ops import lm_head, moe
-        from vllm_ling.ops import router_warmup
+        from vllm_ling.ops import lm_head, moe, router_warmup
         from vllm_ling.ops.dense_fp8 import warmup as dense_fp8
         return [("moe", moe.warmup_kernels), ("lm_head", lm_head.warmup_kernels),
                 ("dense_fp8", dense_fp8.warmup_kernels), ("router", router_warmup.warmup_kernels)]

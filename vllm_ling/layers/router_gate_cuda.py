@@ -30,7 +30,7 @@ import weakref
 import torch
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import RouterGemv
+from vllm_ling.options import RouterGemv, read
 from vllm_ling.ops import router as router_ops
 
 logger = get_logger("router")
@@ -165,8 +165,6 @@ def _gate_class():
 
     from vllm import envs
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
-
-    from vllm_ling.options import read
 
     class LingGateLinear(GateLinear):
         """GateLinear whose fp32 gates run vllm-ling's router GEMV at decode sizes."""

@@ -4,9 +4,10 @@ Run in each worker after loading (from verification). The kernels are found on t
 target and draft modules, from the quant method (and kernel object) actually attached, never
 from the platform: every distinct dense block-FP8 method/kernel, every distinct vllm-ling
 MXFP4 MoE configuration, the FP8 LM head's prepared kernel, the plain-PyTorch KDA ops
-when the CPU KDA layer serves, and the router GEMV per hidden size of the gates it serves. Each runs once on a scratch layer through the same method
-(:mod:`vllm_ling.layers.known_answer`; KDA through the ops functions the layer calls) and is
-compared with the independent answers of :mod:`vllm_ling.ops.known_answer`.
+when the CPU KDA layer serves, and the router GEMV per hidden size of the gates it serves.
+Each runs once on a scratch layer through the same method (:mod:`vllm_ling.layers.known_answer`;
+KDA through the ops functions the layer calls) and is compared with the independent answers of
+:mod:`vllm_ling.ops.known_answer`.
 """
 
 from __future__ import annotations
