@@ -12,21 +12,21 @@ import torch
 pytest.importorskip("vllm")  # the GPU box runs tests/ops only: it has no vLLM
 
 from vllm_ling.layers import small_bf16_cuda as S  # noqa: E402
-from vllm_ling.options import LingOptionError, LingOptions, SmallGemv  # noqa: E402
+from vllm_ling.options import LingOptionError, LingOptions, Bf16Gemv  # noqa: E402
 
 
 def test_option_parses_and_defaults_to_ling():
-    assert LingOptions.from_env({}).small_gemv is SmallGemv.LING
-    assert LingOptions.from_env({"VLLM_LING_SMALL_GEMV": "vllm"}).small_gemv is SmallGemv.VLLM
-    with pytest.raises(LingOptionError, match="VLLM_LING_SMALL_GEMV"):
-        LingOptions.from_env({"VLLM_LING_SMALL_GEMV": "fast"})
+    assert LingOptions.from_env({}).bf16_gemv is Bf16Gemv.LING
+    assert LingOptions.from_env({"VLLM_LING_BF16_GEMV": "vllm"}).bf16_gemv is Bf16Gemv.VLLM
+    with pytest.raises(LingOptionError, match="VLLM_LING_BF16_GEMV"):
+        LingOptions.from_env({"VLLM_LING_BF16_GEMV": "fast"})
 
 
 def test_opt_out_warns_and_keeps_vllm(caplog):
     logging.getLogger("vllm.ling").propagate = True
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
         assert S.choose_small_bf16_method("model.layers.0.self_attn.b_proj", option="vllm") is None
-    assert any("explicit choice" in r.getMessage() and "VLLM_LING_SMALL_GEMV=vllm" in r.getMessage()
+    assert any("explicit choice" in r.getMessage() and "VLLM_LING_BF16_GEMV=vllm" in r.getMessage()
                for r in caplog.records)
 
 
@@ -34,7 +34,7 @@ def test_requested_but_unavailable_is_an_error_naming_the_opt_out(monkeypatch):
     import vllm_ling.ops.small_gemv as ops
 
     monkeypatch.setattr(ops, "unavailable_reason", lambda device=None: "sm_75: needs sm_80+")
-    with pytest.raises(S.SmallGemvUnavailable, match="VLLM_LING_SMALL_GEMV=vllm"):
+    with pytest.raises(S.Bf16GemvUnavailable, match="VLLM_LING_BF16_GEMV=vllm"):
         S.choose_small_bf16_method("p", option="ling")
     monkeypatch.setattr(ops, "unavailable_reason", lambda device=None: None)
     assert isinstance(S.choose_small_bf16_method("p", option="ling"), S.LingSmallBf16LinearMethod)

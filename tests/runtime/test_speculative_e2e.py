@@ -69,6 +69,9 @@ def test_defaults_verified_and_reported(default_server):
     assert report["spec_method"] == "mtp" and report["num_speculative_tokens"] == 3
     assert report["optimizations"]["fp8_head"]["active"] and report["optimizations"]["mtp"]["active"]
     assert "path:" in report["optimizations"]["mtp"]["detail"]  # which sharing path was taken
+    assert report["optimizations"]["router_gemv"] == {  # a CUDA kernel: vLLM's GateLinear on CPU, no warning
+        "requested": False, "active": False,
+        "detail": "not applicable on the CPU platform: vLLM's GateLinear path is unchanged"}
     assert report["model_runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # and in which runner
     log = server.log()
     assert ("vllm-ling startup verification (cpu, policy strict, runner "

@@ -6,7 +6,7 @@ the user named another ``--quantization``. Dense block-FP8 linears run vLLM's me
 vllm-ling's W8A16 kernel for decode-sized batches on CUDA (``VLLM_LING_DENSE_FP8=vllm`` opts
 out) and a plain-PyTorch reference on CPUs without AMX; the linears the checkpoint leaves in BF16
 run vLLM's method with vllm-ling's small GEMV for decode-sized batches on CUDA
-(``VLLM_LING_SMALL_GEMV=vllm`` opts out); routed experts, the LM head and the CPU paths are ours.
+(``VLLM_LING_BF16_GEMV=vllm`` opts out); routed experts, the LM head and the CPU paths are ours.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class LingFp8Config(Fp8Config):
         if isinstance(layer, LinearBase) and current_platform.is_cuda() and self._skipped(prefix):
             from vllm_ling.layers.small_bf16_cuda import choose_small_bf16_method
 
-            method = choose_small_bf16_method(prefix, self.options.small_gemv.value)
+            method = choose_small_bf16_method(prefix, self.options.bf16_gemv.value)
             if method is not None:
                 return method
         if isinstance(layer, ParallelLMHead) and self.options.fp8_head:

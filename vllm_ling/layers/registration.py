@@ -10,4 +10,7 @@ def register_layers() -> list[str]:
     from vllm_ling.layers.kda_cpu import register_cpu_kda
 
     done += register_cpu_kda()
+    from vllm_ling.layers.router_gate_cuda import register_cuda_router_gate
+
+    done += register_cuda_router_gate()
     return done

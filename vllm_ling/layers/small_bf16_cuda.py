@@ -27,10 +27,10 @@ from vllm_ling.ops.small_gemv.kernel import BF16_MAX_ROWS as SMALL_BF16_MAX_ROWS
 logger = get_logger("quant.small_bf16")
 
 SMALL_BF16_MAX_N = 512    # output rows per rank: the sizes measured (a GEMM library wins on wide weights)
-OPT_OUT_HINT = "VLLM_LING_SMALL_GEMV=vllm"
+OPT_OUT_HINT = "VLLM_LING_BF16_GEMV=vllm"
 
 
-class SmallGemvUnavailable(RuntimeError):
+class Bf16GemvUnavailable(RuntimeError):
     """The small-GEMV path was requested (the default) and cannot run here."""
 
 
@@ -101,7 +101,7 @@ def choose_small_bf16_method(prefix: str, option: str,
                              device: torch.device | str | None = None) -> UnquantizedLinearMethod | None:
     """Our method for one unquantized (checkpoint-skipped) linear on CUDA, or None to let vLLM
     choose. ``option`` "vllm" opts out (one WARNING); otherwise the kernel must be able to run on
-    this GPU (else :class:`SmallGemvUnavailable`, before any weight loads, naming the opt-out)."""
+    this GPU (else :class:`Bf16GemvUnavailable`, before any weight loads, naming the opt-out)."""
     if option == "vllm":
         log_once(logger, logging.WARNING, "small-gemv-opt-out-bf16",
                  "Small GEMV for BF16 linears is OFF by explicit choice (%s): vLLM's GEMM serves the checkpoint's "
@@ -111,7 +111,7 @@ def choose_small_bf16_method(prefix: str, option: str,
 
     why = unavailable_reason(device)
     if why:
-        raise SmallGemvUnavailable(f"the small GEMV cannot run for {prefix}: {why}; opt out with {OPT_OUT_HINT}")
+        raise Bf16GemvUnavailable(f"the small GEMV cannot run for {prefix}: {why}; opt out with {OPT_OUT_HINT}")
     log_once(logger, logging.INFO, "small-bf16-on",
              "Unquantized BF16 linears: vllm-ling small GEMV for <= %d tokens, vLLM's GEMM above.", SMALL_BF16_MAX_ROWS)
     return LingSmallBf16LinearMethod(prefix)

@@ -13,6 +13,8 @@ modules that are really there:
   byte size (or BF16 when opted out);
 - the draft's head(s) and embedding are the target's module objects, and the draft holds no
   storage of that size of its own;
+- every MoE router gate is vllm-ling's GateLinear on CUDA, on the router GEMV wherever the kernel
+  holds it (:mod:`vllm_ling.runtime.router_gates`; not applicable on CPU);
 - the speculative config is the one requested;
 - vLLM (and on CUDA humming) are the tested versions;
 - every kernel that serves a quantized or custom op, found on the loaded layers, matches its
@@ -41,8 +43,8 @@ from typing import Any
 import torch
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import (DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, SmallGemv, VerifyPolicy,
-                               plugin_options, read)
+from vllm_ling.options import (Bf16Gemv, DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, RouterGemv,
+                               VerifyPolicy, plugin_options, read)
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
@@ -75,6 +77,7 @@ class Expectations:
     default_spec: bool  # the speculative config is vllm-ling's default
     dense_fp8: bool = False  # vllm-ling's W8A16 kernel serves decode-sized block-FP8 dense linears
     small_bf16: bool = False  # vllm-ling's small GEMV serves the checkpoint's BF16 linears at decode sizes
+    router_gemv: bool = False  # vllm-ling's router GEMV serves decode-sized batches of the MoE gates
     no_nextn_layers: bool = False  # MTP wanted but the checkpoint has no NEXTN layer
     pp_no_draft: bool = False  # MTP wanted but pipeline parallelism: vLLM 0.32 runs no draft there
 
@@ -99,7 +102,8 @@ class Expectations:
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
                    default_spec=default_applied(vllm_config),
                    dense_fp8=platform == "cuda" and options.dense_fp8 is DenseFp8.LING,
-                   small_bf16=platform == "cuda" and options.small_gemv is SmallGemv.LING,
+                   small_bf16=platform == "cuda" and options.bf16_gemv is Bf16Gemv.LING,
+                   router_gemv=platform == "cuda" and options.router_gemv is RouterGemv.LING,
                    no_nextn_layers=no_nextn_layers(vllm_config), pp_no_draft=pp_no_draft(vllm_config))
 
 
@@ -279,7 +283,7 @@ def check_small_bf16(target, draft, exp: Expectations) -> Check:
     if kept:
         actual += f"; vLLM's GEMM for {kept[:3]}"
     if not exp.small_bf16:
-        return Check("small_bf16_layers", not ours, "vLLM's GEMM (CPU platform or VLLM_LING_SMALL_GEMV=vllm)",
+        return Check("small_bf16_layers", not ours, "vLLM's GEMM (CPU platform or VLLM_LING_BF16_GEMV=vllm)",
                      actual, "the quant config chose vllm-ling's method although it was not requested")
     ok = bool(layers) and len(ours) == len(layers) and bool(serving)
     if serving:
@@ -297,7 +301,7 @@ def check_small_bf16(target, draft, exp: Expectations) -> Check:
                   f"(limit {SMALL_BF16_MAX_REL_DIFF:.3g})"
     return Check("small_bf16_layers", ok, "every unquantized linear on vllm-ling's method, the small GEMV serving "
                  "the ones it holds and agreeing with vLLM's GEMM", actual,
-                 "see the WARNING naming the layers the small GEMV cannot hold, or set VLLM_LING_SMALL_GEMV=vllm")
+                 "see the WARNING naming the layers the small GEMV cannot hold, or set VLLM_LING_BF16_GEMV=vllm")
 
 
 def check_head(target, exp: Expectations, stage: Stage | None = None) -> Check:
@@ -410,15 +414,17 @@ def _gpu_arch() -> str | None:
 
 def build_report(target, draft, vllm_config, options: LingOptions,
                  exp: Expectations | None = None) -> dict[str, Any]:
-    from vllm_ling.runtime import kernel_checks
+    from vllm_ling.runtime import kernel_checks, router_gates
 
     exp = exp or Expectations.from_runtime(vllm_config, options)
     config = vllm_config.model_config.hf_config
     known = kernel_checks.report_section(target, draft)
     stage = pipeline_stage(target, config.num_hidden_layers)
+    gates = router_gates.gate_census(target, draft)
     checks = [check_model_classes(target, draft, exp, stage), check_moe_layers(target, draft, exp, config, stage),
               check_head(target, exp, stage), check_draft_sharing(target, draft, exp, stage),
               check_dense_fp8(target, draft, exp), check_small_bf16(target, draft, exp),
+              Check(router_gates.CHECK_NAME, *router_gates.check_router_gates(gates, exp.router_gemv, exp.platform)),
               check_speculative(exp, options), check_versions(exp),
               Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
                     kernel_checks.FIX)]
@@ -452,6 +458,8 @@ def build_report(target, draft, vllm_config, options: LingOptions,
             "small_bf16_decode": {"requested": exp.small_bf16,
                                   "active": exp.small_bf16 and by_name["small_bf16_layers"].passed,
                                   "detail": by_name["small_bf16_layers"].actual},
+            "router_gemv": router_gates.optimization_entry(gates, by_name[router_gates.CHECK_NAME].passed,
+                                                           exp.router_gemv, exp.platform, known),
             "mtp": {"requested": exp.mtp, "active": mtp_active, "detail": _mtp_detail(exp, by_name)},
         },
         "moe_backend": exp.moe_backend,
