@@ -136,6 +136,18 @@ def _ticket(device: torch.device) -> torch.Tensor:
     return _TICKETS[device]
 
 
+def grouped_topk(logits: torch.Tensor, expert_bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
+                 routed_scaling_factor: float, num_warps: int = 1):
+    """(weights fp32 [T, k], ids int32 [T, k]) from fp32 router logits [T, E]: one launch, a
+    program per token (vLLM: the fused grouped_topk kernel after the gate GEMM)."""
+    T, E = logits.shape
+    w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
+    _grouped_topk_kernel[(T,)](logits, expert_bias, w, ids, float(routed_scaling_factor), T, E=E, G=n_group,
+                               TG=topk_group, K=top_k, TOK=1, num_warps=num_warps)
+    return w, ids
+
+
 def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor, *, top_k: int,
                 n_group: int, topk_group: int, routed_scaling_factor: float,
                 return_logits: bool = False, fused: bool | None = None, block_e: int = 2,
@@ -153,14 +165,13 @@ def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.T
     if E % n_group or (E & (E - 1)) or (n_group & (n_group - 1)) or (top_k & (top_k - 1)):
         raise ValueError(f"fused_route needs power-of-2 experts/groups/top_k, got {E}/{n_group}/{top_k}")
     logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
+    if not (T <= FUSED_ROUTE_MAX_TOKENS if fused is None else fused):
+        torch.mm(x.float(), gate_weight.t(), out=logits)
+        w, ids = grouped_topk(logits, expert_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                              routed_scaling_factor=routed_scaling_factor, num_warps=num_warps or 1)
+        return (w, ids, logits) if return_logits else (w, ids)
     w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
-    if not (T <= FUSED_ROUTE_MAX_TOKENS if fused is None else fused):
-        num_warps = num_warps or 1
-        torch.mm(x.float(), gate_weight.t(), out=logits)
-        _grouped_topk_kernel[(T,)](logits, expert_bias, w, ids, float(routed_scaling_factor), T, E=E, G=n_group,
-                                   TG=topk_group, K=top_k, TOK=1, num_warps=num_warps)
-        return (w, ids, logits) if return_logits else (w, ids)
     num_warps = num_warps or (1 if T == 1 else 4)
     t_pad = triton.next_power_of_2(T)
     block_k = max(32, min(512, 4096 // (t_pad * block_e)))

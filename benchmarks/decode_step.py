@@ -10,16 +10,21 @@ MLA, MoE, head). A step of T tokens is one sequence's verify window of T positio
 - ``vllm-ling``: dense FP8 linears through ``vllm_ling.ops.dense_fp8`` (W8A16; each KDA layer's
   q, k, v, f, g as one 20480 x 2560 launch, as ``vllm_ling.layers.kda_merged_proj`` serves them), routed experts
   through the MoE decode kernels on humming's weights (``HummingMxfp4Experts`` default), the
-  FP8 head (``vllm_ling.ops.lm_head``, kernel chosen per arch);
+  FP8 head (``vllm_ling.ops.lm_head``, kernel chosen per arch), the router GEMV
+  (``vllm_ling.ops.router``);
 - ``upstream``: what vLLM 0.32 runs on sm_90: humming's indexed GEMM for the experts, the BF16
-  head, and the W8A8 block-FP8 stand-in for DeepGEMM (``benchmarks/upstream_fp8.py``), KDA's
-  qkv_proj, f_proj and g_proj as three launches on row slices of the same merged weight.
+  head, the W8A8 block-FP8 stand-in for DeepGEMM (``benchmarks/upstream_fp8.py``),
+  GateLinear's fp32 path for the router (cast + cuBLAS), and KDA's qkv_proj, f_proj and g_proj as
+  three launches on row slices of the same merged weight.
+
+Both compositions run each MoE layer's shared expert on a second stream, overlapping the top-k and
+the routed experts, as vLLM 0.32's MoE runner does for up to 256 tokens on CUDA.
 
 Ops that live in vLLM and have no kernel in this repo are stand-ins, named in the output and
 the same in both compositions: the KDA recurrence is flash-linear-attention 0.6.0's
 ``fused_recurrent_kda`` (gate, beta and q/k L2 norm fused, what vLLM vendors); the KDA short
 conv and gated output norm, MLA decode attention (split-K over the 32K BF16 latent cache), the
-router GEMV + grouped top-k, SwiGLU and residual add + RMSNorm are Triton kernels in
+router's grouped top-k, SwiGLU and residual add + RMSNorm are Triton kernels in
 ``benchmarks/decode_standins.py`` that compute what vLLM's kernels compute in at most as many
 launches. Reports us per step, per op class time (a graph of that class's ops alone),
 bytes, fraction of the copy bandwidth measured in the same run, the byte-model floor from
@@ -40,7 +45,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from benchmarks.decode_standins import (conv4_silu_update, fused_add_rms_norm, fused_route, gated_rms_norm,
+from benchmarks.decode_standins import (conv4_silu_update, fused_add_rms_norm, gated_rms_norm, grouped_topk,
                                         mla_decode, mla_prepare, rope_table, swiglu_act)
 from benchmarks.dense_fp8 import load_config
 from benchmarks.lm_head import copy_bandwidth_gbs
@@ -53,6 +58,10 @@ from vllm_ling.ops.moe.activation import SHARED_EXPERT_CLAMP
 from vllm_ling.ops.moe.humming import HummingMxfp4Experts
 from vllm_ling.ops.moe.routing import route
 from vllm_ling.ops.moe.warmup import random_mxfp4_experts
+from vllm_ling.ops.router import MAX_ROWS as ROUTER_MAX_ROWS
+from vllm_ling.ops.router import router_logits
+from vllm_ling.ops.small_gemv import BF16_MAX_ROWS
+from vllm_ling.ops.small_gemv import small_gemv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "vllm_ling", "data", "ling3_flash_fp4_config.json")
@@ -67,15 +76,16 @@ STANDINS = {
                      "W_UK bmm (cuBLAS), one split-K pass reading each cache row once per block of query rows "
                      "(online softmax, causal over the verify window), one combine pass that merges the splits "
                      "and applies W_UV and the sigmoid head gate",
-    "router": "Triton (benchmarks/decode_standins.py; vLLM: fp32 router GEMM + fused grouped_topk): up to 4 "
-              "tokens one launch, the fp32 GEMV spread over the GPU and the grouped top-k in the last program "
-              "to finish; above, the cuBLAS fp32 GEMV + a top-k launch with a program per token; ids checked "
-              "against vllm_ling.ops.moe.routing.route",
+    "router": "the gate GEMV is each composition's own (vllm-ling: vllm_ling.ops.router up to 16 tokens; "
+              "upstream: vLLM GateLinear's path for this gate, cast to fp32 + cuBLAS fp32 F.linear); the grouped "
+              "top-k after it is a stand-in, Triton with a program per token (benchmarks/decode_standins.py; "
+              "vLLM: the fused grouped_topk kernel); ids checked against vllm_ling.ops.moe.routing.route",
     "norms_residual": "Triton (benchmarks/decode_standins.py): residual add + RMSNorm in one launch, the MoE "
                       "layer's routed + shared sum folded in (vLLM: fused_add_rms_norm), SwiGLU with the "
                       "per-layer limit in one launch (vLLM: SiluAndMul / SwigluStepAndMul); embedding gather "
                       "and the NEXTN input norms as PyTorch ops",
-    "small_bf16": "BF16 cuBLAS: KDA b_proj, MLA g_proj (left in BF16 by the checkpoint; the g_proj sigmoid "
+    "small_bf16": "KDA b_proj, MLA g_proj (left in BF16 by the checkpoint): vllm-ling's small GEMV up to 8 "
+                  "tokens (vllm_ling.ops.small_gemv), BF16 cuBLAS above and upstream (the g_proj sigmoid "
                   "runs in the MLA combine pass, b's in the KDA recurrence)",
 }
 
@@ -109,6 +119,13 @@ class Fp8Linear:
         return w8a16_linear(x, self.q, self.s, config=DENSE_CONFIGS.get((*self.q.shape, x.shape[0])))
 
 
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, comp: str) -> torch.Tensor:
+    """A BF16 linear the checkpoint leaves unquantized, as each composition runs it."""
+    if comp == "ours" and x.shape[0] <= BF16_MAX_ROWS:
+        return small_gemv(x, weight, torch.bfloat16)
+    return F.linear(x, weight)
+
+
 def torch_kda_recurrent(q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound, **_):
     """Plain-PyTorch KDA decode recurrence (fallback stand-in): per token, per head
     S = diag(a) S + beta k (v - S^T k)^T... in fp32; returns (o [1, T, H, D], state)."""
@@ -138,6 +155,7 @@ class Model:
             STANDINS["kda_recurrent"] = f"PyTorch per-token recurrence (fla unavailable: {type(exc).__name__}: {exc})"
             fused_recurrent_kda = torch_kda_recurrent
         self.kda_fn = fused_recurrent_kda
+        self.aux = torch.cuda.Stream(device=dev)  # vLLM's shared-expert stream
         g = torch.Generator(device=dev).manual_seed(seed)
         self.cfg, self.dev = cfg, dev
         H, heads, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
@@ -245,7 +263,7 @@ class Model:
             qkv = op("dense_fp8", lambda: qkv_l(x, comp))
             f = op("dense_fp8", lambda: f_l(x, comp))
             gate = op("dense_fp8", lambda: g_l(x, comp))
-        b = op("small_bf16", lambda: F.linear(x, L["b"]))
+        b = op("small_bf16", lambda: bf16_linear(x, L["b"], comp))
 
         qkv_c = op("kda_conv_norm", lambda: conv4_silu_update(qkv, L["conv_state"], L["conv_w"], split=heads * hd))
 
@@ -265,7 +283,7 @@ class Model:
         heads = self.heads
         q = op("dense_fp8", lambda: L["q"](x, comp)).view(T, heads, self.nope + self.rope)
         kv = op("dense_fp8", lambda: L["kv_a"](x, comp))
-        gate = op("small_bf16", lambda: F.linear(x, L["g"]))  # logits; the sigmoid is in the combine pass
+        gate = op("small_bf16", lambda: bf16_linear(x, L["g"], comp))  # logits; the sigmoid is in the combine pass
 
         def attention():
             # RoPE of q's rope part happens in place, as vLLM's rotary does
@@ -282,17 +300,33 @@ class Model:
             act = op("norms_residual", lambda: swiglu_act(h))
             return op("dense_fp8", lambda: L["down"](act, comp))
 
-        def router():
-            w, ids = fused_route(x, L["router"], L["bias"], top_k=self.cfg["num_experts_per_tok"],
-                           n_group=self.cfg["n_group"], topk_group=self.cfg["topk_group"],
-                           routed_scaling_factor=self.cfg["routed_scaling_factor"])
+        # the gate GEMV as each composition runs it (vLLM: the model's GateLinear, before FusedMoE)
+        logits = op("router", lambda: (router_logits(x, L["router"]) if comp == "ours" and x.shape[0] <= ROUTER_MAX_ROWS
+                                       else F.linear(x.to(torch.float32), L["router"])))
+        # vLLM 0.32's MoE runner launches the shared expert on an auxiliary stream for <= 256 tokens
+        # on CUDA (SharedExpertsOrder.MULTI_STREAM_OVERLAPPED), overlapping top-k and the routed experts
+        main = torch.cuda.current_stream()
+        forked = torch.cuda.Event()
+        forked.record(main)
+        with torch.cuda.stream(self.aux):
+            self.aux.wait_event(forked)
+            sh = op("dense_fp8", lambda: L["sh_gate_up"](x, comp))
+            sh_act = op("norms_residual", lambda: swiglu_act(sh, L["shared_limit"], SHARED_EXPERT_CLAMP))
+            sh_out = op("dense_fp8", lambda: L["sh_down"](sh_act, comp))
+            x.record_stream(self.aux)  # the caching allocator must not reuse x before the aux stream read it
+            sh_out.record_stream(main)
+            joined = torch.cuda.Event()
+            joined.record(self.aux)
+
+        def topk():
+            w, ids = grouped_topk(logits, L["bias"], top_k=self.cfg["num_experts_per_tok"],
+                                  n_group=self.cfg["n_group"], topk_group=self.cfg["topk_group"],
+                                  routed_scaling_factor=self.cfg["routed_scaling_factor"])
             L["ids"] = ids
             return w, ids
-        w, ids = op("router", router)
+        w, ids = op("router", topk)
         routed = op("moe_routed", lambda: L["experts"](x, w, ids, L["limit"]))
-        sh = op("dense_fp8", lambda: L["sh_gate_up"](x, comp))
-        sh_act = op("norms_residual", lambda: swiglu_act(sh, L["shared_limit"], SHARED_EXPERT_CLAMP))
-        sh_out = op("dense_fp8", lambda: L["sh_down"](sh_act, comp))
+        main.wait_event(joined)
         return routed, sh_out  # summed by the next add + RMSNorm launch
 
     def step(self, tokens: torch.Tensor, comp: str, op, draft: bool = True):
@@ -436,12 +470,15 @@ def main(argv=None) -> int:
         L2 = model.layers[cfg["first_k_dense_replace"]]
         kw = dict(top_k=cfg["num_experts_per_tok"], n_group=cfg["n_group"], topk_group=cfg["topk_group"],
                   routed_scaling_factor=cfg["routed_scaling_factor"])
-        ids_chk = fused_route(x_chk, L2["router"], L2["bias"], **kw)[1].long()
-        ids_ref = route(x_chk, L2["router"], L2["bias"], **kw)[1].long()
+        x_chk = x_chk.to(torch.bfloat16)
+        logits_chk = (router_logits(x_chk, L2["router"]) if T <= ROUTER_MAX_ROWS
+                      else F.linear(x_chk.float(), L2["router"]))
+        ids_chk = grouped_topk(logits_chk, L2["bias"], **kw)[1].long()
+        ids_ref = route(x_chk.float(), L2["router"], L2["bias"], **kw)[1].long()
         choice = torch.sigmoid(x_chk.float() @ L2["router"].t()) + L2["bias"]
         # another summation order may only swap experts whose biased scores tie within 1e-5
         if ((choice.gather(1, ids_chk) - choice.gather(1, ids_ref)).abs() > 1e-5).any():
-            notes.append(f"T={T}: the Triton router stand-in picked other experts than the reference router")
+            notes.append(f"T={T}: the router (GEMV + top-k stand-in) picked other experts than the reference router")
         b1, bk = P.totals(pl, "fp8")
         row["plan_bytes_target"] = bk
         row["plan_bytes_draft"] = pl.draft_step_bytes_without_head + pl.head_bytes["fp8"]
@@ -480,9 +517,11 @@ def render(results, head, copy_gbs, notes, model, args) -> str:
              f"`python -m benchmarks.decode_step {' '.join(sys.argv[1:])}`", "", head, "",
              f"Context {args.context} tokens; a step of T tokens = the target model over one sequence's T-token "
              "verify window + one NEXTN draft step (eh_proj, MLA, MoE, head) for the next position. "
+             "Shared experts run on a second stream, overlapping top-k and the routed experts (vLLM 0.32's MoE "
+             "runner, <= 256 tokens). "
              f"FP8 head kernel: {model.head_kernel}. Dense FP8 configs: "
              f"{'the sweep winners of ' + args.dense_configs if args.dense_configs else 'the tuned table'}. "
-             "Stand-ins (no serving kernel in this repo):", ""]
+             "Op classes beyond the dense, MoE and head kernels (stand-ins where the serving kernel lives in vLLM, named):", ""]
     lines += [f"- {k}: {v}" for k, v in STANDINS.items()]
     lines += ["", "| T | composition | us/step | launches | plan bytes (MB) | floor us @ copy BW | step / floor | "
               "vllm-ling / upstream |", "|---|---|---|---|---|---|---|---|"]

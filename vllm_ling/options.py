@@ -70,6 +70,14 @@ class DenseFp8(Choice):
     VLLM = "vllm"  # opt out: vLLM's block-FP8 kernel always
 
 
+class Bf16Gemv(Choice):
+    LING = "ling"  # vllm-ling's small GEMV for the checkpoint's unquantized BF16 linears at <= 8 tokens (CUDA)
+    VLLM = "vllm"  # opt out: vLLM's GEMM always
+class RouterGemv(Choice):
+    LING = "ling"  # vllm-ling's router GEMV kernel for Ling's fp32 MoE gates at <= 16 tokens (CUDA)
+    VLLM = "vllm"  # opt out: vLLM's GateLinear path always
+
+
 class VerifyPolicy(Choice):
     STRICT = "strict"  # refuse to serve on a failed check
     WARN = "warn"      # log and serve
@@ -227,6 +235,16 @@ OPTIONS: tuple[Option, ...] = (
            "`1`: each KDA layer runs its q, k, v, f and g projections (same input) as one column-parallel "
            "block-FP8 linear, one launch; `0`: vLLM's three linears (one WARNING, reported)",
            serve_flag=True),
+    Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
+           "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
+           "small GEMV for batches of at most 8 tokens on CUDA (vLLM's GEMM above; an error where it cannot "
+           "run); `vllm` opts out (one WARNING, reported). The CPU path is unchanged",
+           choices=Bf16Gemv, serve_flag=True),
+    Option("VLLM_LING_ROUTER_GEMV", "choice", RouterGemv.LING,
+           "`ling`: fp32 MoE router gates (Ling's) run vllm-ling's one-launch GEMV for batches of at most 16 "
+           "tokens on CUDA (vLLM's GateLinear path above; an error where it cannot run); `vllm` opts out (one "
+           "WARNING, reported). The CPU path is unchanged",
+           choices=RouterGemv, serve_flag=True),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
@@ -416,6 +434,8 @@ class LingOptions:
     fp8_head: bool = BY_NAME["VLLM_LING_FP8_HEAD"].default
     dense_fp8: DenseFp8 = BY_NAME["VLLM_LING_DENSE_FP8"].default
     kda_merged_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_PROJ"].default
+    bf16_gemv: Bf16Gemv = BY_NAME["VLLM_LING_BF16_GEMV"].default
+    router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
     num_spec_tokens: int = BY_NAME["VLLM_LING_NUM_SPEC_TOKENS"].default
     verify: VerifyPolicy = BY_NAME["VLLM_LING_VERIFY"].default

@@ -8,6 +8,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from vllm_ling.cli import serve as launch
 from vllm_ling.cli import warmup
@@ -54,6 +55,31 @@ def test_cpu_with_allow_cpu_reports_shapes_and_exits_0(tmp_path):
     w4a8 = cli(str(model), "--device", "cpu", "--allow-cpu", env_extra={"VLLM_LING_MOE_W4A8": "1"})
     assert w4a8.returncode == 0, w4a8.stderr
     assert "MoE W4A8" in w4a8.stdout
+
+
+def test_router_gemv_plan_follows_the_switch_and_the_gate_shape(tmp_path):
+    config = json.loads(FLASH_CONFIG.read_text())
+
+    def plan(env, **changes):
+        model = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({**config, **changes}))
+        return warmup.plan_warmup(warmup.build_warmup_parser().parse_args([str(model)]), env)
+
+    on = plan({})
+    assert on.router and f"router GEMV {config['num_experts']} x {config['hidden_size']}" in on.describe()
+    off = plan({"VLLM_LING_ROUTER_GEMV": "vllm"})
+    assert not off.router and "router GEMV skipped (VLLM_LING_ROUTER_GEMV=vllm" in off.describe()
+    wide = plan({}, hidden_size=8192)  # the server keeps GateLinear's path for a gate it cannot hold
+    assert not wide.router and "router GEMV skipped (K=8192 exceeds 4096" in wide.describe()
+    # the BF16 linears (b_proj, MLA g_proj): heads per tensor-parallel rank x hidden
+    assert on.bf16_linears and f"BF16 linears small GEMV {config['num_attention_heads']} x " \
+        f"{config['hidden_size']}" in on.describe()
+    off = plan({"VLLM_LING_BF16_GEMV": "vllm"})
+    assert not off.bf16_linears and "BF16 linears skipped (VLLM_LING_BF16_GEMV=vllm" in off.describe()
+    assert wide.bf16_linears  # a BF16 row of 8192 still fits a warp's registers
+    wider = plan({}, hidden_size=16384)
+    assert not wider.bf16_linears and "BF16 linears skipped (K=16384 exceeds 8192" in wider.describe()
 
 
 def test_auto_device_on_this_cpu_machine(tmp_path):
@@ -107,8 +133,12 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
     def fake_dense(shapes):
         calls.append(("dense_fp8", tuple(shapes)))
 
+    def fake_router(hidden, experts):
+        calls.append(("router", hidden, experts))
+
     monkeypatch.setattr(warmup, "_load_warmup_functions",
-                        lambda: [("moe", fake_moe), ("lm_head", fake_head), ("dense_fp8", fake_dense)])
+                        lambda: [("moe", fake_moe), ("lm_head", fake_head), ("dense_fp8", fake_dense),
+                                 ("router", fake_router)])
     monkeypatch.setattr(launch, "cuda_available", lambda: True)
     monkeypatch.delenv("VLLM_LING_KDA_MERGED_PROJ", raising=False)  # the default: merged
     for var in ("VLLM_LING_HUMMING_CACHE", "HUMMING_CACHE_DIR", "HUMMING_TMP_DIR"):
@@ -128,6 +158,7 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
         # in-projection merge (on by default: q|k|v|f|g = 20480 x 2560, no 4096 x 2560 left)
         ("dense_fp8", ((20480, 2560), (12288, 2560), (2560, 6144), (6144, 2560), (2560, 5120),
                        (2560, 4096), (1536, 2560), (2560, 768), (576, 2560))),
+        ("router", config["hidden_size"], config["num_experts"]),  # the fp32 gate, replicated on every rank
     ]
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.split() and line.split()[0] in ("moe", "lm_head")}
@@ -160,6 +191,7 @@ def test_real_kernel_warmup_functions_accept_the_arguments_warmup_passes():
         token_counts=[1, 4], swiglu_limits=shapes.swiglu_limits, **kwargs)
     inspect.signature(groups["lm_head"]).bind(shapes.vocab_rows, shapes.hidden_size, row_counts=[1, 4])
     inspect.signature(groups["dense_fp8"]).bind([(12288, 2560)])
+    inspect.signature(groups["router"]).bind(shapes.hidden_size, shapes.num_experts)
 
 
 COMBINATIONS = [
@@ -168,7 +200,7 @@ COMBINATIONS = [
     {"VLLM_LING_MOE_DECODE": "off"},
     {"VLLM_LING_MOE_DECODE": "copy", "VLLM_LING_MOE_DECODE_MAX_TOKENS": "8"},
     {"VLLM_LING_MOE_W4A8": "1", "VLLM_LING_MOE_DECODE": "off", "VLLM_LING_FP8_HEAD": "0"},
-    {"VLLM_LING_MOE_BACKEND": "vllm", "VLLM_LING_DENSE_FP8": "vllm"},
+    {"VLLM_LING_MOE_BACKEND": "vllm", "VLLM_LING_DENSE_FP8": "vllm", "VLLM_LING_ROUTER_GEMV": "vllm"},
     {"VLLM_LING_KDA_MERGED_PROJ": "0"},
 ]
 
@@ -183,7 +215,7 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
 
     for name in list(env) + ["VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_BACKEND",
                              "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8",
-                             "VLLM_LING_KDA_MERGED_PROJ"]:
+                             "VLLM_LING_ROUTER_GEMV", "VLLM_LING_KDA_MERGED_PROJ"]:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -210,3 +242,13 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     # the KDA shapes follow the same switch as the server's KDA layer: one merged 20480 x 2560, or three
     assert ((20480, 2560) in plan.dense_shapes) == options.kda_merged_proj
     assert ((4096, 2560) in plan.dense_shapes) != options.kda_merged_proj
+    # the router group follows the server's decision for Ling's gate (kernel available: pretend GPU)
+    from vllm_ling.layers import router_gate_cuda
+    from vllm_ling.ops import router as router_ops
+
+    monkeypatch.setattr(router_ops, "unavailable_reason", lambda device=None: None)
+    config = json.loads(FLASH_CONFIG.read_text())
+    gate = router_gate_cuda.GateFacts(prefix="model.layers.3.mlp.gate", num_experts=config["num_experts"],
+                                      hidden_size=config["hidden_size"], weight_dtype=torch.float32,
+                                      has_bias=False, unquantized=True, out_dtype=torch.float32)
+    assert plan.router == (router_gate_cuda.decide(gate, options.router_gemv) is None)

@@ -197,3 +197,32 @@ def test_unjudged_rows_are_ignored_but_judged_rows_still_fail():
     r = ka.run_check("moe_mxfp4", "x", [case], lambda inp: bad_a)
     assert r.failing_inputs == ["4 tokens (decode-sized), no clamp: tokens on experts A (all 16 e2m1 codes, "
                                 "scales ~2^0)"]
+
+
+def test_router_problem_answers_and_planted_faults():
+    from vllm_ling.ops.router import reference_router_logits
+
+    p = ka.router_gemv_problem(256)
+    assert [c.label for c in p.cases] == ["1 token x 13 experts x 256", "3 tokens x 13 experts x 256",
+                                          "16 tokens x 13 experts x 256"]
+    one_hot = p.cases[1].inputs["x"][1].double()
+    assert one_hot.sum() == 1 and torch.equal(p.cases[1].reference[1], p.weight.double()[:, -1])
+    assert (p.weight[2] == 0).all() and p.weight[0].abs().max() > 2.0 ** 30  # zero and far-scaled expert rows
+
+    exact = ka.check_router_gemv(lambda x, w: reference_router_logits(x, w).float(), "float64 reference", 2560)
+    fp32 = ka.check_router_gemv(lambda x, w: x.float() @ w.t(), "fp32 matmul", 2560)  # any fp32 order passes
+    assert exact.passed and fp32.passed and fp32.tolerance == 2.0 ** -16, fp32.message()
+
+    bf16_weight = ka.check_router_gemv(lambda x, w: (x.float() @ w.bfloat16().float().t()), "bf16 weights", 2560)
+    assert not bf16_weight.passed  # a kernel reading the fp32 gate as BF16 loses the router's precision
+    last_column = ka.check_router_gemv(lambda x, w: x[:, :-1].float() @ w[:, :-1].t(), "drops column H-1", 256)
+    assert not last_column.passed and "tokens 0 (random), 1 (one-hot)" in last_column.failing_inputs[1]
+
+    def zero_row_garbage(x, w):
+        out = x.float() @ w.t()
+        out[:, 2] = 1e-3
+        return out
+
+    r = ka.check_router_gemv(zero_row_garbage, "zero expert written", 256)
+    assert r.failing_inputs[0] == ("1 token x 13 experts x 256: 1 of 13 logits off by more than 2^-16 of "
+                                   "|x|.|w|: tokens 0 (random); experts 2 (zero)")

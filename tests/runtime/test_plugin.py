@@ -35,6 +35,7 @@ out = {
   "quant": get_quantization_config("ling_fp8").__name__,
   "config": _CONFIG_REGISTRY["bailing_hybrid"].__name__,
   "kda_oot": op_registry_oot.get("BailingMoeV3KimiDeltaAttention").__module__,
+  "gate_oot": repr(op_registry_oot.get("GateLinear")),
   "registered_lines": [m for m in records if m.startswith("vllm-ling registered")],
 }
 print("RESULT" + json.dumps(out))
@@ -51,6 +52,7 @@ def test_plugin_loader_registers_once_in_a_fresh_process():
     assert out["quant"] == "LingFp8Config"
     assert out["config"] == "LingHybridConfig"
     assert out["kda_oot"] == "vllm_ling.layers.kda_cpu"  # this suite runs on the CPU platform
+    assert out["gate_oot"] == "None"  # the router GEMV gate is installed on CUDA only
     assert len(out["registered_lines"]) == 1, out["registered_lines"]
     assert "BailingMoeV3ForCausalLM -> vllm_ling.models.ling3:LingForCausalLM" in out["registered_lines"][0]
     # every register-stage patch of the registry, in its order (P3: this suite runs on the CPU)

@@ -71,6 +71,9 @@ def test_defaults_verified_and_reported(default_server):
     assert "path:" in report["optimizations"]["mtp"]["detail"]  # which sharing path was taken
     kda = report["optimizations"]["kda_merged_in_proj"]  # each KDA layer: one q|k|v|f|g linear
     assert kda["active"] and kda["detail"].startswith("5 of 5 KDA layers run one qkvfg_proj linear"), kda
+    assert report["optimizations"]["router_gemv"] == {  # a CUDA kernel: vLLM's GateLinear on CPU, no warning
+        "requested": False, "active": False,
+        "detail": "not applicable on the CPU platform: vLLM's GateLinear path is unchanged"}
     assert report["model_runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # and in which runner
     log = server.log()
     assert ("vllm-ling startup verification (cpu, policy strict, runner "

@@ -393,3 +393,16 @@ def test_unmerged_kda_layers_pass_with_their_reason_but_are_not_active(loaded_ti
     check = _check(report, "kda_in_proj")
     assert check["passed"] and check["actual"].endswith(f"; 1 unmerged: {why}")
     assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
+
+
+def test_requested_small_gemv_needs_the_unquantized_linears_on_it(loaded_tiny_models):
+    # the CPU-loaded model keeps vLLM's GEMM for b_proj / g_proj, so asking for the CUDA small
+    # GEMV must fail and say what it found; not requested (CPU) it passes and reports inactive
+    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "small_bf16": True})
+    check = _check(report, "small_bf16_layers")
+    assert not check["passed"] and check["actual"].startswith("0 of ")
+    assert report["optimizations"]["small_bf16_decode"] == {"requested": True, "active": False,
+                                                             "detail": check["actual"]}
+    report = _report(loaded_tiny_models)
+    assert _check(report, "small_bf16_layers")["passed"]
+    assert report["optimizations"]["small_bf16_decode"]["requested"] is False

@@ -2,8 +2,8 @@
 
 It reads the model's ``config.json`` for the shapes and **the same options the server reads**
 (:class:`vllm_ling.options.LingOptions`: MoE backend, W4A8, decode mode and threshold, FP8
-head), so it compiles exactly the kernel set the server will use and nothing else: a kernel
-group the server will not run is skipped with the reason. It is meant as an init container /
+head, dense FP8, router GEMV, BF16 small GEMV), so it compiles exactly the kernel set the server will use and
+nothing else: a kernel group the server will not run is skipped with the reason. It is meant as an init container /
 one-shot compose service that shares the humming JIT cache volume
 (``VLLM_LING_HUMMING_CACHE``) with the server. Imports torch and the kernels lazily.
 """
@@ -21,12 +21,14 @@ from typing import Mapping
 from vllm_ling.cli.serve import (DEFAULT_MODEL, EXIT_USAGE, LaunchError, check_model_dir, read_model_config,
                                  read_option, resolve_device, resolve_model)
 from vllm_ling.models.dense_linears import distinct_decode_shapes
-from vllm_ling.options import DenseFp8, LingOptionError, LingOptions, MoeBackend, MoeDecode, option
+from vllm_ling.options import (Bf16Gemv, DenseFp8, LingOptionError, LingOptions, MoeBackend, MoeDecode, RouterGemv,
+                               option)
 
 # The plugin switches that decide which kernels run; warmup takes each as a flag too
 # (flag > environment > default, like `vllm-ling serve`).
 KERNEL_OPTIONS = ("VLLM_LING_MOE_BACKEND", "VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE",
                   "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8",
+                  "VLLM_LING_ROUTER_GEMV", "VLLM_LING_BF16_GEMV",
                   "VLLM_LING_KDA_MERGED_PROJ")
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
@@ -39,6 +41,7 @@ class KernelShapes:
     num_experts: int
     top_k: int
     vocab_rows: int  # LM-head rows per tensor-parallel rank
+    bf16_linear_rows: int  # rows of the unquantized BF16 linears (b_proj, MLA g_proj: heads) per rank
     # Distinct routed-expert SwiGLU clamp limits (None = no clamp); humming generates the
     # activation kernel per limit.
     swiglu_limits: tuple[float | None, ...] = (None,)
@@ -62,6 +65,7 @@ def kernel_shapes(config: dict, tensor_parallel_size: int, config_path: Path) ->
         num_experts=config["num_experts"],
         top_k=config["num_experts_per_tok"],
         vocab_rows=-(-padded_vocab // tp),
+        bf16_linear_rows=max(1, config.get("num_attention_heads", tp) // tp),
         swiglu_limits=(None, *sorted(limits)),
     )
 
@@ -116,6 +120,30 @@ class WarmupPlan:
         """The server runs vllm-ling's W8A16 kernels on block-FP8 dense linears (CUDA)."""
         return self.options.dense_fp8 is DenseFp8.LING and bool(self.dense_shapes)
 
+    @property
+    def router(self) -> bool:
+        """The server runs vllm-ling's router GEMV on the fp32 MoE gates (CUDA) where it holds them."""
+        return self.options.router_gemv is RouterGemv.LING and not self.router_problems
+
+    @property
+    def router_problems(self) -> list[str]:
+        from vllm_ling.ops.router import shape_problems as router_shape_problems
+
+        return router_shape_problems(self.shapes.num_experts, self.shapes.hidden_size)
+
+    @property
+    def bf16_linears(self) -> bool:
+        """The server runs vllm-ling's small GEMV on the unquantized BF16 linears (CUDA)."""
+        return self.options.bf16_gemv is Bf16Gemv.LING and not self.bf16_problems
+
+    @property
+    def bf16_problems(self) -> list[str]:
+        import torch
+
+        from vllm_ling.ops.small_gemv import shape_problems
+
+        return shape_problems(self.shapes.bf16_linear_rows, self.shapes.hidden_size, torch.bfloat16)
+
     def moe_kwargs(self) -> dict:
         """Exactly the kernel switches the server's MoE method gets (layers.quant_config)."""
         decode = self.options.moe_decode
@@ -132,10 +160,18 @@ class WarmupPlan:
                  "dense FP8 skipped (" + ("VLLM_LING_DENSE_FP8=vllm: vLLM's kernel serves"
                                           if self.options.dense_fp8 is not DenseFp8.LING
                                           else "no block-FP8 dense linears") + ")")
+        router = (f"router GEMV {s.num_experts} x {s.hidden_size}" if self.router else
+                  "router GEMV skipped (" + ("VLLM_LING_ROUTER_GEMV=vllm: vLLM's GateLinear serves"
+                                             if self.options.router_gemv is not RouterGemv.LING
+                                             else "; ".join(self.router_problems)) + ")")
+        bf16 = (f"BF16 linears small GEMV {s.bf16_linear_rows} x {s.hidden_size}" if self.bf16_linears else
+                "BF16 linears skipped (" + ("VLLM_LING_BF16_GEMV=vllm: vLLM's GEMM serves"
+                                            if self.options.bf16_gemv is not Bf16Gemv.LING
+                                            else "; ".join(self.bf16_problems)) + ")")
         return (f"{self.model_dir} (tensor parallel {self.tensor_parallel_size}): hidden "
                 f"{s.hidden_size}, expert intermediate {s.intermediate_size}, {s.num_experts} "
                 f"experts, top-{s.top_k}, SwiGLU limits {list(s.swiglu_limits)}; {moe}; {head} "
-                f"{s.vocab_rows} x {s.hidden_size}; {dense}")
+                f"{s.vocab_rows} x {s.hidden_size}; {dense}; {router}; {bf16}")
 
 
 def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
@@ -176,8 +212,10 @@ def _load_warmup_functions():
     try:
         from vllm_ling.ops import lm_head, moe
         from vllm_ling.ops.dense_fp8 import warmup as dense_fp8
+        from vllm_ling.ops.small_gemv import warmup as small_gemv
         return [("moe", moe.warmup_kernels), ("lm_head", lm_head.warmup_kernels),
-                ("dense_fp8", dense_fp8.warmup_kernels)]
+                ("dense_fp8", dense_fp8.warmup_kernels), ("router", small_gemv.warmup_router),
+                ("bf16_linears", small_gemv.warmup_bf16_linears)]
     except (ImportError, AttributeError) as exc:
         raise LaunchError(
             "this vllm-ling has no kernel warmup (vllm_ling.ops.moe.warmup_kernels / "
@@ -221,7 +259,8 @@ def warmup_main(argv: list[str]) -> int:
         return EXIT_USAGE
 
     try:
-        wanted = {"moe": plan.moe, "lm_head": plan.head, "dense_fp8": plan.dense}
+        wanted = {"moe": plan.moe, "lm_head": plan.head, "dense_fp8": plan.dense, "router": plan.router,
+                  "bf16_linears": plan.bf16_linears}
         groups = [(name, warm) for name, warm in _load_warmup_functions() if wanted[name]]
     except LaunchError as exc:
         print(f"vllm-ling warmup: error: {exc}", file=sys.stderr)
@@ -244,6 +283,10 @@ def warmup_main(argv: list[str]) -> int:
                               swiglu_limits=shapes.swiglu_limits, **plan.moe_kwargs())
             elif name == "dense_fp8":
                 result = warm(list(plan.dense_shapes))
+            elif name == "router":
+                result = warm(shapes.hidden_size, shapes.num_experts)
+            elif name == "bf16_linears":
+                result = warm(shapes.bf16_linear_rows, shapes.hidden_size)
             else:
                 result = warm(shapes.vocab_rows, shapes.hidden_size, row_counts=list(plan.row_counts))
             seconds = time.perf_counter() - start

@@ -116,3 +116,19 @@ def check_head_method(method, device: torch.device | str = "cpu") -> ka.KernelCh
                                     [f"scratch head: raised {type(exc).__name__}: {exc}"], 0.0)
     return ka.run_check("fp8_head", str(kernel), problem.cases,
                         lambda inp: scratch_method.apply(None, inp["x"].to(device)))
+
+
+def check_router_gate(gate, device: torch.device | str = "cpu") -> ka.KernelCheckResult:
+    """The router GEMV path of a served gate (``vllm_ling::router_logits``, 1..MAX_ROWS tokens)
+    on :func:`~vllm_ling.ops.known_answer.router_gemv_problem` at the gate's hidden size,
+    through a scratch gate holding the known weights (the served gate is not touched)."""
+    from vllm_ling.layers import router_gate_cuda
+
+    scratch = torch.nn.Module()
+    key = router_gate_cuda.register_gate(scratch, "known-answer scratch gate")
+
+    def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        scratch.weight = weight
+        return torch.ops.vllm_ling.router_logits(x, key)
+
+    return ka.check_router_gemv(forward, router_gate_cuda.KERNEL_LABEL, gate.input_size, device)

@@ -4,8 +4,9 @@ It takes over automatically (``override_quantization_method``) for checkpoints w
 ``quantization_config`` says ``quant_method: fp8`` with MXFP4 routed experts, unless
 the user named another ``--quantization``. Dense block-FP8 linears run vLLM's method with
 vllm-ling's W8A16 kernel for decode-sized batches on CUDA (``VLLM_LING_DENSE_FP8=vllm`` opts
-out) and a plain-PyTorch reference on CPUs without AMX; routed experts, the LM head and the
-CPU paths are ours.
+out) and a plain-PyTorch reference on CPUs without AMX; the linears the checkpoint leaves in BF16
+run vLLM's method with vllm-ling's small GEMV for decode-sized batches on CUDA
+(``VLLM_LING_BF16_GEMV=vllm`` opts out); routed experts, the LM head and the CPU paths are ours.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ class LingFp8Config(Fp8Config):
                 from vllm.model_executor.layers.quantization.utils.marlin_utils import get_marlin_input_dtype
 
                 method.marlin_input_dtype = get_marlin_input_dtype(prefix)  # as Fp8Config does
+                return method
+        if isinstance(layer, LinearBase) and current_platform.is_cuda() and self._skipped(prefix):
+            from vllm_ling.layers.small_bf16_cuda import choose_small_bf16_method
+
+            method = choose_small_bf16_method(prefix, self.options.bf16_gemv.value)
+            if method is not None:
                 return method
         if isinstance(layer, ParallelLMHead) and self.options.fp8_head:
             from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod

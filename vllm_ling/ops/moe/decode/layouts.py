@@ -216,7 +216,8 @@ class HummingLayoutDecode(_TwoKernelDecode):
         c, gate_up, _ = self._pick(x.shape[0])
         self._launch_shape(c.gate_up, gate_up, ids.numel(),
                            (self._w13.data_ptr(), self._s13.data_ptr(), x.data_ptr(), ids.data_ptr(),
-                            act.data_ptr(), limit, has_limit), GATE_UP_ARG_TYPES, stream, pdl=False)
+                            act.data_ptr(), limit, has_limit), GATE_UP_ARG_TYPES, stream,
+                           pdl=c.use_pdl and self._has_pdl)
 
     def _launch_down(self, act, w, ids, out, stream):
         c, _, down = self._pick(ids.shape[0])

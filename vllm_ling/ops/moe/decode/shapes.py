@@ -132,8 +132,9 @@ class RegisterDown(KernelShape):
 
 @dataclasses.dataclass(frozen=True)
 class HummingDecodeConfig:
-    """The two kernels' launch shapes on humming's layout (benchmark levers) and whether the
-    down kernel may start while gate_up finishes (programmatic dependent launch)."""
+    """The two kernels' launch shapes on humming's layout (benchmark levers) and whether both
+    launch with programmatic dependent launch: gate_up sets up its pipeline while the previous
+    kernel finishes, down streams its weights while gate_up finishes."""
 
     gate_up: StreamedGateUp = StreamedGateUp()
     down: RegisterDown = RegisterDown()

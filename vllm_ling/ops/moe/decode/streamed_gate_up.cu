@@ -28,7 +28,6 @@ ling_moe_hs_gate_up(const unsigned char* __restrict__ w13, const unsigned char* 
   const u32 rank = cluster_rank();
   const int b0 = (blockIdx.x / CL_S) * BPC_S, a = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const long long e = topk_ids[a];
   const int G0 = (int)rank * GPC_S;
   if (threadIdx.x == 0) {
     for (int s = 0; s < ST_S; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CONS_S); }
@@ -38,8 +37,13 @@ ling_moe_hs_gate_up(const unsigned char* __restrict__ w13, const unsigned char* 
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   __syncthreads();
 #if __CUDA_ARCH__ >= 900
+  // launched with programmatic dependent launch: the setup above overlaps the previous kernel;
+  // the expert ids and x are its outputs (or an earlier kernel's, complete before it finished).
+  // The down kernel reads the ids before its own wait, so it may start only after this wait.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
+  const long long e = topk_ids[a];
   if (warp == CONS_S) {
     if (lane == 0) {
       for (int i = 0; i < NS_S; ++i) {

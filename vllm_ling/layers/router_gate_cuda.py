@@ -1,0 +1,238 @@
+"""Ling's MoE router gate on CUDA: vllm-ling's one-launch GEMV for decode-sized batches.
+
+vLLM 0.32 builds Ling's gate as ``GateLinear(hidden, num_experts, out_dtype=float32,
+params_dtype=float32)``. For an fp32 gate of Ling's shape none of GateLinear's specialized tiers
+applies on sm_90 or sm_121: it casts the tokens to fp32 and runs cuBLAS's fp32 GEMM, two launches
+(``benchmarks/results/small_gemv_h200.md``). :class:`LingGateLinear` *is* GateLinear (same
+parameters, loaders and every tier); for a gate the router GEMV holds (fp32, unquantized,
+bias-free, fp32 logits, a hidden size :func:`vllm_ling.ops.router.shape_problems` accepts, and no
+specialized vLLM kernel for it on this GPU) it runs :func:`vllm_ling.ops.router.router_logits` for
+batches of 1..``MAX_ROWS`` BF16 tokens and GateLinear's own forward otherwise. The decision is
+made at construction, before weights load; a gate it does not hold keeps GateLinear's path, so
+other models and every other platform are unchanged.
+
+vLLM compiles the model with ``torch.compile(fullgraph=True)`` and symbolic batch sizes, so the
+choice by row count happens inside one custom op (``vllm_ling::router_logits``, the gate found by
+name as vLLM's own layer ops do), never as a Python branch on the traced batch size.
+
+Installed through vLLM's out-of-tree layer mechanism (``PluggableLayer.register_oot``, keyed by
+the in-tree class name), on the CUDA platform only: :func:`register_cuda_router_gate`. The
+startup verification finds the gates on the loaded model and runs the kernel on known answers
+(``runtime/verification.py``, ``runtime/kernel_checks.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+
+import torch
+
+from vllm_ling.log import get_logger, log_once
+from vllm_ling.options import RouterGemv, read
+from vllm_ling.ops import router as router_ops
+
+logger = get_logger("router")
+
+IN_TREE_NAME = "GateLinear"
+KERNEL_LABEL = f"vllm-ling router GEMV (<= {router_ops.MAX_ROWS} tokens)"
+_DESCRIPTION = (f"MoE router gates (CUDA): {KERNEL_LABEL}, GateLinear's path above, for the fp32 gates GateLinear "
+                "runs as cast + F.linear")
+OPT_OUT = "VLLM_LING_ROUTER_GEMV=vllm"
+
+
+class RouterGemvUnavailable(RuntimeError):
+    """The router GEMV was requested (the default) for a gate it holds and cannot run here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GateFacts:
+    """What decides a gate's path, read from the constructed GateLinear before weights load."""
+
+    prefix: str
+    num_experts: int
+    hidden_size: int
+    weight_dtype: torch.dtype
+    has_bias: bool
+    unquantized: bool
+    out_dtype: torch.dtype | None
+    vllm_kernel: str | None = None  # a specialized kernel vLLM has for this gate on this GPU
+    batch_invariant: bool = False   # VLLM_BATCH_INVARIANT: vLLM's batch-invariant linear
+
+
+def decide(facts: GateFacts, option: RouterGemv, device: torch.device | str | None = None) -> str | None:
+    """None when the router GEMV serves this gate; otherwise why GateLinear's path does.
+
+    Opted out: one WARNING. Not a gate the kernel is for (quantized, bias, not fp32 weights and
+    logits): GateLinear as it is, said once at INFO. A gate of that kind whose shape the kernel
+    cannot hold, one vLLM has a specialized kernel for, or vLLM's batch-invariant mode: one WARNING
+    per reason. Otherwise the kernel must run on this GPU, else :class:`RouterGemvUnavailable`
+    naming the opt-out.
+    """
+    if option is RouterGemv.VLLM:
+        log_once(logger, logging.WARNING, "router-gemv-opt-out",
+                 "Router GEMV is OFF by explicit choice (%s): MoE gates run vLLM's GateLinear path; the startup "
+                 "report marks router_gemv inactive.", OPT_OUT)
+        return f"opted out ({OPT_OUT})"
+    kind = []
+    if not facts.unquantized:
+        kind.append("quantized")
+    if facts.has_bias:
+        kind.append("has a bias")
+    if facts.weight_dtype != torch.float32:
+        kind.append(f"{str(facts.weight_dtype).replace('torch.', '')} weights")
+    if facts.out_dtype not in (None, torch.float32):
+        kind.append(f"{str(facts.out_dtype).replace('torch.', '')} logits")
+    if kind:
+        reason = "not an fp32 unquantized bias-free gate with fp32 logits (" + ", ".join(kind) + ")"
+        log_once(logger, logging.INFO, f"router-gemv-kind-{reason}",
+                 "%s and similar gates keep vLLM's GateLinear path: %s.", facts.prefix, reason)
+        return reason
+    problems = router_ops.shape_problems(facts.num_experts, facts.hidden_size)
+    if facts.vllm_kernel:
+        problems.append(f"vLLM has a specialized kernel for this gate here ({facts.vllm_kernel})")
+    if facts.batch_invariant:
+        problems.append("vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT) is on")
+    if problems:
+        reason = "; ".join(problems)
+        log_once(logger, logging.WARNING, f"router-gemv-off-{reason}",
+                 "Router GEMV off for %s (%d experts x %d) and similar gates: %s; vLLM's GateLinear path serves "
+                 "them (the startup check router_gates reports it).", facts.prefix, facts.num_experts,
+                 facts.hidden_size, reason)
+        return reason
+    why = router_ops.unavailable_reason(device)
+    if why:
+        raise RouterGemvUnavailable(f"router GEMV cannot run for {facts.prefix}: {why}; opt out with {OPT_OUT}")
+    log_once(logger, logging.INFO, "router-gemv-on", "MoE router gates: %s.", KERNEL_LABEL)
+    return None
+
+
+# name -> gate, for the custom op (weak: a rebuilt model's old gates are not kept alive)
+_GATES: weakref.WeakValueDictionary[str, torch.nn.Module] = weakref.WeakValueDictionary()
+
+
+def register_gate(gate: torch.nn.Module, prefix: str) -> str:
+    """The op's name for ``gate``: its prefix (unique within a model, stable across processes),
+    suffixed where another live gate holds it."""
+    key, n = prefix or "gate", 1
+    while _GATES.get(key) not in (None, gate):
+        n += 1
+        key = f"{prefix or 'gate'}#{n}"
+    _GATES[key] = gate
+    return key
+
+
+def _is_kernel_input(x: torch.Tensor) -> bool:
+    return x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+
+
+def _router_logits_impl(x: torch.Tensor, gate_name: str) -> torch.Tensor:
+    gate = _GATES[gate_name]
+    if 1 <= x.shape[0] <= router_ops.MAX_ROWS:
+        if not _is_kernel_input(x):  # e.g. a row slice at an odd offset: the kernel reads 16-byte rows
+            x = x.clone(memory_format=torch.contiguous_format)
+        return router_ops.router_logits(x, gate.weight)
+    return gate.vllm_gate_logits(x)
+
+
+def _router_logits_fake(x: torch.Tensor, gate_name: str) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _GATES[gate_name].weight.shape[0]), dtype=torch.float32)
+
+
+router_logits_op = torch.library.custom_op("vllm_ling::router_logits", _router_logits_impl, mutates_args=())
+router_logits_op.register_fake(_router_logits_fake)
+
+
+_GATE_CLASS = None
+
+
+def _vllm_kernel(gate) -> str | None:
+    """GateLinear's own specialized tier for this (fp32) gate on this GPU, if any."""
+    for flag, name in (("allow_fp32_router_gemm", "fp32 router GEMM"),
+                       ("allow_bf16x3_router_gemm", "BF16x3 router GEMM"),
+                       ("allow_rocm_bf16x3_router_gemm", "ROCm BF16x3 router GEMM")):
+        if getattr(gate, flag, False):
+            return name
+    return None
+
+
+def _gate_class():
+    """Build the subclass lazily: importing vLLM's layer must wait for the platform."""
+    global _GATE_CLASS
+    if _GATE_CLASS is not None:
+        return _GATE_CLASS
+
+    from vllm import envs
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    class LingGateLinear(GateLinear):
+        """GateLinear whose fp32 gates run vllm-ling's router GEMV at decode sizes."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            device = self.weight.device if self.weight.device.type == "cuda" else None
+            self.ling_router_key = register_gate(self, self.prefix)
+            self.ling_router_gemv_reason = decide(self.gate_facts(), read("VLLM_LING_ROUTER_GEMV"), device)
+
+        def gate_facts(self) -> GateFacts:
+            return GateFacts(prefix=self.prefix, num_experts=self.output_size, hidden_size=self.input_size,
+                             weight_dtype=self.weight.dtype, has_bias=self.bias is not None,
+                             unquantized=self.is_unquantized, out_dtype=self.out_dtype,
+                             vllm_kernel=_vllm_kernel(self), batch_invariant=bool(envs.VLLM_BATCH_INVARIANT))
+
+        @property
+        def ling_router_gemv(self) -> bool:
+            """The router GEMV serves this gate's batches of 1..MAX_ROWS BF16 tokens (fp32 logits:
+            a gate built without ``out_dtype`` takes it once ``set_out_dtype(float32)`` is called)."""
+            return self.ling_router_gemv_reason is None and self.out_dtype == torch.float32
+
+        def set_out_dtype(self, out_dtype: torch.dtype) -> None:
+            super().set_out_dtype(out_dtype)
+            if self.ling_router_gemv_reason is None and out_dtype != torch.float32:
+                self.ling_router_gemv_reason = decide(self.gate_facts(), RouterGemv.LING)
+
+        def vllm_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+            """GateLinear's own forward (every tier), logits only."""
+            out = super().forward(x)
+            return out[0] if isinstance(out, tuple) else out
+
+        def forward(self, x: torch.Tensor):
+            # static facts only (dtype, rank, attributes): the row count is decided inside the op
+            if not self.ling_router_gemv or x.dtype != torch.bfloat16 or x.dim() != 2:
+                return super().forward(x)
+            return self._return(torch.ops.vllm_ling.router_logits(x, self.ling_router_key))
+
+    LingGateLinear.__qualname__ = "LingGateLinear"
+    _GATE_CLASS = LingGateLinear
+    return _GATE_CLASS
+
+
+def router_gate_class():
+    """vllm-ling's subclass of vLLM's ``GateLinear`` (built on first use)."""
+    return _gate_class()
+
+
+def register_cuda_router_gate() -> list[str]:
+    """Install :class:`LingGateLinear` for every ``GateLinear`` when vLLM runs on CUDA.
+
+    Idempotent (vLLM loads plugins in every process, sometimes twice). Returns what was
+    registered, for the plugin's single INFO line; empty on other platforms, where vLLM's
+    GateLinear is built untouched.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return []
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+
+    cls = _gate_class()
+    present = op_registry_oot.get(IN_TREE_NAME)
+    if present is None:
+        PluggableLayer.register_oot(cls, name=IN_TREE_NAME)
+    elif present is not cls:
+        log_once(logger, logging.WARNING, "router-gate-foreign",
+                 "%s already has an out-of-tree replacement (%s.%s); leaving it in place, so vllm-ling's router "
+                 "GEMV is NOT used", IN_TREE_NAME, present.__module__, present.__qualname__)
+        return []
+    return [_DESCRIPTION]

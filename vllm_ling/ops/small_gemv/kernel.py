@@ -1,0 +1,131 @@
+"""Launch the small-N GEMV (``small_gemv.cu``; the why is in its header).
+
+``small_gemv(x, weight, out_dtype)`` = ``x @ weight.T`` for BF16 ``x`` [T, K] (T <= ``MAX_ROWS``,
+rows 16-byte aligned) and an fp32 or BF16 ``weight`` [N, K] whose row fits a warp's registers
+(K a multiple of 128 fp32 / 256 BF16 weights, at most 32 16-byte chunks per lane), into fp32 or
+BF16. One warp per weight row, ``warps`` rows per CTA, one token per pass for a single row and
+two above (``benchmarks/results/small_gemv_h200.md``). Compiled by NVRTC through
+:mod:`vllm_ling.ops.cuda_jit` (humming's JIT cache); runs on sm_80+, with programmatic dependent
+launch from sm_90. CUDA-graph capturable (no host sync; one allocation, the output, when ``out``
+is not given). No vLLM import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from importlib import resources
+
+import torch
+
+KERNEL_NAME = "ling_small_gemv"
+MAX_ROWS = 16  # above, the per-token passes cost more than cuBLAS (benchmarks/results/small_gemv_h200.md)
+BF16_MAX_ROWS = 8  # Ling's 32-row BF16 linears: cuBLAS is as fast from 16 rows (small_gemv_h200.md)
+_MAX_CHUNKS_PER_LANE = 32  # 16-byte weight chunks held per lane (128 registers)
+_WARPS = 4                 # weight rows per CTA
+_WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ARG_TYPES = (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 3
+
+
+def shape_problems(n: int, k: int, weight_dtype: torch.dtype) -> list[str]:
+    """Why the kernel cannot hold an [N, K] weight of ``weight_dtype`` (empty when it can)."""
+    if weight_dtype not in _WEIGHT_DTYPES:
+        return [f"weight dtype {weight_dtype} is neither fp32 nor BF16"]
+    out = []
+    chunk_k = 16 // torch.empty((), dtype=weight_dtype).element_size()
+    if k % (32 * chunk_k):
+        out.append(f"K={k} is not a multiple of {32 * chunk_k}")
+    elif k // (32 * chunk_k) > _MAX_CHUNKS_PER_LANE:
+        out.append(f"K={k} exceeds {32 * chunk_k * _MAX_CHUNKS_PER_LANE} (a weight row must fit a warp's registers)")
+    if n < 1:
+        out.append("no output rows")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_unavailable_reason() -> str | None:
+    """Why the kernel cannot be compiled or launched in this process (None when it can)."""
+    try:
+        import cuda.bindings.driver  # noqa: F401 - the launcher's driver bindings
+        import humming.jit.runtime  # noqa: F401 - the NVRTC runtime and cache it compiles through
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def unavailable_reason(device: torch.device | str | None = None) -> str | None:
+    """Why the kernel cannot run on ``device`` (None when it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"sm_{major}{minor}: needs sm_80+"
+    return kernel_unavailable_reason()
+
+
+def default_tokens_per_pass(rows: int) -> int:
+    """One token per pass for a single row, else two (the sweep in small_gemv_h200.md)."""
+    return 1 if rows == 1 else 2
+
+
+@functools.cache
+def _kernel_text() -> str:
+    return resources.files(__package__).joinpath("small_gemv.cu").read_bytes().decode()
+
+
+def source(k: int, weight_dtype: torch.dtype, out_dtype: torch.dtype, warps: int, tokens_per_pass: int) -> str:
+    """The CUDA text handed to NVRTC: the shape as ``#define`` lines, then the kernel."""
+    defines = dict(K_=k, WARPS=warps, TB=tokens_per_pass, W_BF16=_WEIGHT_DTYPES[weight_dtype],
+                   OUT_BF16=_OUT_DTYPES[out_dtype])
+    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _kernel_text()
+
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def compiled(k: int, weight_dtype: torch.dtype, out_dtype: torch.dtype, warps: int, tokens_per_pass: int,
+             device: torch.device):
+    """The kernel for one shape (compiled on first use; warm-up calls this ahead of serving)."""
+    key = (k, weight_dtype, out_dtype, warps, tokens_per_pass, device)
+    kernel = _COMPILED.get(key)
+    if kernel is None:
+        from vllm_ling.ops.cuda_jit import compiled_kernel
+
+        kernel = _COMPILED[key] = compiled_kernel(
+            KERNEL_NAME, source(k, weight_dtype, out_dtype, warps, tokens_per_pass), device)
+    return kernel
+
+
+def small_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, *, out: torch.Tensor | None = None,
+               warps: int = _WARPS, tokens_per_pass: int | None = None, pdl: bool = True) -> torch.Tensor:
+    """``out_dtype`` [T, N] = BF16 ``x`` [T, K] @ ``weight`` [N, K].T (fp32 accumulation)."""
+    from vllm_ling.ops.cuda_jit import launch
+
+    (n, k), t = weight.shape, x.shape[0]
+    problems = shape_problems(n, k, weight.dtype)
+    if x.dtype != torch.bfloat16:
+        problems.append(f"needs BF16 activations, got {x.dtype}")
+    if out_dtype not in _OUT_DTYPES:
+        problems.append(f"output dtype {out_dtype} is neither fp32 nor BF16")
+    if x.dim() != 2 or x.shape[1] != k:
+        problems.append(f"activations {tuple(x.shape)} do not match the weight {tuple(weight.shape)}")
+    if not 1 <= t <= MAX_ROWS:
+        problems.append(f"{t} rows is outside 1..{MAX_ROWS}")
+    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 or not weight.is_contiguous() \
+            or weight.data_ptr() % 16:
+        problems.append("x rows and the weight must be contiguous and 16-byte aligned")
+    if out is not None and (out.shape != (t, n) or out.dtype != out_dtype or not out.is_contiguous()):
+        problems.append(f"out must be a contiguous {out_dtype} [{t}, {n}]")
+    if problems:
+        raise ValueError(f"small GEMV cannot run {t} x {tuple(weight.shape)} {weight.dtype}: {'; '.join(problems)}")
+    if out is None:
+        out = torch.empty((t, n), dtype=out_dtype, device=x.device)
+    kernel = compiled(k, weight.dtype, out_dtype, warps, tokens_per_pass or default_tokens_per_pass(t), x.device)
+    pdl = pdl and torch.cuda.get_device_capability(x.device)[0] >= 9
+    launch(kernel, (-(-n // warps), 1), 32 * warps, (weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, t, x.stride(0)),
+           _ARG_TYPES, torch.cuda.current_stream(x.device).cuda_stream, pdl=pdl)
+    return out
