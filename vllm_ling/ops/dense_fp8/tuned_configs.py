@@ -191,9 +191,9 @@ def select_config(n: int, k: int, rows: int, capability: tuple[int, int], sm_cou
 # never the numerics, so untuned architectures and shapes take decode_kernel.heuristic_config.
 TUNED_DECODE: dict[tuple[int, int], dict[tuple[int, int], tuple[tuple[int, DecodeConfig | None], ...]]] = {
     (9, 0): {  # H200 sweep of 2026-12-01 (benchmarks/results/dense_fp8_h200.md)
-        # KDA q|k|v|f|g merged (benchmarks/results/dense_fp8_merge_h200.md: swept at 1 and 4 rows only;
-        # rows 2-3 take the 4-row winner, above 4 rows the heuristic until a full sweep)
-        (20480, 2560): ((1, DecodeConfig(ksplit=10, min_blocks=2)), (4, DecodeConfig(ksplit=8, min_blocks=2))),
+        # KDA q|k|v|f|g merged (benchmarks/results/dense_fp8_merge_h200.md, swept at 1..32 rows)
+        (20480, 2560): ((1, DecodeConfig(ksplit=10, min_blocks=2)), (8, DecodeConfig(ksplit=8, min_blocks=2)),
+                       (16, DecodeConfig(ksplit=4, min_blocks=2)), (32, None)),
         (12288, 2560): ((8, DecodeConfig(ksplit=8, min_blocks=2)), (16, DecodeConfig(ksplit=4)), (32, None)),
         (2560, 6144): ((4, DecodeConfig(ksplit=16)), (8, DecodeConfig(ksplit=8, min_blocks=2)),
                        (16, DecodeConfig(ksplit=8)), (32, None)),
