@@ -53,6 +53,7 @@ from benchmarks.output import write_outputs
 from benchmarks.timing import stacked_time_us
 from benchmarks.upstream_fp8 import ScaledMmBlockFp8
 from vllm_ling.ops.dense_fp8 import w8a16_linear
+from vllm_ling.ops.dense_fp8.tuned_configs import w8a16_max_rows
 from vllm_ling.ops.fp8 import block_fp8_quantize
 from vllm_ling.ops.moe.activation import SHARED_EXPERT_CLAMP
 from vllm_ling.ops.moe.humming import HummingMxfp4Experts
@@ -114,7 +115,8 @@ class Fp8Linear:
         return part
 
     def __call__(self, x: torch.Tensor, comp: str) -> torch.Tensor:
-        if comp != "ours":
+        # the serving method hands larger batches of the widest weights to vLLM's W8A8 kernel
+        if comp != "ours" or x.shape[0] > w8a16_max_rows(*self.q.shape, torch.cuda.get_device_capability(x.device)):
             return self.up(x)
         return w8a16_linear(x, self.q, self.s, config=DENSE_CONFIGS.get((*self.q.shape, x.shape[0])))
 

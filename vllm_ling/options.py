@@ -228,8 +228,8 @@ OPTIONS: tuple[Option, ...] = (
            "error elsewhere)", serve_flag=True),
     Option("VLLM_LING_DENSE_FP8", "choice", DenseFp8.LING,
            "`ling`: block-FP8 dense linears run vllm-ling's W8A16 kernel for batches of at most 32 tokens "
-           "on CUDA (vLLM's kernel above; an error where it cannot run); `vllm` opts out (one WARNING, "
-           "reported). The CPU path is unchanged",
+           "on CUDA (8 on the widest weights, where vLLM's kernel measured faster above; vLLM's kernel above; "
+           "an error where it cannot run); `vllm` opts out (one WARNING, reported). The CPU path is unchanged",
            choices=DenseFp8, serve_flag=True),
     Option("VLLM_LING_KDA_MERGED_PROJ", "bool", True,
            "`1`: each KDA layer runs its q, k, v, f and g projections (same input) as one column-parallel "

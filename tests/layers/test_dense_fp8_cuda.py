@@ -71,7 +71,7 @@ def test_kernel_choice_happens_inside_one_traceable_op(monkeypatch):
     # to one opaque op, and the op (not the trace) picks the kernel by row count
     w = torch.randn(8, 16)
     layer = types.SimpleNamespace(output_size_per_partition=8, ling_w8a16=(w, None), quant_method=None,
-                                  ling_dense_fp8_key="test.linear#1")
+                                  ling_dense_fp8_key="test.linear#1", ling_w8a16_max_rows=D.DECODE_MAX_ROWS)
     monkeypatch.setitem(D._LAYERS, "test.linear#1", layer)
     monkeypatch.setattr(D.Fp8LinearMethod, "apply", lambda self, lyr, x, bias=None: (x.float() @ w.t()).to(x.dtype))
     monkeypatch.setattr(D.LingW8A16Fp8LinearMethod, "apply_w8a16",
@@ -83,6 +83,10 @@ def test_kernel_choice_happens_inside_one_traceable_op(monkeypatch):
     large = torch.randn(D.DECODE_MAX_ROWS + 1, 16).to(torch.bfloat16)
     assert (compiled(small).float() > 900).all()                   # decode size: the W8A16 path
     assert torch.allclose(compiled(large).float(), large.float() @ w.t(), atol=0.1)  # vLLM's kernel
+    layer.ling_w8a16_max_rows = 3                                    # a shape vLLM's kernel wins above 3 rows
+    assert torch.allclose(compiled(small).float(), small.float() @ w.t(), atol=0.1)
+    assert (compiled(small[:3]).float() > 900).all()
+    layer.ling_w8a16_max_rows = D.DECODE_MAX_ROWS
     layer.ling_w8a16 = None                                          # weight replaced: vLLM's kernel
     assert torch.allclose(compiled(small).float(), small.float() @ w.t(), atol=0.1)
 
@@ -160,3 +164,13 @@ def test_the_decode_kernel_in_use_is_named_in_the_label_with_the_fallbacks_reaso
     monkeypatch.setattr(linear, "decode_kernel_unavailable_reason", lambda: "ImportError: no module named humming")
     assert dense_kernel_label(method).endswith(
         "; decode: Triton W8A16 kernel (CUDA decode kernel unavailable: ImportError: no module named humming)")
+
+
+def test_w8a16_row_limit_per_shape_and_architecture():
+    from vllm_ling.ops.dense_fp8.tuned_configs import W8A16_MAX_ROWS, w8a16_max_rows
+
+    # the two widest weights hand 9+ rows to vLLM's W8A8 kernel on sm_90 (measured faster there)
+    assert w8a16_max_rows(12288, 2560, (9, 0)) == 8 and w8a16_max_rows(20480, 2560, (9, 0)) == 8
+    assert w8a16_max_rows(4096, 2560, (9, 0)) == D.DECODE_MAX_ROWS
+    assert w8a16_max_rows(12288, 2560, (12, 1)) == D.DECODE_MAX_ROWS  # untuned arch: no measurement, W8A16
+    assert all(0 < r <= D.DECODE_MAX_ROWS for table in W8A16_MAX_ROWS.values() for r in table.values())

@@ -8,7 +8,8 @@ the bytes and the extra quantization launch costs more than it saves
 keeps a reference to the loaded e4m3 weight and an fp32 copy of the block scales from before
 vLLM's processing, and runs :func:`vllm_ling.ops.dense_fp8.w8a16_linear` (BF16 activations, fp32
 accumulation, one launch: the CUDA decode kernel, or the Triton kernel where it cannot run or the
-tuned table prefers it) for batches of at most ``DECODE_MAX_ROWS`` tokens. The decode kernel
+tuned table prefers it) for batches of at most ``DECODE_MAX_ROWS`` tokens (fewer on the shapes where
+vLLM's kernel measured faster from some batch size on: ``tuned_configs.W8A16_MAX_ROWS``). The decode kernel
 reads the e4m3 NaN codes as +-480, so a weight holding them is refused at load, named. vLLM compiles the
 model with ``torch.compile(fullgraph=True)`` and symbolic batch sizes, so the choice between the
 two kernels happens inside one custom op (``vllm_ling::dense_fp8_linear``, the layer found by
@@ -26,12 +27,12 @@ import torch
 from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.ops.dense_fp8.tuned_configs import DECODE_MAX_ROWS, w8a16_max_rows
 
 logger = get_logger("quant.dense_fp8")
 
 CUDA_DENSE_FP8_PATH = "vllm-ling W8A16 block-FP8 kernel for <= 32 tokens (no activation quantization), vLLM's above"
 QUANT_BLOCK = 128
-DECODE_MAX_ROWS = 32  # the tuned row counts (ops/dense_fp8/tuned_configs.py)
 
 
 class DenseFp8Unavailable(RuntimeError):
@@ -62,7 +63,7 @@ _LAYERS: dict[str, torch.nn.Module] = {}  # "prefix#id" -> layer, for the custom
 def _dense_fp8_linear_impl(x: torch.Tensor, layer_name: str) -> torch.Tensor:
     layer = _LAYERS[layer_name]
     rows = x.numel() // x.shape[-1]
-    if getattr(layer, "ling_w8a16", None) is None or rows > DECODE_MAX_ROWS or x.dtype != torch.bfloat16:
+    if getattr(layer, "ling_w8a16", None) is None or rows > layer.ling_w8a16_max_rows or x.dtype != torch.bfloat16:
         return Fp8LinearMethod.apply(layer.quant_method, layer, x)
     return LingW8A16Fp8LinearMethod.apply_w8a16(layer, x)
 
@@ -112,6 +113,9 @@ class LingW8A16Fp8LinearMethod(Fp8LinearMethod):
             return
         layer.ling_w8a16 = (kept, scale)
         layer.ling_w8a16_reason = None
+        # where vLLM's W8A8 kernel measured faster from some batch size on (tuned_configs.W8A16_MAX_ROWS)
+        layer.ling_w8a16_max_rows = (w8a16_max_rows(*kept.shape, torch.cuda.get_device_capability(kept.device))
+                                     if kept.is_cuda else DECODE_MAX_ROWS)
 
     @property
     def decode_kernel_status(self) -> str:

@@ -228,3 +228,18 @@ def select_decode_config(n: int, k: int, rows: int, capability: tuple[int, int],
     config = decode_heuristic_config(n, k, rows, sm_count)
     problems = config.problems(n, k, rows)
     return (None, "; ".join(problems)) if problems else (config, None)
+
+
+# The most rows the W8A16 kernels serve, per architecture and shape, where vLLM's own W8A8
+# block-FP8 kernel measured faster above (the upstream-equivalent column of dense_fp8_h200.md and
+# dense_fp8_merge_h200.md: on the two widest weights the activation quantization pays for itself
+# from 16 rows). Everything else: W8A16 up to DECODE_MAX_ROWS.
+DECODE_MAX_ROWS = 32  # the row counts the tables above are tuned for
+W8A16_MAX_ROWS: dict[tuple[int, int], dict[tuple[int, int], int]] = {
+    (9, 0): {(20480, 2560): 8, (12288, 2560): 8},
+}
+
+
+def w8a16_max_rows(n: int, k: int, capability: tuple[int, int]) -> int:
+    """Batches of at most this many rows run the W8A16 kernels on an [n, k] weight; vLLM's above."""
+    return W8A16_MAX_ROWS.get(tuple(capability), {}).get((n, k), DECODE_MAX_ROWS)
