@@ -105,3 +105,22 @@ def test_kernel_choice_happens_inside_one_traceable_op(monkeypatch):
     assert calls == [S.SMALL_BF16_MAX_ROWS]
     fake = S._small_bf16_linear_fake(torch.empty(3, 5, 256), layer.ling_small_gemv_key)
     assert fake.shape == (3, 5, 32)
+
+
+def test_rows_reach_the_kernel_16_byte_aligned(monkeypatch):
+    import vllm_ling.ops.small_gemv as ops
+
+    seen = []
+
+    def kernel(x, w, out_dtype):  # the real kernel refuses misaligned rows; record what it would get
+        seen.append(x.data_ptr() % 16)
+        return (x.float() @ w.float().t()).to(out_dtype)
+
+    monkeypatch.setattr(ops, "small_gemv", kernel)
+    w = torch.randn(32, 256).to(torch.bfloat16)
+    layer = types.SimpleNamespace(ling_small_gemv=w)
+    flat = torch.randn(2 * 256 + 1).to(torch.bfloat16)
+    x = flat[1:].view(2, 256)  # contiguous, but 2 bytes past an aligned address
+    assert x.is_contiguous() and x.data_ptr() % 16
+    out = S.LingSmallBf16LinearMethod.apply_small_gemv(layer, x)
+    assert seen == [0] and torch.allclose(out.float(), x.float() @ w.float().t(), rtol=2e-2, atol=2e-2)
