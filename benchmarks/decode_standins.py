@@ -6,13 +6,12 @@ ops charge both compositions launches and passes vLLM does not pay. Each stand-i
 the named vLLM kernel computes (same inputs, same math, tests against a plain-PyTorch reference
 in ``tests/benchmarks/test_decode_standins.py``) in at most as many launches:
 
-- ``fused_route``: Ling's router. vLLM: the fp32 router GEMM, then one fused ``grouped_topk``
-  kernel. Here, up to 4 tokens, one launch: the fp32 GEMV spread over the GPU, and the last
-  program to finish (an atomic ticket) runs the grouped top-k for all tokens; above 4 tokens
-  vLLM's two launches (cuBLAS GEMV, a top-k program per token). The top-k: sigmoid scores,
-  expert bias for selection only, each group scored by the sum of its top-2 biased scores, the
-  ``topk_group`` best groups kept, the top-k biased scores inside them, weights = unbiased
-  scores renormalised times ``routed_scaling_factor``. Ties break towards the lower index.
+- ``grouped_topk``: Ling's expert selection from the gate's fp32 logits (the gate GEMV itself is
+  each composition's own: ``vllm_ling.ops.router`` or vLLM's cast + cuBLAS). vLLM: one fused
+  ``grouped_topk`` kernel; here one launch, a program per token: sigmoid scores, expert bias for
+  selection only, each group scored by the sum of its top-2 biased scores, the ``topk_group``
+  best groups kept, the top-k biased scores inside them, weights = unbiased scores renormalised
+  times ``routed_scaling_factor``. Ties break towards the lower index.
 - ``fused_add_rms_norm``: vLLM's ``fused_add_rms_norm`` (``residual += x``; RMSNorm), with an
   optional second addend so the MoE layer's ``routed + shared`` sum costs no launch of its own.
 - ``swiglu_act``: vLLM's ``SiluAndMul`` / ``SwigluStepAndMul`` with the per-layer limit, in both
@@ -45,7 +44,7 @@ import triton.language as tl
 from vllm_ling.ops.moe.activation import CLAMP_GATE_OUTPUT, check_clamp, effective_limit
 
 # --------------------------------------------------------------------------------------
-# Router: fp32 GEMV + grouped top-k in one launch
+# Router: grouped top-k of the gate's fp32 logits
 # --------------------------------------------------------------------------------------
 
 
@@ -56,7 +55,7 @@ def _grouped_topk_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, t0, T,
     toks = t0 + tl.arange(0, TOK)
     tmask = toks < T
     offs = tl.arange(0, E)
-    # .cg: read from L2, where the other programs' logits are (L1 is not coherent across SMs)
+    # .cg: read from L2 (the logits are the previous kernel's output)
     logits = tl.load(logits_ptr + toks[:, None] * E + offs[None, :], mask=tmask[:, None], other=0.0,
                      cache_modifier=".cg")
     score = tl.sigmoid(logits)
@@ -92,48 +91,9 @@ def _grouped_topk_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, t0, T,
 
 
 @triton.jit
-def _router_kernel(x_ptr, s_x, gate_ptr, bias_ptr, logits_ptr, w_ptr, ids_ptr, ticket_ptr, scaling, T,
-                   H: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr,
-                   T_PAD: tl.constexpr, TOK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    toks = tl.arange(0, T_PAD)
-    tmask = toks < T
-    rows = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-    acc = tl.zeros((T_PAD, BLOCK_E), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < H
-        x = tl.load(x_ptr + toks[:, None] * s_x + ks[None, :], mask=tmask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(gate_ptr + rows[:, None] * H + ks[None, :], mask=kmask[None, :], other=0.0)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    tl.store(logits_ptr + toks[:, None] * E + rows[None, :], acc, mask=tmask[:, None])
-    tl.debug_barrier()  # every thread's logits are stored before this program takes its ticket
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-    if ticket == tl.num_programs(0) - 1:  # the last program: all logits are in place
-        for t0 in range(0, T, TOK):
-            _grouped_topk_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, t0, T, TOK, E, G, TG, K)
-        tl.store(ticket_ptr, 0)  # ready for the next launch (and the next graph replay)
-
-
-@triton.jit
 def _grouped_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, T,
                          E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr, TOK: tl.constexpr):
     _grouped_topk_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, scaling, tl.program_id(0) * TOK, T, TOK, E, G, TG, K)
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-FUSED_ROUTE_MAX_TOKENS = 4
-
-
-def _ticket(device: torch.device) -> torch.Tensor:
-    """The router's arrival counter: zero between launches (the last program resets it). One per
-    device; launches on one stream run one after another, so they can share it."""
-    if device not in _TICKETS:
-        _TICKETS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _TICKETS[device]
 
 
 def grouped_topk(logits: torch.Tensor, expert_bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
@@ -146,40 +106,6 @@ def grouped_topk(logits: torch.Tensor, expert_bias: torch.Tensor, *, top_k: int,
     _grouped_topk_kernel[(T,)](logits, expert_bias, w, ids, float(routed_scaling_factor), T, E=E, G=n_group,
                                TG=topk_group, K=top_k, TOK=1, num_warps=num_warps)
     return w, ids
-
-
-def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor, *, top_k: int,
-                n_group: int, topk_group: int, routed_scaling_factor: float,
-                return_logits: bool = False, fused: bool | None = None, block_e: int = 2,
-                num_warps: int | None = None):
-    """(weights fp32 [T, k], ids int32 [T, k]) as ``vllm_ling.ops.moe.routing.route``; with
-    ``return_logits`` also the fp32 logits [T, E] the top-k selected from. ``fused`` (default:
-    up to ``FUSED_ROUTE_MAX_TOKENS`` tokens): one launch, GEMV + top-k in its last program;
-    otherwise vLLM's two launches, the cuBLAS fp32 GEMV and the top-k with a program per token
-    (the last program's top-k is serial over tokens, the GEMV's reduction slows with T). The
-    defaults are the fastest of ``benchmarks/standins_timing.py``'s sweep on the H200."""
-    T, H = x.shape
-    E = gate_weight.shape[0]
-    if gate_weight.dtype != torch.float32 or not gate_weight.is_contiguous() or x.stride(1) != 1:
-        raise ValueError("fused_route wants a contiguous fp32 router weight and x with unit last stride")
-    if E % n_group or (E & (E - 1)) or (n_group & (n_group - 1)) or (top_k & (top_k - 1)):
-        raise ValueError(f"fused_route needs power-of-2 experts/groups/top_k, got {E}/{n_group}/{top_k}")
-    logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
-    if not (T <= FUSED_ROUTE_MAX_TOKENS if fused is None else fused):
-        torch.mm(x.float(), gate_weight.t(), out=logits)
-        w, ids = grouped_topk(logits, expert_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
-                              routed_scaling_factor=routed_scaling_factor, num_warps=num_warps or 1)
-        return (w, ids, logits) if return_logits else (w, ids)
-    w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
-    num_warps = num_warps or (1 if T == 1 else 4)
-    t_pad = triton.next_power_of_2(T)
-    block_k = max(32, min(512, 4096 // (t_pad * block_e)))
-    _router_kernel[(E // block_e,)](x, x.stride(0), gate_weight, expert_bias, logits, w, ids, _ticket(x.device),
-                                    float(routed_scaling_factor), T, H=H, E=E, G=n_group, TG=topk_group, K=top_k,
-                                    T_PAD=t_pad, TOK=min(t_pad, 2 * num_warps), BLOCK_E=block_e, BLOCK_K=block_k,
-                                    num_warps=num_warps)
-    return (w, ids, logits) if return_logits else (w, ids)
 
 
 # --------------------------------------------------------------------------------------

@@ -129,13 +129,12 @@ def main(argv=None) -> int:
         row("kda_conv", T, "", us, 2 * conv_states[0].numel() * 2 + conv_w[0].numel() * 4 + 2 * qkv.numel() * 2)
         us = timed([lambda: S.gated_rms_norm(o, gt, o_norm) for _ in range(n_kda)])
         row("kda_gated_norm", T, "", us, 3 * o.numel() * 2)
-        # ---- router ----
-        for fused, be, nw in ((True, 2, 1), (True, 2, 2), (True, 4, 1), (True, 2, 4), (False, 2, 1), (False, 2, 2)):
-            us = timed([lambda i=i, be=be, nw=nw, fused=fused: S.fused_route(x, routers[i], bias, fused=fused,
-                                                                             block_e=be, num_warps=nw, **kw)
-                        for i in range(n_moe)])
-            row("router", T, f"{'fused' if fused else 'cuBLAS+topk'} block_e{be} w{nw}", us, E * H * 4)
+        # ---- router: grouped top-k of the gate's logits (the GEMV: benchmarks/small_gemv.py) ----
         xf = x.float()
+        logits = [F.linear(xf, routers[i]) for i in range(n_moe)]
+        for nw in (1, 2, 4):
+            us = timed([lambda i=i, nw=nw: S.grouped_topk(logits[i], bias, num_warps=nw, **kw) for i in range(n_moe)])
+            row("router_topk", T, f"w{nw}", us, E * 4)
         us = timed([lambda i=i: F.linear(xf, routers[i]) for i in range(n_moe)])
         row("router_gemv_cublas", T, "(fp32 GEMV alone, reference)", us, E * H * 4)
         # ---- SwiGLU, add + RMSNorm ----

@@ -94,31 +94,24 @@ def measure(device: str, full: bool = False) -> dict[str, list[float]]:
     res: dict[str, list[float]] = {}
     bf = torch.bfloat16
 
-    # router
+    # router: grouped top-k of fp32 logits
     E, H, G, TG, K = (512, 2560, 8, 4, 8) if full else (64, 96, 8, 4, 8)
     gate_w = rnd(E, H, scale=H**-0.5, dtype=torch.float32)
     bias = rnd(E, scale=0.01, dtype=torch.float32)
-    for T, fused, warps in ((1, True, 1), (5, True, 4), (5, True, 1), (5, False, 1), (32, None, 2)):
+    kw = dict(top_k=K, n_group=G, topk_group=TG, routed_scaling_factor=2.5)
+    for T, warps in ((1, 1), (5, 1), (5, 4), (32, 2)):
         x = rnd(T, H)
-        kw = dict(top_k=K, n_group=G, topk_group=TG, routed_scaling_factor=2.5)
-        w, ids, logits = S.fused_route(x, gate_w, bias, return_logits=True, fused=fused, num_warps=warps, **kw)
-        tag = f"{T}_{fused}_{warps}"
-        ref_logits = x.float() @ gate_w.t()
-        res[f"router_logits_T{tag}"] = [rel(logits, ref_logits), 1e-5]
+        logits = x.float() @ gate_w.t()
+        w, ids = S.grouped_topk(logits, bias, num_warps=warps, **kw)
+        tag = f"{T}_{warps}"
         w_ref, ids_ref = grouped_topk(logits, K, G, TG, bias, True, 2.5)
-        res[f"router_ids_on_own_logits_T{tag}"] = [float((ids != ids_ref).sum()), 0.0]
+        res[f"router_ids_T{tag}"] = [float((ids != ids_ref).sum()), 0.0]
         res[f"router_weights_T{tag}"] = [rel(w, w_ref), 1e-6]
         w_r, ids_r = route(x, gate_w, bias, **kw)
-        choice = torch.sigmoid(ref_logits) + bias
-        picked = choice.gather(1, ids.long())
-        picked_r = choice.gather(1, ids_r.long())
+        choice = torch.sigmoid(logits) + bias
         # a different pick is allowed only where the two choices' biased scores tie within 1e-5
-        res[f"router_vs_route_T{tag}"] = [float(((picked - picked_r).abs() > 1e-5).sum()), 0.0]
-    # the ticket was reset: a second call on other input still agrees
-    x = rnd(3, H)
-    w, ids = S.fused_route(x, gate_w, bias, top_k=K, n_group=G, topk_group=TG, routed_scaling_factor=2.5)
-    res["router_second_call"] = [float((ids != route(x, gate_w, bias, top_k=K, n_group=G, topk_group=TG,
-                                                     routed_scaling_factor=2.5)[1]).sum()), 0.0]
+        res[f"router_vs_route_T{tag}"] = [float(((choice.gather(1, ids.long()) -
+                                                 choice.gather(1, ids_r.long())).abs() > 1e-5).sum()), 0.0]
 
     # residual add (+ second addend) + RMSNorm
     Hn = 2560 if full else 200
@@ -211,32 +204,6 @@ def test_standins_in_triton_interpreter():
 @pytest.mark.gpu
 def test_standins_gpu():
     _check(measure("cuda", full=True))
-
-
-@pytest.mark.gpu
-def test_router_in_cuda_graph():
-    """The router's ticket is reset by the kernel itself, so graph replays keep routing right."""
-    from benchmarks import decode_standins as S
-    from vllm_ling.ops.moe.routing import route
-
-    g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn((4, 2560), device="cuda", generator=g).to(torch.bfloat16)
-    gate_w = torch.randn((512, 2560), device="cuda", generator=g) * 2560**-0.5
-    bias = torch.randn(512, device="cuda", generator=g) * 0.01
-    kw = dict(top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)
-    S.fused_route(x, gate_w, bias, **kw)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _, ids = S.fused_route(x, gate_w, bias, **kw)
-    for _ in range(3):
-        x.copy_(torch.randn((4, 2560), device="cuda", generator=g))
-        graph.replay()
-        torch.cuda.synchronize()
-        ids_ref = route(x, gate_w, bias, **kw)[1]
-        choice = torch.sigmoid(x.float() @ gate_w.t()) + bias
-        # another GEMV summation order may only swap experts whose biased scores tie within 1e-5
-        assert ((choice.gather(1, ids.long()) - choice.gather(1, ids_ref.long())).abs() <= 1e-5).all()
 
 
 if __name__ == "__main__":  # the interpreter run (see test_standins_in_triton_interpreter); "cuda": full size
