@@ -7,6 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import types
 
 import pytest
 import torch
@@ -406,3 +407,20 @@ def test_requested_small_gemv_needs_the_unquantized_linears_on_it(loaded_tiny_mo
     report = _report(loaded_tiny_models)
     assert _check(report, "small_bf16_layers")["passed"]
     assert report["optimizations"]["small_bf16_decode"]["requested"] is False
+
+
+def test_small_gemv_fallback_is_reported_not_fatal(loaded_tiny_models, monkeypatch):
+    # e.g. --dtype float16: every unquantized linear is on vllm-ling's method but the small GEMV
+    # holds none (one WARNING each at load); the check passes, the optimization is inactive, named
+    from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
+    from vllm_ling.runtime import verification as V
+
+    layer = types.SimpleNamespace(quant_method=object.__new__(LingSmallBf16LinearMethod), ling_small_gemv=None,
+                                  ling_small_gemv_reason="weight dtype torch.float16 is not BF16")
+    planted = [("target.model.layers.0.self_attn.b_proj", layer)]
+    monkeypatch.setattr(V, "_small_bf16_layers", lambda target, draft: (planted, planted, []))
+    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "small_bf16": True})
+    check = _check(report, "small_bf16_layers")
+    assert check["passed"] and "0 of 1" in check["actual"] and "float16 is not BF16" in check["actual"]
+    entry = report["optimizations"]["small_bf16_decode"]
+    assert entry["requested"] and not entry["active"] and "float16" in entry["detail"]

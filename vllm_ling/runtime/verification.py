@@ -272,16 +272,24 @@ def _unquantized_linears(model) -> list[tuple[str, torch.nn.Module]]:
             and isinstance(getattr(m, "weight", None), torch.Tensor)]
 
 
-def check_small_bf16(target, draft, exp: Expectations) -> Check:
-    """Which unquantized BF16 linears run the small GEMV, and a known answer: on the first of
-    them, the small GEMV for two random rows against vLLM's own GEMM on the same layer."""
+def _small_bf16_layers(target, draft):
+    """(every unquantized linear, those on vllm-ling's method, those its small GEMV serves)."""
     from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
 
     layers = [("target." + n, m) for n, m in _unquantized_linears(target)]
     if draft is not None:
         layers += [("draft." + n, m) for n, m in _unquantized_linears(draft)]
     ours = [(n, m) for n, m in layers if isinstance(m.quant_method, LingSmallBf16LinearMethod)]
-    serving = [(n, m) for n, m in ours if getattr(m, "ling_small_gemv", None) is not None]
+    return layers, ours, [(n, m) for n, m in ours if getattr(m, "ling_small_gemv", None) is not None]
+
+
+def check_small_bf16(target, draft, exp: Expectations) -> Check:
+    """Every unquantized linear is on vllm-ling's method (a layer the small GEMV cannot hold keeps
+    vLLM's GEMM with one WARNING, counted in ``actual``), and a known answer: on the first served
+    layer, the small GEMV for two random rows against vLLM's own GEMM on the same layer."""
+    from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
+
+    layers, ours, serving = _small_bf16_layers(target, draft)
     actual = f"{len(serving)} of {len(layers)} unquantized linears on the small GEMV"
     kept = [f"{n}: {m.ling_small_gemv_reason}" for n, m in ours if getattr(m, "ling_small_gemv", None) is None]
     if kept:
@@ -289,7 +297,7 @@ def check_small_bf16(target, draft, exp: Expectations) -> Check:
     if not exp.small_bf16:
         return Check("small_bf16_layers", not ours, "vLLM's GEMM (CPU platform or VLLM_LING_BF16_GEMV=vllm)",
                      actual, "the quant config chose vllm-ling's method although it was not requested")
-    ok = bool(layers) and len(ours) == len(layers) and bool(serving)
+    ok = bool(layers) and len(ours) == len(layers)
     if serving:
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
@@ -463,7 +471,8 @@ def build_report(target, draft, vllm_config, options: LingOptions,
                                  "active": exp.dense_fp8 and by_name["dense_fp8_layers"].passed,
                                  "detail": by_name["dense_fp8_layers"].actual},
             "small_bf16_decode": {"requested": exp.small_bf16,
-                                  "active": exp.small_bf16 and by_name["small_bf16_layers"].passed,
+                                  "active": exp.small_bf16 and by_name["small_bf16_layers"].passed
+                                  and bool(_small_bf16_layers(target, draft)[2]),
                                   "detail": by_name["small_bf16_layers"].actual},
             "router_gemv": router_gates.optimization_entry(gates, by_name[router_gates.CHECK_NAME].passed,
                                                            exp.router_gemv, exp.platform, known),
