@@ -151,6 +151,16 @@ def test_efficiency_from_a_decode_step_result(capsys, tmp_path):
     for m in measured:
         assert m["predicted_ms"] == pytest.approx(m["floor_ms"] / m["efficiency"])
         assert 0 < m["efficiency"] < 1
+        assert m["predicted_with_launches_ms"] == pytest.approx(
+            m["floor_ms"] + m["launches"] * m["launch_overhead_us"] / 1e3)
+    # the per-launch cost is the run's time above its own bytes at its own copy bandwidth
+    run = json.loads(h200.read_text())
+    for m in measured:
+        r = next(r for r in run["results"] if r["tokens"] == m["tokens"])
+        above_us = r["ours"]["us"] - (r["plan_bytes_target"] + r["plan_bytes_draft"]) / (run["copy_gbs"] * 1e3)
+        assert m["launches"] == r["ours"]["launches"]
+        assert m["launch_overhead_us"] == pytest.approx(above_us / r["ours"]["launches"])
+    capsys.readouterr()
     assert plan_main(["--efficiency", str(tmp_path / "nope.json")]) == 2
     assert "nope.json" in capsys.readouterr().err
     # a file without the verify window's token count is an error naming both

@@ -32,8 +32,13 @@ def test_factors_from_a_synthetic_file(tmp_path):
     assert eff.classes["dense_fp8"].fraction(eff.copy_gbs) == pytest.approx(0.5)
     assert eff.classes["norms"].fraction(eff.copy_gbs) is None
     assert "test GPU" in eff.describe() and "step.json" in eff.describe()
+    # floor at the copy bandwidth 1 ms, measured 2 ms, 10 launches: 100 us each; on a 1 TB/s device
+    # the same bytes take 4 ms, plus the launches' 1 ms
+    assert eff.launch_overhead_us == pytest.approx(100.0)
+    assert eff.predict_with_launches_us(4e9, 1000.0) == pytest.approx(5000.0)
     up = load_decode_step(_write(tmp_path, data), composition="upstream")
     assert up.step_fraction == pytest.approx(5e9 / 4e-3 / 4e12)
+    assert up.launch_overhead_us is None and up.predict_with_launches_us(4e9, 1000.0) is None  # no count
 
 
 def test_errors_name_the_file_and_what_is_missing(tmp_path):

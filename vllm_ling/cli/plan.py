@@ -116,8 +116,10 @@ def format_plan(result: dict[str, Any], head: str) -> str:
 
 
 def _measured_lines(path: str, composition: str, result: dict, head: str) -> tuple[list[str], list[dict]]:
-    """Predicted step times at the efficiency a decode_step run measured, with where it came from.
-    The 1-token step and the verify window each use the run's factor for the same token count."""
+    """Predicted step times from a decode_step run, with where they came from, two ways: the run's
+    fraction of the copy bandwidth, and the floor plus the run's launches at its per-launch cost
+    (closer on a slower memory system, where the bytes grow and the launch cost does not). The
+    1-token step and the verify window each use the run's numbers for the same token count."""
     h = result["heads"][head]
     lines, out = [f"measured efficiency ({composition} composition, file {path}):"], []
     for tokens, nbytes, label in ((1, h["bytes_per_token_batch1"], "1-token step"),
@@ -126,10 +128,17 @@ def _measured_lines(path: str, composition: str, result: dict, head: str) -> tup
         eff = load_decode_step(path, tokens=tokens, composition=composition)
         floor_ms = nbytes / (result["bandwidth_gbs"] * GB) * 1e3
         predicted_ms = eff.predict_us(nbytes, result["bandwidth_gbs"]) / 1e3
+        with_launches = eff.predict_with_launches_us(nbytes, result["bandwidth_gbs"])
         lines.append(f"  {label}: floor {floor_ms:.2f} ms -> {predicted_ms:.2f} ms at the measured "
                      f"{eff.step_fraction:.2f} of bandwidth ({eff.device}; copy {eff.copy_gbs:.0f} GB/s)")
-        out.append({"tokens": tokens, "floor_ms": floor_ms, "predicted_ms": predicted_ms,
-                    "efficiency": eff.step_fraction, "source": eff.source, "device": eff.device})
+        entry = {"tokens": tokens, "floor_ms": floor_ms, "predicted_ms": predicted_ms,
+                 "efficiency": eff.step_fraction, "source": eff.source, "device": eff.device}
+        if with_launches is not None:
+            lines.append(f"    or floor + {eff.launches} launches x {eff.launch_overhead_us:.2f} us (that run's time "
+                         f"above its bytes, per launch): {with_launches / 1e3:.2f} ms")
+            entry.update(launches=eff.launches, launch_overhead_us=eff.launch_overhead_us,
+                         predicted_with_launches_ms=with_launches / 1e3)
+        out.append(entry)
     return lines, out
 
 

@@ -1,7 +1,7 @@
 """Efficiency factors measured on a GPU, for the byte cost model (``cost_model``).
 
 The byte model gives a floor: bytes per step over the device bandwidth. Real steps reach a
-fraction of it, per op class: ``benchmarks/decode_step.py`` measures, for a whole Ling decode
+fraction of it (or, modelled in two terms, the floor plus a cost per kernel launch), per op class: ``benchmarks/decode_step.py`` measures, for a whole Ling decode
 step in one CUDA graph, the time of each op class and the bytes it must move, next to the copy
 bandwidth of the same run, and writes them as JSON (``--json``; the committed H200 run is
 ``benchmarks/results/decode_step_h200.json``). This module reads such a file into factors a
@@ -53,6 +53,25 @@ class MeasuredEfficiency:
     def predict_us(self, step_bytes: float, bandwidth_gbs: float) -> float:
         """A step of ``step_bytes`` on a device of ``bandwidth_gbs`` at this run's efficiency."""
         return step_bytes / (bandwidth_gbs * 1e9 * self.step_fraction) * 1e6
+
+    @property
+    def launch_overhead_us(self) -> float | None:
+        """The step's time above its bytes at the copy bandwidth, per kernel launch: what launch,
+        ramp, tail and serial latency cost per launch on the measured device (None without a
+        launch count). The second term of :meth:`predict_with_launches_us`."""
+        if self.launches <= 0:
+            return None
+        floor_us = self.step_bytes / (self.copy_gbs * 1e9) * 1e6
+        return (self.step_us - floor_us) / self.launches
+
+    def predict_with_launches_us(self, step_bytes: float, bandwidth_gbs: float) -> float | None:
+        """A step of ``step_bytes`` on a device of ``bandwidth_gbs`` as its bytes at that bandwidth
+        plus this run's launches at this run's per-launch overhead: on a slower memory system the
+        bytes grow and the launch cost does not, which one efficiency factor cannot express."""
+        overhead = self.launch_overhead_us
+        if overhead is None:
+            return None
+        return step_bytes / (bandwidth_gbs * 1e9) * 1e6 + self.launches * overhead
 
     def describe(self) -> str:
         return (f"efficiency {self.step_fraction:.2f} of copy bandwidth measured for {self.tokens}-token steps "
