@@ -17,26 +17,25 @@ platform: :func:`register_cpu_kda`.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
-from vllm_ling.layers.kda_merged_proj import IN_TREE_NAME, MergedInProjection, install, merged_in_projections
+from vllm_ling.layers.kda_merged_proj import IN_TREE_NAME, MergedInProjection, merged_in_projections
+from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops import kda as kda_ops
 
 logger = get_logger("kda")
 
 _DESCRIPTION = "KDA: plain-PyTorch CPU path (vllm_ling.ops.kda) for BailingMoeV3KimiDeltaAttention"
-_CPU_KDA_CLASS = None
 
 
-def _layer_class():
-    """Build the subclass lazily: importing vLLM's model file must wait for the platform."""
-    global _CPU_KDA_CLASS
-    if _CPU_KDA_CLASS is not None:
-        return _CPU_KDA_CLASS
-
+@functools.cache
+def cpu_kda_class():
+    """The CPU subclass of vLLM's ``BailingMoeV3KimiDeltaAttention``, built on first use:
+    importing vLLM's model file must wait for the platform."""
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
@@ -172,13 +171,7 @@ def _layer_class():
                 core_attn_out[0, :n] = out[:n]
 
     CpuBailingMoeV3KimiDeltaAttention.__qualname__ = "CpuBailingMoeV3KimiDeltaAttention"
-    _CPU_KDA_CLASS = CpuBailingMoeV3KimiDeltaAttention
-    return _CPU_KDA_CLASS
-
-
-def cpu_kda_class():
-    """The CPU subclass of vLLM's ``BailingMoeV3KimiDeltaAttention`` (built on first use)."""
-    return _layer_class()
+    return CpuBailingMoeV3KimiDeltaAttention
 
 
 def register_cpu_kda() -> list[str]:
@@ -192,7 +185,7 @@ def register_cpu_kda() -> list[str]:
 
     if not current_platform.is_cpu():
         return []
-    done = install(_layer_class(), _DESCRIPTION)
+    done = install_out_of_tree(IN_TREE_NAME, cpu_kda_class(), _DESCRIPTION)
     if not done:
         return []
     log_once(logger, logging.INFO, "cpu-kda-registered",

@@ -23,11 +23,13 @@ made contiguous because ``fused_kda_gate`` indexes rows as packed (a no-op at on
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
 import torch
 
+from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.kda_in_proj import MEMBERS, MERGED_NAME
 from vllm_ling.options import read
@@ -103,14 +105,9 @@ def merged_in_projections(layer: torch.nn.Module, hidden_states: torch.Tensor):
     return q, k, v, beta_logits, layer.f_proj(hidden_states)[0], layer.g_proj(hidden_states)[0]
 
 
-_VLLM_CLASS = None
-
-
+@functools.cache
 def vllm_merged_class():
     """vLLM's KDA layer with the merged in-projection and vLLM's own (Triton) computation."""
-    global _VLLM_CLASS
-    if _VLLM_CLASS is not None:
-        return _VLLM_CLASS
     from einops import rearrange
     from vllm.model_executor.models import bailing_moe_v3
 
@@ -134,25 +131,7 @@ def vllm_merged_class():
             output[:] = self.o_proj(rearrange(core_attn_out, "1 n h d -> n (h d)"))[0]
 
     VllmKdaMergedInProj.__qualname__ = "VllmKdaMergedInProj"
-    _VLLM_CLASS = VllmKdaMergedInProj
-    return _VLLM_CLASS
-
-
-def install(cls, description: str) -> list[str]:
-    """Register ``cls`` as the out-of-tree replacement of vLLM's KDA layer (idempotent: vLLM loads
-    plugins in every process, sometimes twice); another plugin's replacement is left in place with
-    one WARNING. Returns ``[description]`` when ``cls`` serves, else []."""
-    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
-
-    present = op_registry_oot.get(IN_TREE_NAME)
-    if present is None:
-        PluggableLayer.register_oot(cls, name=IN_TREE_NAME)
-    elif present is not cls:
-        log_once(logger, logging.WARNING, f"kda-foreign-{cls.__qualname__}",
-                 "%s already has an out-of-tree replacement (%s.%s); leaving it in place, so vllm_ling's %s is "
-                 "NOT used", IN_TREE_NAME, present.__module__, present.__qualname__, cls.__qualname__)
-        return []
-    return [description]
+    return VllmKdaMergedInProj
 
 
 def register_merged_kda() -> list[str]:
@@ -164,4 +143,4 @@ def register_merged_kda() -> list[str]:
     if current_platform.is_cpu():
         return []
     what = MERGED_DESCRIPTION if read(OPTION) else f"vLLM's three in-projection linears ({OPTION}=0)"
-    return install(vllm_merged_class(), f"KDA: {what} (vLLM's kernels)")
+    return install_out_of_tree(IN_TREE_NAME, vllm_merged_class(), f"KDA: {what} (vLLM's kernels)")

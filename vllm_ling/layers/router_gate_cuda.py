@@ -24,11 +24,13 @@ startup verification finds the gates on the loaded model and runs the kernel on 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 
 import torch
 
+from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import RouterGemv, read
 from vllm_ling.ops import router as router_ops
@@ -123,16 +125,10 @@ def register_gate(gate: torch.nn.Module, prefix: str) -> str:
     return key
 
 
-def _is_kernel_input(x: torch.Tensor) -> bool:
-    return x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-
-
 def _router_logits_impl(x: torch.Tensor, gate_name: str) -> torch.Tensor:
     gate = _GATES[gate_name]
     if 1 <= x.shape[0] <= router_ops.MAX_ROWS:
-        if not _is_kernel_input(x):  # e.g. a row slice at an odd offset: the kernel reads 16-byte rows
-            x = x.clone(memory_format=torch.contiguous_format)
-        return router_ops.router_logits(x, gate.weight)
+        return router_ops.router_logits(router_ops.kernel_rows(x), gate.weight)
     return gate.vllm_gate_logits(x)
 
 
@@ -142,9 +138,6 @@ def _router_logits_fake(x: torch.Tensor, gate_name: str) -> torch.Tensor:
 
 router_logits_op = torch.library.custom_op("vllm_ling::router_logits", _router_logits_impl, mutates_args=())
 router_logits_op.register_fake(_router_logits_fake)
-
-
-_GATE_CLASS = None
 
 
 def _vllm_kernel(gate) -> str | None:
@@ -157,12 +150,10 @@ def _vllm_kernel(gate) -> str | None:
     return None
 
 
-def _gate_class():
-    """Build the subclass lazily: importing vLLM's layer must wait for the platform."""
-    global _GATE_CLASS
-    if _GATE_CLASS is not None:
-        return _GATE_CLASS
-
+@functools.cache
+def router_gate_class():
+    """vllm-ling's subclass of vLLM's ``GateLinear``, built on first use: importing vLLM's layer
+    must wait for the platform."""
     from vllm import envs
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
@@ -204,13 +195,7 @@ def _gate_class():
             return self._return(torch.ops.vllm_ling.router_logits(x, self.ling_router_key))
 
     LingGateLinear.__qualname__ = "LingGateLinear"
-    _GATE_CLASS = LingGateLinear
-    return _GATE_CLASS
-
-
-def router_gate_class():
-    """vllm-ling's subclass of vLLM's ``GateLinear`` (built on first use)."""
-    return _gate_class()
+    return LingGateLinear
 
 
 def register_cuda_router_gate() -> list[str]:
@@ -224,15 +209,4 @@ def register_cuda_router_gate() -> list[str]:
 
     if not current_platform.is_cuda():
         return []
-    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
-
-    cls = _gate_class()
-    present = op_registry_oot.get(IN_TREE_NAME)
-    if present is None:
-        PluggableLayer.register_oot(cls, name=IN_TREE_NAME)
-    elif present is not cls:
-        log_once(logger, logging.WARNING, "router-gate-foreign",
-                 "%s already has an out-of-tree replacement (%s.%s); leaving it in place, so vllm-ling's router "
-                 "GEMV is NOT used", IN_TREE_NAME, present.__module__, present.__qualname__)
-        return []
-    return [_DESCRIPTION]
+    return install_out_of_tree(IN_TREE_NAME, router_gate_class(), _DESCRIPTION)

@@ -91,12 +91,9 @@ class LingSmallBf16LinearMethod(UnquantizedLinearMethod):
 
     @staticmethod
     def apply_small_gemv(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        from vllm_ling.ops.small_gemv import small_gemv
+        from vllm_ling.ops import small_gemv as ops
 
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        if rows.data_ptr() % 16:  # a view at an odd offset: the kernel reads rows in 16-byte pieces
-            rows = rows.clone()
-        out = small_gemv(rows, layer.ling_small_gemv, torch.bfloat16)
+        out = ops.small_gemv(ops.kernel_rows(x), layer.ling_small_gemv, torch.bfloat16)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

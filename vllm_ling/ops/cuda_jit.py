@@ -7,9 +7,31 @@ shared memory)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import torch
+
+@functools.lru_cache(maxsize=None)
+def jit_unavailable_reason() -> str | None:
+    """Why this module cannot compile or launch a kernel in this process (None when it can)."""
+    try:
+        import cuda.bindings.driver  # noqa: F401 - the launcher's driver bindings
+        import humming.jit.runtime  # noqa: F401 - the NVRTC runtime and cache it compiles through
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def cuda_capability(device: torch.device | str | None) -> tuple[int, int] | str:
+    """``device``'s compute capability, or why it is not a usable CUDA device (the string)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    return torch.cuda.get_device_capability(device)
+
 
 _KERNEL_BASE: list[type] = []
 _KERNEL_CLASSES: dict[str, type] = {}

@@ -283,13 +283,14 @@ def _small_bf16_layers(target, draft):
     return layers, ours, [(n, m) for n, m in ours if getattr(m, "ling_small_gemv", None) is not None]
 
 
-def check_small_bf16(target, draft, exp: Expectations) -> Check:
+def check_small_bf16(found, exp: Expectations) -> Check:
     """Every unquantized linear is on vllm-ling's method (a layer the small GEMV cannot hold keeps
     vLLM's GEMM with one WARNING, counted in ``actual``), and a known answer: on the first served
-    layer, the small GEMV for two random rows against vLLM's own GEMM on the same layer."""
+    layer, the small GEMV for two random rows against vLLM's own GEMM on the same layer.
+    ``found``: :func:`_small_bf16_layers`."""
     from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
 
-    layers, ours, serving = _small_bf16_layers(target, draft)
+    layers, ours, serving = found
     actual = f"{len(serving)} of {len(layers)} unquantized linears on the small GEMV"
     kept = [f"{n}: {m.ling_small_gemv_reason}" for n, m in ours if getattr(m, "ling_small_gemv", None) is None]
     if kept:
@@ -433,10 +434,11 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     known = kernel_checks.report_section(target, draft)
     stage = pipeline_stage(target, config.num_hidden_layers)
     gates = router_gates.gate_census(target, draft)
+    bf16_linears = _small_bf16_layers(target, draft)
     kda_state = kda_in_proj.kda_in_proj_state(target)
     checks = [check_model_classes(target, draft, exp, stage), check_moe_layers(target, draft, exp, config, stage),
               check_head(target, exp, stage), check_draft_sharing(target, draft, exp, stage),
-              check_dense_fp8(target, draft, exp), check_small_bf16(target, draft, exp),
+              check_dense_fp8(target, draft, exp), check_small_bf16(bf16_linears, exp),
               Check(kda_in_proj.CHECK_NAME, *kda_in_proj.check_kda_in_proj(
                   kda_state, exp.kda_merged_proj, config, stage.start, stage.end)),
               Check(router_gates.CHECK_NAME, *router_gates.check_router_gates(gates, exp.router_gemv, exp.platform)),
@@ -472,7 +474,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
                                  "detail": by_name["dense_fp8_layers"].actual},
             "small_bf16_decode": {"requested": exp.small_bf16,
                                   "active": exp.small_bf16 and by_name["small_bf16_layers"].passed
-                                  and bool(_small_bf16_layers(target, draft)[2]),
+                                  and bool(bf16_linears[2]),
                                   "detail": by_name["small_bf16_layers"].actual},
             "router_gemv": router_gates.optimization_entry(gates, by_name[router_gates.CHECK_NAME].passed,
                                                            exp.router_gemv, exp.platform, known),

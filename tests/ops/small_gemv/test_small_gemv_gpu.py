@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_ling.ops.small_gemv import MAX_ROWS, magnitude_bound, reference_gemv, small_gemv, unavailable_reason
+from vllm_ling.ops.small_gemv import (MAX_ROWS, kernel_rows, magnitude_bound, reference_gemv, small_gemv,
+                                      unavailable_reason)
 
 pytestmark = pytest.mark.gpu
 
@@ -79,3 +80,15 @@ def test_rejects_bad_inputs_before_launch():
             small_gemv(*args)
     with pytest.raises(ValueError, match="out must be"):
         small_gemv(x, w, torch.bfloat16, out=torch.empty((2, 32), dtype=torch.float32, device=DEV))
+
+
+def test_kernel_rows_copies_only_what_the_kernel_cannot_read():
+    flat = torch.randn(3 * 2560 + 1, device=DEV).to(torch.bfloat16)
+    odd = flat[1:].view(3, 2560)                       # contiguous, 2 bytes off the 16-byte grid
+    aligned = torch.randn(2, 3, 2560, device=DEV).to(torch.bfloat16)
+    assert kernel_rows(aligned).data_ptr() == aligned.data_ptr() and kernel_rows(aligned).shape == (6, 2560)
+    rows = kernel_rows(odd)
+    assert rows.data_ptr() % 16 == 0 and torch.equal(rows, odd)
+    w = torch.randn((32, 2560), device=DEV).to(torch.bfloat16)
+    got = small_gemv(rows, w, torch.float32).double()
+    assert ((got - reference_gemv(odd, w)).abs() <= 2.0**-16 * magnitude_bound(odd, w)).all()

@@ -30,12 +30,12 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
     """Why the kernel cannot run on ``device`` (None when it can)."""
     if K.triton is None:
         return "triton is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    device = torch.device(device) if device is not None else torch.device("cuda")
-    if device.type != "cuda":
-        return f"device {device} is not CUDA"
-    major, minor = torch.cuda.get_device_capability(device)
+    from vllm_ling.ops.cuda_jit import cuda_capability
+
+    capability = cuda_capability(device)
+    if isinstance(capability, str):
+        return capability
+    major, minor = capability
     if (major, minor) < (8, 9):
         return f"sm_{major}{minor} has no e4m3 conversion (needs sm_89+)"
     return None
@@ -70,15 +70,11 @@ def _checked(config: W8A16Config, n: int, k: int, capability: tuple[int, int]) -
     return effective_config(config, capability)
 
 
-@functools.lru_cache(maxsize=None)
 def decode_kernel_unavailable_reason() -> str | None:
     """Why the CUDA decode kernel cannot be compiled here (None when it can)."""
-    try:
-        import cuda.bindings.driver  # noqa: F401 - the launcher's driver bindings
-        import humming.jit.runtime  # noqa: F401 - the NVRTC runtime and cache it compiles through
-    except Exception as exc:  # noqa: BLE001 - any import failure is the reason
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    from vllm_ling.ops.cuda_jit import jit_unavailable_reason
+
+    return jit_unavailable_reason()
 
 
 def _decode_unavailable(capability: tuple[int, int]) -> str | None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ling.ops.small_gemv import MAX_ROWS, kernel_unavailable_reason, small_gemv, unavailable_reason
+from vllm_ling.ops.small_gemv import MAX_ROWS, kernel_rows, kernel_unavailable_reason, small_gemv, unavailable_reason
 from vllm_ling.ops.small_gemv import magnitude_bound
 from vllm_ling.ops.small_gemv import reference_gemv as reference_router_logits
 from vllm_ling.ops.small_gemv import shape_problems as _gemv_shape_problems
 
-__all__ = ["MAX_ROWS", "kernel_unavailable_reason", "magnitude_bound", "reference_router_logits",
+__all__ = ["MAX_ROWS", "kernel_rows", "kernel_unavailable_reason", "magnitude_bound", "reference_router_logits",
            "router_logits", "shape_problems", "unavailable_reason"]
 
 

@@ -7,9 +7,9 @@ into registers while the previous kernel finishes (``small_gemv.cu``). :mod:`.ke
 launcher, :mod:`.reference` the plain-PyTorch oracle.
 """
 
-from vllm_ling.ops.small_gemv.kernel import (BF16_MAX_ROWS, MAX_ROWS, kernel_unavailable_reason, shape_problems, small_gemv,
+from vllm_ling.ops.small_gemv.kernel import (BF16_MAX_ROWS, MAX_ROWS, kernel_rows, kernel_unavailable_reason, shape_problems, small_gemv,
                                              unavailable_reason)
 from vllm_ling.ops.small_gemv.reference import magnitude_bound, reference_gemv
 
-__all__ = ["BF16_MAX_ROWS", "MAX_ROWS", "kernel_unavailable_reason", "magnitude_bound", "reference_gemv", "shape_problems",
+__all__ = ["BF16_MAX_ROWS", "MAX_ROWS", "kernel_rows", "kernel_unavailable_reason", "magnitude_bound", "reference_gemv", "shape_problems",
            "small_gemv", "unavailable_reason"]

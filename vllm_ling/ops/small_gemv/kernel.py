@@ -43,25 +43,21 @@ def shape_problems(n: int, k: int, weight_dtype: torch.dtype) -> list[str]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def kernel_unavailable_reason() -> str | None:
     """Why the kernel cannot be compiled or launched in this process (None when it can)."""
-    try:
-        import cuda.bindings.driver  # noqa: F401 - the launcher's driver bindings
-        import humming.jit.runtime  # noqa: F401 - the NVRTC runtime and cache it compiles through
-    except Exception as exc:  # noqa: BLE001 - any import failure is the reason
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    from vllm_ling.ops.cuda_jit import jit_unavailable_reason
+
+    return jit_unavailable_reason()
 
 
 def unavailable_reason(device: torch.device | str | None = None) -> str | None:
     """Why the kernel cannot run on ``device`` (None when it can)."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    device = torch.device(device) if device is not None else torch.device("cuda")
-    if device.type != "cuda":
-        return f"device {device} is not CUDA"
-    major, minor = torch.cuda.get_device_capability(device)
+    from vllm_ling.ops.cuda_jit import cuda_capability
+
+    capability = cuda_capability(device)
+    if isinstance(capability, str):
+        return capability
+    major, minor = capability
     if major < 8:
         return f"sm_{major}{minor}: needs sm_80+"
     return kernel_unavailable_reason()
@@ -98,6 +94,15 @@ def compiled(k: int, weight_dtype: torch.dtype, out_dtype: torch.dtype, warps: i
         kernel = _COMPILED[key] = compiled_kernel(
             KERNEL_NAME, source(k, weight_dtype, out_dtype, warps, tokens_per_pass), device)
     return kernel
+
+
+def kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the [rows, K] view the kernel reads (unit stride on K, rows 16-byte aligned),
+    copied only where it is not (e.g. a row slice at an odd offset)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1 or rows.stride(0) % 8 or rows.data_ptr() % 16:
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    return rows
 
 
 def small_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, *, out: torch.Tensor | None = None,
