@@ -22,7 +22,7 @@ KERNEL_NAME = "ling_small_gemv"
 MAX_ROWS = 16  # above, the per-token passes cost more than cuBLAS (benchmarks/results/small_gemv_h200.md)
 BF16_MAX_ROWS = 8  # Ling's 32-row BF16 linears: cuBLAS is as fast from 16 rows (small_gemv_h200.md)
 _MAX_CHUNKS_PER_LANE = 32  # 16-byte weight chunks held per lane (128 registers)
-_WARPS = 4                 # weight rows per CTA
+WARPS_PER_CTA = 4  # weight rows per CTA (one warp each)
 _WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ARG_TYPES = (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 3
@@ -106,7 +106,7 @@ def kernel_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def small_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, *, out: torch.Tensor | None = None,
-               warps: int = _WARPS, tokens_per_pass: int | None = None, pdl: bool = True) -> torch.Tensor:
+               warps: int = WARPS_PER_CTA, tokens_per_pass: int | None = None, pdl: bool = True) -> torch.Tensor:
     """``out_dtype`` [T, N] = BF16 ``x`` [T, K] @ ``weight`` [N, K].T (fp32 accumulation)."""
     from vllm_ling.ops.cuda_jit import launch
 
