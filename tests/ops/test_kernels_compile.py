@@ -7,19 +7,20 @@ the GPU that runs it; the kernels are developed and run on an H200 (sm_90), and 
 (full config, tensor parallel 1 and 2) is compiled with NVRTC down to a cubin (ptxas included),
 with the options humming-kernels 0.1.17's NVRTC compiler passes, for:
 
-- sm_90a (H100 / H200) and sm_121a (DGX Spark, GB10): every kernel family and launch variant
-  the server picks there;
-- sm_100a (B200) and sm_80 (A100): the kernels that claim those architectures.
+- sm_121a (DGX Spark, GB10): every kernel family and launch variant the server picks there,
+  the dense Triton kernel included;
+- sm_100a (B200) and sm_80 (A100): the kernels that claim those architectures;
+- sm_90a (H100 / H200), where the kernels also run in the GPU tests: one source per family.
 
 A kernel that uses an instruction or feature a target lacks fails to compile. The test that
 compiles the MoE decode kernels for sm_80 shows the check catches that: they use thread-block
 clusters, which need sm_90+, and the MoE layer refuses them below sm_90 before compiling.
 
-The dense decode kernel takes about 1.5 s per compile, so on sm_90a and sm_121a each launch
-variant the server picks (persistent or one wave, split K or not) is compiled for one and for four
+The dense decode kernel takes about 1.5 s per compile, so on sm_121a each launch variant the
+server picks (persistent or one wave, split K or not) is compiled for one and for four
 groups of eight activation rows (1 and 25-32 rows), with its smallest K (compile time grows with
-the unrolled steps; the instructions do not); on sm_100a and
-sm_80 one variant (the instructions do not depend on the defines). The other kernels compile in full.
+the unrolled steps; the instructions do not); elsewhere one variant (the instructions do not
+depend on the defines). The other kernels compile in full.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Target:
     smem_per_block_optin: int  # bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin)
     dense: bool = True         # compile every dense decode variant (else one)
     moe_decode: bool = True    # the MoE decode kernels serve here (sm_90+)
+    triton: bool = True        # compile the dense Triton kernel's variants (sm_89+)
 
     @property
     def arch(self) -> str:  # humming appends "a" from sm_90 on (arch-specific features allowed)
@@ -59,11 +61,13 @@ class Target:
         return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
 
 
+# The H200's kernels run in the GPU tests (tests/ops, gpu marker): here it is the control that a
+# source the device compiles compiles here too.
 TARGETS = [
-    Target("H200", (9, 0), 132, 232448),
+    Target("H200", (9, 0), 132, 232448, dense=False, triton=False),
     Target("DGX Spark", (12, 1), 48, 101376),
     Target("B200", (10, 0), 148, 232448, dense=False),
-    Target("A100", (8, 0), 108, 166912, dense=False, moe_decode=False),
+    Target("A100", (8, 0), 108, 166912, dense=False, moe_decode=False, triton=False),
 ]
 # humming.jit.compiler.NVRTCCompiler.get_flags with disable_fast_math (vllm_ling.ops.cuda_jit's
 # kernels), without include directories: the kernels include nothing
@@ -179,3 +183,59 @@ def test_a_feature_the_target_lacks_fails_to_compile():
     sources = moe_decode_sources(TARGETS[0])
     err = compile_error(sources["tp1 ling_moe_hs_gate_up"], "sm_80")
     assert err is not None and "sm_90" in err, err
+
+
+# ---- the dense Triton W8A16 kernel (Triton's own compiler and ptxas, same Triton as the server) ----
+
+def dense_triton_variants(target: Target) -> dict[str, tuple[dict, dict]]:
+    """Per Triton launch variant (tensor cores or not, split K or not, L2 prefetch, PDL, FP16
+    dot) the server can run on ``target``: where the table or row limit picks Triton, and the
+    fallback where the decode kernel cannot run; each variant once, at its smallest K."""
+    from vllm_ling.ops.dense_fp8.linear import triton_compile_args, triton_config
+
+    best: dict[tuple, tuple[int, dict, dict]] = {}
+    for tp in TENSOR_PARALLEL:
+        for n, k in distinct_decode_shapes(CONFIG, include_mtp=True, tensor_parallel_size=tp):
+            for rows in range(1, dense_decode.MAX_ROWS + 1):
+                for config in (launch_config(n, k, rows, target.capability, target.sm_count),
+                               triton_config(n, k, rows, target.capability, target.sm_count)):
+                    if isinstance(config, dense_decode.DecodeConfig):
+                        continue
+                    variant = (config.use_dot, config.split_k > 1, config.prefetch_l2, config.pdl, config.dot_f16)
+                    if variant not in best or k < best[variant][0]:
+                        best[variant] = (k, *triton_compile_args(config, k))
+    return {"dot={} split_k={} prefetch={} pdl={} f16={}".format(*v): (c, o) for v, (_, c, o) in sorted(best.items())}
+
+
+def triton_compile_error(constexprs: dict, options: dict, target: Target) -> str | None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_ling.ops.dense_fp8 import kernel as dense_triton
+
+    parts = "*fp32" if constexprs["SPLIT_K"] > 1 else "*bf16"  # unused split-K buffers are the output
+    tickets = "*i32" if constexprs["SPLIT_K"] > 1 else "*bf16"
+    signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": parts,
+                 "cnt_ptr": tickets, **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_sn")},
+                 **{name: "constexpr" for name in constexprs}}
+    try:
+        compiled = triton.compile(ASTSource(dense_triton._w8a16_block_fp8_kernel, signature, constexprs),
+                                  target=GPUTarget("cuda", target.capability[0] * 10 + target.capability[1], 32),
+                                  options=options)
+    except Exception as exc:  # noqa: BLE001 - the compiler's message is the failure
+        return f"{type(exc).__name__}: {exc}"
+    return None if compiled.asm.get("cubin") else "no cubin"
+
+
+TRITON_TARGETS = [t for t in TARGETS if t.triton]
+
+
+@pytest.mark.parametrize("target", TRITON_TARGETS, ids=[t.arch for t in TRITON_TARGETS])
+def test_dense_triton_kernel_compiles(target):
+    pytest.importorskip("triton")
+    variants = dense_triton_variants(target)
+    assert variants, f"no Triton variant for {target.name}"
+    failed = {name: err for name, (c, o) in variants.items() if (err := triton_compile_error(c, o, target))}
+    assert not failed, f"dense Triton kernel does not compile for {target.name}: " + "; ".join(
+        f"{name}: {err[:600]}" for name, err in failed.items())

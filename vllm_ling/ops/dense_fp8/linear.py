@@ -116,6 +116,11 @@ def launch_config(n: int, k: int, rows: int, capability: tuple[int, int],
     decode = _decode_config(n, k, rows, capability, sm_count)
     if decode is not None:
         return decode
+    return triton_config(n, k, rows, capability, sm_count)
+
+
+def triton_config(n: int, k: int, rows: int, capability: tuple[int, int], sm_count: int) -> W8A16Config:
+    """The checked, effective Triton config for a shape: what runs where the decode kernel does not."""
     return _checked(select_config(n, k, rows, capability, sm_count)[0], n, k, capability)
 
 
@@ -193,15 +198,25 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         tickets = _workspace(x.device, "tickets", grid[0] * grid[1], torch.int32)
     else:
         partials = tickets = out  # unused
-    pieces, piece_bytes = _prefetch_split(config, k)
-    extra = {"launch_pdl": True} if config.pdl else {}
+    constexprs, options = triton_compile_args(config, k)
     K._w8a16_block_fp8_kernel[grid](
         x, weight, scale, out, partials, tickets,
         m, n, k,
         x.stride(0), weight.stride(0), scale.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, K_STEPS=config.k_steps, SPLIT_K=config.split_k,
-        USE_DOT=config.use_dot, USE_PDL=config.pdl, PREFETCH_L2=config.prefetch_l2,
-        PIECES=pieces, PIECE_BYTES=piece_bytes, DOT_F16=config.dot_f16,
-        num_warps=config.num_warps, num_stages=config.num_stages, **extra,
+        **constexprs, **options,
     )
     return out
+
+
+def triton_compile_args(config: W8A16Config, k: int) -> tuple[dict[str, object], dict[str, object]]:
+    """The Triton kernel's constexpr arguments and compile options for ``config`` at ``K = k``
+    (what one compiled variant depends on besides the argument types)."""
+    pieces, piece_bytes = _prefetch_split(config, k)
+    constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, K_STEPS=config.k_steps,
+                      SPLIT_K=config.split_k, USE_DOT=config.use_dot, USE_PDL=config.pdl,
+                      PREFETCH_L2=config.prefetch_l2, PIECES=pieces, PIECE_BYTES=piece_bytes,
+                      DOT_F16=config.dot_f16)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.pdl:
+        options["launch_pdl"] = True
+    return constexprs, options
