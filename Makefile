@@ -20,6 +20,11 @@ demo: install
 test: install tools
 	bash scripts/run_tests.sh $(PYTEST_ARGS)
 
+# The GPU kernel tests (gpu marker) on a CUDA machine; `make test` runs them too and they skip
+# without CUDA. They need no vLLM: the H200 device runs them with the kernel wheels only.
+test-gpu: install
+	$(PY) -m pytest -q -m gpu tests/ops tests/benchmarks $(PYTEST_ARGS)
+
 # promtool (Debian's prometheus package, installed by `make tools`) on the one copy of the
 # scrape config and alert rules; the test suite runs the same checks.
 check-monitoring:
