@@ -21,6 +21,7 @@ import logging
 import torch
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
+from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.small_gemv.kernel import BF16_MAX_ROWS as SMALL_BF16_MAX_ROWS
 
@@ -34,7 +35,7 @@ class Bf16GemvUnavailable(RuntimeError):
     """The small-GEMV path was requested (the default) and cannot run here."""
 
 
-_LAYERS: dict[str, torch.nn.Module] = {}  # "prefix#id" -> layer, for the custom op
+_LAYERS = LayersByName()  # op name -> layer (layers/op_layers.py: why names are prefixes)
 
 
 def _small_bf16_linear_impl(x: torch.Tensor, layer_name: str) -> torch.Tensor:
@@ -75,8 +76,7 @@ class LingSmallBf16LinearMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         super().process_weights_after_loading(layer)
-        layer.ling_small_gemv_key = f"{self.prefix}#{id(layer)}"
-        _LAYERS[layer.ling_small_gemv_key] = layer
+        layer.ling_small_gemv_key = _LAYERS.register(layer, self.prefix, "small_bf16_linear")
         problems = kernel_problems(layer.weight.data)
         layer.ling_small_gemv = None if problems else layer.weight.data
         layer.ling_small_gemv_reason = "; ".join(problems) or None
