@@ -41,7 +41,9 @@ _LAYERS = LayersByName()  # op name -> layer (layers/op_layers.py: why names are
 def _small_bf16_linear_impl(x: torch.Tensor, layer_name: str) -> torch.Tensor:
     layer = _LAYERS[layer_name]
     rows = x.numel() // x.shape[-1]
-    if getattr(layer, "ling_small_gemv", None) is None or rows > SMALL_BF16_MAX_ROWS or x.dtype != torch.bfloat16:
+    # the kernel takes 1..SMALL_BF16_MAX_ROWS rows: vLLM's GEMM answers an empty batch too
+    if getattr(layer, "ling_small_gemv", None) is None or not 1 <= rows <= SMALL_BF16_MAX_ROWS \
+            or x.dtype != torch.bfloat16:
         return UnquantizedLinearMethod.apply(layer.quant_method, layer, x)
     return LingSmallBf16LinearMethod.apply_small_gemv(layer, x)
 
