@@ -66,12 +66,16 @@ def test_unaligned_linear_keeps_vllm(monkeypatch):
     assert D.choose_dense_fp8_method(BLOCK, "p", [100, 28], 2560, option="ling") is None
 
 
+class _Layer(types.SimpleNamespace):
+    """A stand-in layer the op's registry can hold (weakly)."""
+
+
 def test_kernel_choice_happens_inside_one_traceable_op(monkeypatch):
     # vLLM compiles the model with fullgraph=True and symbolic batch sizes: apply() must trace
     # to one opaque op, and the op (not the trace) picks the kernel by row count
     w = torch.randn(8, 16)
-    layer = types.SimpleNamespace(output_size_per_partition=8, ling_w8a16=(w, None), quant_method=None,
-                                  ling_dense_fp8_key="test.linear#1", ling_w8a16_max_rows=D.DECODE_MAX_ROWS)
+    layer = _Layer(output_size_per_partition=8, ling_w8a16=(w, None), ling_dense_fp8_method=None,
+                   ling_dense_fp8_key="test.linear#1", ling_w8a16_max_rows=D.DECODE_MAX_ROWS)
     monkeypatch.setitem(D._LAYERS, "test.linear#1", layer)
     monkeypatch.setattr(D.Fp8LinearMethod, "apply", lambda self, lyr, x, bias=None: (x.float() @ w.t()).to(x.dtype))
     monkeypatch.setattr(D.LingW8A16Fp8LinearMethod, "apply_w8a16",
@@ -174,3 +178,55 @@ def test_w8a16_row_limit_per_shape_and_architecture():
     assert w8a16_max_rows(4096, 2560, (9, 0)) == D.DECODE_MAX_ROWS
     assert w8a16_max_rows(12288, 2560, (12, 1)) == D.DECODE_MAX_ROWS  # untuned arch: no measurement, W8A16
     assert all(0 < r <= D.DECODE_MAX_ROWS for table in W8A16_MAX_ROWS.values() for r in table.values())
+
+
+def test_op_names_are_the_layer_prefix_so_a_cached_compiled_graph_finds_its_layers(monkeypatch):
+    # vLLM 0.32 on torch >= 2.10 saves the compiled model (VLLM_USE_AOT_COMPILE) with the op's
+    # layer-name argument baked in and loads it on the next start: the name must come out the
+    # same in a fresh process (the prefix), never from the object's address
+    from vllm.model_executor import utils as vllm_utils
+
+    monkeypatch.setattr(vllm_utils, "is_weights_pre_processed", lambda: False)
+    monkeypatch.setattr(D.Fp8LinearMethod, "process_weights_after_loading", lambda self, lyr: None)
+    method = _method()
+    served = _loaded_layer()
+    method.process_weights_after_loading(served)
+    assert served.ling_dense_fp8_key == "test.proc"
+    scratch = _loaded_layer()  # a known-answer check's scratch layer, processed later, same prefix
+    method.process_weights_after_loading(scratch)
+    method.process_weights_after_loading(served)  # processed again (a weight reload): same name
+    assert served.ling_dense_fp8_key == "test.proc" and scratch.ling_dense_fp8_key == "test.proc#2"
+    assert D._LAYERS["test.proc"] is served and D._LAYERS["test.proc#2"] is scratch
+
+
+def test_known_answer_check_through_a_scratch_layer_runs_both_kernels(monkeypatch):
+    # the startup check builds a bare scratch layer (no quant_method) through a copy of the served
+    # method; its GEMM-sized case (256 rows) is vLLM's kernel's, through that copy. vLLM's block-FP8
+    # kernels need a GPU: plain-PyTorch stand-ins with vLLM's parameter layout
+    from vllm.model_executor import utils as vllm_utils
+
+    import vllm_ling.ops.dense_fp8 as ops
+    from vllm_ling.layers.known_answer import check_dense_fp8_method
+    from vllm_ling.ops.fp8 import block_fp8_dequantize
+
+    def create_weights(self, layer, k_part, sizes, k, n, dtype, **extra):
+        layer.weight = torch.nn.Parameter(torch.empty(sum(sizes), k_part, dtype=torch.float8_e4m3fn),
+                                          requires_grad=False)
+        layer.weight_scale_inv = torch.nn.Parameter(torch.empty(sum(sizes) // 128, k_part // 128),
+                                                    requires_grad=False)
+        layer.output_size_per_partition = sum(sizes)
+
+    def vllm_apply(self, lyr, x, bias=None):
+        assert isinstance(self, D.Fp8LinearMethod)
+        w = block_fp8_dequantize(lyr.weight.data, lyr.weight_scale_inv.data, (128, 128), dtype=torch.float32)
+        return (x.float() @ w.t()).to(x.dtype)
+
+    monkeypatch.setattr(vllm_utils, "is_weights_pre_processed", lambda: False)
+    monkeypatch.setattr(D.Fp8LinearMethod, "create_weights", create_weights)
+    monkeypatch.setattr(D.Fp8LinearMethod, "process_weights_after_loading", lambda self, lyr: None)
+    monkeypatch.setattr(D.Fp8LinearMethod, "apply", vllm_apply)
+    monkeypatch.setattr(ops, "w8a16_linear", ops.reference_linear)
+    method = _method()
+    method.weight_block_size = [128, 128]
+    result = check_dense_fp8_method(method)
+    assert result.passed and result.cases == 2, result.message()

@@ -170,3 +170,45 @@ def test_ling_fp8_serves_vllms_amx_kernel_only_if_it_passes(loaded_tiny_models, 
     assert type(first) is expected and type(second) is expected
     assert dense_fp8_path.last_choice().kernel == (dense_fp8_path.VLLM_AMX if vllm_kernel_correct
                                                    else dense_fp8_path.DEQUANTIZED)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_a_correct_w8a8_kernel_passes_whatever_it_says_about_input_quantization(monkeypatch, ue8m0):
+    # vLLM's W8A8 block-FP8 kernels round the activations to e4m3 per 128 inputs: DeepGEMM (UE8M0
+    # scales by default) and CUTLASS say apply_input_quant = True; FlashInfer's (picked first on
+    # sm_90 with FlashInfer and DeepGEMM) says False because it takes BF16 and quantizes inside.
+    # A correct one must pass, with the tight tolerance (the random row is exact in FP8). The
+    # kernels need a GPU: a plain-PyTorch stand-in that rounds activations as they do.
+    from vllm.model_executor.kernels.linear.scaled_mm.flashinfer import (
+        FlashInferFp8DeepGEMMDynamicBlockScaledKernel)
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+    from vllm.model_executor import utils as vllm_utils
+
+    from vllm_ling.layers.known_answer import check_dense_fp8_method
+    from vllm_ling.ops.fp8 import block_fp8_dequantize
+
+    def create_weights(self, layer, k_part, sizes, k, n, dtype, **extra):
+        layer.weight = torch.nn.Parameter(torch.empty(sum(sizes), k_part, dtype=torch.float8_e4m3fn),
+                                          requires_grad=False)
+        layer.weight_scale_inv = torch.nn.Parameter(torch.empty(sum(sizes) // 128, k_part // 128),
+                                                    requires_grad=False)
+        self.fp8_linear = object.__new__(FlashInferFp8DeepGEMMDynamicBlockScaledKernel)
+
+    def apply(self, layer, x, bias=None):  # e4m3 activations, one scale per 128 inputs
+        groups = x.float().reshape(x.shape[0], -1, 128)
+        scale = groups.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0
+        if ue8m0:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        xq = ((groups / scale).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape)
+        w = block_fp8_dequantize(layer.weight.data, layer.weight_scale_inv.data, (128, 128), dtype=torch.float32)
+        return (xq @ w.t()).to(x.dtype)
+
+    monkeypatch.setattr(vllm_utils, "is_weights_pre_processed", lambda: False)
+    monkeypatch.setattr(Fp8LinearMethod, "create_weights", create_weights)
+    monkeypatch.setattr(Fp8LinearMethod, "process_weights_after_loading", lambda self, layer: None)
+    monkeypatch.setattr(Fp8LinearMethod, "apply", apply)
+    method = object.__new__(Fp8LinearMethod)
+    method.weight_block_size = [128, 128]
+    result = check_dense_fp8_method(method)
+    assert result.passed and result.cases == 2, result.message()
+    assert result.kernel == "Fp8LinearMethod/FlashInferFp8DeepGEMMDynamicBlockScaledKernel"

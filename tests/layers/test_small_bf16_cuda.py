@@ -124,3 +124,30 @@ def test_rows_reach_the_kernel_16_byte_aligned(monkeypatch):
     assert x.is_contiguous() and x.data_ptr() % 16
     out = S.LingSmallBf16LinearMethod.apply_small_gemv(layer, x)
     assert seen == [0] and torch.allclose(out.float(), x.float() @ w.float().t(), rtol=2e-2, atol=2e-2)
+
+
+def test_op_names_are_the_layer_prefix_so_a_cached_compiled_graph_finds_its_layers(monkeypatch):
+    # vLLM 0.32 on torch >= 2.10 saves the compiled model (VLLM_USE_AOT_COMPILE) with the op's
+    # layer-name argument baked in and loads it on the next start: the name must come out the
+    # same in a fresh process (the prefix), never from the object's address
+    method = _method(monkeypatch)
+    layers = [torch.nn.Module(), torch.nn.Module()]
+    for layer in layers:
+        layer.weight = torch.nn.Parameter(torch.randn(32, 2560).to(torch.bfloat16), requires_grad=False)
+        method.process_weights_after_loading(layer)
+    assert [layer.ling_small_gemv_key for layer in layers] == ["test.b_proj", "test.b_proj#2"]
+    assert S._LAYERS["test.b_proj"] is layers[0]
+
+
+def test_an_empty_batch_gets_an_empty_output(monkeypatch):
+    # the kernel takes 1..MAX_ROWS rows (it raises on 0, as the router GEMV would; the router and
+    # dense W8A16 ops hand 0 rows to vLLM's path / return at once): the op must answer any count
+    method = _method(monkeypatch)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(32, 256).to(torch.bfloat16), requires_grad=False)
+    layer.quant_method = method
+    method.process_weights_after_loading(layer)
+    monkeypatch.setattr(S.UnquantizedLinearMethod, "apply",
+                        lambda self, lyr, x, bias=None: torch.nn.functional.linear(x, lyr.weight))
+    out = method.apply(layer, torch.empty(0, 256, dtype=torch.bfloat16))
+    assert out.shape == (0, 32) and out.dtype == torch.bfloat16

@@ -26,6 +26,7 @@ import logging
 import torch
 from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
+from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.dense_fp8.tuned_configs import DECODE_MAX_ROWS, w8a16_max_rows
 
@@ -57,14 +58,15 @@ def block_scales_fp32(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32).contiguous().clone()
 
 
-_LAYERS: dict[str, torch.nn.Module] = {}  # "prefix#id" -> layer, for the custom op
+_LAYERS = LayersByName()  # op name -> layer (layers/op_layers.py: why names are prefixes)
 
 
 def _dense_fp8_linear_impl(x: torch.Tensor, layer_name: str) -> torch.Tensor:
     layer = _LAYERS[layer_name]
     rows = x.numel() // x.shape[-1]
     if getattr(layer, "ling_w8a16", None) is None or rows > layer.ling_w8a16_max_rows or x.dtype != torch.bfloat16:
-        return Fp8LinearMethod.apply(layer.quant_method, layer, x)
+        # the method that prepared the layer (a known-answer scratch layer has no quant_method)
+        return Fp8LinearMethod.apply(layer.ling_dense_fp8_method, layer, x)
     return LingW8A16Fp8LinearMethod.apply_w8a16(layer, x)
 
 
@@ -94,10 +96,10 @@ class LingW8A16Fp8LinearMethod(Fp8LinearMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         from vllm.model_executor import utils as vllm_utils
 
-        # one key per layer object: known-answer checks process scratch layers through copies
-        # of this method (same prefix), which must not take the served layer's place
-        layer.ling_dense_fp8_key = f"{self.prefix}#{id(layer)}"
-        _LAYERS[layer.ling_dense_fp8_key] = layer
+        # known-answer checks process scratch layers through copies of this method (same prefix):
+        # they get their own names and keep the served layer's
+        layer.ling_dense_fp8_key = _LAYERS.register(layer, self.prefix, "dense_fp8_linear")
+        layer.ling_dense_fp8_method = self
         if vllm_utils.is_weights_pre_processed():  # scales already in vLLM's kernel layout
             super().process_weights_after_loading(layer)
             self._keep_vllm(layer, "the checkpoint holds weights pre-processed for vLLM's kernel")

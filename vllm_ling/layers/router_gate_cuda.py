@@ -26,10 +26,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import weakref
 
 import torch
 
+from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import RouterGemv, read
@@ -110,19 +110,12 @@ def decide(facts: GateFacts, option: RouterGemv, device: torch.device | str | No
     return None
 
 
-# name -> gate, for the custom op (weak: a rebuilt model's old gates are not kept alive)
-_GATES: weakref.WeakValueDictionary[str, torch.nn.Module] = weakref.WeakValueDictionary()
+_GATES = LayersByName()  # op name -> gate (layers/op_layers.py: why names are prefixes)
 
 
 def register_gate(gate: torch.nn.Module, prefix: str) -> str:
-    """The op's name for ``gate``: its prefix (unique within a model, stable across processes),
-    suffixed where another live gate holds it."""
-    key, n = prefix or "gate", 1
-    while _GATES.get(key) not in (None, gate):
-        n += 1
-        key = f"{prefix or 'gate'}#{n}"
-    _GATES[key] = gate
-    return key
+    """The op's name for ``gate``: its prefix, suffixed where another live gate holds it."""
+    return _GATES.register(gate, prefix, "gate")
 
 
 def _router_logits_impl(x: torch.Tensor, gate_name: str) -> torch.Tensor:

@@ -21,6 +21,7 @@ import logging
 import torch
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
+from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.small_gemv.kernel import BF16_MAX_ROWS as SMALL_BF16_MAX_ROWS
 
@@ -34,13 +35,15 @@ class Bf16GemvUnavailable(RuntimeError):
     """The small-GEMV path was requested (the default) and cannot run here."""
 
 
-_LAYERS: dict[str, torch.nn.Module] = {}  # "prefix#id" -> layer, for the custom op
+_LAYERS = LayersByName()  # op name -> layer (layers/op_layers.py: why names are prefixes)
 
 
 def _small_bf16_linear_impl(x: torch.Tensor, layer_name: str) -> torch.Tensor:
     layer = _LAYERS[layer_name]
     rows = x.numel() // x.shape[-1]
-    if getattr(layer, "ling_small_gemv", None) is None or rows > SMALL_BF16_MAX_ROWS or x.dtype != torch.bfloat16:
+    # the kernel takes 1..SMALL_BF16_MAX_ROWS rows: vLLM's GEMM answers an empty batch too
+    if getattr(layer, "ling_small_gemv", None) is None or not 1 <= rows <= SMALL_BF16_MAX_ROWS \
+            or x.dtype != torch.bfloat16:
         return UnquantizedLinearMethod.apply(layer.quant_method, layer, x)
     return LingSmallBf16LinearMethod.apply_small_gemv(layer, x)
 
@@ -75,8 +78,7 @@ class LingSmallBf16LinearMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         super().process_weights_after_loading(layer)
-        layer.ling_small_gemv_key = f"{self.prefix}#{id(layer)}"
-        _LAYERS[layer.ling_small_gemv_key] = layer
+        layer.ling_small_gemv_key = _LAYERS.register(layer, self.prefix, "small_bf16_linear")
         problems = kernel_problems(layer.weight.data)
         layer.ling_small_gemv = None if problems else layer.weight.data
         layer.ling_small_gemv_reason = "; ".join(problems) or None

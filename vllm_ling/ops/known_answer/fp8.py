@@ -32,12 +32,26 @@ def _finite_code_grid(rows: int, cols: int, stride: int) -> torch.Tensor:
     return torch.tensor(FINITE_E4M3_CODES, dtype=torch.uint8)[idx]
 
 
-def block_fp8_linear_problem(block: tuple[int, int] = (128, 128), seed: int = 0,
-                             random_rtol: float = DENSE_ROW_RTOL) -> BlockFp8Problem:
+FP8_EXACT_ROW_SCALE = 2.0 ** -8  # the random row's group scale: its largest magnitude is 448 * 2^-8 = 1.75
+
+
+def fp8_exact_row(k: int, group: int, seed: int = 0) -> torch.Tensor:
+    """A random BF16 row [1, k] that FP8 activation quantization leaves unchanged: Gaussian values
+    rounded to e4m3 codes times 2^-8, every ``group`` inputs holding +-448 * 2^-8 as their largest
+    magnitude. The group scale amax/448 a W8A8 kernel computes is then exactly 2^-8, whether it
+    keeps it in fp32 or rounds it up to a power of two (UE8M0), per group or per token, and every
+    value is a code: W8A8 and W8A16 kernels owe the same answer, to the same tolerance."""
+    g = torch.randn(k // group, group, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    g = (g * (448.0 / g.abs().amax(-1, keepdim=True))).to(torch.float32).to(torch.float8_e4m3fn)
+    return (g.to(torch.float64) * FP8_EXACT_ROW_SCALE).reshape(1, k).to(torch.bfloat16)
+
+
+def block_fp8_linear_problem(block: tuple[int, int] = (128, 128), seed: int = 0) -> BlockFp8Problem:
     """A [2*bn, 2*bk] block-FP8 weight laid out as ``DENSE_BLOCKS`` and two inputs: the
     one-hot rows of the identity (GEMM-sized, 2*bk tokens; output = every weight alone) and
-    one random token (decode-sized; accumulation across blocks; ``random_rtol`` wider for a
-    kernel that quantizes activations to FP8, W8A8)."""
+    one random token (decode-sized; accumulation across blocks), :func:`fp8_exact_row` so that
+    kernels quantizing activations to FP8 per 128 inputs (vLLM's W8A8 kernels) owe the same
+    answer as W8A16 ones: both exact in FP8, the one-hot rows and the random row."""
     bn, bk = block
     n, k = 2 * bn, 2 * bk
     codes = torch.zeros(n, k, dtype=torch.uint8)
@@ -58,11 +72,11 @@ def block_fp8_linear_problem(block: tuple[int, int] = (128, 128), seed: int = 0,
                           for r, c in blocks)
         return f"wrong e4m3 codes {code_ranges(codes[pos].tolist())} in blocks {names}"
 
-    x1 = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    x1 = fp8_exact_row(k, bk, seed)
     cases = [
         KnownAnswerCase(f"{k} one-hot rows (GEMM-sized)", {"x": eye}, w.t().contiguous(), ONE_HOT_RTOL,
                         floor=scale64.t() * 2.0 ** -12, explain=explain_one_hot),
-        KnownAnswerCase("1 random row (decode-sized)", {"x": x1}, x1.double() @ w.t(), random_rtol,
+        KnownAnswerCase("1 random row (decode-sized)", {"x": x1}, x1.double() @ w.t(), DENSE_ROW_RTOL,
                         per_row=True),
     ]
     return BlockFp8Problem(codes.view(torch.float8_e4m3fn), scale, block, cases)
