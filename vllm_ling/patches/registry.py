@@ -178,7 +178,8 @@ PATCHES: tuple[Patch, ...] = (
         why="adds vllm-ling's `VLLM_LING_*` names to `vllm.envs.environment_variables`: "
             "vLLM warns about every unknown `VLLM_*` variable (and refuses them with "
             "`--fail-on-environ-validation`); a `VLLM_LING_*` name we do not read gets our "
-            "own \"typo?\" WARNING",
+            "own \"typo?\" WARNING. vLLM hashes the table's values into its torch.compile cache "
+            "key, so only options that change what the model computes show a value there",
         upstream="none (no public way to declare plugin variables)",
         delete_when="vLLM lets plugins declare variables, or stops checking foreign prefixes",
     ),
