@@ -411,7 +411,7 @@ def markdown_table() -> str:
         if o.scope is Scope.TEST:
             continue
         where = {Scope.PLUGIN: "vLLM processes", Scope.NODE: "vLLM processes (each node's own)"}.get(
-            o.scope, "`vllm-ling serve`/`warmup`")
+            o.scope, "launcher")
         flag = f" (`{o.flag}`)" if o.serve_flag else ""
         lines.append(f"| `{o.name}`{flag} | `{o.shown_default()}` | {where} | {o.help} |")
     return "\n".join(lines)
