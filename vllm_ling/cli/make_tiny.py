@@ -16,7 +16,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", default=None,
                         help=f"config.json to start from (default: {TINY_CONFIG.name} shipped with vllm-ling)")
     parser.add_argument("--all-mla", action="store_true",
-                        help="make every layer MLA (for vLLM-CPU MTP runs; see README)")
+                        help="make every layer MLA (no KDA layers; some tests and the compose CPU demo use it)")
     parser.add_argument("--agreeing", action="store_true",
                         help="weights whose NEXTN layer provably predicts the target's next token")
     parser.add_argument("--script", default=None, metavar="TEXT_OR_FILE",

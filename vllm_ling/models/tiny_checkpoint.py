@@ -52,7 +52,7 @@ def load_tiny_config(path: str | os.PathLike | None = None) -> dict[str, Any]:
 
 
 def all_mla_variant(config: dict[str, Any]) -> dict[str, Any]:
-    """Every layer MLA (layer_group_size 1): the variant vLLM-CPU can run with MTP."""
+    """Every layer MLA (layer_group_size 1): no KDA layers."""
     cfg = copy.deepcopy(config)
     cfg["layer_group_size"] = 1
     n = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)
