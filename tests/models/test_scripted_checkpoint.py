@@ -66,3 +66,17 @@ def test_cli_refuses_an_unspellable_script_and_leaves_nothing(tmp_path):
                         "<arg_key>a</arg_key><arg_key>b</arg_key>"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--script" in r.stderr and "distinct tokens" in r.stderr
     assert not out.exists()
+
+
+def test_cli_refuses_agreeing_and_script_together(tmp_path, capsys):
+    """Two ways of choosing the weights: asking for both is an error, not one silently winning."""
+    import pytest
+
+    from vllm_ling.cli.make_tiny import main
+
+    out = tmp_path / "ckpt"
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(out), "--agreeing", "--script", "hello"])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert not out.exists()

@@ -54,7 +54,7 @@ def _verification(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_ling.cli.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="vllm-ling demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint dir (default: make the scripted tiny one)")
     parser.add_argument("--out", default="out/demo", help="where the tiny checkpoint and logs go")
     args = parser.parse_args(argv)

@@ -17,12 +17,13 @@ def main(argv: list[str]) -> int:
                         help=f"config.json to start from (default: {TINY_CONFIG.name} shipped with vllm-ling)")
     parser.add_argument("--all-mla", action="store_true",
                         help="make every layer MLA (no KDA layers; some tests and the compose CPU demo use it)")
-    parser.add_argument("--agreeing", action="store_true",
-                        help="weights whose NEXTN layer provably predicts the target's next token")
-    parser.add_argument("--script", default=None, metavar="TEXT_OR_FILE",
-                        help="weights whose greedy answer to any chat prompt is this text (or the "
-                             "contents of this file), e.g. reasoning, </think>, then a <tool_call>; "
-                             "the NEXTN draft predicts every token of it")
+    weights = parser.add_mutually_exclusive_group()  # two ways of choosing the weights
+    weights.add_argument("--agreeing", action="store_true",
+                         help="weights whose NEXTN layer provably predicts the target's next token")
+    weights.add_argument("--script", default=None, metavar="TEXT_OR_FILE",
+                         help="weights whose greedy answer to any chat prompt is this text (or the "
+                              "contents of this file), e.g. reasoning, </think>, then a <tool_call>; "
+                              "the NEXTN draft predicts every token of it")
     args = parser.parse_args(argv)
     script = args.script
     if script is not None and Path(script).is_file():
