@@ -140,3 +140,18 @@ def test_decode_config_problems_name_the_cause():
     assert DecodeConfig(ksplit=8, warps_n=4).problems(256, 2048, 8) == []
     assert any("activation rows" in p for p in DecodeConfig(ksplit=4).problems(256, 2560, 33))
     assert any("warps_n = 1" in p for p in DecodeConfig(ksplit=4, warps_n=2, stream=True).problems(256, 2560, 1))
+
+
+def test_an_outgrown_split_k_workspace_stays_allocated():
+    """A CUDA graph captured on a workspace keeps its address: growing it later must not free it
+    (the graph would write into memory the allocator hands out again)."""
+    from vllm_ling.ops.dense_fp8 import linear
+
+    device = torch.device("cpu")  # the buffer logic is device-independent
+    small = linear._workspace(device, "test-partials", 16, torch.float32)
+    assert linear._workspace(device, "test-partials", 8, torch.float32) is small  # big enough: reused
+    big = linear._workspace(device, "test-partials", 64, torch.float32)
+    assert big is not small and big.numel() >= 64
+    assert any(t is small for t in linear._OUTGROWN)
+    del linear._WORKSPACES[(device, "test-partials")]
+    linear._OUTGROWN[:] = [t for t in linear._OUTGROWN if t is not small]

@@ -142,18 +142,23 @@ def _prefetch_split(config: W8A16Config, k: int) -> tuple[int, int]:
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
+# Outgrown buffers stay allocated: a CUDA graph captured while one was current keeps its address.
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def _workspace(device: torch.device, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A persistent buffer per (device, kind) that only grows: split-K partials (fp32) and
     tickets (int32, zero between calls). Allocated on the first (eager) call of a size, so a
-    CUDA graph captured after a warm-up call of the same row count allocates nothing."""
+    CUDA graph captured after a warm-up call of the same row count allocates nothing; a buffer
+    that is outgrown later is kept, never freed, so graphs captured on it stay valid."""
     key = (device, kind)
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < numel:
-        if torch.cuda.is_current_stream_capturing():
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("dense FP8 split-K workspace must grow during CUDA-graph capture: run the "
                                "same row count once before capturing")
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = torch.zeros(max(numel, 1), dtype=dtype, device=device)
         _WORKSPACES[key] = buf
     return buf
