@@ -69,6 +69,17 @@ def _observe_humming_jit() -> None:
         observe()
 
 
+def _no_humming_builds_without_cuda() -> None:
+    """humming's kernels are CUDA-only: elsewhere its import-time background builds only cost
+    CPU (vllm_ling.ops.humming_cache.skip_background_builds)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        from vllm_ling.ops.humming_cache import skip_background_builds
+
+        skip_background_builds()
+
+
 def register() -> list[str]:
     """Apply the runtime patches and register models, config and layers once per process;
     return what was registered."""
@@ -78,6 +89,7 @@ def register() -> list[str]:
     check_vllm_version()
     _default_report_path()
     _observe_humming_jit()
+    _no_humming_builds_without_cuda()
     # Runtime patches first, in the registry's order; refuses a vLLM they were not written for.
     patches = apply_all(Stage.REGISTER)
     done = _register_config() + _register_models() + _register_layers() + [f"patches {', '.join(patches)}"]

@@ -35,6 +35,19 @@ def test_user_humming_cache_dir_is_respected(monkeypatch, tmp_path):
     assert os.environ[hc.HUMMING_ENV_TMP] == str(tmp_path / "hc" / "tmp")
 
 
+def test_background_builds_switch_keeps_the_users_value(monkeypatch):
+    """Without CUDA the plugin turns humming's import-time builds off (tests/runtime/test_plugin.py
+    checks no process starts); a value the user set is left as it is."""
+    from vllm_ling.ops import humming_cache as hc
+
+    monkeypatch.delenv(hc.HUMMING_ENV_NO_BACKGROUND_BUILD, raising=False)
+    hc.skip_background_builds()
+    assert os.environ[hc.HUMMING_ENV_NO_BACKGROUND_BUILD] == "1"
+    monkeypatch.setenv(hc.HUMMING_ENV_NO_BACKGROUND_BUILD, "0")
+    hc.skip_background_builds()
+    assert os.environ[hc.HUMMING_ENV_NO_BACKGROUND_BUILD] == "0"
+
+
 def test_compile_lock_excludes_another_process(tmp_path):
     from vllm_ling.ops import humming_cache as hc
 

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
 import pytest
 
+from vllm_ling.ops.humming_cache import HUMMING_ENV_NO_BACKGROUND_BUILD
+
 pytest.importorskip("vllm")
 
 PROBE = r"""
-import json, logging
+import json, logging, sys
+started = []  # every process this one starts, from its first line
+sys.addaudithook(lambda event, args: started.append(" ".join(map(str, args[1]))) if event == "subprocess.Popen" else None)
 import vllm.plugins as plugins
 records = []
 class H(logging.Handler):
@@ -25,6 +30,7 @@ plugins.plugins_loaded = False          # vLLM may load plugins again in the sam
 plugins.load_general_plugins()
 import vllm_ling
 vllm_ling.register()                    # and a direct call must be a no-op too
+import humming.ops.utils, humming.utils.nvrtc  # what starts humming's background builds
 from vllm import ModelRegistry
 from vllm.model_executor.layers.quantization import get_quantization_config
 from vllm.transformers_utils.config import _CONFIG_REGISTRY
@@ -37,13 +43,16 @@ out = {
   "kda_oot": op_registry_oot.get("BailingMoeV3KimiDeltaAttention").__module__,
   "gate_oot": repr(op_registry_oot.get("GateLinear")),
   "registered_lines": [m for m in records if m.startswith("vllm-ling registered")],
+  "humming_builds": [c for c in started if "humming" in c],
 }
 print("RESULT" + json.dumps(out))
 """
 
 
 def test_plugin_loader_registers_once_in_a_fresh_process():
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    # the switch the plugin sets, as a process that ran register() (pytest's own) would pass it on
+    env = {k: v for k, v in os.environ.items() if k != HUMMING_ENV_NO_BACKGROUND_BUILD}
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
     out = json.loads(line[len("RESULT"):])
@@ -59,6 +68,8 @@ def test_plugin_loader_registers_once_in_a_fresh_process():
     assert ("patches P1 bailing-hybrid-config, P3 cpu-mla-hybrid-block-size, P4 model-config-hook-api, "
             "P5 model-default-speculative-config, P6 worker-post-load-hook, "
             "P7 plugin-environment-variables") in out["registered_lines"][0]
+    # without CUDA, humming's import-time background builds (one Python process each) are off
+    assert out["humming_builds"] == [], out["humming_builds"]
 
 
 def test_other_vllm_version_logs_one_warning(monkeypatch, caplog):

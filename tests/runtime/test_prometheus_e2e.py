@@ -1,6 +1,9 @@
-"""One real tiny vLLM server (all-MLA checkpoint, MTP) watched by a real Prometheus.
+"""One real tiny vLLM server watched by a real Prometheus: the scripted tiny checkpoint (hybrid
+KDA + MLA, NEXTN MTP x3 whose draft predicts every token) with Ling-3's tool-call and reasoning
+parsers, as ``vllm-ling serve`` adds them, and MTP x3 given as an explicit --speculative-config.
+One server start for the module (CPU, ~1 min).
 
-Checks, against that one server (started once for the module; CPU, ~1-2 min):
+Monitoring checks, first (the accept-length window must still hold every draft the server made):
 - every metric the committed dashboards and alert rules query is on its /metrics;
 - GET /vllm_ling/report (our endpoint plugin) serves the report file;
 - through Prometheus's HTTP API: the windowed accept length equals the one computed from
@@ -11,6 +14,11 @@ Checks, against that one server (started once for the module; CPU, ~1-2 min):
 
 The report is the one vllm-ling's startup verification writes in the worker; expectations
 are read from it at assertion time.
+
+Agentic checks, after them on the same server (the window and break-even set for the collapse
+check do not touch what they check): an OpenAI ``tools`` request answered with
+``message.tool_calls`` and ``reasoning`` by vLLM's ``ling3`` parsers, streamed and not, while
+speculation runs; the chat round-trip check; ``bench --workload replay`` scoring a real tool call.
 
 Prometheus is Debian's ``prometheus`` package; these tests fail without it.
 """
@@ -31,15 +39,24 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_ling.cli.agent_defaults import LING_PARSER_ARGS
+from vllm_ling.runtime.local_server import scrape
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
+PARSER_ARGS = list(LING_PARSER_ARGS)  # what `vllm-ling serve` adds
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast for a city",
+    "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}]
+MESSAGES = [{"role": "user", "content": "How is the weather in Paris?"}]
 WINDOW = 32
-BREAK_EVEN = 5.0  # > 1 + num_speculative_tokens (4.0 on the agreeing checkpoint): a collapse
+BREAK_EVEN = 5.0  # > 1 + num_speculative_tokens (4.0 when every draft is accepted): a collapse
 PROMETHEUS_HINT = "apt-get update && apt-get install -y --no-install-recommends prometheus"
 
 _spec = importlib.util.spec_from_file_location("monitoring_queries", REPO / "tests" / "deploy" / "monitoring_queries.py")
@@ -110,15 +127,17 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The agreeing all-MLA tiny checkpoint with MTP x3 under vllm-ling's real startup
+    """The scripted tiny checkpoint with MTP x3 given explicitly (a user's --speculative-config in
+    place of vllm-ling's default) and Ling-3's parsers, under vllm-ling's real startup
     verification (its report drives the optimization gauges)."""
-    from vllm_ling.runtime.local_server import group_alive, serve_cpu
+    from vllm_ling.models.scripted_checkpoint import EXAMPLE_SCRIPT
     from vllm_ling.models.tiny_checkpoint import make_tiny
+    from vllm_ling.runtime.local_server import group_alive, serve_cpu
 
     work = tmp_path_factory.mktemp("tiny_server")
-    checkpoint = make_tiny(work / "ckpt", seed=0, all_mla=True, agreeing=True)
+    checkpoint = make_tiny(work / "tiny_scripted", seed=0, script=EXAMPLE_SCRIPT)
     report_path, log_path = work / "report.json", work / "server.log"
-    running = serve_cpu(checkpoint, log_path, extra_args=[
+    running = serve_cpu(checkpoint, log_path, extra_args=PARSER_ARGS + [
         "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 3})], env={
         "VLLM_LING_REPORT_PATH": str(report_path), "VLLM_PLUGINS": "vllm_ling,vllm_ling_report",
         "VLLM_LING_ACCEPT_WINDOW": str(WINDOW), "VLLM_LING_ACCEPT_BREAK_EVEN": str(BREAK_EVEN)})
@@ -303,3 +322,112 @@ def test_report_endpoint_serves_the_report(server):
     status, body = http(f"{server.base}/vllm_ling/report")
     assert status == 200, body[:300]
     assert json.loads(body) == server.report()
+
+
+# Agentic checks (after the monitoring ones above: their traffic fills the window).
+
+def _chat(base: str, stream: bool, **extra):
+    return requests.post(base + "/v1/chat/completions", timeout=600, stream=stream, json={
+        "model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto",
+        "temperature": 0, "max_tokens": 100, "stream": stream, **extra})
+
+
+def _accept_counters(base: str) -> tuple[float, float]:
+    m = scrape(base)
+    drafts = sum(v for k, v in m.items() if k.startswith("vllm:spec_decode_num_drafts_total"))
+    accepted = sum(v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+    return drafts, accepted
+
+
+def test_tool_call_and_reasoning_parsed_non_streamed(server):
+    from vllm_ling.models.scripted_checkpoint import EXAMPLE_REASONING, EXAMPLE_TOOL_CALL
+
+    d0, a0 = _accept_counters(server.base)
+    r = _chat(server.base, stream=False)
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    message = choice["message"]
+    call = message["tool_calls"][0]["function"]
+    assert (call["name"], json.loads(call["arguments"])) == EXAMPLE_TOOL_CALL
+    assert message["reasoning"].strip() == EXAMPLE_REASONING  # vLLM 0.32 names it `reasoning`
+    assert not (message["content"] or "").strip()
+    assert choice["finish_reason"] == "tool_calls"
+    d1, a1 = _accept_counters(server.base)
+    assert d1 > d0, "no speculative drafts: MTP is not on"
+    # The draft predicts every scripted token; only the last step (the end of turn) wastes drafts.
+    assert 1 + (a1 - a0) / (d1 - d0) > 3.0
+
+
+def test_tool_call_and_reasoning_parsed_streamed(server):
+    from vllm_ling.models.scripted_checkpoint import EXAMPLE_REASONING, EXAMPLE_TOOL_CALL
+
+    reasoning, content, name, arguments, finish = "", "", "", "", None
+    with _chat(server.base, stream=True) as r:
+        r.raise_for_status()
+        for line in r.iter_lines(decode_unicode=True):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            delta = choice.get("delta", {})
+            reasoning += delta.get("reasoning") or ""
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                name += call.get("function", {}).get("name") or ""
+                arguments += call.get("function", {}).get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    assert (name, json.loads(arguments)) == EXAMPLE_TOOL_CALL
+    assert reasoning.strip() == EXAMPLE_REASONING
+    assert not content.strip()
+    assert finish == "tool_calls"
+
+
+def test_thinking_switched_off_per_request(server):
+    """enable_thinking=false: the generation prompt closes the reasoning block, the scripted
+    model continues after </think>, so the same tool call comes back with no reasoning."""
+    from vllm_ling.models.scripted_checkpoint import EXAMPLE_TOOL_CALL
+
+    r = _chat(server.base, stream=False, chat_template_kwargs={"enable_thinking": False})
+    r.raise_for_status()
+    message = r.json()["choices"][0]["message"]
+    call = message["tool_calls"][0]["function"]
+    assert (call["name"], json.loads(call["arguments"])) == EXAMPLE_TOOL_CALL
+    assert message.get("reasoning") is None
+
+
+def test_roundtrip_check_reported_and_exported(server):
+    report = server.report()
+    assert report["chat_roundtrip"]["status"] == "passed", report["chat_roundtrip"]
+    row = next(c for c in report["checks"] if c["name"] == "chat_roundtrip")
+    assert row["passed"] and report["passed"]
+    assert "chat round-trip check passed" in server.log_path.read_text(errors="replace")
+    metrics = scrape(server.base)
+    assert metrics.get('vllm_ling:chat_roundtrip{model_name="tiny",status="passed"}') == 1.0
+
+
+def test_replay_scores_a_real_tool_call(server, tmp_path):
+    """`vllm-ling bench --workload replay` against the real server: a tool-using request whose
+    `expected` is the scripted tool call is parsed, counted and matched; a plain request is sent
+    and not scored (issue 19's replay on the real tiny server, with a real tool call)."""
+    from vllm_ling.bench import run_benchmark
+    from vllm_ling.models.scripted_checkpoint import EXAMPLE_TOOL_CALL
+
+    name, arguments = EXAMPLE_TOOL_CALL
+    rows = [
+        {"id": "tool", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto", "temperature": 0,
+         "max_tokens": 100, "expected": {"tool_call": {"name": name, "arguments": arguments}}},
+        {"id": "wrong-expectation", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto",
+         "temperature": 0, "max_tokens": 100,
+         "expected": {"tool_call": {"name": name, "arguments": {**arguments, "city": "Lyon"}}}},
+    ]
+    path = tmp_path / "replay.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    r = run_benchmark(base_url=server.base, workload="replay", requests_file=str(path),
+                      out_dir=str(tmp_path / "out"), progress=False, plots=False, model="tiny",
+                      server_report=str(server.report_path))
+    by_id = {x["request_id"]: x for x in r["requests"]}
+    assert all(x["ok"] for x in by_id.values())
+    assert by_id["tool"]["correct"] is True and by_id["wrong-expectation"]["correct"] is False
+    acc = r["accuracy"]
+    assert acc["tool_requests"] == 2 and acc["tool_call_fraction"] == 1.0
+    assert acc["tool_match_fraction"] == pytest.approx(0.5)
+    assert r["server"]["facts"]["report"]["passed"] is True

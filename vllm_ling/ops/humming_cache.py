@@ -42,6 +42,9 @@ from vllm_ling.options import read
 ENV_CACHE = "VLLM_LING_HUMMING_CACHE"
 HUMMING_ENV_CACHE = "HUMMING_CACHE_DIR"
 HUMMING_ENV_TMP = "HUMMING_TMP_DIR"
+# humming's own switch: importing humming.ops.utils or humming.utils.nvrtc otherwise starts one
+# Python process each that prebuilds a CUDA artifact (the JIT launcher, nvrtc_compile).
+HUMMING_ENV_NO_BACKGROUND_BUILD = "HUMMING_DISABLE_PARALLEL_BUILD"
 LOCK_NAME = "compile.lock"
 
 logger = get_logger("ops.humming")
@@ -98,6 +101,17 @@ def configure_humming_cache() -> Path:
             "writable directory.") from exc
     _refresh_humming_dirs_if_imported()
     return kernels
+
+
+def skip_background_builds() -> None:
+    """Where nothing can be built for CUDA, stop humming's import-time background builds.
+
+    vLLM imports humming in each of its processes (API server, engine core, workers); without
+    CUDA every import would start two Python processes that load torch and humming only to
+    fail, taking CPU from the server's own start and outliving a server that refused to start.
+    Set before humming is imported; inherited by the processes vLLM starts afterwards. An
+    explicit value from the user is kept."""
+    os.environ.setdefault(HUMMING_ENV_NO_BACKGROUND_BUILD, "1")
 
 
 def _refresh_humming_dirs_if_imported() -> None:
