@@ -52,8 +52,11 @@ class Target:
     sm_count: int
     smem_per_block_optin: int  # bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin)
     dense: bool = True         # compile every dense decode variant (else one)
-    moe_decode: bool = True    # the MoE decode kernels serve here (sm_90+)
     triton: bool = True        # compile the dense Triton kernel's variants (sm_89+)
+
+    @property
+    def moe_decode(self) -> bool:  # thread-block clusters: the MoE layer uses the decode kernels from sm_90
+        return self.capability >= (9, 0)
 
     @property
     def arch(self) -> str:  # humming appends "a" from sm_90 on (arch-specific features allowed)
@@ -67,7 +70,7 @@ TARGETS = [
     Target("H200", (9, 0), 132, 232448, dense=False, triton=False),
     Target("DGX Spark", (12, 1), 48, 101376),
     Target("B200", (10, 0), 148, 232448, dense=False),
-    Target("A100", (8, 0), 108, 166912, dense=False, moe_decode=False, triton=False),
+    Target("A100", (8, 0), 108, 166912, dense=False, triton=False),
 ]
 # humming.jit.compiler.NVRTCCompiler.get_flags with disable_fast_math (vllm_ling.ops.cuda_jit's
 # kernels), without include directories: the kernels include nothing
