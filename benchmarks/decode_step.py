@@ -158,6 +158,7 @@ class Model:
             fused_recurrent_kda = torch_kda_recurrent
         self.kda_fn = fused_recurrent_kda
         self.aux = torch.cuda.Stream(device=dev)  # vLLM's shared-expert stream
+        self.shared_stream = True  # False: as vLLM runs it with VLLM_DISABLE_SHARED_EXPERTS_STREAM=1
         g = torch.Generator(device=dev).manual_seed(seed)
         self.cfg, self.dev = cfg, dev
         H, heads, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
@@ -308,6 +309,12 @@ class Model:
         # vLLM 0.32's MoE runner launches the shared expert on an auxiliary stream for <= 256 tokens
         # on CUDA (SharedExpertsOrder.MULTI_STREAM_OVERLAPPED), overlapping top-k and the routed experts
         main = torch.cuda.current_stream()
+        if not self.shared_stream:  # VLLM_DISABLE_SHARED_EXPERTS_STREAM=1: shared expert first, same stream
+            sh = op("dense_fp8", lambda: L["sh_gate_up"](x, comp))
+            sh_act = op("norms_residual", lambda: swiglu_act(sh, L["shared_limit"], SHARED_EXPERT_CLAMP))
+            sh_out = op("dense_fp8", lambda: L["sh_down"](sh_act, comp))
+            w, ids = op("router", lambda: self.topk(L, logits))
+            return op("moe_routed", lambda: L["experts"](x, w, ids, L["limit"])), sh_out
         forked = torch.cuda.Event()
         forked.record(main)
         with torch.cuda.stream(self.aux):
@@ -320,16 +327,17 @@ class Model:
             joined = torch.cuda.Event()
             joined.record(self.aux)
 
-        def topk():
-            w, ids = grouped_topk(logits, L["bias"], top_k=self.cfg["num_experts_per_tok"],
-                                  n_group=self.cfg["n_group"], topk_group=self.cfg["topk_group"],
-                                  routed_scaling_factor=self.cfg["routed_scaling_factor"])
-            L["ids"] = ids
-            return w, ids
-        w, ids = op("router", topk)
+        w, ids = op("router", lambda: self.topk(L, logits))
         routed = op("moe_routed", lambda: L["experts"](x, w, ids, L["limit"]))
         main.wait_event(joined)
         return routed, sh_out  # summed by the next add + RMSNorm launch
+
+    def topk(self, L, logits):
+        w, ids = grouped_topk(logits, L["bias"], top_k=self.cfg["num_experts_per_tok"],
+                              n_group=self.cfg["n_group"], topk_group=self.cfg["topk_group"],
+                              routed_scaling_factor=self.cfg["routed_scaling_factor"])
+        L["ids"] = ids
+        return w, ids
 
     def step(self, tokens: torch.Tensor, comp: str, op, draft: bool = True):
         T = tokens.shape[0]
