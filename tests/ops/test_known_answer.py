@@ -10,6 +10,8 @@ import torch
 
 from vllm_ling.ops import known_answer as ka
 from vllm_ling.ops.fp8 import block_fp8_dequantize
+from vllm_ling.ops.lm_head import fp8_reference_logits
+from vllm_ling.ops.lm_head.quantize import quantize_fp8_per_token
 from vllm_ling.ops.moe import experts_reference
 
 AMX_CODES = "0x00-0x07 0x80-0x87"  # every e4m3 code with exponent field 0
@@ -99,6 +101,76 @@ def test_head_torch_kernel_passes_and_a_zero_code_fault_fails():
     r = ka.check_fp8_head_kernel("torch", "cpu", plant=ka.plant_head_scale_fault)
     assert not r.passed and r.max_error == pytest.approx(1.0, rel=1e-6)
     assert [f.split(":")[0] for f in r.failing_inputs] == ["256 one-hot rows (GEMM-sized)", "1 random row (decode-sized)"]
+
+
+def _per_token_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, max_code: float | None = None) -> torch.Tensor:
+    """Plain-PyTorch W8A8 activation rounding, written apart from vllm_ling.ops.lm_head: dynamic
+    per-token scale amax / ``max_code`` (default: the format's largest value), round to
+    ``dtype``, scale back (fp32)."""
+    x32 = x.float()
+    amax = x32.abs().amax(-1, keepdim=True)
+    max_code = torch.finfo(dtype).max if max_code is None else max_code
+    scale = torch.where(amax > 0, amax / max_code, torch.ones_like(amax))
+    return (x32 / scale).to(dtype).float() * scale
+
+
+@pytest.mark.parametrize("hidden, seed", [(256, 0), (256, 1), (256, 2), (2560, 0)])  # the check's size, Ling's
+def test_head_random_row_is_exact_under_per_token_fp8_quantization(hidden, seed):
+    """The head's random row survives a W8A8 kernel's dynamic per-token quantization bit for
+    bit (its amax is 448 * 2^-8, so the scale is exactly 2^-8): the answer it owes is unchanged."""
+    x = ka.fp8_head_problem(vocab=16, hidden=hidden, seed=seed).cases[1].inputs["x"]
+    assert torch.equal(_per_token_fp8(x).to(torch.bfloat16), x)
+    codes, scale = quantize_fp8_per_token(x)  # what the "scaled_mm" kernel runs
+    assert float(scale) == 2.0 ** -8 and torch.equal(codes.double() * 2.0 ** -8, x.double())
+
+
+def test_head_check_holds_scaled_mm_to_the_dense_tolerance(monkeypatch):
+    """check_fp8_head_kernel("scaled_mm") end to end: prepare_fp8_head offers it on CUDA only,
+    but torch._scaled_mm and the kernel's per-token quantization run on CPU too. The random row
+    is within the dense tolerance (no wider one for a kernel quantizing activations), and a
+    planted scale fault still fails both cases."""
+    import vllm_ling.ops.lm_head.head as head_module
+
+    monkeypatch.setattr(head_module, "kernel_unavailable_reason", lambda kernel, device: None)
+    r = ka.check_fp8_head_kernel("scaled_mm", "cpu")
+    assert r.passed and r.max_error <= ka.DENSE_ROW_RTOL / 4, r.message()
+    r = ka.check_fp8_head_kernel("scaled_mm", "cpu", plant=ka.plant_head_scale_fault)
+    assert not r.passed and r.max_error == pytest.approx(1.0, rel=1e-2), r.message()
+    assert [f.split(" (")[0] for f in r.failing_inputs] == ["256 one-hot rows", "1 random row"]
+
+
+def _w8a8_head(p, x_map=lambda x: _per_token_fp8(x)):
+    return lambda inp: fp8_reference_logits(x_map(inp["x"]), p.weight, p.scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plain_w8a8_head_passes_at_the_dense_tolerance(seed):
+    """One tolerance for every head kernel: with a Gaussian random row the FP8 rounding of the
+    activations alone cost 2-3 % per row, so the check had to ask for the kernel's name."""
+    p = ka.fp8_head_problem(seed=seed)
+    assert [c.rtol for c in p.cases] == [ka.ONE_HOT_RTOL, ka.DENSE_ROW_RTOL]
+    r = ka.run_check("fp8_head", "plain-PyTorch W8A8", p.cases, _w8a8_head(p))
+    assert r.passed and r.max_error <= ka.DENSE_ROW_RTOL / 4, r.message()
+
+
+WRONG_W8A8_HEADS = {  # name -> (activation map, cases that must fail)
+    "activation scale amax/240 (e4m3fnuz's max)": (lambda x: _per_token_fp8(x, max_code=240.0), ["1 random row"]),
+    "e5m2 activations": (lambda x: _per_token_fp8(x, torch.float8_e5m2), ["1 random row"]),
+    "drops the last hidden column": (lambda x: _per_token_fp8(torch.nn.functional.pad(x[..., :-1], (0, 1))),
+                                     ["256 one-hot rows", "1 random row"]),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("fault", list(WRONG_W8A8_HEADS))
+def test_head_kernels_quantizing_activations_wrongly_fail(fault, seed):
+    """Activation rounding a few percent off: only the random row at the dense tolerance sees
+    the first two, so a tolerance widened for W8A8 kernels would let them through."""
+    x_map, failing = WRONG_W8A8_HEADS[fault]
+    p = ka.fp8_head_problem(seed=seed)
+    r = ka.run_check("fp8_head", fault, p.cases, _w8a8_head(p, x_map))
+    assert not r.passed and r.max_error > 2 * ka.DENSE_ROW_RTOL, r.message()
+    assert [f.split(" (")[0] for f in r.failing_inputs] == failing, r.message()
 
 
 def _reference_experts(tensors, top_k):

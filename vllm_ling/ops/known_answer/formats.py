@@ -22,7 +22,6 @@ MOE_ROW_RTOL = 2e-2
 # W4A8 against answers with the same FP8 rounding of activations: codes near a rounding
 # boundary can round the other way from the kernel's BF16 intermediates (one e4m3 step is 6-12 %).
 MOE_W4A8_ROW_RTOL = 5e-2
-FP8_ACT_ROW_RTOL = 5e-2  # a head kernel that also quantizes activations to FP8
 
 
 def e4m3_value(code: int) -> float:

@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 
-from vllm_ling.ops.known_answer.formats import (DENSE_ROW_RTOL, E4M3_TABLE, FINITE_E4M3_CODES, FP8_ACT_ROW_RTOL,
-                                                ONE_HOT_RTOL, code_ranges, pow2_label)
+from vllm_ling.ops.known_answer.formats import (DENSE_ROW_RTOL, E4M3_TABLE, FINITE_E4M3_CODES, ONE_HOT_RTOL,
+                                                code_ranges, pow2_label)
 from vllm_ling.ops.known_answer.runner import KernelCheckResult, KnownAnswerCase, run_check
 
 
@@ -89,11 +89,13 @@ class Fp8HeadProblem:
     cases: list[KnownAnswerCase]
 
 
-def fp8_head_problem(vocab: int = 256, hidden: int = 256, seed: int = 0,
-                     random_rtol: float = DENSE_ROW_RTOL) -> Fp8HeadProblem:
+def fp8_head_problem(vocab: int = 256, hidden: int = 256, seed: int = 0) -> Fp8HeadProblem:
     """Every finite code in every row; row scales 2^-20 .. 2^12 with BF16 mantissas. Cases:
-    ``hidden`` one-hot rows (GEMM-sized) and 1 random row (decode-sized; ``random_rtol``
-    wider for a kernel that quantizes activations)."""
+    ``hidden`` one-hot rows (GEMM-sized) and 1 random row (decode-sized), :func:`fp8_exact_row`
+    with the whole row as its group: its amax is 448 * 2^-8, so the dynamic per-token scale
+    amax/448 of a kernel that quantizes activations ("scaled_mm") is exactly 2^-8 and every
+    value divides to an e4m3 code. W8A8 and W8A16 head kernels owe the same answer to the same
+    tolerance, and the check needs no knowledge of which kernel quantizes."""
     codes = _finite_code_grid(vocab, hidden, 7)
     v = torch.arange(vocab, dtype=torch.float64)
     scale = ((1 + (v % 8) / 8) * torch.pow(2.0, v % 33 - 20)).float()  # exact in BF16
@@ -106,11 +108,11 @@ def fp8_head_problem(vocab: int = 256, hidden: int = 256, seed: int = 0,
         return (f"wrong e4m3 codes {code_ranges(codes[pos].tolist())} in {len(rows)} rows "
                 f"(scales {pow2_label(float(scale[rows].min()))}..{pow2_label(float(scale[rows].max()))})")
 
-    x1 = torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    x1 = fp8_exact_row(hidden, hidden, seed)
     cases = [
         KnownAnswerCase(f"{hidden} one-hot rows (GEMM-sized)", {"x": eye}, w.t().contiguous(), ONE_HOT_RTOL,
                         floor=scale.double()[None, :] * 2.0 ** -12, explain=explain_one_hot),
-        KnownAnswerCase("1 random row (decode-sized)", {"x": x1}, x1.double() @ w.t(), random_rtol, per_row=True),
+        KnownAnswerCase("1 random row (decode-sized)", {"x": x1}, x1.double() @ w.t(), DENSE_ROW_RTOL, per_row=True),
     ]
     return Fp8HeadProblem(codes.view(torch.float8_e4m3fn), scale, cases)
 
@@ -121,7 +123,7 @@ def check_fp8_head_kernel(kernel: str, device: torch.device | str,
     scale) -> (weight, scale)`` corrupts what it is given) and check its logits."""
     from vllm_ling.ops import lm_head
 
-    problem = fp8_head_problem(random_rtol=FP8_ACT_ROW_RTOL if kernel == "scaled_mm" else DENSE_ROW_RTOL)
+    problem = fp8_head_problem()
     weight, scale = (problem.weight, problem.scale) if plant is None else plant(problem.weight, problem.scale)
     state = lm_head.prepare_fp8_head(weight.to(device), scale.to(device), kernel)
     return run_check("fp8_head", kernel, problem.cases,
