@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -42,14 +43,22 @@ def test_config_parses_without_remote_code(tmp_path, name, head_dim, hidden, hea
 
 
 def test_wrong_architecture_names_config_json(tmp_path):
+    """The check names the file; the config still parses (vLLM retries a parse that raises,
+    so vLLM runs the check after it: tests/patches/test_p9_architecture_check.py)."""
     import vllm_ling
     from vllm.transformers_utils.config import get_config
+
+    from vllm_ling.models.configuration import check_architectures
 
     vllm_ling.register()
     d = _config_dir(tmp_path, "ling3_tiny_fp4_config.json",
                     lambda c: c.update(architectures=["BailingMoeV3ForCausalLMX"]))
-    with pytest.raises(ValueError, match=r"config.json: architectures \['BailingMoeV3ForCausalLMX'\]"):
-        get_config(str(d), trust_remote_code=False)
+    cfg = get_config(str(d), trust_remote_code=False)
+    with pytest.raises(ValueError, match=re.escape(f"{d}/config.json: architectures "
+                                                   "['BailingMoeV3ForCausalLMX'] is not a Ling-3.0 architecture")):
+        check_architectures(cfg.architectures, f"{d}/config.json")
+    for ling in (["BailingMoeV3ForCausalLM"], ["BailingMoeV3MTPModel"], []):  # [] = vLLM's sub-config views
+        check_architectures(ling)
 
 
 def test_invalid_swiglu_limit_list_is_reported(tmp_path):

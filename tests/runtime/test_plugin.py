@@ -67,7 +67,8 @@ def test_plugin_loader_registers_once_in_a_fresh_process():
     # every register-stage patch of the registry, in its order (P3: this suite runs on the CPU)
     assert ("patches P1 bailing-hybrid-config, P3 cpu-mla-hybrid-block-size, P4 model-config-hook-api, "
             "P5 model-default-speculative-config, P6 worker-post-load-hook, "
-            "P7 plugin-environment-variables") in out["registered_lines"][0]
+            "P7 plugin-environment-variables, P8 worker-post-warmup-hook, "
+            "P9 config-parse-no-retry-on-rejection") in out["registered_lines"][0]
     # without CUDA, humming's import-time background builds (one Python process each) are off
     assert out["humming_builds"] == [], out["humming_builds"]
 

@@ -225,7 +225,9 @@ def test_pipeline_parallel_2_on_cpu_verifies_each_stage(agreeing_checkpoint, tmp
         server.stop()
 
 
-def test_wrong_architecture_is_refused_naming_config_json(agreeing_checkpoint, tmp_path):
+def test_wrong_architecture_is_refused_once_naming_config_json(agreeing_checkpoint, tmp_path):
+    """One refusal, naming the file: vLLM's config-parse retry (the error logged, a 2 s sleep,
+    the parse again) does not run for it (patch P9), and nothing is left running."""
     import shutil
 
     bad = tmp_path / "ckpt"
@@ -235,7 +237,10 @@ def test_wrong_architecture_is_refused_naming_config_json(agreeing_checkpoint, t
     (bad / "config.json").write_text(json.dumps(cfg))
     server = serve_cpu(bad, tmp_path / "server.log", wait=False)
     assert server.proc.wait(timeout=600) != 0
-    assert "config.json: architectures ['BailingMoeV3ForCausalLMX'] is not a Ling-3.0 architecture" in server.log()
+    log = server.log()
+    refusal = f"{bad}/config.json: architectures ['BailingMoeV3ForCausalLMX'] is not a Ling-3.0 architecture"
+    assert log.count("is not a Ling-3.0 architecture") == 1 and refusal in log, log[-3000:]
+    assert f"Error parsing config for {bad}" not in log  # vLLM's retry logs this before its sleep
     assert not group_alive(server.proc.pid)
 
 

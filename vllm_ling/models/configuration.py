@@ -23,6 +23,18 @@ REQUIRED_FIELDS = (
 )
 
 
+def check_architectures(architectures: list[str] | None, source: str = "config.json") -> None:
+    """Refuse a ``bailing_hybrid`` config that names no Ling-3.0 architecture (ValueError
+    naming ``source``). vLLM runs it right after parsing the config, through patch P9
+    (vllm_ling/patches/config_hooks.py), before the architecture is resolved; an empty list
+    (vLLM's sub-config views) passes."""
+    if architectures and not set(architectures) & set(LING_ARCHITECTURES):
+        raise ValueError(
+            f"{source}: architectures {architectures} is not a Ling-3.0 architecture for "
+            f"model_type {LING_MODEL_TYPE!r}; expected {LING_ARCHITECTURES[0]!r}. Fix the "
+            "\"architectures\" field of the checkpoint's config.json.")
+
+
 class LingHybridConfig(BailingMoeV3TextConfig):
     """``bailing_hybrid`` as a top-level (text-only) config."""
 
@@ -30,12 +42,8 @@ class LingHybridConfig(BailingMoeV3TextConfig):
     base_config_key = ""
 
     def __init__(self, **kwargs):
-        archs = kwargs.get("architectures")
-        if archs and not set(archs) & set(LING_ARCHITECTURES):
-            raise ValueError(
-                f"config.json: architectures {archs} is not a Ling-3.0 architecture for "
-                f"model_type {LING_MODEL_TYPE!r}; expected {LING_ARCHITECTURES[0]!r}. Fix the "
-                "\"architectures\" field of the checkpoint's config.json.")
+        # No refusal here (see check_architectures): vLLM 0.32 retries the whole config parse
+        # on any exception, so an error raised while parsing is logged twice, 2 s apart.
         super().__init__(**kwargs)
         # Kept explicitly: the model code reads these with getattr defaults, and the
         # per-layer clamps must be honoured or the output is garbage.

@@ -1,11 +1,14 @@
 """Configuration-time decisions for Ling, made before weights load; vLLM runs them through
-patches P4 and P5 (see README.md here).
+patches P4, P5 and P9 (see README.md here).
 
 - ``LingConfigHook`` (installed by P4 in vLLM's ``MODELS_CONFIG_MAP``) runs while
   ``VllmConfig`` is built (front-end process, before any engine process starts), so
   conflicting options fail with a message naming both, and CPU-only adjustments are
   logged once. Under the Ray backend it also puts vllm-ling's settings into the Ray
   runtime env (runtime/ray_env.py).
+- ``LingArchConfigConvertor`` (installed by P9 in vLLM's ``MODEL_ARCH_CONFIG_CONVERTORS``)
+  is vLLM's reading of a ``bailing_hybrid`` config: it refuses one naming another
+  architecture right after the config is parsed, outside the parse vLLM retries.
 - ``default_speculative_config`` is what P5 gives a Ling target without a speculative
   option from the user (``VLLM_LING_MTP=0`` turns it off; any user config wins).
 """
@@ -15,7 +18,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import vllm.config  # noqa: F401  (first: the convertor module alone is a circular import in vLLM 0.32)
+from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
+
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.models.configuration import check_architectures
 from vllm_ling.options import LingOptions
 from vllm_ling.runtime import ray_env
 from vllm_ling.runtime.spec_policy import speculative_schedule
@@ -97,6 +104,24 @@ class LingConfigHook:
                      "Prefix caching is OFF on the CPU platform for the hybrid Ling model: "
                      "vLLM's 'align' mamba cache mode needs Triton kernels vLLM-CPU does not "
                      "have. (GPU servers keep it.)")
+
+
+class LingArchConfigConvertor(ModelArchConfigConvertorBase):
+    """vLLM's reading of a ``bailing_hybrid`` config (P9 registers it; 0.32 has no convertor
+    for that model type, so the base class is what it replaces).
+
+    ``ModelConfig`` asks it for the architectures right after ``get_config`` returns and
+    before it resolves them: a config naming another architecture fails once here, naming
+    config.json (vLLM's own error would list every architecture it knows). The same check
+    in the config class ran inside the parse, which vLLM retries on any error
+    (``get_config`` -> ``repo_utils.with_retry``). It also sees ``--hf-overrides``, applied
+    after the parse."""
+
+    def get_architectures(self) -> list[str]:
+        architectures = super().get_architectures()
+        source = getattr(self.hf_config, "name_or_path", None)
+        check_architectures(architectures, f"{source}/config.json" if source else "config.json")
+        return architectures
 
 
 def check_mtp_needs_nextn_layers(engine_args, model: str) -> None:

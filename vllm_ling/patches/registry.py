@@ -201,6 +201,31 @@ PATCHES: tuple[Patch, ...] = (
         upstream="none (the allocated KV-cache bytes are only logged)",
         delete_when="vLLM offers a worker post-warm-up hook, or reports KV-cache bytes to the front end",
     ),
+    Patch(
+        id="P9", slug="config-parse-no-retry-on-rejection",
+        module="vllm_ling.patches.p9_architecture_check",
+        targets=("vllm.transformers_utils.model_arch_config_convertor:MODEL_ARCH_CONFIG_CONVERTORS",),
+        upstream_sha256={
+            "vllm.transformers_utils.model_arch_config_convertor:MODEL_ARCH_CONFIG_CONVERTORS":
+                "75e5a6ba7e60d5b7de7522ef6f8707886486f64a07ed6e2e60f972fc0572491c",
+            "vllm.transformers_utils.model_arch_config_convertor:ModelArchConfigConvertorBase.get_architectures":
+                "fe2b5462bf085a06882cea7925b67567e591bdd2abcd48d2027c084a74312850",
+            "vllm.config.model:ModelConfig.get_model_arch_config":
+                "f95ee74bda1a2339d5954202b9f8b68b7b455142b09be5bb6e92513f6969bac6",
+            "vllm.transformers_utils.config:get_config":
+                "45551a5f8f7ef9ace24ad7ff8f7d61df87cd779f110d46c5f24c61e0609317d1",
+        },
+        stage=Stage.REGISTER, condition="every process (acts in the front end)",
+        why="adds a `MODEL_ARCH_CONFIG_CONVERTORS` entry for `bailing_hybrid` (vLLM's base "
+            "convertor plus the check): a config naming another architecture is refused once, "
+            "naming config.json, right after the parse. The config class cannot refuse it: "
+            "`get_config` retries the parse on any exception, so the refusal was logged twice, "
+            "2 s apart",
+        upstream="none (`get_config`'s retry, for a concurrent HF cache refresh hiding "
+                 "config.json, has no fatal errors)",
+        delete_when="`get_config` stops retrying a config class's ValueError (the check then "
+                    "goes back into `LingHybridConfig`)",
+    ),
 )
 
 
@@ -288,6 +313,10 @@ UPSTREAM_FILE_SHA256: dict[str, str] = {
         "e963af06cf6c775fe285147e0d811ea5b4d679e5cbd6958980ec2a0d1da70694",
     "vllm.platforms.interface":
         "637e120fcf2a45b02b81174b7ed4653364e9d16ff0063772f1fdfaf4f8dcd2b6",
+    "vllm.transformers_utils.model_arch_config_convertor":
+        "b81c306cd33d1d6ebad2968a324868684b565c8c27469217999aac3a0b120061",
+    "vllm.config.model":
+        "04ca37ea1d50128a7ddede30e7baa4e0a56bccec85091577a2c81c5de1a8fab8",
 }
 
 
