@@ -143,8 +143,8 @@ def main(argv=None) -> int:
     lines += [f"- {rows} row(s): ours {o:.0f} us, upstream {u:.0f} us" for rows, (o, u) in sorted(per_step.items())]
     if args.sweep:
         keys = [f"w{w} tb{tb}" for w, tb in SWEEP]
-        lines += ["", "Sweep (us per call; `w` weight rows per CTA, `tb` tokens per pass; default w4, tb1 for one "
-                  "row and tb2 above):", "", "| linear | rows | " + " | ".join(keys) + " |",
+        lines += ["", "Sweep (us per call; `w` weight rows per CTA, `tb` tokens per pass; the defaults are "
+                  "`vllm_ling.ops.small_gemv.kernel.default_launch`):", "", "| linear | rows | " + " | ".join(keys) + " |",
                   "|---|---|" + "---|" * len(keys)]
         for r in results:
             lines.append(f"| {r['linear']} | {r['rows']} | " + " | ".join(f"{r['sweep'][k]:.2f}" for k in keys) + " |")

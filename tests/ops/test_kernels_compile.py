@@ -133,13 +133,15 @@ def dense_decode_sources(target: Target) -> dict[str, str]:
 
 
 def small_gemv_sources() -> dict[str, str]:
-    """The router gate's (fp32 weight and logits) and the BF16 linears' kernels, each tokens-per-pass."""
+    """The router gate's (fp32 weight and logits) and the BF16 linears' kernels, each launch shape the
+    server picks for them (CTA width, tokens per pass)."""
     out = {}
-    for use, weight_dtype, out_dtype, max_rows in (("router", torch.float32, torch.float32, ROUTER_MAX_ROWS),
-                                                   ("bf16 linear", torch.bfloat16, torch.bfloat16, BF16_MAX_ROWS)):
-        for tokens_per_pass in sorted({small_gemv.default_tokens_per_pass(r) for r in range(1, max_rows + 1)}):
-            out[f"{use} tokens/pass={tokens_per_pass}"] = small_gemv.source(
-                CONFIG["hidden_size"], weight_dtype, out_dtype, small_gemv.WARPS_PER_CTA, tokens_per_pass)
+    for use, n, weight_dtype, out_dtype, max_rows in (
+            ("router", CONFIG["num_experts"], torch.float32, torch.float32, ROUTER_MAX_ROWS),
+            ("bf16 linear", CONFIG["num_attention_heads"], torch.bfloat16, torch.bfloat16, BF16_MAX_ROWS)):
+        for warps, tokens_per_pass in sorted({small_gemv.default_launch(r, n) for r in range(1, max_rows + 1)}):
+            out[f"{use} warps={warps} tokens/pass={tokens_per_pass}"] = small_gemv.source(
+                CONFIG["hidden_size"], weight_dtype, out_dtype, warps, tokens_per_pass)
     return out
 
 

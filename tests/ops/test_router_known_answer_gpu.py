@@ -29,15 +29,18 @@ def test_kernel_reading_the_next_expert_row_fails_naming_it():
 
 
 def test_warmup_compiles_every_variant_the_server_launches():
+    from vllm_ling.ops.router import MAX_ROWS
     from vllm_ling.ops.small_gemv import kernel, warmup
 
-    result = warmup.warmup_router(2560, 512)
-    assert result["kernel"] == "2 x ling_small_gemv (512 x 2560, float32 -> float32; tokens per pass 1, 2)"
-    result = warmup.warmup_bf16_linears(32, 2560)
-    assert result["kernel"] == "2 x ling_small_gemv (32 x 2560, bfloat16 -> bfloat16; tokens per pass 1, 2)"
-    # (K, weight dtype, out dtype, warps, tokens per pass, device)
-    compiled = {(k, wd, od, tb) for (k, wd, od, _, tb, _) in kernel._COMPILED}
-    for dtype in (torch.float32, torch.bfloat16):
-        assert {(2560, dtype, dtype, 1), (2560, dtype, dtype, 2)} <= compiled
+    kernel._COMPILED.clear()  # only what the warmup itself compiles counts
+    for n, dtype, max_rows, run in ((512, torch.float32, MAX_ROWS, lambda: warmup.warmup_router(2560, 512)),
+                                    (32, torch.bfloat16, kernel.BF16_MAX_ROWS,
+                                     lambda: warmup.warmup_bf16_linears(32, 2560))):
+        launched = {kernel.default_launch(rows, n) for rows in range(1, max_rows + 1)}
+        result = run()
+        assert result["kernel"].startswith(f"{len(launched)} x ling_small_gemv ({n} x 2560")
+        # (K, weight dtype, out dtype, warps, tokens per pass, device)
+        compiled = {(w, tb) for (k, wd, od, w, tb, _) in kernel._COMPILED if (k, wd, od) == (2560, dtype, dtype)}
+        assert compiled == launched, f"{n} x 2560 {dtype}: warmup compiled {compiled}, the server launches {launched}"
     with pytest.raises(ValueError, match="exceeds 4096"):
         warmup.warmup_router(8192, 512)

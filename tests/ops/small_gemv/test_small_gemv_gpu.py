@@ -54,6 +54,29 @@ def test_launch_shapes(pdl, warps, tokens_per_pass):
     _check(5, 32, 2560, torch.bfloat16, pdl=pdl, warps=warps, tokens_per_pass=tokens_per_pass)
 
 
+@pytest.mark.parametrize("n,k", [(33, 8192), (32, 2560), (130, 1024)])
+def test_staged_rounds(n, k):
+    """More rows than one pass: activations staged in shared memory, several rounds where K is
+    large (8192: two rows per round), a last CTA with warps past N taking part in the barriers."""
+    for tokens_per_pass in (1, 2, 4):
+        _check(MAX_ROWS, n, k, torch.bfloat16, seed=k + tokens_per_pass, tokens_per_pass=tokens_per_pass)
+    _check(MAX_ROWS, n, k, torch.float32, seed=k)
+
+
+@pytest.mark.parametrize("rows", [3, 4])
+def test_staged_equals_direct_bit_for_bit(rows):
+    """The staged path sums in the same order as the direct one (per lane, then the butterfly):
+    one pass of all rows (direct) and one or two rows per pass (staged) give identical bits
+    (fp32 weights, the router's mode)."""
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    x = torch.randn((rows, 2560), device=DEV, generator=g).to(torch.bfloat16)
+    w = (torch.randn((256, 2560), device=DEV, generator=g) * 0.02)
+    direct = small_gemv(x, w, torch.float32, tokens_per_pass=4)
+    for tokens_per_pass in (1, 2):
+        staged = small_gemv(x, w, torch.float32, tokens_per_pass=tokens_per_pass)
+        assert torch.equal(staged, direct), f"{tokens_per_pass} rows per pass differs from one pass"
+
+
 def test_cuda_graph_capture_and_replay():
     x = torch.randn((2, 2560), device=DEV).to(torch.bfloat16)
     w = torch.randn((32, 2560), device=DEV).to(torch.bfloat16)

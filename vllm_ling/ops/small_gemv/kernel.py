@@ -3,8 +3,9 @@
 ``small_gemv(x, weight, out_dtype)`` = ``x @ weight.T`` for BF16 ``x`` [T, K] (T <= ``MAX_ROWS``,
 rows 16-byte aligned) and an fp32 or BF16 ``weight`` [N, K] whose row fits a warp's registers
 (K a multiple of 128 fp32 / 256 BF16 weights, at most 32 16-byte chunks per lane), into fp32 or
-BF16. One warp per weight row, ``warps`` rows per CTA, one token per pass for a single row and
-two above (``benchmarks/results/small_gemv_h200.md``). Compiled by NVRTC through
+BF16. One warp per weight row, ``warps`` rows per CTA; up to four rows in one pass straight from
+global memory, more staged in shared memory (:func:`default_launch`,
+``benchmarks/results/small_gemv_h200.md``). Compiled by NVRTC through
 :mod:`vllm_ling.ops.cuda_jit` (humming's JIT cache); runs on sm_80+, with programmatic dependent
 launch from sm_90. CUDA-graph capturable (no host sync; one allocation, the output, when ``out``
 is not given). No vLLM import.
@@ -23,6 +24,7 @@ MAX_ROWS = 16  # above, the per-token passes cost more than cuBLAS (benchmarks/r
 BF16_MAX_ROWS = 8  # Ling's 32-row BF16 linears: cuBLAS is as fast from 16 rows (small_gemv_h200.md)
 _MAX_CHUNKS_PER_LANE = 32  # 16-byte weight chunks held per lane (128 registers)
 WARPS_PER_CTA = 4  # weight rows per CTA (one warp each)
+_STAGE_BYTES = 40 * 1024  # shared memory for staged activations: under the 48 KB static limit on every target
 _WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ARG_TYPES = (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 3
@@ -63,9 +65,23 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
     return kernel_unavailable_reason()
 
 
-def default_tokens_per_pass(rows: int) -> int:
-    """One token per pass for a single row, else two (the sweep in small_gemv_h200.md)."""
-    return 1 if rows == 1 else 2
+def staged_tokens(k: int) -> int:
+    """Activation rows the CTA stages in shared memory at a time when a call has more rows than
+    one pass takes (as many BF16 rows of K as fit the stage, at most ``MAX_ROWS``)."""
+    return max(1, min(MAX_ROWS, _STAGE_BYTES // (2 * k)))
+
+
+def default_launch(rows: int, n: int) -> tuple[int, int]:
+    """(weight rows per CTA, tokens per pass) for ``rows`` activation rows and N weight rows, the
+    fastest in the sweep of small_gemv_h200.md for Ling's router (N 512) and BF16 linears (N 32):
+    up to four rows one direct pass (four rows: one warp per CTA, so 4x the CTAs issue their
+    loads); above, staged rows four per pass, in CTAs of eight warps for a wide weight (fewer CTAs
+    each staging the same activations) and four for a narrow one."""
+    if rows <= 2:
+        return WARPS_PER_CTA, rows
+    if rows <= 4:
+        return 1, 4
+    return (8 if n >= 128 else WARPS_PER_CTA), 4
 
 
 @functools.cache
@@ -75,7 +91,7 @@ def _kernel_text() -> str:
 
 def source(k: int, weight_dtype: torch.dtype, out_dtype: torch.dtype, warps: int, tokens_per_pass: int) -> str:
     """The CUDA text handed to NVRTC: the shape as ``#define`` lines, then the kernel."""
-    defines = dict(K_=k, WARPS=warps, TB=tokens_per_pass, W_BF16=_WEIGHT_DTYPES[weight_dtype],
+    defines = dict(K_=k, WARPS=warps, TB=tokens_per_pass, XS_T=staged_tokens(k), W_BF16=_WEIGHT_DTYPES[weight_dtype],
                    OUT_BF16=_OUT_DTYPES[out_dtype])
     return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _kernel_text()
 
@@ -106,7 +122,7 @@ def kernel_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def small_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, *, out: torch.Tensor | None = None,
-               warps: int = WARPS_PER_CTA, tokens_per_pass: int | None = None, pdl: bool = True) -> torch.Tensor:
+               warps: int | None = None, tokens_per_pass: int | None = None, pdl: bool = True) -> torch.Tensor:
     """``out_dtype`` [T, N] = BF16 ``x`` [T, K] @ ``weight`` [N, K].T (fp32 accumulation)."""
     from vllm_ling.ops.cuda_jit import launch
 
@@ -129,7 +145,9 @@ def small_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, *,
         raise ValueError(f"small GEMV cannot run {t} x {tuple(weight.shape)} {weight.dtype}: {'; '.join(problems)}")
     if out is None:
         out = torch.empty((t, n), dtype=out_dtype, device=x.device)
-    kernel = compiled(k, weight.dtype, out_dtype, warps, tokens_per_pass or default_tokens_per_pass(t), x.device)
+    default_warps, default_tokens = default_launch(t, n)
+    warps, tokens_per_pass = warps or default_warps, tokens_per_pass or default_tokens
+    kernel = compiled(k, weight.dtype, out_dtype, warps, tokens_per_pass, x.device)
     pdl = pdl and torch.cuda.get_device_capability(x.device)[0] >= 9
     launch(kernel, (-(-n // warps), 1), 32 * warps, (weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, t, x.stride(0)),
            _ARG_TYPES, torch.cuda.current_stream(x.device).cuda_stream, pdl=pdl)

@@ -1,8 +1,8 @@
 """Compile, ahead of serving, every small-GEMV kernel the server launches (``vllm-ling warmup``):
 the router gate's and the unquantized BF16 linears'. No vLLM import.
 
-A compiled kernel depends on K, the weight and output dtypes and the tokens per pass a row count
-resolves to (one for a single token, two above), not on N; each distinct one runs once on random
+A compiled kernel depends on K, the weight and output dtypes and the launch shape a row count
+resolves to (:func:`~vllm_ling.ops.small_gemv.kernel.default_launch`: CTA width and tokens per pass); each distinct one runs once on random
 weights and is compared with the float64 reference. The kernels land in humming's JIT cache,
 which the server shares.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vllm_ling.ops.small_gemv.kernel import default_tokens_per_pass, shape_problems, small_gemv
+from vllm_ling.ops.small_gemv.kernel import default_launch, shape_problems, small_gemv
 from vllm_ling.ops.small_gemv.reference import magnitude_bound, reference_gemv
 
 TOLERANCE = 2.0 ** -16  # of |x| @ |w|.T (plus half a BF16 step for BF16 outputs), as the kernel's tests
@@ -30,22 +30,22 @@ def warmup_kernels(n: int, k: int, weight_dtype: torch.dtype, out_dtype: torch.d
     if problems:
         raise ValueError(f"small GEMV warmup: the kernel cannot hold {n} x {k} {weight_dtype}: " + "; ".join(problems))
     started = time.perf_counter()
-    rows_per_variant: dict[int, int] = {}
+    rows_per_variant: dict[tuple[int, int], int] = {}
     for rows in range(1, max_rows + 1):
-        rows_per_variant.setdefault(default_tokens_per_pass(rows), rows)
+        rows_per_variant.setdefault(default_launch(rows, n), rows)
     gen = torch.Generator(device=device).manual_seed(0)
     weight = (torch.randn((n, k), device=device, generator=gen) * k ** -0.5).to(weight_dtype)
-    for tokens_per_pass, rows in rows_per_variant.items():
+    for (warps, tokens_per_pass), rows in rows_per_variant.items():
         x = torch.randn((rows, k), device=device, generator=gen).to(torch.bfloat16)
         ref = reference_gemv(x, weight)
         tol = TOLERANCE * magnitude_bound(x, weight) + (2.0 ** -8 * ref.abs() if out_dtype == torch.bfloat16 else 0)
         if not ((small_gemv(x, weight, out_dtype).double() - ref).abs() <= tol).all():
             raise RuntimeError(f"small GEMV warmup: wrong outputs for {n} x {k} {weight_dtype} at {rows} rows "
-                               f"({tokens_per_pass} tokens per pass)")
+                               f"({warps} warps per CTA, {tokens_per_pass} tokens per pass)")
     torch.cuda.synchronize(device)
     dtypes = f"{str(weight_dtype).replace('torch.', '')} -> {str(out_dtype).replace('torch.', '')}"
-    return {"kernel": f"{len(rows_per_variant)} x ling_small_gemv ({n} x {k}, {dtypes}; tokens per pass "
-                      f"{', '.join(map(str, sorted(rows_per_variant)))})",
+    return {"kernel": f"{len(rows_per_variant)} x ling_small_gemv ({n} x {k}, {dtypes}; warps x tokens per pass "
+                      f"{', '.join(f'{w}x{tb}' for w, tb in sorted(rows_per_variant))})",
             "build_seconds": round(time.perf_counter() - started, 1)}
 
 
