@@ -20,8 +20,9 @@ from importlib import resources
 import torch
 
 KERNEL_NAME = "ling_small_gemv"
-MAX_ROWS = 16  # above, the per-token passes cost more than cuBLAS (benchmarks/results/small_gemv_h200.md)
-BF16_MAX_ROWS = 8  # Ling's 32-row BF16 linears: cuBLAS is as fast from 16 rows (small_gemv_h200.md)
+MAX_ROWS = 16  # measured up to here (small_gemv_h200.md); the kernel before staging lost to cuBLAS at 32
+# Ling's 32-row BF16 linears: 14% ahead of cuBLAS at 16 rows in one run, not adopted (small_gemv_h200.md)
+BF16_MAX_ROWS = 8
 _MAX_CHUNKS_PER_LANE = 32  # 16-byte weight chunks held per lane (128 registers)
 WARPS_PER_CTA = 4  # weight rows per CTA (one warp each)
 _STAGE_BYTES = 40 * 1024  # shared memory for staged activations: under the 48 KB static limit on every target
