@@ -21,7 +21,7 @@ import torch
 
 KERNEL_NAME = "ling_small_gemv"
 MAX_ROWS = 16  # measured up to here (small_gemv_h200.md); the kernel before staging lost to cuBLAS at 32
-# Ling's 32-row BF16 linears: 14% ahead of cuBLAS at 16 rows in one run, not adopted (small_gemv_h200.md)
+# Ling's 32-row BF16 linears: cuBLAS is close from 16 rows (small_gemv_h200.md's Reading says why 8 stays)
 BF16_MAX_ROWS = 8
 _MAX_CHUNKS_PER_LANE = 32  # 16-byte weight chunks held per lane (128 registers)
 WARPS_PER_CTA = 4  # weight rows per CTA (one warp each)
