@@ -259,3 +259,23 @@ def test_logits_dtype_set_after_construction(tp1, kernel_runs, kernel_calls):
     bf16_logits = _gate(out_dtype=None)
     bf16_logits.set_out_dtype(torch.bfloat16)
     assert not bf16_logits.ling_router_gemv and "bfloat16 logits" in bf16_logits.ling_router_gemv_reason
+
+
+def test_startup_check_runs_every_launch_shape_the_gate_is_served_with(tp1, kernel_runs, monkeypatch):
+    # the kernel's launch shape follows the gate's expert count (CTA width for staged rows), so the
+    # known-answer check must use the served gate's count, not a small test gate's
+    from vllm_ling.layers.known_answer import check_router_gate
+    from vllm_ling.ops.small_gemv.kernel import default_launch, launch_row_counts
+
+    seen = []
+
+    def reference_kernel(x, weight):
+        seen.append(default_launch(x.shape[0], weight.shape[0]))
+        return router_ops.reference_router_logits(x, weight).float()
+
+    monkeypatch.setattr(router_ops, "router_logits", reference_kernel)
+    gate = _gate(hidden=256, experts=512, prefix="test.mlp.wide_gate")
+    result = check_router_gate(gate)
+    assert result.passed, result.message()
+    served = {default_launch(rows, 512) for rows in range(1, router_ops.MAX_ROWS + 1)}
+    assert set(seen) == served and len(seen) == len(launch_row_counts(512))

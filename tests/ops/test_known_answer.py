@@ -274,9 +274,19 @@ def test_unjudged_rows_are_ignored_but_judged_rows_still_fail():
 def test_router_problem_answers_and_planted_faults():
     from vllm_ling.ops.router import reference_router_logits
 
+    from vllm_ling.ops.router import MAX_ROWS
+    from vllm_ling.ops.small_gemv.kernel import default_launch, launch_row_counts
+
     p = ka.router_gemv_problem(256)
-    assert [c.label for c in p.cases] == ["1 token x 13 experts x 256", "3 tokens x 13 experts x 256",
-                                          "16 tokens x 13 experts x 256"]
+    assert [c.label for c in p.cases][:2] == ["1 token x 13 experts x 256", "2 tokens x 13 experts x 256"]
+    assert p.cases[-1].label == f"{MAX_ROWS} tokens x 13 experts x 256"
+    # every launch shape the kernel picks for a gate runs in its check: for the test gate and for
+    # Ling's 512-expert gate, whose wide-gate shapes the 13-expert problem would not reach
+    for experts in (13, 512):
+        rows = launch_row_counts(experts)
+        assert {default_launch(r, experts) for r in rows} == {default_launch(r, experts) for r in range(1, MAX_ROWS + 1)}
+        assert 1 in rows and MAX_ROWS in rows
+    assert {default_launch(r, 512) for r in launch_row_counts(512)} - {default_launch(r, 13) for r in launch_row_counts(13)}
     one_hot = p.cases[1].inputs["x"][1].double()
     assert one_hot.sum() == 1 and torch.equal(p.cases[1].reference[1], p.weight.double()[:, -1])
     assert (p.weight[2] == 0).all() and p.weight[0].abs().max() > 2.0 ** 30  # zero and far-scaled expert rows

@@ -424,3 +424,35 @@ def test_small_gemv_fallback_is_reported_not_fatal(loaded_tiny_models, monkeypat
     assert check["passed"] and "0 of 1" in check["actual"] and "float16 is not BF16" in check["actual"]
     entry = report["optimizations"]["small_bf16_decode"]
     assert entry["requested"] and not entry["active"] and "float16" in entry["detail"]
+
+
+@pytest.mark.parametrize("wrong_from_rows", [None, 5])
+def test_small_gemv_known_answer_runs_every_launch_shape(loaded_tiny_models, monkeypatch, wrong_from_rows):
+    # the kernel's launch shape follows the row count (direct or staged rows, CTA width): the check
+    # runs one row count per shape the layer is served with, and a kernel wrong only for staged
+    # rows (5 and more) fails it
+    import torch.nn.functional as F
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
+    from vllm_ling.ops.small_gemv.kernel import BF16_MAX_ROWS, launch_row_counts
+    from vllm_ling.runtime import verification as V
+
+    weight = torch.randn((32, 256), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    layer = types.SimpleNamespace(quant_method=object.__new__(LingSmallBf16LinearMethod), ling_small_gemv=weight,
+                                  weight=weight)
+    seen = []
+
+    def kernel(layer, x):
+        seen.append(x.shape[0])
+        out = F.linear(x.double(), layer.weight.double())
+        return (out * (2 if wrong_from_rows and x.shape[0] >= wrong_from_rows else 1)).to(torch.bfloat16)
+
+    monkeypatch.setattr(LingSmallBf16LinearMethod, "apply_small_gemv", staticmethod(kernel))
+    monkeypatch.setattr(UnquantizedLinearMethod, "apply", lambda self, layer, x, bias=None: F.linear(x, layer.weight))
+    planted = [("target.model.layers.0.self_attn.b_proj", layer)]
+    monkeypatch.setattr(V, "_small_bf16_layers", lambda target, draft: (planted, planted, planted))
+    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "small_bf16": True})
+    check = _check(report, "small_bf16_layers")
+    assert tuple(seen) == launch_row_counts(32, BF16_MAX_ROWS)
+    assert check["passed"] is (wrong_from_rows is None), check["actual"]

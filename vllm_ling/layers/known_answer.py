@@ -117,8 +117,9 @@ def check_head_method(method, device: torch.device | str = "cpu") -> ka.KernelCh
 
 def check_router_gate(gate, device: torch.device | str = "cpu") -> ka.KernelCheckResult:
     """The router GEMV path of a served gate (``vllm_ling::router_logits``, 1..MAX_ROWS tokens)
-    on :func:`~vllm_ling.ops.known_answer.router_gemv_problem` at the gate's hidden size,
-    through a scratch gate holding the known weights (the served gate is not touched)."""
+    on :func:`~vllm_ling.ops.known_answer.router_gemv_problem` at the gate's hidden size and
+    expert count (the kernel's launch shape follows both, so the check runs each one the gate is
+    served with), through a scratch gate holding the known weights (the served gate is not touched)."""
     from vllm_ling.layers import router_gate_cuda
 
     scratch = torch.nn.Module()
@@ -128,4 +129,5 @@ def check_router_gate(gate, device: torch.device | str = "cpu") -> ka.KernelChec
         scratch.weight = weight
         return torch.ops.vllm_ling.router_logits(x, key)
 
-    return ka.check_router_gemv(forward, router_gate_cuda.KERNEL_LABEL, gate.input_size, device)
+    return ka.check_router_gemv(forward, router_gate_cuda.KERNEL_LABEL, gate.input_size, device,
+                                experts=gate.weight.shape[0])

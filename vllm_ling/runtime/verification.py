@@ -286,7 +286,8 @@ def _small_bf16_layers(target, draft):
 def check_small_bf16(found, exp: Expectations) -> Check:
     """Every unquantized linear is on vllm-ling's method (a layer the small GEMV cannot hold keeps
     vLLM's GEMM with one WARNING, counted in ``actual``), and a known answer: on the first served
-    layer, the small GEMV for two random rows against vLLM's own GEMM on the same layer.
+    layer, the small GEMV against vLLM's own GEMM on the same layer for random rows, one row count
+    per launch shape the kernel picks for that layer (CTA width, direct or staged rows).
     ``found``: :func:`_small_bf16_layers`."""
     from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
 
@@ -302,16 +303,22 @@ def check_small_bf16(found, exp: Expectations) -> Check:
     if serving:
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
+        from vllm_ling.ops.small_gemv.kernel import BF16_MAX_ROWS, launch_row_counts
+
         name, layer = serving[0]
         gen = torch.Generator(device=layer.weight.device).manual_seed(0)
-        x = torch.randn((2, layer.weight.shape[1]), device=layer.weight.device, generator=gen).to(torch.bfloat16)
-        with torch.no_grad():
-            ours_out = LingSmallBf16LinearMethod.apply_small_gemv(layer, x).float()
-            vllm_out = UnquantizedLinearMethod.apply(layer.quant_method, layer, x).float()
-        rel = float((ours_out - vllm_out).norm() / vllm_out.norm().clamp_min(1e-30))
+        row_counts = launch_row_counts(layer.weight.shape[0], BF16_MAX_ROWS)
+        rel = 0.0
+        for rows in row_counts:
+            x = torch.randn((rows, layer.weight.shape[1]), device=layer.weight.device, generator=gen)
+            x = x.to(torch.bfloat16)
+            with torch.no_grad():
+                ours_out = LingSmallBf16LinearMethod.apply_small_gemv(layer, x).float()
+                vllm_out = UnquantizedLinearMethod.apply(layer.quant_method, layer, x).float()
+            rel = max(rel, float((ours_out - vllm_out).norm() / vllm_out.norm().clamp_min(1e-30)))
         ok = ok and rel < SMALL_BF16_MAX_REL_DIFF
-        actual += f"; known answer on {name}: relative L2 difference to vLLM's GEMM {rel:.3g} " \
-                  f"(limit {SMALL_BF16_MAX_REL_DIFF:.3g})"
+        actual += f"; known answer on {name} at {', '.join(map(str, row_counts))} rows: largest relative L2 " \
+                  f"difference to vLLM's GEMM {rel:.3g} (limit {SMALL_BF16_MAX_REL_DIFF:.3g})"
     return Check("small_bf16_layers", ok, "every unquantized linear on vllm-ling's method, the small GEMV serving "
                  "the ones it holds and agreeing with vLLM's GEMM", actual,
                  "see the WARNING naming the layers the small GEMV cannot hold, or set VLLM_LING_BF16_GEMV=vllm")

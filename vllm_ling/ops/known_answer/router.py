@@ -16,12 +16,10 @@ import torch
 
 from vllm_ling.ops.known_answer.runner import KernelCheckResult, KnownAnswerCase, run_check
 from vllm_ling.ops.router import MAX_ROWS, magnitude_bound, reference_router_logits
+from vllm_ling.ops.small_gemv.kernel import launch_row_counts
 
 ROUTER_RTOL = 2.0 ** -16
-ROUTER_EXPERTS = 13  # not a multiple of the kernel's 4 expert rows per CTA: a partial last CTA
-# Row counts: 1 (the one-token-per-pass kernel), 3 (an odd count for two tokens per pass) and the
-# largest the kernel serves.
-ROUTER_ROW_COUNTS = (1, 3, MAX_ROWS)
+ROUTER_EXPERTS = 13  # not a multiple of the kernel's expert rows per CTA: a partial last CTA
 # Expert rows with a special content: scaled far up, far down, all zero.
 SPECIAL_EXPERTS = {0: ("x2^40", 2.0 ** 40), 1: ("x2^-40", 2.0 ** -40), 2: ("zero", 0.0)}
 
@@ -54,10 +52,11 @@ def _listed(items: list[str], limit: int = 6) -> str:
     return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def router_gemv_problem(hidden: int, experts: int = ROUTER_EXPERTS, row_counts=ROUTER_ROW_COUNTS,
+def router_gemv_problem(hidden: int, experts: int = ROUTER_EXPERTS, row_counts: tuple[int, ...] | None = None,
                         seed: int = 0) -> RouterProblem:
     """An fp32 [experts, hidden] gate (random rows ~ N(0, 1/H), plus ``SPECIAL_EXPERTS``) and one
-    case per row count, answers in float64."""
+    case per row count (default: each launch shape the kernel picks for ``experts``, see
+    :func:`~vllm_ling.ops.small_gemv.kernel.launch_row_counts`), answers in float64."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn((experts, hidden), generator=gen, dtype=torch.float64) * hidden ** -0.5
     for row, (_, scale) in SPECIAL_EXPERTS.items():
@@ -65,7 +64,7 @@ def router_gemv_problem(hidden: int, experts: int = ROUTER_EXPERTS, row_counts=R
             w[row] *= scale
     w = w.to(torch.float32)
     cases = []
-    for rows in row_counts:
+    for rows in row_counts or launch_row_counts(experts):
         x, kinds = _tokens(rows, hidden, gen)
         ref = reference_router_logits(x, w)
         bound = magnitude_bound(x, w)
@@ -85,8 +84,9 @@ def router_gemv_problem(hidden: int, experts: int = ROUTER_EXPERTS, row_counts=R
 
 
 def check_router_gemv(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], label: str, hidden: int,
-                      device: torch.device | str = "cpu") -> KernelCheckResult:
-    """``forward(x, weight)`` -> fp32 [T, E] logits, on :func:`router_gemv_problem` at ``hidden``."""
-    problem = router_gemv_problem(hidden)
+                      device: torch.device | str = "cpu", experts: int = ROUTER_EXPERTS) -> KernelCheckResult:
+    """``forward(x, weight)`` -> fp32 [T, E] logits, on :func:`router_gemv_problem` at ``hidden`` and
+    ``experts`` (a served gate's own count, so every launch shape it is served with runs)."""
+    problem = router_gemv_problem(hidden, experts)
     weight = problem.weight.to(device)
     return run_check("router_gemv", label, problem.cases, lambda inp: forward(inp["x"].to(device), weight))

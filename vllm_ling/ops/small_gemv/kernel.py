@@ -122,6 +122,15 @@ def kernel_rows(x: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def launch_row_counts(n: int, max_rows: int = MAX_ROWS) -> tuple[int, ...]:
+    """Row counts that run every launch shape :func:`default_launch` picks for N weight rows at
+    1..``max_rows`` rows (each shape's fewest and most rows): what a known-answer check runs."""
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for rows in range(1, max_rows + 1):
+        shapes.setdefault(default_launch(rows, n), []).append(rows)
+    return tuple(sorted({r for rows in shapes.values() for r in (rows[0], rows[-1])}))
+
+
 def small_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, *, out: torch.Tensor | None = None,
                warps: int | None = None, tokens_per_pass: int | None = None, pdl: bool = True) -> torch.Tensor:
     """``out_dtype`` [T, N] = BF16 ``x`` [T, K] @ ``weight`` [N, K].T (fp32 accumulation)."""
