@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from vllm_ling.ops import known_answer as ka
+from vllm_ling.ops.known_answer.router import ROUTER_EXPERTS
 from vllm_ling.ops.router import router_logits, unavailable_reason
+from vllm_ling.ops.small_gemv.kernel import launch_row_counts
 
 pytestmark = pytest.mark.gpu
 
@@ -17,15 +19,16 @@ if not torch.cuda.is_available() or unavailable_reason() is not None:
 DEV = torch.device("cuda")
 
 
-@pytest.mark.parametrize("hidden", [2560, 128, 4096])  # Ling's, the smallest and the largest it holds
-def test_kernel_passes_its_known_answers(hidden):
-    r = ka.check_router_gemv(router_logits, "router GEMV", hidden, DEV)
-    assert r.passed and r.cases == 3, r.message()
+@pytest.mark.parametrize("hidden,experts", [(2560, 512), (2560, ROUTER_EXPERTS), (128, ROUTER_EXPERTS),
+                                            (4096, 512)])  # Ling's gate, a partial last CTA, the K limits
+def test_kernel_passes_its_known_answers(hidden, experts):
+    r = ka.check_router_gemv(router_logits, "router GEMV", hidden, DEV, experts=experts)
+    assert r.passed and r.cases == len(launch_row_counts(experts)), r.message()
 
 
 def test_kernel_reading_the_next_expert_row_fails_naming_it():
     r = ka.check_router_gemv(lambda x, w: router_logits(x, w.roll(-1, 0).contiguous()), "rolled", 2560, DEV)
-    assert not r.passed and len(r.failing_inputs) == 3 and "experts 0 (x2^40)" in r.failing_inputs[0]
+    assert not r.passed and len(r.failing_inputs) == r.cases and "experts 0 (x2^40)" in r.failing_inputs[0]
 
 
 def test_warmup_compiles_every_variant_the_server_launches():
