@@ -369,6 +369,14 @@ class Model:
         return op("head", lambda: self.head(x, comp))
 
 
+def plan_bytes_ours(pl) -> tuple[float, float]:
+    """The byte model's (target verify step, NEXTN draft step with the FP8 head) bytes of a plan
+    (``vllm_ling.models.cost_model.build_plan``): what the vllm-ling step's floor counts."""
+    from vllm_ling.models import cost_model as P
+
+    return P.totals(pl, "fp8")[1], pl.draft_step_bytes_without_head + pl.head_bytes["fp8"]
+
+
 def class_bytes(model: Model, T: int, comp: str) -> dict[str, float]:
     """Weight and state bytes each op class must move in one step (the ops' own minimum; the
     routed experts counted from this run's routing)."""
@@ -489,9 +497,7 @@ def main(argv=None) -> int:
         # another summation order may only swap experts whose biased scores tie within 1e-5
         if ((choice.gather(1, ids_chk) - choice.gather(1, ids_ref)).abs() > 1e-5).any():
             notes.append(f"T={T}: the router (GEMV + top-k stand-in) picked other experts than the reference router")
-        b1, bk = P.totals(pl, "fp8")
-        row["plan_bytes_target"] = bk
-        row["plan_bytes_draft"] = pl.draft_step_bytes_without_head + pl.head_bytes["fp8"]
+        row["plan_bytes_target"], row["plan_bytes_draft"] = plan_bytes_ours(pl)
         row["plan_bytes_upstream"] = P.totals(pl, "bf16")[1] + pl.draft_step_bytes_without_head + pl.head_bytes["bf16"]
         row["distinct_experts_mean"] = sum(distinct) / max(1, len(distinct))
         row["expected_distinct"] = pl.distinct_experts_verify

@@ -51,3 +51,26 @@ def test_analysis_counts_gaps_and_pdl_overlap_on_the_busiest_stream():
     assert a["gap_main_us"] == pytest.approx(3) and a["overlap_main_us"] == pytest.approx(2)
     assert a["busy_main_us"] == pytest.approx(17) and a["sum_side_us"] == pytest.approx(30)
     assert a["by_name"]["s"] == [1, 30.0]
+
+
+def test_bound_puts_only_the_byte_classes_at_their_floors():
+    # 1 GB/s: 1 MB takes 1000 us
+    row = {"classes": {"dense_fp8": 5000.0, "moe_routed": 3000.0, "head": 900.0, "norms_residual": 200.0,
+                       "gaps": 100.0},
+           "class_bytes": {"dense_fp8": 2e6, "moe_routed": 1e6, "head": 0.5e6, "router": 1e6}}
+    assert step_profile.byte_classes_at_floor_us(row, 1.0) == pytest.approx(2000 + 1000 + 500 + 200 + 100)
+
+
+def test_a_saved_run_renders_again_without_a_gpu(tmp_path):
+    events = [k("gemv", 0, 10), k("norm", 10, 2)]
+    classes, note = step_profile.attribute(events, [("gemv", "dense_fp8", False), ("norm", "norms_residual", False)])
+    row = {"tokens": 1, "graph_us": 12.0, "serial_shared_us": 13.0, "analysis": step_profile.analyse(events),
+           "classes": classes, "attribution_note": note, "class_bytes": {"dense_fp8": 4e3}, "plan_floor_us": 4.0}
+    saved = tmp_path / "run.json"
+    saved.write_text(__import__("json").dumps({"head": "device X", "copy_gbs": 1.0, "argv": ["--tokens", "1"],
+                                                "rows": [row]}))
+    out = tmp_path / "run.md"
+    assert step_profile.main(["--from-json", str(saved), "--out", str(out)]) == 0
+    text = out.read_text()
+    # dense at its floor (4 us at 1 GB/s) + norms 2 us = 6 us bound; path 12 us; floor 4 us
+    assert "| 1 | 12 | 6 | 4 | 3.00 | 1.50 |" in text and "device X" in text
