@@ -87,7 +87,8 @@ def run_kernel_checks(target, draft) -> list[KernelCheckResult]:
             else:
                 unchecked[f"vllm:{type(qm).__name__}"] = "vLLM's own MoE method (opted out): no known-answer runner"
         elif getattr(m, "ling_router_gemv", False):  # vllm-ling's GateLinear on its kernel path
-            router.setdefault((m.input_size, _device(m)), (m, _device(m)))
+            # the launch shape follows hidden size and expert count: one check per pair
+            router.setdefault((m.input_size, m.weight.shape[0], _device(m)), (m, _device(m)))
     results = [layer_checks.check_dense_fp8_method(qm, dev) for qm, dev in dense.values()]
     results += [layer_checks.check_moe_method(qm, dev) for qm, dev in moe.values()]
     results += [layer_checks.check_router_gate(gate, dev) for gate, dev in router.values()]
