@@ -334,3 +334,23 @@ def test_cli_bad_replay_line_names_file_and_line(tmp_path, capsys):
     path.write_text('{"messages": [{"role": "user", "content": "a"}]}\n{"messages": "hi"}\n')
     assert bench_main(["run", "--workload", "replay", "--requests", str(path), "--out-dir", str(tmp_path)]) == 2
     assert f"{path}:2: 'messages' must be a non-empty list" in capsys.readouterr().err
+
+
+def test_streamed_reasoning_keeps_its_spaces_at_every_chunk_boundary(mtp_server):
+    # the stand-in groups pieces by its server-wide draft-acceptance cycle, so which words share a
+    # chunk depends on the requests before; one request per phase of the cycle covers every split
+    from vllm_ling.bench.standin import ACCEPT_PATTERN
+
+    body = {"model": "standin", "stream": True, "messages": [{"role": "user", "content": "hi there"}],
+            "chat_template_kwargs": {"enable_thinking": True}}
+    for _ in range(len(ACCEPT_PATTERN)):
+        req = urllib.request.Request(f"{mtp_server}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        reasoning, content = "", ""
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        reasoning += choice.get("delta", {}).get("reasoning") or ""
+                        content += choice.get("delta", {}).get("content") or ""
+        assert reasoning == "Thinking it over." and content == "echo: hi there"

@@ -205,7 +205,7 @@ class StandIn:
             await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             await asyncio.sleep(self.prefill_s_per_token * prompt_tokens)
 
-            sent_content = [0]
+            sent_content, sent_reasoning = [0], [0]
 
             async def emit(group: list, last: bool) -> None:
                 delta: dict = {}
@@ -213,8 +213,9 @@ class StandIn:
                     if kind == "content":  # words separated by one space, across chunks too
                         delta["content"] = delta.get("content", "") + (" " if sent_content[0] else "") + value
                         sent_content[0] += 1
-                    elif kind == "reasoning":
-                        delta["reasoning"] = (delta.get("reasoning", "") + " " + value).strip()
+                    elif kind == "reasoning":  # likewise: a word starting a chunk keeps its space
+                        delta["reasoning"] = delta.get("reasoning", "") + (" " if sent_reasoning[0] else "") + value
+                        sent_reasoning[0] += 1
                     else:
                         call_delta = delta.setdefault("tool_calls", [{"index": 0, "function": {}}])[0]
                         if kind == "name":
