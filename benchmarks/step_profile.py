@@ -26,6 +26,7 @@ import torch
 
 from benchmarks.decode_step import CONFIG, Model, class_bytes, plan_bytes_ours, set_moe_path
 from benchmarks.lm_head import copy_bandwidth_gbs
+from benchmarks.output import write_outputs
 from benchmarks.timing import stacked_time_us
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -275,10 +276,7 @@ def main(argv=None) -> int:
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
-        text = render(saved["head"], saved["rows"], saved["argv"], saved["copy_gbs"])
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(text)
+        write_outputs(render(saved["head"], saved["rows"], saved["argv"], saved["copy_gbs"]), args.out, None, {})
         return 0
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -316,13 +314,8 @@ def main(argv=None) -> int:
               f"gaps {a['gap_main_us']:.0f} ({a['main_kernels']} main kernels), side {a['sum_side_us']:.0f}",
               flush=True)
         del graph
-    text = render(head, rows, argv, copy_gbs)
-    with open(args.out, "w") as f:
-        f.write(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"head": head, "copy_gbs": copy_gbs, "argv": argv, "rows": rows}, f, indent=1)
-    print(text)
+    write_outputs(render(head, rows, argv, copy_gbs), args.out, args.json,
+                  {"head": head, "copy_gbs": copy_gbs, "argv": argv, "rows": rows})
     return 0
 
 
