@@ -252,3 +252,29 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
                                       hidden_size=config["hidden_size"], weight_dtype=torch.float32,
                                       has_bias=False, unquantized=True, out_dtype=torch.float32)
     assert plan.router == (router_gate_cuda.decide(gate, options.router_gemv) is None)
+
+
+def test_a_kernel_group_computing_wrong_numbers_stops_warmup_nonzero(tmp_path, monkeypatch, capsys):
+    # the dense group's real output check raising (tests/ops/dense_fp8/test_warmup_check.py), as
+    # the warm-up meets it: one error line naming the group, exit 5, no later group run
+    import torch
+
+    from vllm_ling.ops.dense_fp8.warmup import check_outputs
+
+    later = []
+
+    def wrong_dense(shapes):
+        x = torch.ones((1, 128), dtype=torch.bfloat16)
+        weight = torch.ones((128, 128)).to(torch.float8_e4m3fn)
+        check_outputs(torch.zeros((1, 128), dtype=torch.bfloat16), x, weight, torch.ones((1, 1)), "128x128 at 1 rows")
+
+    monkeypatch.setattr(warmup, "_load_warmup_functions",
+                        lambda: [("dense_fp8", wrong_dense), ("router", lambda *a: later.append(a))])
+    monkeypatch.setattr(launch, "cuda_available", lambda: True)
+    for var in ("VLLM_LING_HUMMING_CACHE", "HUMMING_CACHE_DIR", "HUMMING_TMP_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "overridden"))  # warmup exports these; restored afterwards
+    rc = warmup.warmup_main([str(make_model(tmp_path)), "--device", "auto", "--humming-cache", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert rc == warmup.EXIT_KERNEL_FAILED == 5 and not later
+    assert err.count("vllm-ling warmup: error: kernel group dense_fp8: dense FP8 warmup: wrong outputs for "
+                     "128x128 at 1 rows") == 1

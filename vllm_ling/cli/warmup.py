@@ -6,6 +6,11 @@ head, dense FP8, router GEMV, BF16 small GEMV), so it compiles exactly the kerne
 nothing else: a kernel group the server will not run is skipped with the reason. It is meant as an init container /
 one-shot compose service that shares the humming JIT cache volume
 (``VLLM_LING_HUMMING_CACHE``) with the server. Imports torch and the kernels lazily.
+
+Each group runs its kernels once and checks their outputs (the router, BF16 and dense FP8 groups
+against float64 references); a group that fails stops the warm-up with one error line naming the
+group and exit code ``EXIT_KERNEL_FAILED`` (5), so an init container keeps the server from starting
+on a kernel that computes wrong numbers on this GPU. Bad input exits ``EXIT_USAGE`` (2).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ KERNEL_OPTIONS = ("VLLM_LING_MOE_BACKEND", "VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_
                   "VLLM_LING_KDA_MERGED_PROJ")
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
+EXIT_KERNEL_FAILED = 5  # a kernel group failed to build or run, or computed wrong numbers
 
 
 @dataclass(frozen=True)
@@ -277,18 +283,11 @@ def warmup_main(argv: list[str]) -> int:
         for name, warm in groups:
             before = count_cached_kernels(kernels_dir)
             start = time.perf_counter()
-            if name == "moe":
-                result = warm(shapes.hidden_size, shapes.intermediate_size, shapes.num_experts,
-                              shapes.top_k, token_counts=list(plan.token_counts),
-                              swiglu_limits=shapes.swiglu_limits, **plan.moe_kwargs())
-            elif name == "dense_fp8":
-                result = warm(list(plan.dense_shapes))
-            elif name == "router":
-                result = warm(shapes.hidden_size, shapes.num_experts)
-            elif name == "bf16_linears":
-                result = warm(shapes.bf16_linear_rows, shapes.hidden_size)
-            else:
-                result = warm(shapes.vocab_rows, shapes.hidden_size, row_counts=list(plan.row_counts))
+            try:
+                result = _run_group(name, warm, plan, shapes)
+            except RuntimeError as exc:
+                print(f"vllm-ling warmup: error: kernel group {name}: {exc}", file=sys.stderr)
+                return EXIT_KERNEL_FAILED
             seconds = time.perf_counter() - start
             rows.append((name, seconds, count_cached_kernels(kernels_dir) - before, _describe(result)))
     print(f"{'kernel group':<14}{'seconds':>10}{'new kernels':>14}  detail")
@@ -296,3 +295,17 @@ def warmup_main(argv: list[str]) -> int:
         print(f"{name:<14}{seconds:>10.1f}{new:>14d}  {detail}")
     print(f"vllm-ling warmup: done; {count_cached_kernels(kernels_dir)} kernels in {kernels_dir}")
     return 0
+
+
+def _run_group(name: str, warm, plan, shapes):
+    """One kernel group's warm-up call with the arguments that group takes."""
+    if name == "moe":
+        return warm(shapes.hidden_size, shapes.intermediate_size, shapes.num_experts, shapes.top_k,
+                    token_counts=list(plan.token_counts), swiglu_limits=shapes.swiglu_limits, **plan.moe_kwargs())
+    if name == "dense_fp8":
+        return warm(list(plan.dense_shapes))
+    if name == "router":
+        return warm(shapes.hidden_size, shapes.num_experts)
+    if name == "bf16_linears":
+        return warm(shapes.bf16_linear_rows, shapes.hidden_size)
+    return warm(shapes.vocab_rows, shapes.hidden_size, row_counts=list(plan.row_counts))

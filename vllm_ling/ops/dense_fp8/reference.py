@@ -23,3 +23,17 @@ def magnitude_bound(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
     error of any fp32 summation order (tolerances in the tests are fractions of it)."""
     w = block_fp8_dequantize(weight, scale, dtype=torch.float64).abs()
     return x.to(torch.float64).abs() @ w.t()
+
+
+# Per-output tolerance of a W8A16 kernel (its GPU tests' and the warm-up's): half a BF16 step of
+# the output (rounded once from fp32) plus fp32 summation of up to a few thousand exact products,
+# as fractions of |ref| and of ``magnitude_bound`` (tests/ops/dense_fp8/test_dense_fp8_gpu.py).
+OUTPUT_RTOL = 2.0 ** -8
+SUM_TOL = 2.0 ** -14
+
+
+def wrong_outputs(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Mask of ``got`` [M, N] outputs outside the tolerance of the float64 reference (NaN is wrong)."""
+    ref = reference_linear(x, weight, scale, dtype=torch.float64)
+    tol = OUTPUT_RTOL * ref.abs() + SUM_TOL * magnitude_bound(x, weight, scale)
+    return ~((got.double() - ref).abs() <= tol)

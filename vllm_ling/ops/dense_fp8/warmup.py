@@ -4,8 +4,10 @@ weight shapes (``vllm-ling warmup``). No vLLM import.
 For each [N, K] shape and each row count 1..``max_rows``, the launch configuration the server
 resolves (:func:`~vllm_ling.ops.dense_fp8.linear.launch_config`) is collected; every distinct
 compiled kernel (a CUDA decode config and its row-group count, or a Triton config) runs once on
-random block-FP8 weights and is checked finite. The CUDA kernels land in humming's JIT cache,
-which the server shares.
+random block-FP8 weights and its outputs are compared with the float64 reference at the kernels'
+tested tolerance (:func:`~vllm_ling.ops.dense_fp8.reference.wrong_outputs`): a kernel that compiles
+for this GPU but computes wrong numbers fails the warm-up, naming shape, rows and kernel. The CUDA
+kernels land in humming's JIT cache, which the server shares.
 """
 
 from __future__ import annotations
@@ -17,12 +19,24 @@ import torch
 
 from vllm_ling.ops.dense_fp8 import decode_kernel as D
 from vllm_ling.ops.dense_fp8.linear import device_facts, kernel_name, launch_config, w8a16_linear
+from vllm_ling.ops.dense_fp8.reference import reference_linear, wrong_outputs
 from vllm_ling.ops.fp8 import block_fp8_quantize
 
 
 def _kernel_key(config, rows: int) -> tuple:
     """What one compiled kernel is: a decode config compiles once per row-group count."""
     return (config, D.row_groups(rows)) if isinstance(config, D.DecodeConfig) else (config,)
+
+
+def check_outputs(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, what: str) -> None:
+    """Raise naming ``what`` when ``out`` is not ``x @ (weight * scale).T`` within the tolerance."""
+    bad = wrong_outputs(out, x, weight, scale)
+    if bad.any():
+        worst = float((out.double() - reference_linear(x, weight, scale, dtype=torch.float64)).abs().nan_to_num(
+            float("inf")).max())
+        raise RuntimeError(f"dense FP8 warmup: wrong outputs for {what}: {int(bad.sum())} of {bad.numel()} outside "
+                           f"2^-8 |ref| + 2^-14 |x|.|w| of the float64 reference (largest error {worst:.3g}); "
+                           "do not serve with this kernel (VLLM_LING_DENSE_FP8=vllm runs vLLM's)")
 
 
 def warmup_kernels(shapes: list[tuple[int, int]], max_rows: int = D.MAX_ROWS,
@@ -45,8 +59,7 @@ def warmup_kernels(shapes: list[tuple[int, int]], max_rows: int = D.MAX_ROWS,
         for key, rows in todo.items():
             x = torch.randn((rows, k), device=device, generator=gen).to(torch.bfloat16)
             out = w8a16_linear(x, weight, scale)
-            if not torch.isfinite(out.float()).all():
-                raise RuntimeError(f"dense FP8 warmup: non-finite output for {n}x{k} at {rows} rows ({key[0]})")
+            check_outputs(out, x, weight, scale, f"{n}x{k} at {rows} rows ({kernel_name(key[0])}: {key[0]})")
             label = kernel_name(key[0])
             kernels[label] = kernels.get(label, 0) + 1
         del weight, scale
