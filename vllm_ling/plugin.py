@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from vllm_ling.log import get_logger
+from vllm_ling.models.names import DRAFT_ARCH, TARGET_ARCH
 from vllm_ling.patches.registry import Stage, apply_all
 from vllm_ling.versions import check_vllm_version
 
 logger = get_logger("plugin")
 
-TARGET_ARCH = "BailingMoeV3ForCausalLM"
-DRAFT_ARCH = "BailingMoeV3MTPModel"
 MODEL_CLASSES = {
     TARGET_ARCH: "vllm_ling.models.ling3:LingForCausalLM",
     DRAFT_ARCH: "vllm_ling.models.ling3_mtp:LingMTPModel",

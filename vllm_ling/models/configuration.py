@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from vllm.transformers_utils.configs.bailing_moe_v3_vl import BailingMoeV3TextConfig
 
-LING_MODEL_TYPE = "bailing_hybrid"
-LING_ARCHITECTURES = ("BailingMoeV3ForCausalLM", "BailingMoeV3MTPModel")
+from vllm_ling.models.names import LING_ARCHITECTURES, LING_MODEL_TYPE  # noqa: F401 (re-exported)
 
 # Fields the model code reads without a default that matches Ling-3.0; a checkpoint
 # missing one would silently build the wrong network.

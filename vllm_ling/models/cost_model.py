@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_ling.models import checkpoint_format
+from vllm_ling.models.names import TARGET_ARCH
 
 DEVICE_BANDWIDTH_GBS: dict[str, tuple[float, str]] = {
     "spark": (273.0, "NVIDIA DGX Spark (GB10, LPDDR5x)"),
@@ -239,8 +240,8 @@ def build_plan(cfg: dict, *, context: int, verify_tokens: int, config_path: str 
     if verify_tokens < 1:
         raise PlanError(f"--verify-tokens must be >= 1, got {verify_tokens}")
     arch = (cfg.get("architectures") or ["?"])[0]
-    if arch != "BailingMoeV3ForCausalLM":
-        raise PlanError(f"{config_path}: architecture {arch!r} is not BailingMoeV3ForCausalLM")
+    if arch != TARGET_ARCH:
+        raise PlanError(f"{config_path}: architecture {arch!r} is not {TARGET_ARCH}")
     counts = layer_counts(cfg, config_path)
     skip = list((cfg.get("quantization_config") or {}).get("modules_to_not_convert", []))
     h = cfg["hidden_size"]

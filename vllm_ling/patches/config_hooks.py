@@ -23,14 +23,13 @@ from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigC
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.configuration import check_architectures
+from vllm_ling.models.names import LING_MODEL_TYPE, TARGET_ARCH
 from vllm_ling.options import LingOptions
 from vllm_ling.runtime import ray_env
 from vllm_ling.runtime.spec_policy import speculative_schedule
 
 logger = get_logger("config")
 
-TARGET_ARCH = "BailingMoeV3ForCausalLM"
-LING_MODEL_TYPE = "bailing_hybrid"
 
 
 class LingConfigError(ValueError):

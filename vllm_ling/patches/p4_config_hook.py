@@ -11,7 +11,7 @@ out-of-tree model to register one. Registry record: ``registry.PATCHES``.
 
 from __future__ import annotations
 
-TARGET_ARCH = "BailingMoeV3ForCausalLM"
+from vllm_ling.models.names import TARGET_ARCH
 
 
 def _hook():
