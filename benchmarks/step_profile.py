@@ -179,9 +179,9 @@ def analyse(events: list[dict]) -> dict:
     }
 
 
-def median_analysis(replays: list[list[dict]]) -> dict:
-    """The analysis of the replay whose span is the median (one real replay, not a blend)."""
-    done = sorted((analyse(ev) for ev in replays), key=lambda a: a["span_us"])
+def median_replay(replays: list[list[dict]]) -> tuple[list[dict], dict]:
+    """The replay whose span is the median (one real replay, not a blend) and its analysis."""
+    done = sorted(((ev, analyse(ev)) for ev in replays), key=lambda t: t[1]["span_us"])
     return done[len(done) // 2]
 
 
@@ -304,9 +304,8 @@ def main(argv=None) -> int:
         sequences = class_sequences(lambda op: model.step(tokens, "ours", op))
         graph = capture(run)
         replays = kernel_events(graph, args.replays)
-        a = median_analysis(replays)
-        median_replay = sorted(replays, key=lambda ev: analyse(ev)["span_us"])[len(replays) // 2]
-        classes, note = attribute(median_replay, sequences)
+        events, a = median_replay(replays)
+        classes, note = attribute(events, sequences)
         rows.append({"tokens": T, "graph_us": graph_us, "serial_shared_us": serial_us, "analysis": a, "classes": classes,
                      "attribution_note": note, "class_bytes": class_bytes(model, T, "ours"),
                      "plan_floor_us": plan_floor_us(cfg, args.context, T, copy_gbs)})

@@ -32,8 +32,9 @@ OUTPUT_RTOL = 2.0 ** -8
 SUM_TOL = 2.0 ** -14
 
 
-def wrong_outputs(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Mask of ``got`` [M, N] outputs outside the tolerance of the float64 reference (NaN is wrong)."""
+def output_errors(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(|got - ref|, tolerance) per output of ``got`` [M, N] against the float64 reference; an
+    output is wrong unless its error is within the tolerance (NaN is wrong)."""
     ref = reference_linear(x, weight, scale, dtype=torch.float64)
-    tol = OUTPUT_RTOL * ref.abs() + SUM_TOL * magnitude_bound(x, weight, scale)
-    return ~((got.double() - ref).abs() <= tol)
+    return (got.double() - ref).abs(), OUTPUT_RTOL * ref.abs() + SUM_TOL * magnitude_bound(x, weight, scale)

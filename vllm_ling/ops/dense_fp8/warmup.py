@@ -5,7 +5,7 @@ For each [N, K] shape and each row count 1..``max_rows``, the launch configurati
 resolves (:func:`~vllm_ling.ops.dense_fp8.linear.launch_config`) is collected; every distinct
 compiled kernel (a CUDA decode config and its row-group count, or a Triton config) runs once on
 random block-FP8 weights and its outputs are compared with the float64 reference at the kernels'
-tested tolerance (:func:`~vllm_ling.ops.dense_fp8.reference.wrong_outputs`): a kernel that compiles
+tested tolerance (:func:`~vllm_ling.ops.dense_fp8.reference.output_errors`): a kernel that compiles
 for this GPU but computes wrong numbers fails the warm-up, naming shape, rows and kernel. The CUDA
 kernels land in humming's JIT cache, which the server shares.
 """
@@ -19,7 +19,7 @@ import torch
 
 from vllm_ling.ops.dense_fp8 import decode_kernel as D
 from vllm_ling.ops.dense_fp8.linear import device_facts, kernel_name, launch_config, w8a16_linear
-from vllm_ling.ops.dense_fp8.reference import reference_linear, wrong_outputs
+from vllm_ling.ops.dense_fp8.reference import output_errors
 from vllm_ling.ops.fp8 import block_fp8_quantize
 
 
@@ -30,10 +30,10 @@ def _kernel_key(config, rows: int) -> tuple:
 
 def check_outputs(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, what: str) -> None:
     """Raise naming ``what`` when ``out`` is not ``x @ (weight * scale).T`` within the tolerance."""
-    bad = wrong_outputs(out, x, weight, scale)
+    err, tol = output_errors(out, x, weight, scale)
+    bad = ~(err <= tol)
     if bad.any():
-        worst = float((out.double() - reference_linear(x, weight, scale, dtype=torch.float64)).abs().nan_to_num(
-            float("inf")).max())
+        worst = float(err.nan_to_num(float("inf")).max())
         raise RuntimeError(f"dense FP8 warmup: wrong outputs for {what}: {int(bad.sum())} of {bad.numel()} outside "
                            f"2^-8 |ref| + 2^-14 |x|.|w| of the float64 reference (largest error {worst:.3g}); "
                            "do not serve with this kernel (VLLM_LING_DENSE_FP8=vllm runs vLLM's)")
@@ -59,8 +59,8 @@ def warmup_kernels(shapes: list[tuple[int, int]], max_rows: int = D.MAX_ROWS,
         for key, rows in todo.items():
             x = torch.randn((rows, k), device=device, generator=gen).to(torch.bfloat16)
             out = w8a16_linear(x, weight, scale)
-            check_outputs(out, x, weight, scale, f"{n}x{k} at {rows} rows ({kernel_name(key[0])}: {key[0]})")
             label = kernel_name(key[0])
+            check_outputs(out, x, weight, scale, f"{n}x{k} at {rows} rows ({label}: {key[0]})")
             kernels[label] = kernels.get(label, 0) + 1
         del weight, scale
     torch.cuda.synchronize(device)

@@ -52,11 +52,10 @@ def _listed(items: list[str], limit: int = 6) -> str:
     return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def router_gemv_problem(hidden: int, experts: int = ROUTER_EXPERTS, row_counts: tuple[int, ...] | None = None,
-                        seed: int = 0) -> RouterProblem:
+def router_gemv_problem(hidden: int, experts: int = ROUTER_EXPERTS, seed: int = 0) -> RouterProblem:
     """An fp32 [experts, hidden] gate (random rows ~ N(0, 1/H), plus ``SPECIAL_EXPERTS``) and one
-    case per row count (default: each launch shape the kernel picks for ``experts``, see
-    :func:`~vllm_ling.ops.small_gemv.kernel.launch_row_counts`), answers in float64."""
+    case per launch shape the kernel picks for ``experts`` rows
+    (:func:`~vllm_ling.ops.small_gemv.kernel.launch_row_counts`), answers in float64."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn((experts, hidden), generator=gen, dtype=torch.float64) * hidden ** -0.5
     for row, (_, scale) in SPECIAL_EXPERTS.items():
@@ -64,7 +63,7 @@ def router_gemv_problem(hidden: int, experts: int = ROUTER_EXPERTS, row_counts: 
             w[row] *= scale
     w = w.to(torch.float32)
     cases = []
-    for rows in row_counts or launch_row_counts(experts):
+    for rows in launch_row_counts(experts):
         x, kinds = _tokens(rows, hidden, gen)
         ref = reference_router_logits(x, w)
         bound = magnitude_bound(x, w)
