@@ -40,11 +40,17 @@ def test_e8m0_scales_become_an_exact_private_fp32_copy():
     assert D.block_scales_fp32(fp32).data_ptr() != fp32.data_ptr()  # vLLM may transform the original
 
 
-def test_opt_out_warns_and_keeps_vllm(caplog):
+def _vllm_kernel_only(method) -> bool:
+    """vLLM's kernel at every size, the block scales fitted to it (not the W8A16 method)."""
+    return type(method) is D.LingBlockFp8LinearMethod
+
+
+def test_opt_out_warns_and_keeps_vllm(caplog, monkeypatch):
+    monkeypatch.setattr(D.Fp8LinearMethod, "__init__", lambda self, qc: None)
     logging.getLogger("vllm.ling").propagate = True
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
-        assert D.choose_dense_fp8_method(BLOCK, "model.layers.0.self_attn.qkv_proj", [4096] * 3, 2560,
-                                         option="vllm") is None
+        assert _vllm_kernel_only(D.choose_dense_fp8_method(BLOCK, "model.layers.0.self_attn.qkv_proj", [4096] * 3,
+                                                           2560, option="vllm"))
     assert any("explicit choice" in r.getMessage() for r in caplog.records)
 
 
@@ -63,7 +69,8 @@ def test_unaligned_linear_keeps_vllm(monkeypatch):
     import vllm_ling.ops.dense_fp8 as ops
 
     monkeypatch.setattr(ops, "unavailable_reason", lambda device=None: None)
-    assert D.choose_dense_fp8_method(BLOCK, "p", [100, 28], 2560, option="ling") is None
+    monkeypatch.setattr(D.Fp8LinearMethod, "__init__", lambda self, qc: None)
+    assert _vllm_kernel_only(D.choose_dense_fp8_method(BLOCK, "p", [100, 28], 2560, option="ling"))
 
 
 class _Layer(types.SimpleNamespace):
@@ -230,3 +237,124 @@ def test_known_answer_check_through_a_scratch_layer_runs_both_kernels(monkeypatc
     method.weight_block_size = [128, 128]
     result = check_dense_fp8_method(method)
     assert result.passed and result.cases == 2, result.message()
+
+
+class CutlassLikeKernel:
+    """vLLM 0.32's CUTLASS/Triton block-FP8 kernels: they keep the scales vLLM loaded and read
+    them as float32 (an E8M0 tensor makes ``dispatch_scaled_mm`` raise: vllm#47818)."""
+
+    def apply_weights(self, layer, x, bias=None):
+        from vllm_ling.ops.fp8 import block_fp8_dequantize
+
+        scale = layer.weight_scale_inv.data
+        if scale.dtype != torch.float32:
+            raise RuntimeError(f"dispatch_scaled_mm: scale_b must be float32, got {scale.dtype}")
+        w = block_fp8_dequantize(layer.weight.data, scale, (128, 128), dtype=torch.float32)
+        return (x.float() @ w.t()).to(x.dtype)
+
+
+def _e8m0_create_weights(self, layer, k_part, sizes, k, n, dtype, **extra):
+    """Fp8LinearMethod.create_weights for a ``scale_fmt: ue8m0`` checkpoint (vLLM's parameter
+    layout, E8M0 block scales), with the CUTLASS-like kernel selected."""
+    layer.weight = torch.nn.Parameter(torch.empty(sum(sizes), k_part, dtype=torch.float8_e4m3fn),
+                                      requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(
+        torch.empty(sum(sizes) // 128, k_part // 128, dtype=torch.float8_e8m0fnu), requires_grad=False)
+    layer.output_size_per_partition = sum(sizes)
+    self.fp8_linear = CutlassLikeKernel()
+
+
+def _e8m0_vllm(monkeypatch):
+    from vllm.model_executor import utils as vllm_utils
+
+    monkeypatch.setattr(vllm_utils, "is_weights_pre_processed", lambda: False)
+    monkeypatch.setattr(D.Fp8LinearMethod, "create_weights", _e8m0_create_weights)
+    monkeypatch.setattr(D.Fp8LinearMethod, "process_weights_after_loading", lambda self, lyr: None)
+    monkeypatch.setattr(D.Fp8LinearMethod, "apply", lambda self, lyr, x, bias=None: self.fp8_linear.apply_weights(lyr, x))
+
+
+def _bare(cls):
+    method = object.__new__(cls)
+    method.prefix, method.weight_block_size, method.use_marlin, method.block_scales = "test.e8m0", [128, 128], False, None
+    return method
+
+
+def test_e8m0_checkpoint_computes_right_on_a_kernel_that_reads_fp32_scales(monkeypatch):
+    # the GPU profile-run crash (issue 32): vLLM's own method hands the E8M0 scales to the kernel;
+    # ours upcasts them once, and the known answer (one-hot GEMM-sized rows through vLLM's kernel,
+    # one decode row through the W8A16 kernel) passes; on the plain method the same check fails
+    import vllm_ling.ops.dense_fp8 as ops
+    from vllm_ling.layers.known_answer import check_dense_fp8_method
+
+    _e8m0_vllm(monkeypatch)
+    monkeypatch.setattr(ops, "w8a16_linear", ops.reference_linear)
+    for cls in (D.LingBlockFp8LinearMethod, D.LingW8A16Fp8LinearMethod):
+        result = check_dense_fp8_method(_bare(cls))
+        assert result.passed and result.cases == 2, result.message()
+        assert "(block scales float32 (upcast from E8M0))" in result.kernel, result.kernel
+    plain = object.__new__(D.Fp8LinearMethod)
+    plain.weight_block_size, plain.use_marlin = [128, 128], False
+    result = check_dense_fp8_method(plain)
+    assert not result.passed and "dispatch_scaled_mm" in result.message()
+
+
+def test_scales_are_fitted_only_when_vllm_left_them_in_e8m0(monkeypatch):
+    _e8m0_vllm(monkeypatch)
+    layer = torch.nn.Module()
+    method = _bare(D.LingBlockFp8LinearMethod)
+    method.create_weights(layer, 256, [256], 256, 256, torch.bfloat16)
+    exps = torch.tensor([[120, 127], [130, 1]], dtype=torch.uint8)
+    layer.weight_scale_inv.data.copy_(exps.view(torch.float8_e8m0fnu))
+    method.process_weights_after_loading(layer)
+    assert layer.weight_scale_inv.dtype == torch.float32
+    assert torch.equal(layer.weight_scale_inv.data, torch.exp2(exps.double() - 127).float())  # exact
+    assert layer.ling_block_scales == method.block_scales == D.E8M0_UPCAST
+    # a kernel whose processing converted them (DeepGEMM, B12x, CPU: float32) is left alone
+    converted = torch.nn.Module()
+    converted.weight_scale_inv = torch.nn.Parameter(torch.ones(2, 2), requires_grad=False)
+    kept = converted.weight_scale_inv
+    assert D.fit_block_scales(converted, "DeepGemmFp8BlockScaledMMKernel") == "float32"
+    assert converted.weight_scale_inv is kept
+    marlin = _bare(D.LingBlockFp8LinearMethod)  # Marlin repacks the scales in its own layout
+    marlin.use_marlin = True
+    layer2 = torch.nn.Module()
+    marlin.create_weights(layer2, 256, [256], 256, 256, torch.bfloat16)
+    marlin.process_weights_after_loading(layer2)
+    assert layer2.weight_scale_inv.dtype == torch.float8_e8m0fnu and marlin.block_scales is None
+
+
+def test_the_scratch_check_is_served_by_the_served_layers_kernel(monkeypatch):
+    # vLLM selects the kernel per weight shape: a scratch layer of another shape could get another
+    # kernel; the check rebuilds the served one, and fails (named) where vLLM cannot build it
+    import vllm.model_executor.kernels.linear as kernels
+
+    from vllm_ling.layers.known_answer import KernelMismatch, _serve_with_the_same_kernel
+
+    class Served:
+        pass
+
+    class Other:
+        pass
+
+    calls = []
+
+    def init_kernel(**kw):
+        calls.append(kw["force_kernel"])
+        return kw["force_kernel"]() if kw["force_kernel"] is Served and not refuse else Other()
+
+    monkeypatch.setattr(kernels, "init_fp8_linear_kernel", init_kernel)
+    served, scratch = _bare(D.LingBlockFp8LinearMethod), _bare(D.LingBlockFp8LinearMethod)
+    served.fp8_linear = Served()
+    scratch.activation_quant_key = scratch.weight_quant_key = None
+    scratch.input_dtype = scratch.out_dtype = torch.bfloat16
+    layer = types.SimpleNamespace(weight=torch.empty(256, 256))
+    refuse = False
+    scratch.fp8_linear = Other()
+    _serve_with_the_same_kernel(scratch, served, layer)
+    assert type(scratch.fp8_linear) is Served and calls == [Served]
+    _serve_with_the_same_kernel(scratch, served, layer)  # already the same: nothing rebuilt
+    assert calls == [Served]
+    refuse = True
+    scratch.fp8_linear = Other()
+    with pytest.raises(KernelMismatch, match="cannot build Served"):
+        _serve_with_the_same_kernel(scratch, served, layer)

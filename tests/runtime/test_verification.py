@@ -135,6 +135,37 @@ def test_duplicated_draft_head_is_caught(loaded_tiny_models):
     assert report["optimizations"]["mtp"]["active"] is False
 
 
+def test_a_gpu_heads_repacked_weight_is_no_duplicate_vocabulary_tensor(loaded_tiny_models):
+    # On the GPU the FP8 head's humming kernel repacks the weight to [hidden / 16, ...]: 16 rows on
+    # the tiny model, as many as the NEXTN layer's g_proj and router gate have. Rows count by the
+    # head's logical vocabulary, so the correct sharing passes (it failed here on the H200)
+    _, target, _ = loaded_tiny_models
+    packed = torch.nn.Parameter(torch.zeros(16, 2048 * 256 // 16, dtype=torch.float8_e4m3fn), requires_grad=False)
+    with swapped(target.lm_head, "weight", packed):
+        check = _check(_report(loaded_tiny_models), "draft_shares_target_modules")
+    assert check["passed"], check["actual"]
+    assert "duplicate" not in check["actual"]
+
+
+def test_a_check_that_raises_is_that_checks_failure_and_strict_refuses_in_one_line(loaded_tiny_models, monkeypatch):
+    # an exception inside a check (e.g. vLLM's kernel raising in a known answer) fails that check,
+    # named; the report is still built and strict refuses with the message, not a traceback
+    from vllm_ling.runtime import verification as V
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("dispatch_scaled_mm: scale_b must be float32")
+
+    monkeypatch.setattr(V, "check_dense_fp8", broken)
+    report = _report(loaded_tiny_models)
+    check = _check(report, "dense_fp8_layers")
+    assert not check["passed"] and report["passed"] is False
+    assert check["actual"] == "the check raised RuntimeError: dispatch_scaled_mm: scale_b must be float32"
+    assert all(c["passed"] for c in report["checks"] if c["name"] != "dense_fp8_layers")
+    with pytest.raises(V.LingVerificationError, match="dense_fp8_layers: expected the check completes") as err:
+        V.enforce_policy(report, "strict")
+    assert "\n" not in str(err.value)
+
+
 def test_wrong_speculative_config_is_caught(loaded_tiny_models):
     check = _check(_report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True}),
                    "speculative_config")

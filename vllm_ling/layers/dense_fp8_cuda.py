@@ -88,11 +88,59 @@ def refuse_nan_codes(weight: torch.Tensor, prefix: str) -> None:
                          "re-export it (or serve with VLLM_LING_DENSE_FP8=vllm to see NaN outputs instead)")
 
 
-class LingW8A16Fp8LinearMethod(Fp8LinearMethod):
+def block_scale_name(layer: torch.nn.Module) -> str:
+    """Fp8LinearMethod registers block scales as ``weight_scale_inv`` (compressed-tensors: ``weight_scale``)."""
+    return "weight_scale_inv" if getattr(layer, "weight_scale_inv", None) is not None else "weight_scale"
+
+
+def fit_block_scales(layer: torch.nn.Module, kernel_name: str) -> str:
+    """Make the block scales readable by the kernel vLLM selected, after vLLM's processing.
+
+    A ``scale_fmt: ue8m0`` checkpoint loads ``float8_e8m0fnu`` scales. vLLM 0.32's DeepGEMM, B12x
+    and CPU kernels convert them while processing; CUTLASS and Triton keep them and read them as
+    float32 (``dispatch_scaled_mm`` raises in vLLM's memory-profile run: vllm#47818, GB10 too). So
+    scales still in E8M0 here are upcast once (exact: E8M0 holds powers of two); the startup
+    known-answer check proves the served kernel reads them right. Returns what the layer holds.
+    """
+    name = block_scale_name(layer)
+    scale = getattr(layer, name, None)
+    if scale is None:
+        return "none"
+    if scale.dtype != torch.float8_e8m0fnu:
+        return str(scale.dtype).replace("torch.", "")
+    from vllm.model_executor.utils import replace_parameter
+
+    replace_parameter(layer, name, block_scales_fp32(scale.data))
+    log_once(logger, logging.INFO, f"dense-fp8-e8m0-upcast-{kernel_name}",
+             "Dense block-FP8 linears on %s: the checkpoint's E8M0 block scales upcast to float32 once "
+             "(the kernel reads float32 scales; vllm#47818).", kernel_name)
+    return E8M0_UPCAST
+
+
+E8M0_UPCAST = "float32 (upcast from E8M0)"
+
+
+class LingBlockFp8LinearMethod(Fp8LinearMethod):
+    """vLLM's block-FP8 method and kernel at every batch size, with the block scales in the form
+    the selected kernel reads (:func:`fit_block_scales`). What serves when the W8A16 kernel is
+    opted out or cannot index a layer: a correctness fix, not an optimization."""
+
     def __init__(self, quant_config, prefix: str):
         super().__init__(quant_config)
         self.prefix = prefix
+        self.block_scales: str | None = None  # what the processed layers' scales are (the report's)
 
+    @property
+    def vllm_kernel_name(self) -> str:
+        return type(getattr(self, "fp8_linear", None)).__name__
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        if not getattr(self, "use_marlin", False):  # Marlin repacks the scales into its own layout
+            self.block_scales = layer.ling_block_scales = fit_block_scales(layer, self.vllm_kernel_name)
+
+
+class LingW8A16Fp8LinearMethod(LingBlockFp8LinearMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         from vllm.model_executor import utils as vllm_utils
 
@@ -147,18 +195,19 @@ class LingW8A16Fp8LinearMethod(Fp8LinearMethod):
 
 
 def choose_dense_fp8_method(quant_config, prefix: str, output_partition_sizes: list[int], input_size: int,
-                            option: str, device: torch.device | str | None = None) -> Fp8LinearMethod | None:
-    """Our method for one CUDA block-FP8 dense linear, or None to let vLLM choose.
+                            option: str, device: torch.device | str | None = None) -> LingBlockFp8LinearMethod:
+    """Our method for one CUDA block-FP8 dense linear.
 
-    ``option`` "vllm" opts out (one WARNING). Otherwise the kernel must be able to run on this
-    GPU (else :class:`DenseFp8Unavailable`, before any weight loads, naming the opt-out); a
-    linear whose shards the kernel cannot index keeps vLLM's method with one WARNING naming it.
+    ``option`` "vllm" opts out (one WARNING): vLLM's kernel at every size
+    (:class:`LingBlockFp8LinearMethod`, scales fitted to it). Otherwise the W8A16 kernel must be
+    able to run on this GPU (else :class:`DenseFp8Unavailable`, before any weight loads, naming the
+    opt-out); a linear whose shards it cannot index keeps vLLM's kernel with one WARNING naming it.
     """
     if option == "vllm":
         log_once(logger, logging.WARNING, "dense-fp8-opt-out",
                  "Dense block-FP8 W8A16 kernel is OFF by explicit choice (VLLM_LING_DENSE_FP8=vllm): vLLM "
                  "selects the dense FP8 linear kernel; the startup report marks dense_fp8_decode inactive.")
-        return None
+        return LingBlockFp8LinearMethod(quant_config, prefix)
     block = list(getattr(quant_config, "weight_block_size", None) or [])
     if block != [QUANT_BLOCK, QUANT_BLOCK]:
         raise DenseFp8Unavailable(f"{prefix}: the W8A16 kernel reads 128x128 block scales, the checkpoint has "
@@ -173,6 +222,6 @@ def choose_dense_fp8_method(quant_config, prefix: str, output_partition_sizes: l
     if problems:
         log_once(logger, logging.WARNING, f"dense-fp8-unaligned-{prefix}",
                  "%s keeps vLLM's block-FP8 kernel: %s.", prefix, "; ".join(problems))
-        return None
+        return LingBlockFp8LinearMethod(quant_config, prefix)
     log_once(logger, logging.INFO, "dense-fp8-on", "Dense block-FP8 linears: %s.", CUDA_DENSE_FP8_PATH)
     return LingW8A16Fp8LinearMethod(quant_config, prefix)

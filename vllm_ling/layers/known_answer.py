@@ -21,17 +21,42 @@ from vllm_ling.ops import known_answer as ka
 
 
 def dense_kernel_label(method) -> str:
-    """What computes a dense linear: the method class and, for vLLM's FP8 method, its kernel;
-    for vllm-ling's W8A16 method also the kernel serving decode sizes."""
+    """What computes a dense linear: the method class and, for vLLM's FP8 method, its kernel and
+    the block scales it reads; for vllm-ling's W8A16 method also the kernel serving decode sizes."""
     kernel = getattr(method, "fp8_linear", None)
     name = type(method).__name__
     label = f"{name}/{type(kernel).__name__}" if kernel is not None else name
+    scales = getattr(method, "block_scales", None)  # what the kernel reads, once layers are processed
+    if scales:
+        label += f" (block scales {scales})"
     status = getattr(method, "decode_kernel_status", None)
     return f"{label}; {status}" if status else label
 
 
 def _load_param(param: torch.Tensor, value: torch.Tensor) -> None:
     param.data.copy_(value.to(param.dtype) if value.dtype != param.dtype else value)
+
+
+class KernelMismatch(RuntimeError):
+    """The scratch layer could not be served by the kernel the checked layer is served by."""
+
+
+def _serve_with_the_same_kernel(scratch_method, method, layer: torch.nn.Module) -> None:
+    """vLLM selects the block-FP8 kernel per weight shape: where the scratch shape got another
+    kernel than the served layer, build the served one (vLLM's selection with ``force_kernel``)."""
+    served = getattr(method, "fp8_linear", None)
+    got = getattr(scratch_method, "fp8_linear", None)
+    if served is None or got is None or type(got) is type(served):
+        return
+    from vllm.model_executor.kernels.linear import init_fp8_linear_kernel
+
+    scratch_method.fp8_linear = init_fp8_linear_kernel(
+        activation_quant_key=scratch_method.activation_quant_key,
+        weight_quant_key=scratch_method.weight_quant_key, input_dtype=scratch_method.input_dtype,
+        out_dtype=scratch_method.out_dtype, weight_shape=layer.weight.shape, force_kernel=type(served))
+    if type(scratch_method.fp8_linear) is not type(served):
+        raise KernelMismatch(f"vLLM cannot build {type(served).__name__} for the scratch layer "
+                             f"(it chose {type(scratch_method.fp8_linear).__name__})")
 
 
 def check_dense_fp8_method(method, device: torch.device | str = "cpu",
@@ -44,6 +69,7 @@ def check_dense_fp8_method(method, device: torch.device | str = "cpu",
     n, k = 2 * block[0], 2 * block[1]
     try:
         scratch_method.create_weights(layer, k, [n], k, n, dtype, weight_loader=_load_param)
+        _serve_with_the_same_kernel(scratch_method, method, layer)
         # exact in FP8 for W8A16 and W8A8 kernels alike: no guess from the kernel object of
         # whether it quantizes activations (FlashInfer's takes BF16 and quantizes inside)
         problem = ka.block_fp8_linear_problem(block)

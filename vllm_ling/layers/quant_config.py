@@ -4,7 +4,7 @@ It takes over automatically (``override_quantization_method``) for checkpoints w
 ``quantization_config`` says ``quant_method: fp8`` with MXFP4 routed experts, unless
 the user named another ``--quantization``. Dense block-FP8 linears run vLLM's method with
 vllm-ling's W8A16 kernel for decode-sized batches on CUDA (``VLLM_LING_DENSE_FP8=vllm`` opts
-out) and a plain-PyTorch reference on CPUs without AMX; the linears the checkpoint leaves in BF16
+out; either way the block scales are fitted to the kernel vLLM selects) and a plain-PyTorch reference on CPUs without AMX; the linears the checkpoint leaves in BF16
 run vLLM's method with vllm-ling's small GEMV for decode-sized batches on CUDA
 (``VLLM_LING_BF16_GEMV=vllm`` opts out); routed experts, the LM head and the CPU paths are ours.
 """
@@ -79,11 +79,10 @@ class LingFp8Config(Fp8Config):
 
             sizes = list(getattr(layer, "output_partition_sizes", None) or [layer.output_size])
             method = choose_dense_fp8_method(self, prefix, sizes, layer.input_size, self.options.dense_fp8.value)
-            if method is not None:
-                from vllm.model_executor.layers.quantization.utils.marlin_utils import get_marlin_input_dtype
+            from vllm.model_executor.layers.quantization.utils.marlin_utils import get_marlin_input_dtype
 
-                method.marlin_input_dtype = get_marlin_input_dtype(prefix)  # as Fp8Config does
-                return method
+            method.marlin_input_dtype = get_marlin_input_dtype(prefix)  # as Fp8Config does
+            return method
         if isinstance(layer, LinearBase) and current_platform.is_cuda() and self._skipped(prefix):
             from vllm_ling.layers.small_bf16_cuda import choose_small_bf16_method
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -219,6 +219,21 @@ def _block_fp8_linears(model) -> list[tuple[str, torch.nn.Module]]:
             and hasattr(m, "quant_method") and hasattr(m, "logical_widths")]
 
 
+def _w8a16_vs_vllm(layer: torch.nn.Module) -> float:
+    """Relative L2 difference of the W8A16 kernel to vLLM's (W8A8) kernel on two random rows."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    from vllm_ling.layers.dense_fp8_cuda import LingW8A16Fp8LinearMethod
+
+    gen = torch.Generator(device=layer.weight.device).manual_seed(0)
+    x = torch.randn((2, layer.input_size_per_partition), device=layer.weight.device, generator=gen,
+                    dtype=torch.float32).to(torch.bfloat16)
+    with torch.no_grad():
+        ours_out = LingW8A16Fp8LinearMethod.apply_w8a16(layer, x).float()
+        vllm_out = Fp8LinearMethod.apply(layer.quant_method, layer, x).float()
+    return float((ours_out - vllm_out).norm() / vllm_out.norm().clamp_min(1e-30))
+
+
 def check_dense_fp8(target, draft, exp: Expectations) -> Check:
     """Which block-FP8 dense linears run the W8A16 kernel, and a known answer: on the first of
     them, the W8A16 output for two random rows against vLLM's own (W8A8) kernel on the same layer."""
@@ -239,16 +254,18 @@ def check_dense_fp8(target, draft, exp: Expectations) -> Check:
     eligible = [n for n, m in layers if not unaligned_shards(list(m.logical_widths), m.input_size_per_partition)]
     ok = bool(eligible) and len(serving) == len(eligible)
     if serving:
-        from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
-
         name, layer = serving[0]
-        gen = torch.Generator(device=layer.weight.device).manual_seed(0)
-        x = torch.randn((2, layer.input_size_per_partition), device=layer.weight.device, generator=gen,
-                        dtype=torch.float32).to(torch.bfloat16)
-        with torch.no_grad():
-            ours_out = LingW8A16Fp8LinearMethod.apply_w8a16(layer, x).float()
-            vllm_out = Fp8LinearMethod.apply(layer.quant_method, layer, x).float()
-        rel = float((ours_out - vllm_out).norm() / vllm_out.norm().clamp_min(1e-30))
+        above = layer.quant_method.vllm_kernel_name
+        actual += f"; above {layer.ling_w8a16_max_rows} tokens vLLM's {above} (block scales " \
+                  f"{getattr(layer, 'ling_block_scales', 'as loaded')})"
+        try:
+            rel = _w8a16_vs_vllm(layer)
+        except Exception as exc:  # the check fails, naming the kernel that raised; the server does not crash
+            logger.debug("dense_fp8_layers: known answer on %s raised", name, exc_info=True)
+            return Check("dense_fp8_layers", False, "the W8A16 kernel agreeing with vLLM's kernel", actual +
+                         f"; known answer on {name} raised {type(exc).__name__}: {exc} (W8A16 kernel vs vLLM's "
+                         f"{above})", f"vLLM's {above} cannot run this layer: set VLLM_LING_DENSE_FP8=vllm to "
+                         "see whether vLLM's kernel serves it alone, or report the kernel")
         ok = ok and rel < DENSE_FP8_MAX_REL_DIFF
         actual += (f"; known answer on {name}: relative L2 difference to vLLM's kernel {rel:.3g} "
                    f"(limit {DENSE_FP8_MAX_REL_DIFF})")
@@ -354,6 +371,12 @@ def check_head(target, exp: Expectations, stage: Stage | None = None) -> Check:
                  "the ling_fp8 quantization was not selected: do not pass --quantization, or set VLLM_LING_FP8_HEAD=0")
 
 
+def _vocab_rows(module: torch.nn.Module) -> int:
+    """Vocabulary rows of a (vocab-parallel) embedding or head on this rank, padding included."""
+    rows = getattr(module, "num_embeddings_per_partition", None)
+    return int(rows) if rows is not None else int(module.weight.shape[0])
+
+
 def check_draft_sharing(target, draft, exp: Expectations, stage: Stage | None = None) -> Check:
     if stage is not None and not stage.is_last and draft is None:
         return Check("draft_shares_target_modules", True,
@@ -376,8 +399,10 @@ def check_draft_sharing(target, draft, exp: Expectations, stage: Stage | None = 
     same_embed = draft.model.embed_tokens is target_embed if embed_here else True
     own = draft.own_storage_bytes(target)
     head_bytes = target.lm_head.weight.numel() * target.lm_head.weight.element_size()
-    # A duplicate head or embedding is a [vocab rows, ...] tensor the target does not own.
-    vocab_rows = {target.lm_head.weight.shape[0]} | ({target_embed.weight.shape[0]} if embed_here else set())
+    # A duplicate head or embedding is a [vocab rows, ...] tensor the target does not own. The rows
+    # are the modules' logical vocabulary: a GPU head kernel's repacked weight has other dimensions
+    # (humming's FP8 head is [hidden / 16, ...]: on the tiny model 16 rows, as many as its experts).
+    vocab_rows = {_vocab_rows(target.lm_head)} | ({_vocab_rows(target_embed)} if embed_here else set())
     target_ptrs = {q.data_ptr() for q in target.parameters()}
     draft_embed = getattr(draft.model.embed_tokens, "weight", None)
     big_own = [n for n, p in draft.named_parameters()
@@ -432,6 +457,18 @@ def _gpu_arch() -> str | None:
     return None
 
 
+def guarded(name: str, run: Callable[[], Check]) -> Check:
+    """``run()``; an exception inside a check is that check's failure (traceback at DEBUG), so a
+    strict start ends with one refusal line naming it, never a crash of the engine."""
+    try:
+        return run()
+    except Exception as exc:
+        logger.debug("verification check %s raised", name, exc_info=True)
+        return Check(name, False, "the check completes", f"the check raised {type(exc).__name__}: {exc}",
+                     "a defect in the check or in what it inspects: run with VLLM_LING_VERIFY=warn to serve "
+                     "anyway, and report the message")
+
+
 def build_report(target, draft, vllm_config, options: LingOptions,
                  exp: Expectations | None = None) -> dict[str, Any]:
     from vllm_ling.runtime import kda_in_proj, kernel_checks, router_gates
@@ -443,13 +480,18 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     gates = router_gates.gate_census(target, draft)
     bf16_linears = _small_bf16_layers(target, draft)
     kda_state = kda_in_proj.kda_in_proj_state(target)
-    checks = [check_model_classes(target, draft, exp, stage), check_moe_layers(target, draft, exp, config, stage),
-              check_head(target, exp, stage), check_draft_sharing(target, draft, exp, stage),
-              check_dense_fp8(target, draft, exp), check_small_bf16(bf16_linears, exp),
-              Check(kda_in_proj.CHECK_NAME, *kda_in_proj.check_kda_in_proj(
-                  kda_state, exp.kda_merged_proj, config, stage.start, stage.end)),
-              Check(router_gates.CHECK_NAME, *router_gates.check_router_gates(gates, exp.router_gemv, exp.platform)),
-              check_speculative(exp, options), check_versions(exp),
+    checks = [guarded("model_classes", lambda: check_model_classes(target, draft, exp, stage)),
+              guarded("moe_layers", lambda: check_moe_layers(target, draft, exp, config, stage)),
+              guarded("lm_head", lambda: check_head(target, exp, stage)),
+              guarded("draft_shares_target_modules", lambda: check_draft_sharing(target, draft, exp, stage)),
+              guarded("dense_fp8_layers", lambda: check_dense_fp8(target, draft, exp)),
+              guarded("small_bf16_layers", lambda: check_small_bf16(bf16_linears, exp)),
+              guarded(kda_in_proj.CHECK_NAME, lambda: Check(kda_in_proj.CHECK_NAME, *kda_in_proj.check_kda_in_proj(
+                  kda_state, exp.kda_merged_proj, config, stage.start, stage.end))),
+              guarded(router_gates.CHECK_NAME, lambda: Check(
+                  router_gates.CHECK_NAME, *router_gates.check_router_gates(gates, exp.router_gemv, exp.platform))),
+              guarded("speculative_config", lambda: check_speculative(exp, options)),
+              guarded("versions", lambda: check_versions(exp)),
               Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
                     kernel_checks.FIX)]
     by_name = {c.name: c for c in checks}
