@@ -20,10 +20,10 @@ demo: install
 test: install tools
 	bash scripts/run_tests.sh $(PYTEST_ARGS)
 
-# The GPU kernel tests (gpu marker) on a CUDA machine; `make test` runs them too and they skip
-# without CUDA. They need no vLLM: the H200 device runs them with the kernel wheels only.
+# The whole gpu suite on a CUDA machine (kernels, layers through real vLLM, `vllm-ling serve` end to
+# end); `make test` collects them too and they skip without CUDA. tests/README.md: the H200 recipe.
 test-gpu: install
-	$(PY) -m pytest -q -m gpu tests/ops tests/benchmarks $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rA -m gpu tests $(PYTEST_ARGS)
 
 # promtool (Debian's prometheus package, installed by `make tools`) on the one copy of the
 # scrape config and alert rules; the test suite runs the same checks.

@@ -132,6 +132,7 @@ class Option:
     gpu_only: bool = False
     default_text: str | None = None  # when the default is computed elsewhere
     compile_factor: bool = False
+    opt_out: str | None = None  # the value that gives vLLM's own path (the upstream composition)
 
     @property
     def short(self) -> str:
@@ -216,13 +217,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("VLLM_LING_MOE_BACKEND", "choice", MoeBackend.HUMMING,
            "`humming`: our Humming MXFP4 MoE (plain-PyTorch reference on CPU); `vllm` opts out: "
            "vLLM picks the MXFP4 MoE backend (one WARNING, reported)",
-           choices=MoeBackend, serve_flag=True, compile_factor=True),
+           choices=MoeBackend, serve_flag=True, compile_factor=True, opt_out="vllm"),
     Option("VLLM_LING_MOE_DECODE", "choice", MoeDecode.AUTO,
            "batches of at most VLLM_LING_MOE_DECODE_MAX_TOKENS tokens: `auto` two fused decode "
            "kernels on humming's own weights (sm_90+, W4A16; where they cannot run: one WARNING, "
            "reported); `copy` on a second GEMV-packed copy of the experts (fastest, **twice the "
            "routed-expert memory**); `off` humming's GEMM always",
-           choices=MoeDecode, serve_flag=True, compile_factor=True),
+           choices=MoeDecode, serve_flag=True, compile_factor=True, opt_out="off"),
     Option("VLLM_LING_MOE_DECODE_MAX_TOKENS", "int", 32,
            "largest batch (tokens) that takes the decode kernels (the default is the largest batch "
            "measured on the H200, where they still beat humming's GEMM: "
@@ -236,30 +237,31 @@ OPTIONS: tuple[Option, ...] = (
            "on CUDA (8 on the two widest weights on sm_90, where vLLM's kernel measured faster above; "
            "vLLM's kernel above; an error where it cannot run); `vllm` opts out (one WARNING, reported). "
            "The CPU path is unchanged",
-           choices=DenseFp8, serve_flag=True, compile_factor=True),
+           choices=DenseFp8, serve_flag=True, compile_factor=True, opt_out="vllm"),
     Option("VLLM_LING_KDA_MERGED_PROJ", "bool", True,
            "`1`: each KDA layer runs its q, k, v, f and g projections (same input) as one column-parallel "
            "block-FP8 linear, one launch; `0`: vLLM's three linears (one WARNING, reported)",
-           serve_flag=True, compile_factor=True),
+           serve_flag=True, compile_factor=True, opt_out="0"),
     Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
            "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
            "small GEMV for batches of at most 8 tokens on CUDA (vLLM's GEMM above; an error where it cannot "
            "run); `vllm` opts out (one WARNING, reported). The CPU path is unchanged",
-           choices=Bf16Gemv, serve_flag=True, compile_factor=True),
+           choices=Bf16Gemv, serve_flag=True, compile_factor=True, opt_out="vllm"),
     Option("VLLM_LING_ROUTER_GEMV", "choice", RouterGemv.LING,
            "`ling`: fp32 MoE router gates (Ling's) run vllm-ling's one-launch GEMV for batches of at most 16 "
            "tokens on CUDA (vLLM's GateLinear path above; an error where it cannot run); `vllm` opts out (one "
            "WARNING, reported). The CPU path is unchanged",
-           choices=RouterGemv, serve_flag=True, compile_factor=True),
+           choices=RouterGemv, serve_flag=True, compile_factor=True, opt_out="vllm"),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
-           serve_flag=True, compile_factor=True),
+           serve_flag=True, compile_factor=True, opt_out="0"),
     Option("VLLM_LING_LM_HEAD_KERNEL", "choice", None,
            "force the FP8 head kernel (default: chosen per GPU architecture by measurement)",
            choices=HeadKernel, default_text="per GPU", compile_factor=True),
     Option("VLLM_LING_MTP", "bool", True,
-           "`0`: no default speculation; any `--speculative-config` wins", serve_flag=True, compile_factor=True),
+           "`0`: no default speculation; any `--speculative-config` wins", serve_flag=True, compile_factor=True,
+           opt_out="0"),
     Option("VLLM_LING_NUM_SPEC_TOKENS", "int", 3, "draft tokens of the default MTP config",
            minimum=1, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_VERIFY", "choice", VerifyPolicy.STRICT,
@@ -419,6 +421,12 @@ def markdown_table() -> str:
         flag = f" (`{o.flag}`)" if o.serve_flag else ""
         lines.append(f"| `{o.name}`{flag} | `{o.shown_default()}` | {where} | {o.help} |")
     return "\n".join(lines)
+
+
+def upstream_composition() -> dict[str, str]:
+    """Every switch at its opt-out: vLLM's own kernels, the BF16 head, no default speculation
+    (what a user gets from stock vLLM, with the fixes that let this checkpoint serve at all)."""
+    return {o.name: o.opt_out for o in OPTIONS if o.opt_out is not None}
 
 
 def plugin_options() -> tuple[Option, ...]:

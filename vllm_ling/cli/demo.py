@@ -27,7 +27,7 @@ from pathlib import Path
 import requests
 
 from vllm_ling.cli.agent_defaults import LING_PARSER_ARGS
-from vllm_ling.runtime.local_server import CPU_SERVE_ARGS, scrape, serve_cpu
+from vllm_ling.runtime.local_server import SERVE_ARGS, scrape, serve_tiny
 
 PARSER_ARGS = list(LING_PARSER_ARGS)  # what `vllm-ling serve` adds
 TOOLS = [{"type": "function", "function": {
@@ -71,9 +71,12 @@ def main(argv: list[str] | None = None) -> int:
               f"          its greedy answer: {EXAMPLE_SCRIPT!r}")
     log, report_path = out / "server.log", (out / "report.json").resolve()
     report_path.unlink(missing_ok=True)
-    print(f"[{time.monotonic() - start:5.0f} s] starting vllm serve {model} {' '.join(PARSER_ARGS)} "
-          f"(log: {log}; 2-3 minutes on 2 CPU cores) ...")
-    server = serve_cpu(model, log, extra_args=PARSER_ARGS, env={
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the GPU build: CUDA graphs + torch.compile
+    print(f"[{time.monotonic() - start:5.0f} s] starting vllm serve {model} {' '.join(PARSER_ARGS)} on {device} "
+          f"(log: {log}; {'2-3 minutes on 2 CPU cores' if device == 'cpu' else 'about a minute'}) ...")
+    server = serve_tiny(model, log, extra_args=PARSER_ARGS, device=device, env={
         "VLLM_PLUGINS": "vllm_ling,vllm_ling_report", "VLLM_LING_REPORT_PATH": str(report_path)})
     try:
         print(f"[{time.monotonic() - start:5.0f} s] server healthy at {server.base_url}\n")
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\n2. no speculative drafts counted: MTP is off")
         report = json.loads(report_path.read_text())
         print("\n3. " + _verification(report))
-        print(f"\nserver flags: {' '.join(CPU_SERVE_ARGS + PARSER_ARGS)} (see {log}); report: {report_path}")
+        print(f"\nserver flags: {' '.join(SERVE_ARGS[device] + PARSER_ARGS)} (see {log}); report: {report_path}")
     finally:
         rc = server.stop()
     print(f"[{time.monotonic() - start:5.0f} s] server stopped (exit code {rc})")

@@ -21,6 +21,11 @@ from typing import IO
 STARTUP_TIMEOUT_S = 900
 CPU_SERVE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
                   "--max-num-seqs", "4", "--seed", "0"]
+# A tiny checkpoint on a CUDA GPU, with CUDA graphs and torch.compile: a small share of the GPU
+# (the fraction only gates vLLM's start-up check; a fixed KV cache also skips its memory profiling).
+GPU_SERVE_ARGS = ["--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "4", "--seed", "0",
+                  "--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(1 << 30)]
+SERVE_ARGS = {"cpu": CPU_SERVE_ARGS, "cuda": GPU_SERVE_ARGS}
 VLLM_SERVE = [sys.executable, "-m", "vllm_ling.cli.vllm_entry", "serve"]
 # vLLM only loads endpoint plugins (our GET /vllm_ling/report) when VLLM_PLUGINS names
 # them, and then VLLM_PLUGINS is an allow-list for every plugin group.
@@ -154,10 +159,17 @@ def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S) -> None:
 
 def serve_cpu(model: Path, log_path: Path, extra_args: list[str] | None = None,
               env: dict[str, str] | None = None, wait: bool = True) -> Server:
-    """``vllm serve MODEL`` (vLLM's own CLI, plugin auto-loaded) on a free localhost port."""
+    """``vllm serve MODEL`` (vLLM's own CLI, plugin auto-loaded) on a free localhost port, on the CPU."""
+    return serve_tiny(model, log_path, extra_args, env, wait, device="cpu")
+
+
+def serve_tiny(model: Path, log_path: Path, extra_args: list[str] | None = None,
+               env: dict[str, str] | None = None, wait: bool = True, device: str = "cpu") -> Server:
+    """``vllm serve MODEL`` (vLLM's own CLI, plugin auto-loaded) on a free localhost port, with the
+    arguments for a tiny checkpoint on ``device`` (``SERVE_ARGS``: cpu, or cuda)."""
     port = free_port()
     cmd = VLLM_SERVE + [str(model), "--host", "127.0.0.1", "--port", str(port),
-                        "--served-model-name", "tiny"] + CPU_SERVE_ARGS + (extra_args or [])
+                        "--served-model-name", "tiny"] + SERVE_ARGS[device] + (extra_args or [])
     return start_server(cmd, cpu_env(env), log_path, port, wait=wait)
 
 

@@ -1,0 +1,353 @@
+"""The whole model served by real vLLM + vllm-ling, measured: batch-1 TPOT, MTP iteration, memory, start-up.
+
+``run`` serves one composition with ``vllm-ling serve`` (CUDA graphs, torch.compile, strict startup
+verification) and measures it through the OpenAI API, as a user's client sees it:
+
+- the full-size Ling-3.0-flash-fp4 architecture (``vllm_ling/data/ling3_flash_fp4_config.json``) with
+  ``--load-format dummy`` and a tiny tokenizer (prompts are token ids), or ``--model DIR``;
+- ``--composition ours`` (vllm-ling's defaults) or ``upstream`` (every ``VLLM_LING_*`` switch at its
+  opt-out: :func:`vllm_ling.options.upstream_composition`, BF16 head, vLLM's kernels);
+- per context (a short prompt and a 32K one), greedy streamed completions with ``ignore_eos``: TPOT is
+  (last token time - first token time) / (tokens - 1) per request, median over the repeats; with MTP
+  the iteration time is the same span over the drafts counted by vLLM's ``/metrics`` in it, so the TPOT
+  at an accept length L is iteration / L (dummy weights accept almost nothing: the measured TPOT is
+  the iteration);
+- the device copy bandwidth measured in the same process before the server starts (the floor's
+  bandwidth), the start-up split read from vLLM's and vllm-ling's own log lines and report, memory
+  (weights, KV cache bytes and tokens), the server's exit code after SIGTERM.
+
+``render`` turns the ``run`` JSON files into ``benchmarks/results/serve_h200.md``: each TPOT beside the
+byte-model floor (``vllm-ling plan`` bytes at the measured copy bandwidth), the fraction of the copy
+bandwidth, and the ratio to the upstream composition of the same session.
+
+On the H200 (vLLM from ``../shared/tools/device-vllm.sh``)::
+
+    python3 -m benchmarks.serve_h200 run --composition ours --mtp --json $OUT/ours-mtp.json --logs $OUT
+    python3 -m benchmarks.serve_h200 run --composition ours --json $OUT/ours.json --logs $OUT
+    python3 -m benchmarks.serve_h200 run --composition upstream --json $OUT/upstream.json --logs $OUT
+    python3 -m benchmarks.serve_h200 render $OUT/*.json --out benchmarks/results/serve_h200.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+FULL_CONFIG = REPO / "vllm_ling" / "data" / "ling3_flash_fp4_config.json"
+LONG_CONTEXT = 32768
+SHORT_CONTEXT = 64
+ACCEPT_LENGTHS = (2.68, 3.90)  # the study's GSM8K and synthetic accept lengths (BRIEF.md)
+
+# vLLM's and vllm-ling's own start-up log lines -> seconds (the last match wins)
+STARTUP_PATTERNS = {
+    "load_weights_s": r"Loading weights took ([\d.]+) seconds",
+    "model_load_s": r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds",
+    "torch_compile_s": r"torch\.compile took ([\d.]+) s in total",
+    "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
+    "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
+}
+WEIGHTS_GIB = r"Model loading took ([\d.]+) GiB memory"
+KV_TOKENS = r"GPU KV cache size: ([\d,]+) tokens"
+
+
+def dummy_checkpoint(out: Path) -> Path:
+    """The full-size architecture with no weights (served with --load-format dummy) and a tiny
+    tokenizer with the Ling-3 chat template (the start-up chat round trip needs one)."""
+    from vllm_ling.models.tiny_checkpoint import make_tiny
+
+    tiny = make_tiny(out / "tokenizer-source", seed=0)
+    model = out / "ling3-flash-fp4-dummy"
+    model.mkdir(parents=True, exist_ok=True)
+    for f in tiny.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json",
+                                                                                 "model.safetensors.index.json"):
+            shutil.copy(f, model / f.name)
+    shutil.copy(FULL_CONFIG, model / "config.json")
+    return model
+
+
+def copy_bandwidth() -> tuple[float | None, str]:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, "no CUDA device"
+        from benchmarks.lm_head import copy_bandwidth_gbs
+
+        gbs, how = copy_bandwidth_gbs()
+        torch.cuda.empty_cache()
+        return gbs, how
+    except Exception as exc:  # the measurement is reported, the run goes on
+        return None, f"copy bandwidth not measured: {type(exc).__name__}: {exc}"
+
+
+def parse_startup(log: str) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for key, pattern in STARTUP_PATTERNS.items():
+        found = re.findall(pattern, log)
+        out[key] = float(found[-1]) if found else None
+    return out
+
+
+def metric_sum(base: str, prefix: str) -> float:
+    from vllm_ling.runtime.local_server import scrape
+
+    return sum(v for k, v in scrape(base).items() if k.startswith(prefix))
+
+
+def stream_once(base: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
+    """One greedy streamed completion: first/last token times and token counts (usage per chunk)."""
+    import requests
+
+    drafts0 = metric_sum(base, "vllm:spec_decode_num_drafts_total")
+    accepted0 = metric_sum(base, "vllm:spec_decode_num_accepted_tokens_total")
+    t_send = time.perf_counter()
+    first = last = None
+    first_tokens = tokens = 0
+    with requests.post(base + "/v1/completions", stream=True, timeout=900, json={
+            "model": "ling", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        r.raise_for_status()
+        for raw in r.iter_lines():
+            if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
+                continue
+            chunk = json.loads(raw[6:])
+            usage = chunk.get("usage") or {}
+            count = int(usage.get("completion_tokens") or 0)
+            if count > tokens:
+                now = time.perf_counter()
+                if first is None:
+                    first, first_tokens = now, count
+                last, tokens = now, count
+    drafts = metric_sum(base, "vllm:spec_decode_num_drafts_total") - drafts0
+    accepted = metric_sum(base, "vllm:spec_decode_num_accepted_tokens_total") - accepted0
+    decode_s = (last - first) if first is not None else 0.0
+    return {"ttft_s": (first - t_send) if first else None, "tokens": tokens, "decode_tokens": tokens - first_tokens,
+            "decode_s": decode_s, "drafts": drafts, "accepted": accepted}
+
+
+def measure(base: str, context: int, max_tokens: int, repeats: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed + context)
+    runs = []
+    for _ in range(repeats):
+        prompt = [rng.randrange(100, 2000) for _ in range(context)]
+        runs.append(stream_once(base, prompt, max_tokens))
+    tpots = [1e3 * r["decode_s"] / r["decode_tokens"] for r in runs if r["decode_tokens"] > 0]
+    out: dict[str, Any] = {"context": context, "max_tokens": max_tokens, "runs": runs,
+                           "tpot_ms": statistics.median(tpots) if tpots else None}
+    drafts = sum(r["drafts"] for r in runs)
+    if drafts:
+        # the draft counted at the prefill step has no decode span: iterations in the span = drafts - 1
+        iters = [1e3 * r["decode_s"] / max(r["drafts"] - 1, 1) for r in runs if r["drafts"] > 1]
+        out["iteration_ms"] = statistics.median(iters) if iters else None
+        out["accept_length"] = 1 + sum(r["accepted"] for r in runs) / drafts
+    return out
+
+
+def run(args) -> int:
+    from vllm_ling.options import upstream_composition
+    from vllm_ling.runtime.local_server import ServerError, free_port, log_tail, start_server
+
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    name = f"{args.composition}{'-mtp' if args.mtp else ''}"
+    work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    model = Path(args.model) if args.model else dummy_checkpoint(work)
+    copy_gbs, copy_how = copy_bandwidth()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
+    if args.composition == "upstream":
+        env.update(upstream_composition())
+    env["VLLM_LING_MTP"] = "1" if args.mtp else "0"
+    if not args.model:  # dummy weights accept (almost) no draft: the launcher's smoke check would refuse
+        env["VLLM_LING_SMOKE"] = "0"
+    port = free_port()
+    report_path = work / "report.json"
+    cmd = [sys.executable, "-m", "vllm_ling.cli", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "ling", "--report-path", str(report_path),
+           "--max-model-len", str(max(args.contexts) + 2 * max(args.tokens, args.long_tokens)), "--max-num-seqs", "2",
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--"]
+    if args.device == "cuda":
+        cmd += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
+    if not args.model:
+        cmd += ["--load-format", "dummy"]
+    cmd += ["--seed", "0", *args.vllm_arg]
+    log_path = logs / f"{name}.log"
+    result: dict[str, Any] = {"name": name, "composition": args.composition, "mtp": args.mtp, "command": cmd,
+                              "switches": {k: v for k, v in env.items() if k.startswith("VLLM_LING_")},
+                              "copy_gbs": copy_gbs, "copy_how": copy_how}
+    t0 = time.perf_counter()
+    try:
+        server = start_server(cmd, env, log_path, port, timeout=args.startup_timeout)
+    except ServerError as exc:
+        result.update(error=str(exc)[-4000:], startup_s=time.perf_counter() - t0)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"{name}: the server did not start:\n{log_tail(log_path, 40)}", file=sys.stderr)
+        return 1
+    result["startup_s"] = time.perf_counter() - t0
+    try:
+        report = json.loads(report_path.read_text())
+        log = server.log()
+        result["startup"] = parse_startup(log)
+        result["startup"]["kernel_checks_s"] = (report.get("kernel_checks") or {}).get("seconds")
+        result["startup"]["humming_jit_compile_s"] = (report.get("startup") or {}).get("humming_jit_compile_s")
+        weights = re.findall(WEIGHTS_GIB, log)
+        kv_tokens = re.findall(KV_TOKENS, log)
+        result["memory"] = {"weights_gib": float(weights[-1]) if weights else None,
+                            "kv_cache_bytes": (report.get("memory") or {}).get("kv_cache_bytes"),
+                            "kv_cache_tokens": int(kv_tokens[-1].replace(",", "")) if kv_tokens else None}
+        result["verification"] = {"passed": report["passed"], "policy": report["policy"],
+                                  "failed": [c for c in report["checks"] if not c["passed"]],
+                                  "optimizations": {n: o["active"] for n, o in report["optimizations"].items()},
+                                  "kernels": (report.get("kernel_checks") or {}).get("summary"),
+                                  "dense_fp8": ((report.get("kernel_checks") or {}).get("dense_fp8") or {}).get("kernels")}
+        short, long = min(args.contexts), max(args.contexts)
+        if args.wait_for:  # other GPU work of the same session ends first: the timings are this server's
+            deadline = time.monotonic() + args.wait_for_s
+            while not Path(args.wait_for).exists() and time.monotonic() < deadline:
+                time.sleep(2)
+            result["waited_for"] = {"file": args.wait_for, "found": Path(args.wait_for).exists()}
+        stream_once(server.base_url, [7] * short, 8)  # warm-up: first-request work stays out of the numbers
+        result["contexts"] = [measure(server.base_url, short, args.tokens, args.repeats, 0),
+                              measure(server.base_url, long, args.long_tokens, args.long_repeats, 0)]
+    except Exception as exc:  # what was measured is kept
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        result["stop_rc"] = server.stop(timeout=120)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result.get(k) for k in ("name", "startup_s", "startup", "memory", "stop_rc", "error")}))
+    for c in result.get("contexts", []):
+        print(f"{name} context {c['context']}: TPOT {c['tpot_ms']} ms, iteration {c.get('iteration_ms')} ms, "
+              f"accept length {c.get('accept_length')}")
+    return 0 if "error" not in result else 1
+
+
+def plan_bytes(context: int) -> dict[str, Any]:
+    """``vllm-ling plan``'s byte model for the full-size model at ``context`` tokens."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([sys.executable, "-m", "vllm_ling.cli", "plan", "--device", "h200", "--context", str(context),
+                        "--no-study", "--json", f.name], check=True, capture_output=True)
+        return json.loads(Path(f.name).read_text())
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def render(args) -> int:
+    runs = [json.loads(Path(p).read_text()) for p in args.files]
+    by_name = {r["name"]: r for r in runs}
+    copy = [r["copy_gbs"] for r in runs if r.get("copy_gbs")]
+    copy_gbs = statistics.median(copy) if copy else None
+    plans = {c: plan_bytes(c) for c in sorted({c["context"] for r in runs for c in r.get("contexts", [])})}
+    upstream = by_name.get("upstream")
+    lines = ["# Ling-3.0-flash served by real vLLM 0.32 + vllm-ling on the H200 (full-size, dummy weights)", "",
+             f"Produced by `benchmarks/serve_h200.py` (`run` per composition, then `render`). Batch 1, CUDA graphs "
+             f"and torch.compile, strict startup verification. Copy bandwidth measured in the same runs: "
+             f"{copy_gbs:.0f} GB/s ({runs[0].get('copy_how')})." if copy_gbs else "Copy bandwidth not measured.", "",
+             "Floor: `vllm-ling plan`'s bytes per step (FP8 head for ours, BF16 head for upstream; the verify "
+             "window 4 tokens plus 3 draft steps for an MTP iteration) at the measured copy bandwidth.", "",
+             "| composition | context | TPOT ms (1 token) | floor ms | TPOT / floor | fraction of copy bw | "
+             "upstream / this |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if r.get("mtp"):
+            continue
+        head = "bf16" if r["composition"] == "upstream" else "fp8"
+        for c in r.get("contexts", []):
+            floor = plans[c["context"]]["heads"][head]["bytes_per_token_batch1"] / (copy_gbs * 1e9) * 1e3 \
+                if copy_gbs else None
+            up = next((u["tpot_ms"] for u in (upstream or {}).get("contexts", []) if u["context"] == c["context"]), None)
+            t = c["tpot_ms"]
+            lines.append(f"| {r['name']} | {c['context']} | {_ms(t)} | {_ms(floor)} | "
+                         f"{t / floor:.2f}x | {floor / t:.2f} | " if t and floor else
+                         f"| {r['name']} | {c['context']} | {_ms(t)} | {_ms(floor)} | - | - | ")
+            lines[-1] += f"{up / t:.2f}x |" if up and t else "- |"
+    mtp = by_name.get("ours-mtp")
+    plain = by_name.get("ours")
+    if mtp:
+        lines += ["", "MTP (3 draft tokens): one draft + verify iteration, and the TPOT it gives at the study's "
+                  "accept lengths (iteration / L). Dummy weights accept almost nothing, so the measured TPOT is the "
+                  "iteration time.", "",
+                  "| context | iteration ms | floor ms | iteration / 1-token step | measured accept length | "
+                  + " | ".join(f"TPOT ms at AL {a}" for a in ACCEPT_LENGTHS) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(ACCEPT_LENGTHS)]
+        for c in mtp.get("contexts", []):
+            p = plans[c["context"]]
+            step_bytes = p["heads"]["fp8"]["bytes_per_verify_step"] + p["draft_tokens"] * (
+                p["mtp_draft_step_bytes_without_head"] + p["heads"]["fp8"]["head_bytes"])
+            floor = step_bytes / (copy_gbs * 1e9) * 1e3 if copy_gbs else None
+            it = c.get("iteration_ms")
+            one = next((x["tpot_ms"] for x in (plain or {}).get("contexts", []) if x["context"] == c["context"]), None)
+            lines.append(f"| {c['context']} | {_ms(it)} | {_ms(floor)} | "
+                         + (f"{it / one:.2f}x" if it and one else "-") + " | "
+                         + (f"{c['accept_length']:.2f}" if c.get("accept_length") else "-") + " | "
+                         + " | ".join(_ms(it / a if it else None) for a in ACCEPT_LENGTHS) + " |")
+    lines += ["", "Start-up (seconds, from launch to /health; parts from vLLM's and vllm-ling's own log lines and "
+              "report) and memory:", "",
+              "| composition | to /health | load weights | torch.compile | graph capture | engine init | "
+              "known-answer checks | humming JIT | weights GiB | KV cache tokens | exit after SIGTERM |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        s, m = r.get("startup") or {}, r.get("memory") or {}
+        cells = [r.get("startup_s"), s.get("load_weights_s"), s.get("torch_compile_s"), s.get("graph_capture_s"),
+                 s.get("engine_init_s"), s.get("kernel_checks_s"), s.get("humming_jit_compile_s")]
+        lines.append(f"| {r['name']} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells)
+                     + f" | {m.get('weights_gib', '-')} | {m.get('kv_cache_tokens', '-')} | {r.get('stop_rc')} |")
+    lines += ["", "Verification per run:", ""]
+    for r in runs:
+        v = r.get("verification") or {}
+        lines.append(f"- {r['name']}: passed {v.get('passed')} ({v.get('policy')}); active: "
+                     + ", ".join(n for n, a in (v.get("optimizations") or {}).items() if a)
+                     + (f"; failed: {[c['name'] for c in v.get('failed', [])]}" if v.get("failed") else "")
+                     + (f"; error: {r['error'][:300]}" if r.get("error") else ""))
+        if v.get("dense_fp8"):
+            lines.append(f"  - dense block-FP8 linears: {v['dense_fp8']}")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="serve one composition and measure it")
+    r.add_argument("--composition", choices=("ours", "upstream"), required=True)
+    r.add_argument("--mtp", action="store_true", help="NEXTN MTP x3 on (vllm-ling's default)")
+    r.add_argument("--model", default=None, help="a checkpoint dir instead of the full-size dummy architecture")
+    r.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the harness")
+    r.add_argument("--json", required=True)
+    r.add_argument("--logs", required=True, help="folder for the server log")
+    r.add_argument("--contexts", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[SHORT_CONTEXT, LONG_CONTEXT], help="short,long prompt lengths (tokens)")
+    r.add_argument("--tokens", type=int, default=128, help="tokens per short-context request")
+    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--long-tokens", type=int, default=64)
+    r.add_argument("--long-repeats", type=int, default=2)
+    r.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    r.add_argument("--kv-cache-gib", type=float, default=3.0)
+    r.add_argument("--startup-timeout", type=float, default=540)
+    r.add_argument("--vllm-arg", action="append", default=[], help="one more vllm serve argument (repeatable)")
+    r.add_argument("--wait-for", default=None, help="measure only once this file exists (other GPU jobs done)")
+    r.add_argument("--wait-for-s", type=float, default=300)
+    g = sub.add_parser("render", help="the Markdown table from run JSON files")
+    g.add_argument("files", nargs="+")
+    g.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    return run(args) if args.cmd == "run" else render(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One command on the H200 device after `bash .gpuvllm/device-install.sh` (../shared/tools/device-vllm.sh):
+# the GPU work of a lease in parallel, every log under $OUT (read after the call).
+#
+#   bash scripts/h200_session.sh serve-and-test   # full-size ours+MTP (measured once the rest is done),
+#                                                 # the tiny GPU end-to-end tests, the gpu test suite
+#   bash scripts/h200_session.sh measure          # full-size ours and upstream composition, one after
+#                                                 # the other, then the table
+#
+# Each part has its own time limit inside the 10-minute call, so what finished comes back.
+set -u
+phase=${1:?phase}
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+: "${OUT:?OUT}"
+out=/tmp/h200-run  # everything here; one archive back to $OUT at the end (the device returns 8 files)
+rm -rf "$out" && mkdir -p "$out/logs"
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)" > "$out/versions.txt" 2>&1
+quiet=/tmp/vllm-ling-quiet
+case "$phase" in
+serve-and-test)
+  rm -f "$quiet"
+  # the full-size server first: vLLM's start-up check wants its GPU share free
+  timeout 560 python3 -m benchmarks.serve_h200 run --composition ours --mtp --json "$out/ours-mtp.json" \
+    --logs "$out/logs" --wait-for "$quiet" --wait-for-s 450 > "$out/ours-mtp.txt" 2>&1 &
+  fs=$!
+  sleep 30
+  # the tiny end-to-end tests in two processes (three servers each), and the rest of the gpu suite
+  timeout 420 python3 -m pytest -q -rA -m gpu tests/deploy/test_serve_gpu_e2e.py --basetemp "$out/pt-a" \
+    -k "scripted or trap or accepts_its_drafts" > "$out/e2e-a.log" 2>&1 &
+  e2e_a=$!
+  timeout 420 python3 -m pytest -q -rA -m gpu tests/deploy/test_serve_gpu_e2e.py --basetemp "$out/pt-b" \
+    -k "greedy or opt_out" > "$out/e2e-b.log" 2>&1 &
+  e2e_b=$!
+  timeout 390 python3 -m pytest -q -rA -m gpu tests --ignore=tests/deploy/test_serve_gpu_e2e.py \
+    --basetemp "$out/pt-suite" > "$out/gpu-suite.log" 2>&1
+  echo "gpu suite rc $?" >> "$out/rc.txt"
+  wait $e2e_a; echo "e2e-a rc $?" >> "$out/rc.txt"
+  wait $e2e_b; echo "e2e-b rc $?" >> "$out/rc.txt"
+  touch "$quiet"
+  wait $fs; echo "ours-mtp rc $?" >> "$out/rc.txt"
+  ;;
+measure)
+  timeout 290 python3 -m benchmarks.serve_h200 run --composition ours --json "$out/ours.json" --logs "$out/logs" \
+    > "$out/ours.txt" 2>&1; echo "ours rc $?" >> "$out/rc.txt"
+  timeout 290 python3 -m benchmarks.serve_h200 run --composition upstream --json "$out/upstream.json" \
+    --logs "$out/logs" > "$out/upstream.txt" 2>&1; echo "upstream rc $?" >> "$out/rc.txt"
+  ;;
+*) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
+# server logs and reports of the tests, not their checkpoints
+tar czf "$OUT/run.tgz" -C "$out" --exclude='*.safetensors' --exclude='*.bin' . 2>/dev/null
+cp "$out"/*.json "$OUT"/ 2>/dev/null
+cat "$out/rc.txt"
+for f in "$out"/*.log; do echo "== $f"; grep -E "passed|failed|error" "$f" | tail -n 3; done
+for f in "$out"/*.txt; do echo "== $f"; tail -n 4 "$f"; done

@@ -1,0 +1,209 @@
+"""``vllm-ling serve`` on a CUDA GPU for real: the tiny checkpoints with CUDA graphs and torch.compile.
+
+Each test starts the launcher (``python -m vllm_ling.cli serve``: memory guard, strict startup
+verification, smoke check, vLLM as its child) without ``--enforce-eager`` unless it says so, on a
+small share of the GPU (``--gpu-memory-utilization`` only gates vLLM's start-up check; the KV cache
+is a fixed ``--kv-cache-memory-bytes``, which also skips vLLM's memory profiling, so servers can share
+the GPU with other jobs):
+
+- the scripted checkpoint with NEXTN MTP and the ling3 parsers: every verification row passes and
+  every requested optimization is active on the GPU, a tool call comes back parsed with the
+  reasoning separated, and the accept length read from ``/metrics``;
+- the planted weight-only head trap is refused under strict (caught on the GPU too);
+- the agreeing checkpoint: accept length >= 3.5, its greedy output equal to the independent
+  expectation (:func:`vllm_ling.models.agreeing_checkpoint.expected_continuation`) with speculation
+  on, off, and in eager mode;
+- every opt-out switch at once (the upstream composition): it serves, verified, and the report says
+  which optimization is off.
+
+gpu marker: skipped without CUDA. On the H200 device (no vLLM in its image), after
+``../shared/tools/device-vllm.sh build`` here and the parts sent as its plan says, one command::
+
+    bash .gpuvllm/device-install.sh && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH &&
+    python3 -m pytest -q -m gpu tests/deploy/test_serve_gpu_e2e.py
+
+(``make test-gpu`` runs it with the rest of the ``gpu`` suite; ``tests/README.md``.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from vllm_ling.runtime.local_server import free_port, group_alive, scrape, start_server
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+PROMPT = [11, 12, 13, 14, 15]
+MAX_TOKENS = 40
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast for a city",
+    "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}]
+# A small share of the GPU: vLLM's start-up check wants this fraction free; the KV cache is fixed.
+GPU_SHARE = ["--gpu-memory-utilization", "0.08", "--max-model-len", "1024", "--max-num-seqs", "4"]
+VLLM_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--seed", "0"]
+
+
+def serve(model: Path, tmp: Path, env: dict[str, str] | None = None, vllm_args: list[str] | None = None,
+          wait: bool = True):
+    """``vllm-ling serve MODEL`` on a free loopback port; (server, report path)."""
+    import os
+
+    port = free_port()
+    report = tmp / "report.json"
+    cmd = [sys.executable, "-m", "vllm_ling.cli", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "tiny", "--report-path", str(report), *GPU_SHARE, "--", *VLLM_ARGS,
+           *(vllm_args or [])]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
+    server = start_server(cmd, {**base, **(env or {})}, tmp / "server.log", port, wait=wait)
+    return server, report
+
+
+def stop(server) -> None:
+    rc = server.stop()
+    assert rc == 0, f"vllm-ling serve exited {rc} after SIGTERM"
+    assert not group_alive(server.proc.pid), "server processes left behind"
+
+
+def spec_counters(base: str) -> tuple[float, float]:
+    m = scrape(base)
+    drafts = sum(v for k, v in m.items() if k.startswith("vllm:spec_decode_num_drafts_total"))
+    accepted = sum(v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+    return drafts, accepted
+
+
+def complete(base: str) -> list[int]:
+    r = requests.post(base + "/v1/completions", timeout=600, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]
+
+
+def graphs_and_compile_ran(log: str) -> bool:
+    """vLLM's own lines: torch.compile compiled the model (or loaded it from its cache) and CUDA
+    graphs were captured."""
+    compiled = "torch.compile took" in log or "Directly load the compiled graph" in log
+    return compiled and "Graph capturing finished" in log
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory) -> Path:
+    from vllm_ling.models.scripted_checkpoint import EXAMPLE_SCRIPT
+    from vllm_ling.models.tiny_checkpoint import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("gpu-scripted") / "tiny-scripted", seed=0, script=EXAMPLE_SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def agreeing(tmp_path_factory) -> Path:
+    from vllm_ling.models.tiny_checkpoint import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("gpu-agreeing") / "tiny-agreeing", seed=0, agreeing=True)
+
+
+@pytest.fixture(scope="module")
+def expected(agreeing) -> list[int]:
+    from vllm_ling.models.agreeing_checkpoint import expected_continuation
+
+    return expected_continuation(PROMPT[-1], MAX_TOKENS, json.loads((agreeing / "config.json").read_text()))
+
+
+def test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs(scripted, tmp_path):
+    from vllm_ling.models.scripted_checkpoint import EXAMPLE_REASONING, EXAMPLE_TOOL_CALL
+
+    server, report_path = serve(scripted, tmp_path)
+    try:
+        report = json.loads(report_path.read_text())
+        assert report["platform"] == "cuda" and report["policy"] == "strict"
+        assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+        inactive = {n: o["detail"] for n, o in report["optimizations"].items() if o["requested"] and not o["active"]}
+        assert not inactive, inactive
+        requested = {n for n, o in report["optimizations"].items() if o["requested"]}
+        assert requested >= {"moe_humming", "fp8_head", "dense_fp8_decode", "small_bf16_decode", "router_gemv",
+                             "kda_merged_in_proj", "mtp"}, requested
+        assert graphs_and_compile_ran(server.log())
+        d0, a0 = spec_counters(server.base_url)
+        r = requests.post(server.base_url + "/v1/chat/completions", timeout=600, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "How is the weather in Paris?"}],
+            "tools": TOOLS, "temperature": 0, "max_tokens": 100})
+        r.raise_for_status()
+        message = r.json()["choices"][0]["message"]
+        d1, a1 = spec_counters(server.base_url)
+        call = message["tool_calls"][0]["function"]
+        assert (call["name"], json.loads(call["arguments"])) == EXAMPLE_TOOL_CALL
+        assert message["reasoning"].strip() == EXAMPLE_REASONING
+        assert d1 > d0, "no speculative drafts counted"
+        accept_length = 1 + (a1 - a0) / (d1 - d0)
+        print(f"scripted checkpoint on the GPU: accept length {accept_length:.2f} over {d1 - d0:.0f} drafts")
+        assert accept_length >= 3.5  # its draft predicts every token of the script
+    finally:
+        stop(server)
+
+
+def test_weight_only_head_trap_is_refused_on_the_gpu(agreeing, tmp_path):
+    server, _ = serve(agreeing, tmp_path, env={"VLLM_LING_NEGATIVE_CONTROL": "weight_only_head"}, wait=False)
+    rc = server.proc.wait(timeout=900)
+    log = server.log()
+    assert rc != 0
+    assert "vllm-ling refuses to serve: startup verification failed (draft_shares_target_modules" in log
+    assert not group_alive(server.proc.pid), "processes left behind after a strict refusal"
+
+
+@pytest.fixture(scope="module")
+def agreeing_default(agreeing, tmp_path_factory):
+    server, report = serve(agreeing, tmp_path_factory.mktemp("gpu-agree-default"))
+    yield server, report
+    stop(server)
+
+
+def test_agreeing_checkpoint_accepts_its_drafts_and_answers_right(agreeing_default, expected):
+    server, report_path = agreeing_default
+    report = json.loads(report_path.read_text())
+    assert report["passed"] and report["optimizations"]["mtp"]["active"], report["checks"]
+    assert graphs_and_compile_ran(server.log())
+    d0, a0 = spec_counters(server.base_url)
+    tokens = complete(server.base_url)
+    d1, a1 = spec_counters(server.base_url)
+    assert tokens == expected
+    accept_length = 1 + (a1 - a0) / (d1 - d0)
+    print(f"agreeing checkpoint on the GPU: accept length {accept_length:.2f} over {d1 - d0:.0f} drafts")
+    assert accept_length >= 3.5
+
+
+@pytest.mark.parametrize("name, env, vllm_args", [
+    ("speculation off, humming's GEMM at every size, vLLM's DeepGEMM off",
+     {"VLLM_LING_MTP": "0", "VLLM_LING_MOE_DECODE": "off", "VLLM_USE_DEEP_GEMM": "0"}, []),
+    ("eager mode (no CUDA graphs, no torch.compile)", {}, ["--enforce-eager"]),
+])
+def test_greedy_output_is_the_same_without_speculation_and_in_eager_mode(agreeing, expected, tmp_path,
+                                                                         name, env, vllm_args):
+    server, report_path = serve(agreeing, tmp_path, env=env, vllm_args=vllm_args)
+    try:
+        report = json.loads(report_path.read_text())
+        assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+        assert complete(server.base_url) == expected, name
+    finally:
+        stop(server)
+
+
+def test_every_opt_out_at_once_serves_verified_and_says_what_is_off(agreeing, expected, tmp_path):
+    from vllm_ling.options import upstream_composition
+
+    off = upstream_composition()
+    server, report_path = serve(agreeing, tmp_path, env=off)
+    try:
+        report = json.loads(report_path.read_text())
+        assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+        opts = report["optimizations"]
+        for name in ("moe_humming", "moe_decode_kernels", "fp8_head", "dense_fp8_decode", "small_bf16_decode",
+                     "router_gemv", "kda_merged_in_proj", "mtp"):
+            assert not opts[name]["active"], (name, opts[name])
+        assert report["head_dtype"] == "bfloat16" and report["spec_method"] is None
+        assert complete(server.base_url) == expected
+    finally:
+        stop(server)
