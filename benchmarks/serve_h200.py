@@ -213,11 +213,14 @@ def run(args) -> int:
                                   "kernels": (report.get("kernel_checks") or {}).get("summary"),
                                   "dense_fp8": ((report.get("kernel_checks") or {}).get("dense_fp8") or {}).get("kernels")}
         short, long = min(args.contexts), max(args.contexts)
+        if args.healthy_file:
+            Path(args.healthy_file).touch()
         if args.wait_for:  # other GPU work of the same session ends first: the timings are this server's
             deadline = time.monotonic() + args.wait_for_s
-            while not Path(args.wait_for).exists() and time.monotonic() < deadline:
-                time.sleep(2)
-            result["waited_for"] = {"file": args.wait_for, "found": Path(args.wait_for).exists()}
+            waiting = [Path(f) for f in args.wait_for.split(",")]
+            while not all(f.exists() for f in waiting) and time.monotonic() < deadline:
+                time.sleep(1)
+            result["waited_for"] = {"files": args.wait_for, "found": all(f.exists() for f in waiting)}
         stream_once(server.base_url, [7] * short, 8)  # warm-up: first-request work stays out of the numbers
         result["contexts"] = [measure(server.base_url, short, args.tokens, args.repeats, 0),
                               measure(server.base_url, long, args.long_tokens, args.long_repeats, 0)]
@@ -225,6 +228,8 @@ def run(args) -> int:
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         result["stop_rc"] = server.stop(timeout=120)
+        if args.done_file:
+            Path(args.done_file).touch()
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result.get(k) for k in ("name", "startup_s", "startup", "memory", "stop_rc", "error")}))
     for c in result.get("contexts", []):
@@ -342,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--vllm-arg", action="append", default=[], help="one more vllm serve argument (repeatable)")
     r.add_argument("--wait-for", default=None, help="measure only once this file exists (other GPU jobs done)")
     r.add_argument("--wait-for-s", type=float, default=300)
+    r.add_argument("--healthy-file", default=None, help="touched once the server is healthy")
+    r.add_argument("--done-file", default=None, help="touched once the server has stopped")
     g = sub.add_parser("render", help="the Markdown table from run JSON files")
     g.add_argument("files", nargs="+")
     g.add_argument("--out", default=None)

@@ -44,10 +44,22 @@ serve-and-test)
   wait $fs; echo "ours-mtp rc $?" >> "$out/rc.txt"
   ;;
 measure)
-  timeout 290 python3 -m benchmarks.serve_h200 run --composition ours --json "$out/ours.json" --logs "$out/logs" \
-    > "$out/ours.txt" 2>&1; echo "ours rc $?" >> "$out/rc.txt"
-  timeout 290 python3 -m benchmarks.serve_h200 run --composition upstream --json "$out/upstream.json" \
-    --logs "$out/logs" > "$out/upstream.txt" 2>&1; echo "upstream rc $?" >> "$out/rc.txt"
+  # both full-size servers start together (one compile each, in parallel) on a fixed small KV cache;
+  # ours is measured once both are healthy, upstream once ours has stopped: one server busy at a time
+  rm -f /tmp/h-ours /tmp/h-up /tmp/d-ours
+  common=(--gpu-memory-utilization 0.44 --kv-cache-gib 1 --vllm-arg=--max-num-batched-tokens --vllm-arg=2048)
+  timeout 520 python3 -m benchmarks.serve_h200 run --composition ours --json "$out/ours.json" --logs "$out/logs" \
+    "${common[@]}" --healthy-file /tmp/h-ours --wait-for /tmp/h-up --wait-for-s 400 --done-file /tmp/d-ours \
+    > "$out/ours.txt" 2>&1 &
+  p1=$!
+  sleep 20
+  timeout 520 python3 -m benchmarks.serve_h200 run --composition upstream --json "$out/upstream.json" \
+    --logs "$out/logs" "${common[@]}" --healthy-file /tmp/h-up --wait-for /tmp/d-ours --wait-for-s 480 \
+    > "$out/upstream.txt" 2>&1 &
+  p2=$!
+  wait $p1; echo "ours rc $?" >> "$out/rc.txt"
+  touch /tmp/d-ours
+  wait $p2; echo "upstream rc $?" >> "$out/rc.txt"
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

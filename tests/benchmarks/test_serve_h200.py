@@ -1,0 +1,56 @@
+"""benchmarks/serve_h200.py's arithmetic and log reading (CPU; the measurement itself runs on the H200)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import serve_h200 as S
+
+LOG = """
+INFO 12-02 05:00:01 [default_loader.py:502] Loading weights took 17.95 seconds
+INFO 12-02 05:00:02 [gpu_model_runner.py:5150] Model loading took 63.81 GiB memory and 18.402113 seconds
+INFO 12-02 05:01:41 [monitor.py:20] torch.compile took 99.12 s in total
+INFO 12-02 05:02:00 [kv_cache_utils.py:1] GPU KV cache size: 1,234,560 tokens
+INFO 12-02 05:02:10 [gpu_model_runner.py:6582] Graph capturing finished in 12 secs, took 0.52 GiB
+INFO 12-02 05:02:11 [core.py:403] init engine (profile, create kv cache, warmup model) took 141.20 s
+"""
+
+
+def test_startup_split_is_read_from_vllms_own_lines():
+    got = S.parse_startup(LOG)
+    assert got == {"load_weights_s": 17.95, "model_load_s": 18.402113, "torch_compile_s": 99.12,
+                   "graph_capture_s": 12.0, "engine_init_s": 141.2}
+    assert S.parse_startup("nothing here") == dict.fromkeys(S.STARTUP_PATTERNS)
+
+
+def _run(name, composition, mtp, contexts):
+    return {"name": name, "composition": composition, "mtp": mtp, "copy_gbs": 4000.0, "copy_how": "test",
+            "startup_s": 200.0, "startup": {}, "memory": {}, "stop_rc": 0,
+            "verification": {"passed": True, "policy": "strict", "failed": [], "optimizations": {"mtp": mtp}},
+            "contexts": contexts}
+
+
+def test_table_puts_each_tpot_beside_its_floor_at_the_measured_bandwidth(tmp_path, monkeypatch):
+    plans = {64: {"heads": {"fp8": {"bytes_per_token_batch1": 4.0e9, "bytes_per_verify_step": 7.0e9,
+                                    "head_bytes": 4.0e8},
+                            "bf16": {"bytes_per_token_batch1": 4.4e9}},
+                  "draft_tokens": 3, "mtp_draft_step_bytes_without_head": 1.0e8}}
+    monkeypatch.setattr(S, "plan_bytes", lambda context: plans[context])
+    files = []
+    for run in (_run("ours", "ours", False, [{"context": 64, "tpot_ms": 2.0}]),
+                _run("upstream", "upstream", False, [{"context": 64, "tpot_ms": 4.4}]),
+                _run("ours-mtp", "ours", True, [{"context": 64, "tpot_ms": 3.0, "iteration_ms": 3.0,
+                                                  "accept_length": 1.1}])):
+        f = tmp_path / f"{run['name']}.json"
+        f.write_text(json.dumps(run))
+        files.append(str(f))
+    out = tmp_path / "table.md"
+    S.main(["render", *files, "--out", str(out)])
+    text = out.read_text()
+    # ours: 4.0e9 bytes at 4000 GB/s = 1.000 ms floor; 2.0 ms is 2.00x it, 0.50 of the copy bandwidth;
+    # upstream (BF16 head) 4.4e9 bytes = 1.100 ms floor; it is 2.20x slower than ours
+    assert "| ours | 64 | 2.000 | 1.000 | 2.00x | 0.50 | 2.20x |" in text
+    assert "| upstream | 64 | 4.400 | 1.100 | 4.00x | 0.25 | 1.00x |" in text
+    # the MTP iteration: verify 7.0e9 + 3 x (1.0e8 + 4.0e8) = 8.5e9 bytes = 2.125 ms; 1.5x the 1-token step;
+    # TPOT at accept length 2.68 = 3.0 / 2.68
+    assert f"| 64 | 3.000 | 2.125 | 1.50x | 1.10 | {3.0 / 2.68:.3f} | {3.0 / 3.90:.3f} |" in text
