@@ -164,3 +164,24 @@ def test_hermes_is_refused_before_vllm_starts(tmp_path, tiny_checkpoint):
                                 "--reasoning-parser ling3 --tool-call-parser hermes do not parse"), lines[-5:]
     assert "vllm-ling serve: run " not in done.stderr  # vLLM itself never started
     assert "Traceback" not in done.stderr
+
+
+def test_a_refusal_pydantic_wraps_inside_vllm_is_the_launchers_last_line(tmp_path, tiny_checkpoint):
+    """A wrong `architectures` is refused inside vLLM's ModelConfig (patch P9), which pydantic
+    wraps in a ValidationError: still one line, last, no traceback."""
+    pytest.importorskip("vllm")
+    import json
+    import shutil
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["BailingMoeV3ForCausalLMX"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    done = _serve(tmp_path, bad)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == launch.EXIT_USAGE, done.stderr[-3000:]
+    assert lines[-1] == (f"vllm-ling serve: error: {bad}/config.json: architectures ['BailingMoeV3ForCausalLMX'] "
+                         "is not a Ling-3.0 architecture for model_type 'bailing_hybrid'; expected "
+                         "'BailingMoeV3ForCausalLM'. Fix the \"architectures\" field of the checkpoint's config.json.")
+    assert "Traceback" not in done.stderr
