@@ -224,7 +224,7 @@ OPTIONS: tuple[Option, ...] = (
     # ---- the plugin's switches (read in every vLLM process)
     Option("VLLM_LING_MOE_BACKEND", "choice", MoeBackend.HUMMING,
            "`humming`: our Humming MXFP4 MoE (plain-PyTorch reference on CPU); `vllm` opts out: "
-           "vLLM picks the MXFP4 MoE backend (one WARNING, reported)",
+           "vLLM picks the MXFP4 MoE backend (one WARNING, reported; GPU only: vLLM-CPU has none, refused before load)",
            choices=MoeBackend, serve_flag=True, compile_factor=True),
     Option("VLLM_LING_MOE_DECODE", "choice", MoeDecode.AUTO,
            "batches of at most VLLM_LING_MOE_DECODE_MAX_TOKENS tokens: `auto` two fused decode "

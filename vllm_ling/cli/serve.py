@@ -7,7 +7,9 @@ vLLM as its child under :mod:`vllm_ling.runtime.supervisor`: SIGTERM/SIGINT are 
 from the moment it starts and vLLM drains for ``--shutdown-timeout`` seconds; the exit code
 is vLLM's after a requested stop, ``EXIT_SERVER_DIED`` (4) when vLLM stops by itself (its
 engine died), ``EXIT_SMOKE_FAILED`` (3) when the strict smoke check stopped it, and
-``EXIT_USAGE`` (2) for bad input; it reaps every process that ends up under it (it is PID 1
+``EXIT_USAGE`` (2) for bad input (also when vLLM refused it: an expected refusal inside vLLM
+is written to a file this launcher names, :mod:`vllm_ling.refusal`, and printed again as the last
+line); it reaps every process that ends up under it (it is PID 1
 in the image) and leaves none behind. Every default can be overridden, with the precedence
 
     command-line flag  >  environment variable ``VLLM_LING_<NAME>``  >  built-in default
