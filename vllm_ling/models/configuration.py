@@ -11,6 +11,12 @@ from __future__ import annotations
 from vllm.transformers_utils.configs.bailing_moe_v3_vl import BailingMoeV3TextConfig
 
 from vllm_ling.models.names import LING_ARCHITECTURES, LING_MODEL_TYPE  # noqa: F401 (re-exported)
+from vllm_ling.refusal import Refusal
+
+
+class LingConfigFieldError(Refusal, ValueError):
+    """A Ling config.json field vllm-ling cannot serve (the message names the file and field)."""
+
 
 # Fields the model code reads without a default that matches Ling-3.0; a checkpoint
 # missing one would silently build the wrong network.
@@ -28,7 +34,7 @@ def check_architectures(architectures: list[str] | None, source: str = "config.j
     (vllm_ling/patches/config_hooks.py), before the architecture is resolved; an empty list
     (vLLM's sub-config views) passes."""
     if architectures and not set(architectures) & set(LING_ARCHITECTURES):
-        raise ValueError(
+        raise LingConfigFieldError(
             f"{source}: architectures {architectures} is not a Ling-3.0 architecture for "
             f"model_type {LING_MODEL_TYPE!r}; expected {LING_ARCHITECTURES[0]!r}. Fix the "
             "\"architectures\" field of the checkpoint's config.json.")
@@ -61,4 +67,4 @@ class LingHybridConfig(BailingMoeV3TextConfig):
         if (self.num_experts or 0) % max(self.n_group or 1, 1):
             problems.append(f"num_experts={self.num_experts} is not divisible by n_group={self.n_group}")
         if problems:
-            raise ValueError(f"{source}: invalid Ling-3.0 config: " + "; ".join(problems))
+            raise LingConfigFieldError(f"{source}: invalid Ling-3.0 config: " + "; ".join(problems))

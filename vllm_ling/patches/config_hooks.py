@@ -25,6 +25,7 @@ from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.configuration import check_architectures
 from vllm_ling.models.names import LING_MODEL_TYPE, TARGET_ARCH
 from vllm_ling.options import LingOptions
+from vllm_ling.refusal import Refusal
 from vllm_ling.runtime import ray_env
 from vllm_ling.runtime.spec_policy import speculative_schedule
 
@@ -32,7 +33,7 @@ logger = get_logger("config")
 
 
 
-class LingConfigError(ValueError):
+class LingConfigError(Refusal, ValueError):
     """Mutually exclusive or invalid vllm-ling / vLLM options (raised before load)."""
 
 
@@ -66,6 +67,19 @@ def check_head_conflicts(options: LingOptions, hf_config, speculative: Any = Non
             "Remove draft_lm_head_quantization, or set VLLM_LING_FP8_HEAD=0.")
 
 
+def check_cpu_moe_backend(options: LingOptions, kernel_moe_backend: str | None) -> None:
+    """On the CPU platform only vllm-ling's reference can run the MXFP4 experts: refuse an opt-out
+    to vLLM's backends now, not after the weights began to load (vLLM raises NotImplementedError
+    when it builds the first MoE layer)."""
+    from vllm_ling.options import CPU_MOE_BACKEND_REFUSAL, MoeBackend
+
+    if options.moe_backend is MoeBackend.VLLM:
+        raise LingConfigError(CPU_MOE_BACKEND_REFUSAL.format(what="VLLM_LING_MOE_BACKEND=vllm (--moe-backend vllm)"))
+    if kernel_moe_backend not in (None, "auto", "humming"):
+        raise LingConfigError(CPU_MOE_BACKEND_REFUSAL.format(
+            what=f"vLLM's --moe-backend {kernel_moe_backend} (opts out of vllm-ling's MoE)"))
+
+
 class LingConfigHook:
     """vLLM ``VerifyAndUpdateConfig`` protocol for BailingMoeV3ForCausalLM."""
 
@@ -90,6 +104,8 @@ class LingConfigHook:
         check_local_checkpoint(vllm_config, include_mtp=False)
         options = LingOptions.from_env()
         check_head_conflicts(options, model_config.hf_config)
+        if current_platform.is_cpu():
+            check_cpu_moe_backend(options, getattr(vllm_config.kernel_config, "moe_backend", None))
         if ray_env.attach_to(vllm_config.parallel_config):
             log_once(logger, logging.INFO, "ray-env",
                      "Ray backend: every worker gets this process's %d vllm-ling settings "

@@ -24,6 +24,9 @@ import dataclasses
 import json
 from typing import Any
 
+from vllm_ling.refusal import Refusal
+from vllm_ling.runtime.verification import LingVerificationError
+
 PASSED, FAILED, OFF = "passed", "failed", "off by request"
 CHECK_NAME = "chat_roundtrip"
 
@@ -235,6 +238,15 @@ def record_in_report(result: RoundtripResult, path: str | None) -> bool:
     return update_report(path, add)
 
 
+class ChatRoundtripRefusal(Refusal, LingVerificationError):
+    """A strict server's refusal of a failed round trip: one line, no traceback (vllm_ling.refusal)."""
+
+
+def refusal_message(result: RoundtripResult) -> str:
+    """What a strict server says for a failed round trip (here and in vllm_ling.cli.chat_precheck)."""
+    return f"vllm-ling refuses to serve: chat round-trip check failed: {result.detail}. Fix: {result.fix}."
+
+
 def check_at_startup(state, args) -> RoundtripResult | None:
     """The endpoint plugin's hook: run the check on vLLM's serving state, log and record it,
     and apply ``VLLM_LING_VERIFY`` (strict raises, so the server does not start)."""
@@ -242,7 +254,6 @@ def check_at_startup(state, args) -> RoundtripResult | None:
 
     from vllm_ling.log import get_logger, log_once
     from vllm_ling.options import LingOptions, VerifyPolicy
-    from vllm_ling.runtime.verification import LingVerificationError
 
     logger = get_logger("chat_roundtrip")
     options = LingOptions.from_env()
@@ -263,8 +274,7 @@ def check_at_startup(state, args) -> RoundtripResult | None:
     elif result.status == OFF:
         logger.warning("chat round-trip check: %s (%s)%s", OFF, result.detail, where)
     elif options.verify is VerifyPolicy.STRICT:
-        raise LingVerificationError(
-            f"vllm-ling refuses to serve: chat round-trip check failed: {result.detail}. Fix: {result.fix}.")
+        raise ChatRoundtripRefusal(refusal_message(result))
     else:
         logger.warning("chat round-trip check FAILED: %s. Fix: %s%s", result.detail, result.fix, where)
     return result

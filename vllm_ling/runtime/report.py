@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 
 from vllm_ling.log import get_logger
 from vllm_ling.options import read
+from vllm_ling.refusal import Refusal
 
 logger = get_logger("metrics")
 
@@ -275,7 +276,7 @@ class ReportReader:
 
 
 
-class ReportPathError(ValueError):
+class ReportPathError(Refusal, ValueError):
     """``VLLM_LING_REPORT_PATH`` cannot be written; the message names the variable."""
 
 
