@@ -60,6 +60,23 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
     return out
 
 
+def unreadable_paths(model_dir: Path) -> list[Path]:
+    """Files (and folders) under ``model_dir`` this process cannot read: vLLM would otherwise
+    fail on the first of them tens of seconds into the load, with a traceback."""
+    import os
+
+    bad: list[Path] = []
+    if not os.access(model_dir, os.R_OK | os.X_OK):
+        return [model_dir]
+    for root, dirs, files in os.walk(model_dir, onerror=lambda exc: bad.append(Path(exc.filename))):
+        for name in files:
+            path = Path(root) / name
+            if not os.access(path, os.R_OK):
+                bad.append(path)
+        bad += [Path(root) / d for d in dirs if not os.access(Path(root) / d, os.R_OK | os.X_OK)]
+    return sorted(set(bad))
+
+
 def checkpoint_tensors(model_dir: Path) -> dict[str, tuple[str, str, tuple[int, ...]]]:
     """name -> (shard file name, dtype, shape) for every tensor of the checkpoint."""
     index = model_dir / INDEX_FILE
