@@ -44,8 +44,9 @@ if ! have "$CPU_BASE_IMAGE"; then
   if [ -n "${PIP_FIND_LINKS:-}" ] && [ -d "$PIP_FIND_LINKS" ]; then mounts+=(-v "$PIP_FIND_LINKS:/wheels:ro"); fi
   name=vllm-ling-cpu-base-$$
   docker rm -f "$name" >/dev/null 2>&1 || true
-  docker run --name "$name" "${mounts[@]}" -e PIP_CERT=/host-ca.crt -e PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    -e PIP_DEFAULT_TIMEOUT=180 -e DEBIAN_FRONTEND=noninteractive "$DEBIAN_IMAGE" /bin/bash -euo pipefail -c "
+  # The settings are exported inside, not passed with -e: `docker commit` would keep those.
+  docker run --name "$name" "${mounts[@]}" "$DEBIAN_IMAGE" /bin/bash -euo pipefail -c "
+      export PIP_CERT=/host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 DEBIAN_FRONTEND=noninteractive
       apt-get update -qq
       apt-get install -y -qq --no-install-recommends python3 python3-venv libnuma1 libgomp1 >/dev/null
       apt-get clean; rm -rf /var/lib/apt/lists/*

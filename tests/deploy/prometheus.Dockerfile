@@ -8,5 +8,6 @@ RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus wget \
  && rm -rf /var/lib/apt/lists/* \
  && mkdir -p /prometheus && chown prometheus:prometheus /prometheus
+# hadolint ignore=DL3066
 USER prometheus
 ENTRYPOINT ["/usr/bin/prometheus"]
