@@ -195,6 +195,17 @@ def test_make_tiny_writes_files_the_container_user_can_read(image, checkpoint):
     assert result.returncode == 0 and "read all" in result.stdout, result.stderr[-2000:]
 
 
+def test_init_step_runs_in_the_image(image, checkpoint):
+    """The warm-up (compose's and the chart's init step) reads the model's shapes in the image;
+    without CUDA it has nothing to compile and says so (exit 2, or 0 with --allow-cpu)."""
+    args = ["run", "--rm", *README_RUN_FLAGS, "-v", f"{checkpoint}:/models/tiny:ro", "--entrypoint", "vllm-ling",
+            IMAGE, "warmup", "/models/tiny"]
+    assert docker(*args).returncode == 2
+    result = docker(*args, "--allow-cpu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "no CUDA device" in result.stdout + result.stderr
+
+
 def test_docker_run_as_a_user_would(image, checkpoint):
     """The README's CPU line: non-root, read-only root, checkpoint mounted read-only."""
     name = "vllm-ling-test-run"
