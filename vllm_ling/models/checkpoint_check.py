@@ -8,6 +8,7 @@ and tensor named, instead of surfacing deep inside vLLM's loader. No vLLM import
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,6 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
 def unreadable_paths(model_dir: Path) -> list[Path]:
     """Files (and folders) under ``model_dir`` this process cannot read: vLLM would otherwise
     fail on the first of them tens of seconds into the load, with a traceback."""
-    import os
-
     bad: list[Path] = []
     if not os.access(model_dir, os.R_OK | os.X_OK):
         return [model_dir]
