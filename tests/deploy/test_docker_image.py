@@ -38,8 +38,8 @@ UID = 10001  # the Dockerfile's VLLM_LING_UID
 API_KEY = "docker-test-key"
 START_TIMEOUT_S = 600
 # The README's CPU `docker run` flags (docker/README.md, "CPU image"): the test runs them.
-README_RUN_FLAGS = ["--shm-size", "1g", "--read-only", "--tmpfs", "/tmp",
-                    "--tmpfs", f"/home/vllm:uid={UID},gid={UID}"]
+README_RUN_OPTIONS = [("--shm-size", "1g"), ("--tmpfs", "/tmp"), ("--tmpfs", f"/home/vllm:uid={UID},gid={UID}")]
+README_RUN_FLAGS = ["--read-only", *(word for pair in README_RUN_OPTIONS for word in pair)]
 
 
 def docker(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
@@ -71,12 +71,13 @@ def bases(engine):
 
 def build(*extra: str) -> subprocess.CompletedProcess:
     # DOCKER_BUILDKIT=0: the legacy builder, what an engine without buildx uses.
-    return docker("build", "-f", "docker/Dockerfile", "--build-arg", f"VLLM_IMAGE={CPU_BASE}", *extra, ".",
+    return docker("build", "--force-rm", "-f", "docker/Dockerfile", "--build-arg", f"VLLM_IMAGE={CPU_BASE}", *extra, ".",
                   timeout=1200, cwd=REPO, env={**os.environ, "DOCKER_BUILDKIT": "0"})
 
 
 @pytest.fixture(scope="module")
 def image(bases):
+    docker("rmi", IMAGE)  # the previous run's image: its layers go rather than dangle
     start = time.monotonic()
     result = build("--no-cache", "-t", IMAGE)  # every layer really built (and timed), on each run
     seconds = time.monotonic() - start
@@ -147,6 +148,16 @@ def stop(name: str) -> tuple[int, float]:
     assert docker("stop", "-t", "90", name, timeout=180).returncode == 0
     seconds = time.monotonic() - start
     return int(docker("inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip()), seconds
+
+
+def test_readme_cpu_run_line_has_the_flags_this_test_runs():
+    """No engine needed: the documented line and the tested one must not drift apart."""
+    text = (DOCKER_DIR / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "vllm-ling:0.1.0-cpu /models/tiny" in b)
+    words = block.replace("\\\n", " ").split()
+    for flag, value in README_RUN_OPTIONS:
+        assert any(a == flag and b == value for a, b in zip(words, words[1:])), f"{flag} {value} not in:\n{block}"
+    assert "--read-only" in words
 
 
 def test_builds_with_the_legacy_builder_from_a_small_context(image):
