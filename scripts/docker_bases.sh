@@ -21,6 +21,9 @@ VLLM_VERSION=0.32.0
 HUMMING_VERSION=0.1.17
 RAY_VERSION=2.58.0
 mkdir -p "$CACHE"
+# One maker at a time per machine (two checkouts may test at once); the second finds the tags.
+exec 9>"$CACHE/lock"
+flock 9
 have() { docker image inspect "$1" >/dev/null 2>&1; }
 
 if ! have "$DEBIAN_IMAGE"; then

@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 CPU_BASE = "local/vllm-cpu:0.32.0"
 PROMETHEUS_IMAGE = "local/prometheus:bookworm"
-IMAGE = "vllm-ling:test-cpu"
+# Per test process, so two checkouts testing on one engine do not meet.
+IMAGE = f"vllm-ling:test-cpu-{os.getpid()}"
 UID = 10001  # the Dockerfile's VLLM_LING_UID
 API_KEY = "docker-test-key"
 START_TIMEOUT_S = 600
@@ -62,11 +63,21 @@ def engine():
         pytest.skip(reason)
 
 
+def dangling_images() -> set[str]:
+    return set(docker("images", "-q", "--no-trunc", "-f", "dangling=true").stdout.split())
+
+
 @pytest.fixture(scope="module")
 def bases(engine):
     result = subprocess.run(["bash", str(REPO / "scripts" / "docker_bases.sh")], capture_output=True,
                             text=True, timeout=3600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    before = dangling_images()
+    yield
+    # What these builds left untagged (the refused build's steps, replaced images) would pile
+    # up run after run; images in use refuse removal, which is fine.
+    for image_id in dangling_images() - before:
+        docker("rmi", image_id)
 
 
 def build(*extra: str) -> subprocess.CompletedProcess:
@@ -77,7 +88,6 @@ def build(*extra: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def image(bases):
-    docker("rmi", IMAGE)  # the previous run's image: its layers go rather than dangle
     start = time.monotonic()
     result = build("--no-cache", "-t", IMAGE)  # every layer really built (and timed), on each run
     seconds = time.monotonic() - start
@@ -85,7 +95,8 @@ def image(bases):
     size = int(docker("image", "inspect", "-f", "{{.Size}}", IMAGE).stdout.strip())
     base = int(docker("image", "inspect", "-f", "{{.Size}}", CPU_BASE).stdout.strip())
     print(f"\nbuilt {IMAGE} in {seconds:.0f} s: {size / 1e9:.2f} GB ({(size - base) / 1e6:.0f} MB over the base)")
-    return result.stdout
+    yield result.stdout
+    docker("rmi", IMAGE)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +146,7 @@ def wait_healthy(name: str, base_url: str) -> None:
 
 def run_detached(name: str, *args: str) -> str:
     """Start the container (port 8000 published on a free loopback port) and return its URL."""
-    docker("rm", "-f", name)
+    docker("rm", "-f", "-v", name)
     result = docker("run", "-d", "--name", name, "-p", "127.0.0.1::8000", *args)
     assert result.returncode == 0, result.stderr
     port = docker("port", name, "8000/tcp").stdout.split()[0].rsplit(":", 1)[1]
@@ -219,7 +230,7 @@ def test_init_step_runs_in_the_image(image, checkpoint):
 
 def test_docker_run_as_a_user_would(image, checkpoint):
     """The README's CPU line: non-root, read-only root, checkpoint mounted read-only."""
-    name = "vllm-ling-test-run"
+    name = f"vllm-ling-test-run-{os.getpid()}"
     # The image's HEALTHCHECK command, checked every 5 s instead of 30 s to keep the test short.
     base = run_detached(name, *README_RUN_FLAGS, "--health-interval", "5s",
                         "-e", f"VLLM_API_KEY={API_KEY}", "-v", f"{checkpoint}:/models/tiny:ro",
@@ -261,12 +272,12 @@ def test_docker_run_as_a_user_would(image, checkpoint):
         assert code == 0, logs(name)[-4000:]
         print(f"\n{len(series)} vllm_ling:* series; docker stop took {seconds:.1f} s, exit 0")
     finally:
-        docker("rm", "-f", name)
+        docker("rm", "-f", "-v", name)
 
 
 def test_runs_as_an_arbitrary_user(image, checkpoint):
     """`docker run --user UID:GID` (not the image's user): home and caches are still writable."""
-    name = "vllm-ling-test-user"
+    name = f"vllm-ling-test-user-{os.getpid()}"
     base = run_detached(name, "--user", "4242:4242", "--shm-size", "1g", "-e", f"VLLM_API_KEY={API_KEY}",
                         "-v", f"{checkpoint}:/models/tiny:ro", IMAGE, "/models/tiny", "--device", "cpu",
                         "--mtp", "0")
@@ -278,7 +289,7 @@ def test_runs_as_an_arbitrary_user(image, checkpoint):
         assert "PermissionError" not in output and "Permission denied" not in output, output[-4000:]
         assert stop(name)[0] == 0, logs(name)[-4000:]
     finally:
-        docker("rm", "-f", name)
+        docker("rm", "-f", "-v", name)
 
 
 def test_compose_cpu_stack_with_prometheus_scraping_it(image, tmp_path):
@@ -286,7 +297,7 @@ def test_compose_cpu_stack_with_prometheus_scraping_it(image, tmp_path):
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         prom_port = s.getsockname()[1]
-    project = "vllm-ling-test"
+    project = f"vllm-ling-test-{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "VLLM_LING_"))}
     env.update(VLLM_LING_CPU_IMAGE=IMAGE, VLLM_LING_PROMETHEUS_IMAGE=PROMETHEUS_IMAGE,
                VLLM_LING_PROMETHEUS_PORT=str(prom_port), VLLM_API_KEY=API_KEY)
