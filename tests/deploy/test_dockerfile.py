@@ -77,7 +77,7 @@ def test_runtime_contract():
 
 
 def test_copied_files_exist_and_survive_the_dockerignore():
-    patterns = [p.strip() for p in (DOCKER_DIR / "Dockerfile.dockerignore").read_text().splitlines()
+    patterns = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines()
                 if p.strip() and not p.startswith("#")]
 
     def ignored(path: str) -> bool:
@@ -98,4 +98,4 @@ def test_copied_files_exist_and_survive_the_dockerignore():
     assert sources, "no COPY found"
     for src in sources:
         assert (REPO / src).exists(), f"COPY source {src} missing"
-        assert not ignored(src), f"COPY source {src} is excluded by Dockerfile.dockerignore"
+        assert not ignored(src), f"COPY source {src} is excluded by the root .dockerignore"

@@ -4,6 +4,7 @@ and plan_serve (no vLLM process is started)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -335,6 +336,31 @@ def test_cli_truncated_shard_refused_before_vllm_starts(tmp_path, tiny_checkpoin
     assert result.returncode == 2, result.stderr
     assert f"{shard}: shard is truncated" in result.stderr
     assert "Traceback" not in result.stderr and "vllm-ling serve: run" not in result.stderr
+
+
+def test_cli_unreadable_shard_refused_naming_file_and_uid(tmp_path, tiny_checkpoint):
+    """A shard this user cannot read (safetensors writes 0600; a container runs as another uid):
+    refused before vLLM starts, naming the file, the mode and the uid; exit 2."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_checkpoint, model)
+    shard = model / "model-00002-of-00002.safetensors"
+    shard.chmod(0o600)
+    cmd = [sys.executable, "-m", "vllm_ling.cli.main", "serve", str(model), "--device", "cpu"]
+    if os.getuid() == 0:  # root reads anything: give the shard away and drop root's DAC override
+        os.chown(shard, 65534, 65534)
+        cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    result = run(cmd, env=_tiny_env(tmp_path), timeout=120)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"vllm-ling serve: error: cannot read {shard} as uid {os.getuid()}"), last
+    assert "mode 0600" in last and "vllm-ling serve: run" not in result.stderr
+
+
+def test_make_tiny_shards_follow_the_umask(tiny_checkpoint):
+    mask = os.umask(0)
+    os.umask(mask)
+    for shard in tiny_checkpoint.glob("*.safetensors"):
+        assert shard.stat().st_mode & 0o777 == 0o666 & ~mask, shard
 
 
 def test_cli_memory_guard_refuses_an_oversized_configuration(tmp_path, tiny_checkpoint):

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from vllm_ling.cli.agent_defaults import parser_args
-from vllm_ling.models.checkpoint_check import INDEX_FILE, CheckpointFormatError
+from vllm_ling.models.checkpoint_check import INDEX_FILE, CheckpointFormatError, unreadable_paths
 from vllm_ling.options import (CPU_MOE_BACKEND_REFUSAL, LING3_PARSER, PREFIX, SPARK_MEMORY_FRACTION,
                                UNKNOWN_WARNED_MARKER, LingOptionError, MoeBackend, Option, Scope,
                                VerifyPolicy, closest, option, read, serve_options, unknown_variables)
@@ -105,6 +105,19 @@ def check_model_dir(model: str, source: str) -> Path | None:
     if not (path / "config.json").is_file():
         raise LaunchError(f"{path} has no config.json (from {source}): not a Hugging Face "
                           "checkpoint directory.")
+    unreadable = unreadable_paths(path)
+    if unreadable:
+        first = unreadable[0]
+        try:
+            st = first.stat()
+            how = f"mode {st.st_mode & 0o7777:04o}, owner uid {st.st_uid} gid {st.st_gid}"
+        except OSError as exc:
+            how = exc.strerror or str(exc)
+        more = f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
+        raise LaunchError(
+            f"cannot read {first}{more} as uid {os.getuid()} gid {os.getgid()} ({how}): make the "
+            f"checkpoint readable (chmod -R a+rX {path}) or run as its owner "
+            "(docker run --user UID:GID).")
     return path
 
 

@@ -8,6 +8,7 @@ and tensor named, instead of surfacing deep inside vLLM's loader. No vLLM import
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,21 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
             f"{path}: shard is {what}: {size} bytes on disk, its header describes {expected} "
             f"(8 + {n} header + {data_end} data); download or copy it again")
     return out
+
+
+def unreadable_paths(model_dir: Path) -> list[Path]:
+    """Files (and folders) under ``model_dir`` this process cannot read: vLLM would otherwise
+    fail on the first of them tens of seconds into the load, with a traceback."""
+    bad: list[Path] = []
+    if not os.access(model_dir, os.R_OK | os.X_OK):
+        return [model_dir]
+    for root, dirs, files in os.walk(model_dir, onerror=lambda exc: bad.append(Path(exc.filename))):
+        for name in files:
+            path = Path(root) / name
+            if not os.access(path, os.R_OK):
+                bad.append(path)
+        bad += [Path(root) / d for d in dirs if not os.access(Path(root) / d, os.R_OK | os.X_OK)]
+    return sorted(set(bad))
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, tuple[str, str, tuple[int, ...]]]:

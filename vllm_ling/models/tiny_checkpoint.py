@@ -144,6 +144,12 @@ def build_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
     }, indent=2))
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_checkpoint(out_dir: str | os.PathLike, config: dict[str, Any],
                      tensors: dict[str, torch.Tensor], seed: int = 0, num_shards: int = 2) -> Path:
     from safetensors.torch import save_file
@@ -159,6 +165,9 @@ def write_checkpoint(out_dir: str | os.PathLike, config: dict[str, Any],
         fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
         save_file({n: tensors[n].contiguous() for n in shard_names}, str(out / fname),
                   metadata={"format": "pt"})
+        # safetensors creates shards 0600; a container user (uid 10001) could not read them
+        # through a bind mount. Give them the mode any other written file gets (umask).
+        os.chmod(out / fname, 0o666 & ~_umask())
         for n in shard_names:
             weight_map[n] = fname
             total += tensors[n].numel() * tensors[n].element_size()
