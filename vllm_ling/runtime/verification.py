@@ -263,7 +263,7 @@ def check_dense_fp8(target, draft, exp: Expectations) -> Check:
         except Exception as exc:  # the check fails, naming the kernel that raised; the server does not crash
             logger.debug("dense_fp8_layers: known answer on %s raised", name, exc_info=True)
             return Check("dense_fp8_layers", False, "the W8A16 kernel agreeing with vLLM's kernel", actual +
-                         f"; known answer on {name} raised {type(exc).__name__}: {exc} (W8A16 kernel vs vLLM's "
+                         f"; known answer on {name} raised {one_line(exc)} (W8A16 kernel vs vLLM's "
                          f"{above})", f"vLLM's {above} cannot run this layer: set VLLM_LING_DENSE_FP8=vllm to "
                          "see whether vLLM's kernel serves it alone, or report the kernel")
         ok = ok and rel < DENSE_FP8_MAX_REL_DIFF
@@ -457,6 +457,17 @@ def _gpu_arch() -> str | None:
     return None
 
 
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """``Type: message`` on one line: a kernel's JIT build can put pages of compiler output in its
+    exception, and the refusal must stay one line (the whole text is in the DEBUG traceback)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1:
+        text += f" ... {lines[-1]}" if len(lines) > 2 else f" {lines[-1]}"
+    text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def guarded(name: str, run: Callable[[], Check]) -> Check:
     """``run()``; an exception inside a check is that check's failure (traceback at DEBUG), so a
     strict start ends with one refusal line naming it, never a crash of the engine."""
@@ -464,7 +475,7 @@ def guarded(name: str, run: Callable[[], Check]) -> Check:
         return run()
     except Exception as exc:
         logger.debug("verification check %s raised", name, exc_info=True)
-        return Check(name, False, "the check completes", f"the check raised {type(exc).__name__}: {exc}",
+        return Check(name, False, "the check completes", f"the check raised {one_line(exc)}",
                      "a defect in the check or in what it inspects: run with VLLM_LING_VERIFY=warn to serve "
                      "anyway, and report the message")
 
