@@ -14,6 +14,13 @@ export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 : "${OUT:?OUT}"
 out=/tmp/h200-run  # everything here; one archive back to $OUT at the end (the device returns 8 files)
 rm -rf "$out" && mkdir -p "$out/logs"
+# The device bundle (../shared/tools/device-vllm.sh) has no torchvision for torch 2.13 (vLLM's GPU wheel
+# depends on it, so users have it): vLLM 0.32's kernel warm-up imports its MiniMax-M3 warm-up module,
+# which imports torchvision, for every model. On this device only, that module is replaced by a no-op
+# (Ling has no MiniMax-M3 layer); a torchvision stub instead makes transformers import torchvision.io.
+python3 -c "import torchvision" 2>/dev/null ||
+  printf 'def minimax_m3_msa_warmup(*args, **kwargs):\n    return None\n' \
+    > /tmp/site/vllm/model_executor/warmup/minimax_m3_msa_warmup.py
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)" > "$out/versions.txt" 2>&1
 quiet=/tmp/vllm-ling-quiet
@@ -36,6 +43,7 @@ serve-and-test)
     -k "greedy or opt_out" > "$out/e2e-b.log" 2>&1 &
   e2e_b=$!
   timeout 390 python3 -m pytest -q -rA -m gpu tests --ignore=tests/deploy/test_serve_gpu_e2e.py \
+    --ignore=tests/deploy/test_helm_chart.py --ignore=tests/deploy/test_ray_two_nodes.py \
     --basetemp "$out/pt-suite" > "$out/gpu-suite.log" 2>&1
   echo "gpu suite rc $?" >> "$out/rc.txt"
   wait $e2e_a
