@@ -28,12 +28,13 @@ from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
 from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.ops.dense_fp8.tuned_configs import DECODE_MAX_ROWS, w8a16_max_rows
+from vllm_ling.ops.dense_fp8.decode_kernel import MAX_ROWS as DECODE_MAX_ROWS
+from vllm_ling.ops.dense_fp8.tuned_configs import w8a16_max_rows
+from vllm_ling.ops.fp8 import QUANT_BLOCK
 
 logger = get_logger("quant.dense_fp8")
 
-CUDA_DENSE_FP8_PATH = "vllm-ling W8A16 block-FP8 kernel for <= 32 tokens (no activation quantization), vLLM's above"
-QUANT_BLOCK = 128
+CUDA_DENSE_FP8_PATH = f"vllm-ling W8A16 block-FP8 kernel for <= {DECODE_MAX_ROWS} tokens (no activation quantization), vLLM's above"
 
 
 class DenseFp8Unavailable(RuntimeError):

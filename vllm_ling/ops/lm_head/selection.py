@@ -12,6 +12,7 @@ import torch
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import HeadKernel, read
 from vllm_ling.ops.lm_head.triton_kernel import triton_available
+from vllm_ling.versions import TESTED_HUMMING_VERSION
 
 logger = get_logger("ops.lm_head.selection")
 
@@ -60,7 +61,7 @@ def kernel_unavailable_reason(kernel: str, device: torch.device | str | None = N
     if cap < need:
         return f"{kernel} needs compute capability >= {need[0]}.{need[1]}, this GPU is {cap[0]}.{cap[1]}"
     if kernel == "humming" and not _module_available("humming"):
-        return "humming-kernels is not installed (pip install humming-kernels==0.1.17)"
+        return f"humming-kernels is not installed (pip install humming-kernels=={TESTED_HUMMING_VERSION})"
     if kernel == "triton" and not triton_available():
         return "triton is not installed"
     if kernel == "scaled_mm" and not hasattr(torch, "_scaled_mm"):

@@ -18,6 +18,7 @@ from vllm_ling.options import MoeDecode, option
 from vllm_ling.ops.moe.activation import (ROUTED_EXPERT_CLAMP, check_clamp, effective_limit,
                                           swiglu_activation_expr)
 from vllm_ling.ops.moe.decode import layouts as decode_layouts
+from vllm_ling.ops.moe.decode.shapes import MAX_GRID_ROWS
 from vllm_ling.ops.moe.routing import moe_align_block_size, weighted_topk_sum
 from vllm_ling.ops.mxfp4 import MXFP4_GROUP_SIZE
 
@@ -136,9 +137,9 @@ class HummingMxfp4Experts:
         check_clamp(clamp)
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
-        if decode != DECODE_OFF and top_k and decode_max_tokens * top_k > 65535:
+        if decode != DECODE_OFF and top_k and decode_max_tokens * top_k > MAX_GRID_ROWS:
             raise ValueError(f"decode_max_tokens {decode_max_tokens} x top_k {top_k} exceeds the decode kernels' "
-                             "65535 grid rows (one per token and slot)")
+                             f"{MAX_GRID_ROWS} grid rows (one per token and slot)")
         for label, impl in (("routing_impl", routing_impl), ("reduce_impl", reduce_impl)):
             if impl not in ("auto", "torch", "triton"):
                 raise ValueError(f"{label} must be auto, torch or triton, got {impl!r}")
