@@ -145,7 +145,7 @@ class WarmupPlan:
     def moe_kwargs(self) -> dict:
         """Exactly the kernel switches the server's MoE method gets (layers.quant_config)."""
         decode = self.options.moe_decode
-        return {"w4a8": self.options.moe_w4a8, "decode": decode.value,
+        return {"w4a8": self.options.moe_w4a8, "decode": decode,
                 "decode_max_tokens": 0 if decode is MoeDecode.OFF else self.options.moe_decode_max_tokens}
 
     def describe(self) -> str:
