@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "kda_cpu.md"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kda_cpu.md"))
     args = ap.parse_args(argv)
     T, H, D = args.tokens, args.heads, args.head_dim
     gen = torch.Generator().manual_seed(0)

@@ -18,13 +18,17 @@ import json
 import sys
 from pathlib import Path
 
-OUT_DIR = Path(__file__).resolve().parents[1] / "helm" / "vllm-ling" / "files" / "dashboards"
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # vllm_ling.options is standard-library only: no install needed
+from vllm_ling.options import STUDY_VERIFY_COST_BATCH1  # noqa: E402
+
+OUT_DIR = REPO / "helm" / "vllm-ling" / "files" / "dashboards"
 SEL = 'model_name=~"$model_name"'
 RATE = "$__rate_interval"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # The study's break-even accept length at batch 1 (VLLM_LING_ACCEPT_BREAK_EVEN's default);
 # the accept-length panel also plots the server's configured value.
-BREAK_EVEN = 2.26
+BREAK_EVEN = STUDY_VERIFY_COST_BATCH1
 
 
 def target(expr: str, legend: str = "", ref: str = "A", instant: bool = False,

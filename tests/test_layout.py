@@ -138,3 +138,10 @@ def test_the_checks_catch_an_upward_import_and_a_cycle(tmp_path):
 @pytest.mark.parametrize("layer", sorted(set(LAYERS) - {"log", "versions", "options", "refusal", "plugin"}))
 def test_layer_packages_exist(layer):
     assert (PACKAGE / layer / "__init__.py").exists()
+
+
+def test_measured_results_live_in_benchmarks_results():
+    """benchmarks/ holds scripts and its README; every write-up of a measurement is under results/."""
+    benchmarks = PACKAGE.parent / "benchmarks"
+    stray = sorted(p.name for p in benchmarks.glob("*.md") if p.name != "README.md")
+    assert stray == [], f"move these to benchmarks/results/: {stray}"

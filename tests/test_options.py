@@ -65,3 +65,38 @@ def test_values_parse_to_types_and_enums():
 def test_closest_known_name_for_a_typo():
     assert o.closest_known("VLLM_LING_FP8HEAD") == "VLLM_LING_FP8_HEAD"
     assert o.closest_known("VLLM_LING_TOTALLY_ELSE_ENTIRELY") is None
+
+
+def test_warmup_flags_come_from_the_table():
+    """`vllm-ling warmup` takes exactly the options marked ``warmup_flag`` (the kernel switches,
+    the shapes and the cache), each as a flag."""
+    from vllm_ling.cli.warmup import build_warmup_parser
+
+    assert {opt.name for opt in o.warmup_options()} == {
+        "VLLM_LING_MOE_BACKEND", "VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_DECODE_MAX_TOKENS",
+        "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8", "VLLM_LING_ROUTER_GEMV", "VLLM_LING_BF16_GEMV",
+        "VLLM_LING_KDA_MERGED_PROJ", "VLLM_LING_TENSOR_PARALLEL_SIZE", "VLLM_LING_WARMUP_TOKEN_COUNTS",
+        "VLLM_LING_WARMUP_ROW_COUNTS", "VLLM_LING_HUMMING_CACHE"}
+    dests = {action.dest for action in build_warmup_parser()._actions}
+    assert {opt.short for opt in o.warmup_options()} <= dests
+
+
+def test_the_dense_fp8_option_states_the_decode_kernels_row_limit():
+    """The help text is formatted from the constant the kernel checks, so the two cannot drift."""
+    from vllm_ling.ops.dense_fp8 import decode_kernel
+
+    assert f"at most {decode_kernel.MAX_ROWS} tokens" in o.option("VLLM_LING_DENSE_FP8").help
+
+
+def test_the_break_even_default_is_the_point_the_cost_model_is_scaled_to():
+    from vllm_ling.runtime import spec_policy
+
+    default = o.option("VLLM_LING_ACCEPT_BREAK_EVEN").default
+    assert spec_policy.CostModel(spec_policy.load_config(), 3).break_even(1) == pytest.approx(default)
+
+
+def test_the_moe_decode_token_limit_fits_the_decode_kernels_grid():
+    from vllm_ling.ops.moe.decode.shapes import MAX_GRID_ROWS
+
+    top_k = 8  # Ling-3.0-flash's num_experts_per_tok
+    assert o.MOE_DECODE_MAX_TOKENS_LIMIT * top_k <= MAX_GRID_ROWS

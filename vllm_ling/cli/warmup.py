@@ -27,14 +27,7 @@ from vllm_ling.cli.serve import (DEFAULT_MODEL, EXIT_USAGE, LaunchError, check_m
                                  read_option, resolve_device, resolve_model)
 from vllm_ling.models.dense_linears import distinct_decode_shapes
 from vllm_ling.options import (Bf16Gemv, DenseFp8, LingOptionError, LingOptions, MoeBackend, MoeDecode, RouterGemv,
-                               option)
-
-# The plugin switches that decide which kernels run; warmup takes each as a flag too
-# (flag > environment > default, like `vllm-ling serve`).
-KERNEL_OPTIONS = ("VLLM_LING_MOE_BACKEND", "VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE",
-                  "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8",
-                  "VLLM_LING_ROUTER_GEMV", "VLLM_LING_BF16_GEMV",
-                  "VLLM_LING_KDA_MERGED_PROJ")
+                               warmup_options)
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
 EXIT_KERNEL_FAILED = 5  # a kernel group failed to build or run, or computed wrong numbers
@@ -84,11 +77,10 @@ def build_warmup_parser() -> argparse.ArgumentParser:
                     "VLLM_LING_* switches as the server.")
     parser.add_argument("model", nargs="?", default=None,
                         help=f"checkpoint directory (env VLLM_LING_MODEL, default {DEFAULT_MODEL})")
-    for name in ("VLLM_LING_TENSOR_PARALLEL_SIZE", "VLLM_LING_WARMUP_TOKEN_COUNTS",
-                 "VLLM_LING_WARMUP_ROW_COUNTS", "VLLM_LING_HUMMING_CACHE") + KERNEL_OPTIONS:
-        opt = option(name)
+    # flag > environment > default, like `vllm-ling serve`
+    for opt in warmup_options():
         flag = {"VLLM_LING_WARMUP_TOKEN_COUNTS": "--token-counts",
-                "VLLM_LING_WARMUP_ROW_COUNTS": "--row-counts"}.get(name, opt.flag)
+                "VLLM_LING_WARMUP_ROW_COUNTS": "--row-counts"}.get(opt.name, opt.flag)
         parser.add_argument(flag, dest=opt.short, default=None, metavar="VALUE",
                             help=f"{opt.help} (env {opt.name}, default {opt.shown_default()})")
     parser.add_argument("--device", default=None,
@@ -153,7 +145,7 @@ class WarmupPlan:
     def moe_kwargs(self) -> dict:
         """Exactly the kernel switches the server's MoE method gets (layers.quant_config)."""
         decode = self.options.moe_decode
-        return {"w4a8": self.options.moe_w4a8, "decode": decode.value,
+        return {"w4a8": self.options.moe_w4a8, "decode": decode,
                 "decode_max_tokens": 0 if decode is MoeDecode.OFF else self.options.moe_decode_max_tokens}
 
     def describe(self) -> str:
@@ -183,11 +175,10 @@ class WarmupPlan:
 def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
     """Resolve the model, shapes and options (flag > environment > default); no side effects."""
     values = dict(env)
-    for name in ("VLLM_LING_TENSOR_PARALLEL_SIZE", "VLLM_LING_WARMUP_TOKEN_COUNTS",
-                 "VLLM_LING_WARMUP_ROW_COUNTS", "VLLM_LING_HUMMING_CACHE") + KERNEL_OPTIONS:
-        flag_value = getattr(args, option(name).short)
+    for opt in warmup_options():
+        flag_value = getattr(args, opt.short)
         if flag_value is not None:
-            values[name] = flag_value
+            values[opt.name] = flag_value
     model, source = resolve_model(args.model, env)
     model_dir = check_model_dir(model, source)
     if model_dir is None:

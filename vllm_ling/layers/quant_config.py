@@ -65,7 +65,7 @@ class LingFp8Config(Fp8Config):
             from vllm_ling.layers.dense_fp8_path import DEQUANTIZED, cpu_dense_fp8_path
 
             path = cpu_dense_fp8_path(self)
-            if path.kernel == DEQUANTIZED:
+            if path.kernel is DEQUANTIZED:
                 from vllm_ling.layers.dense_fp8_cpu import CPU_DENSE_FP8_PATH, CpuBlockFp8LinearMethod
 
                 log_once(logger, logging.INFO, "cpu-dense", "Dense block-FP8 linears: %s (%s).",
@@ -78,7 +78,7 @@ class LingFp8Config(Fp8Config):
             from vllm_ling.layers.dense_fp8_cuda import choose_dense_fp8_method
 
             sizes = list(getattr(layer, "output_partition_sizes", None) or [layer.output_size])
-            method = choose_dense_fp8_method(self, prefix, sizes, layer.input_size, self.options.dense_fp8.value)
+            method = choose_dense_fp8_method(self, prefix, sizes, layer.input_size, self.options.dense_fp8)
             from vllm.model_executor.layers.quantization.utils.marlin_utils import get_marlin_input_dtype
 
             method.marlin_input_dtype = get_marlin_input_dtype(prefix)  # as Fp8Config does
@@ -86,7 +86,7 @@ class LingFp8Config(Fp8Config):
         if isinstance(layer, LinearBase) and current_platform.is_cuda() and self._skipped(prefix):
             from vllm_ling.layers.small_bf16_cuda import choose_small_bf16_method
 
-            method = choose_small_bf16_method(prefix, self.options.bf16_gemv.value)
+            method = choose_small_bf16_method(prefix, self.options.bf16_gemv)
             if method is not None:
                 return method
         if isinstance(layer, ParallelLMHead) and self.options.fp8_head:
@@ -106,8 +106,8 @@ class LingFp8Config(Fp8Config):
 def moe_method_kwargs(options: LingOptions) -> dict:
     """The switches the routed-MoE method is built with (``vllm-ling warmup`` compiles for the
     same ones: tests/deploy/test_launch_warmup.py)."""
-    return {"moe_backend_option": options.moe_backend.value, "w4a8": options.moe_w4a8,
-            "decode": options.moe_decode.value, "decode_max_tokens": options.moe_decode_max_tokens}
+    return {"moe_backend_option": options.moe_backend, "w4a8": options.moe_w4a8,
+            "decode": options.moe_decode, "decode_max_tokens": options.moe_decode_max_tokens}
 
 
 def register_ling_quant_config() -> list[str]:

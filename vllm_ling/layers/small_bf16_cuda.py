@@ -24,6 +24,7 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.small_gemv.kernel import BF16_MAX_ROWS as SMALL_BF16_MAX_ROWS
+from vllm_ling.options import Bf16Gemv
 
 logger = get_logger("quant.small_bf16")
 
@@ -99,12 +100,12 @@ class LingSmallBf16LinearMethod(UnquantizedLinearMethod):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def choose_small_bf16_method(prefix: str, option: str,
+def choose_small_bf16_method(prefix: str, option: Bf16Gemv,
                              device: torch.device | str | None = None) -> UnquantizedLinearMethod | None:
     """Our method for one unquantized (checkpoint-skipped) linear on CUDA, or None to let vLLM
-    choose. ``option`` "vllm" opts out (one WARNING); otherwise the kernel must be able to run on
+    choose. ``option`` ``Bf16Gemv.VLLM`` opts out (one WARNING); otherwise the kernel must be able to run on
     this GPU (else :class:`Bf16GemvUnavailable`, before any weight loads, naming the opt-out)."""
-    if option == "vllm":
+    if option is Bf16Gemv.VLLM:
         log_once(logger, logging.WARNING, "small-gemv-opt-out-bf16",
                  "Small GEMV for BF16 linears is OFF by explicit choice (%s): vLLM's GEMM serves the checkpoint's "
                  "unquantized linears; the startup report marks small_bf16_decode inactive.", OPT_OUT_HINT)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 FP8_E4M3_MAX = 448.0
-DEFAULT_BLOCK = (128, 128)
+QUANT_BLOCK = 128  # rows and columns of one scale block (Ling's weight_block_size)
+DEFAULT_BLOCK = (QUANT_BLOCK, QUANT_BLOCK)
 
 
 def _ceil_div(a: int, b: int) -> int:

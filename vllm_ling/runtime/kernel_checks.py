@@ -142,7 +142,7 @@ def report_section(target, draft) -> dict[str, Any]:
             "results": [r.as_dict() for r in results],
             "dense_fp8": {"kernels": dense_fp8_kernels(target, draft),
                           "path_choice": None if choice is None else
-                          {"kernel": choice.kernel, "reason": choice.reason}}}
+                          {"kernel": choice.kernel.value, "reason": choice.reason}}}
 
 
 def table_lines(section: dict[str, Any]) -> list[str]:

@@ -12,7 +12,7 @@ tokens)``. Decode is bandwidth-bound, so each step costs the bytes it reads, tak
 touched under uniform routing, KDA state and MLA cache). Verifying 4 positions at batch 1
 touches up to 32 experts instead of 8, which is why verify is not free; at larger batch the
 plain step already touches most experts and the ratio falls again. Bytes alone give 1.98 at
-batch 1; the study measured 2.26 (small steps use bandwidth less well), so the curve is
+batch 1; the study measured ``STUDY_VERIFY_COST_BATCH1`` (small steps use bandwidth less well), so the curve is
 scaled to that measured point.
 
 Where the break-even exceeds the accept length the model really reaches (2.68 on GSM8K in
@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_ling.models.cost_model import build_plan, mtp_model, totals
+from vllm_ling.options import STUDY_VERIFY_COST_BATCH1
 
 # Set on the target's hf_config by patch P5 when vllm-ling's default speculative config is
 # the one in force (the config object reaches every process; a global would not).
 DEFAULT_SPEC_ATTR = "vllm_ling_default_spec"
 
-STUDY_VERIFY_COST_BATCH1 = 2.26  # normal steps per verify of 4 positions, DGX Spark, batch 1
 STUDY_ACCEPT_LENGTH_GSM8K = 2.68
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "data" / "ling3_flash_fp4_config.json"
 CONTEXT_TOKENS = 4096  # KV/state reads at a typical chat context; small next to the weights

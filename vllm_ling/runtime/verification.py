@@ -193,7 +193,7 @@ def check_moe_layers(target, draft, exp: Expectations, config, stage: Stage | No
         actual += f"; not {exp.moe_backend}: {wrong[:3]}"
     where = f" on {stage.label()}" if stage.size > 1 else ""
     return Check("moe_layers", ok,
-                 f"{expected_count} x {exp.moe_backend} ({moe_layers} target MoE + {nextn} NEXTN{where})", actual, "install humming-kernels 0.1.17 on an sm_75+ GPU, or opt out with VLLM_LING_MOE_BACKEND=vllm")
+                 f"{expected_count} x {exp.moe_backend} ({moe_layers} target MoE + {nextn} NEXTN{where})", actual, f"install humming-kernels {TESTED_HUMMING_VERSION} on an sm_75+ GPU, or opt out with VLLM_LING_MOE_BACKEND=vllm")
 
 
 def moe_decode_summary(target, draft) -> tuple[bool, str]:

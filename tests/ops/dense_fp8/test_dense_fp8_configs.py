@@ -155,3 +155,15 @@ def test_an_outgrown_split_k_workspace_stays_allocated():
     assert any(t is small for t in linear._OUTGROWN)
     del linear._WORKSPACES[(device, "test-partials")]
     linear._OUTGROWN[:] = [t for t in linear._OUTGROWN if t is not small]
+
+
+def test_the_triton_kernel_scale_block_is_the_formats():
+    """The Triton kernel spells its scale block as a constexpr literal (its JIT reads no plain
+    module globals); it must be the format's one block size."""
+    import inspect
+
+    from vllm_ling.ops.dense_fp8 import kernel as K
+    from vllm_ling.ops.fp8 import DEFAULT_BLOCK, QUANT_BLOCK
+
+    assert f"QB: tl.constexpr = {QUANT_BLOCK} " in inspect.getsource(K)
+    assert DEFAULT_BLOCK == (QUANT_BLOCK, QUANT_BLOCK)

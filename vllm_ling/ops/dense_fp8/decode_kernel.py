@@ -17,9 +17,10 @@ from importlib import resources
 
 import torch
 
+from vllm_ling.options import DENSE_FP8_DECODE_MAX_ROWS as MAX_ROWS
+
 # by ``stream``; neither name contains the other (humming finds a kernel by substring)
 KERNEL_NAMES = {False: "ling_dense_w8a16_wave", True: "ling_dense_w8a16_stream"}
-MAX_ROWS = 32
 _ROWS_PER_GROUP = 8
 _TILE_ROWS = 16
 _STEP_K = 64

@@ -49,8 +49,6 @@ except ImportError:  # CPU-only installs
     triton = None
     tl = None
 
-QUANT_BLOCK = 128
-
 
 def triton_features() -> dict[str, bool]:
     """What the installed Triton offers for the levers above (empty dict without Triton)."""
@@ -105,7 +103,7 @@ if triton is not None:
     ):
         # out is a contiguous [M, N] BF16 tensor; ws an fp32 [SPLIT_K, M, N] workspace and cnt
         # one int32 ticket per (n tile, m tile), zero between calls (the last program resets it).
-        QB: tl.constexpr = 128
+        QB: tl.constexpr = 128  # ops.fp8.QUANT_BLOCK (a literal: the JIT reads no plain module globals)
         KK: tl.constexpr = K_STEPS * QB
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)

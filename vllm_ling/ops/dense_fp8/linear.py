@@ -21,7 +21,8 @@ import torch
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.dense_fp8 import decode_kernel as D
 from vllm_ling.ops.dense_fp8 import kernel as K
-from vllm_ling.ops.dense_fp8.tuned_configs import QUANT_BLOCK, W8A16Config, select_config, select_decode_config
+from vllm_ling.ops.dense_fp8.tuned_configs import W8A16Config, select_config, select_decode_config
+from vllm_ling.ops.fp8 import QUANT_BLOCK
 
 logger = get_logger("ops.dense_fp8")
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.ops.fp8 import QUANT_BLOCK
+from vllm_ling.ops.dense_fp8.decode_kernel import MAX_ROWS as DECODE_MAX_ROWS
 from vllm_ling.ops.dense_fp8.decode_kernel import DecodeConfig
 from vllm_ling.ops.dense_fp8.decode_kernel import heuristic_config as decode_heuristic_config
 
 logger = get_logger("ops.dense_fp8")
-
-QUANT_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +234,6 @@ def select_decode_config(n: int, k: int, rows: int, capability: tuple[int, int],
 # block-FP8 kernel measured faster above (the upstream-equivalent column of dense_fp8_h200.md and
 # dense_fp8_merge_h200.md: on the two widest weights the activation quantization pays for itself
 # from 16 rows). Everything else: W8A16 up to DECODE_MAX_ROWS.
-DECODE_MAX_ROWS = 32  # the row counts the tables above are tuned for
 W8A16_MAX_ROWS: dict[tuple[int, int], dict[tuple[int, int], int]] = {
     (9, 0): {(20480, 2560): 8, (12288, 2560): 8},
 }

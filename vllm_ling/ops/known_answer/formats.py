@@ -6,11 +6,12 @@ import math
 
 import torch
 
+from vllm_ling.ops.mxfp4 import MXFP4_GROUP_SIZE as MXFP4_GROUP
+
 # e4m3 (float8_e4m3fn): codes 0x7F and 0xFF are NaN; a checkpoint never holds them.
 E4M3_NAN_CODES = (0x7F, 0xFF)
 FINITE_E4M3_CODES = tuple(c for c in range(256) if c not in E4M3_NAN_CODES)
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # OCP MX spec, codes 0..7; 8..15 negative
-MXFP4_GROUP = 32
 
 # Tolerances (relative). One-hot inputs read single weights back: a correct kernel is exact
 # up to its output rounding (BF16: half a step, 2**-9; humming rounds before and after the

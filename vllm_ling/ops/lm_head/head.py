@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ling.options import HeadKernel
 from vllm_ling.ops.lm_head.humming import prepare_humming, humming_logits
 from vllm_ling.ops.lm_head.quantize import check_fp8_pair, quantize_fp8_per_channel
 from vllm_ling.ops.lm_head.reference import fp8_reference_logits
 from vllm_ling.ops.lm_head.scaled_mm import scaled_mm_logits
-from vllm_ling.ops.lm_head.selection import kernel_unavailable_reason, select_head_kernel
+from vllm_ling.ops.lm_head.selection import (HUMMING, SCALED_MM, TORCH, TRITON, kernel_unavailable_reason,
+                                            select_head_kernel)
 from vllm_ling.ops.lm_head.state import Fp8HeadState
 from vllm_ling.ops.lm_head.triton_kernel import triton_logits
 
@@ -16,7 +18,7 @@ from vllm_ling.ops.lm_head.triton_kernel import triton_logits
 def prepare_fp8_head(
     weight_fp8: torch.Tensor,
     scale: torch.Tensor,
-    kernel: str | None = None,
+    kernel: HeadKernel | str | None = None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     humming_tuning: str = "table",
@@ -35,14 +37,15 @@ def prepare_fp8_head(
         why_not = kernel_unavailable_reason(kernel, weight_fp8.device)
         if why_not is not None:
             raise ValueError(f"LM-head kernel {kernel!r} cannot run on {weight_fp8.device}: {why_not}")
+        kernel = HeadKernel(kernel)
         reason = "requested by caller"
     vocab, hidden = weight_fp8.shape
     common = dict(kernel=kernel, vocab_size=vocab, hidden_size=hidden, out_dtype=out_dtype, reason=reason)
-    if kernel == "humming":
+    if kernel is HUMMING:
         if humming_tuning not in ("table", "heuristic"):
             raise ValueError(f"humming_tuning must be 'table' or 'heuristic', got {humming_tuning!r}")
         return prepare_humming(weight_fp8, scale, common, humming_tuning)
-    if kernel == "scaled_mm" and (hidden % 16 or vocab % 16):
+    if kernel is SCALED_MM and (hidden % 16 or vocab % 16):
         raise ValueError(f"scaled_mm needs hidden and vocab sizes divisible by 16, got {vocab} x {hidden}")
     return Fp8HeadState(weight=weight_fp8.contiguous(), scale=scale.float().contiguous(), **common)
 
@@ -57,18 +60,18 @@ def fp8_head_logits(hidden: torch.Tensor, state: Fp8HeadState, out: torch.Tensor
         raise ValueError(f"hidden size {hidden.shape[-1]} does not match the FP8 head's {state.hidden_size}")
     lead_shape = hidden.shape[:-1]
     x = hidden.reshape(-1, state.hidden_size)
-    if state.kernel == "torch":
+    if state.kernel is TORCH:
         logits = fp8_reference_logits(x, state.weight, state.scale).to(state.out_dtype)
         if out is not None:
             out.copy_(logits)
             logits = out
     elif x.shape[0] == 0:
         logits = torch.empty((0, state.vocab_size), dtype=state.out_dtype, device=x.device)
-    elif state.kernel == "humming":
+    elif state.kernel is HUMMING:
         logits = humming_logits(x, state, out)
-    elif state.kernel == "triton":
+    elif state.kernel is TRITON:
         logits = triton_logits(x, state, out)
-    elif state.kernel == "scaled_mm":
+    elif state.kernel is SCALED_MM:
         logits = scaled_mm_logits(x, state, out)
     else:
         raise ValueError(f"unknown LM-head kernel {state.kernel!r}")

@@ -12,28 +12,30 @@ import torch
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import HeadKernel, read
 from vllm_ling.ops.lm_head.triton_kernel import triton_available
+from vllm_ling.versions import TESTED_HUMMING_VERSION
 
 logger = get_logger("ops.lm_head.selection")
 
-KERNELS = tuple(k.value for k in HeadKernel)  # declared with the option
+KERNELS = tuple(HeadKernel)  # declared with the option
+HUMMING, TRITON, SCALED_MM, TORCH = HeadKernel.HUMMING, HeadKernel.TRITON, HeadKernel.SCALED_MM, HeadKernel.TORCH
 KERNEL_ENV = "VLLM_LING_LM_HEAD_KERNEL"
 
 # Per GPU architecture (compute capability): kernels in order of preference and the
 # measurement behind it (Ling head 157,184 x 2,560, CUDA-graph medians from
 # benchmarks/lm_head.py; the numbers are in benchmarks/results/lm_head_h200.md). Architectures
 # without a row were not measured: they get _UNMEASURED_ORDER and the reason says so.
-HEAD_KERNEL_BY_ARCH: dict[tuple[int, int], tuple[tuple[str, ...], str]] = {
+HEAD_KERNEL_BY_ARCH: dict[tuple[int, int], tuple[tuple[HeadKernel, ...], str]] = {
     # H200: humming is fastest at 1 and 4 rows and within 2 % at 16, with no input-range caveat.
     (9, 0): (
-        ("humming", "triton", "scaled_mm"),
+        (HUMMING, TRITON, SCALED_MM),
         "sm_90 (H200) measured at 1..16 rows: humming W8A16 (tuned) fastest, then Triton, then "
         "torch._scaled_mm row-wise (benchmarks/results/lm_head_h200.md)",
     ),
 }
 # Unmeasured GPUs: humming first (supports sm_80+ with BF16 activations), then Triton
 # (FP8 conversion needs sm_89+), then _scaled_mm (row-wise FP8 needs sm_89+).
-_UNMEASURED_ORDER = ("humming", "triton", "scaled_mm")
-_MIN_CAPABILITY = {"humming": (8, 0), "triton": (8, 9), "scaled_mm": (8, 9)}
+_UNMEASURED_ORDER = (HUMMING, TRITON, SCALED_MM)
+_MIN_CAPABILITY = {HUMMING: (8, 0), TRITON: (8, 9), SCALED_MM: (8, 9)}
 
 
 def _module_available(name: str) -> bool:
@@ -43,13 +45,22 @@ def _module_available(name: str) -> bool:
         return False
 
 
-def kernel_unavailable_reason(kernel: str, device: torch.device | str | None = None) -> str | None:
+def parse_head_kernel(name: HeadKernel | str) -> HeadKernel | None:
+    """The kernel a name (an option value, a benchmark's word) stands for; None if none."""
+    try:
+        return HeadKernel(name)
+    except ValueError:
+        return None
+
+
+def kernel_unavailable_reason(kernel: HeadKernel | str, device: torch.device | str | None = None) -> str | None:
     """None when ``kernel`` can run on ``device``; otherwise why not (cheap: no JIT, no
     humming import)."""
-    if kernel not in KERNELS:
+    if parse_head_kernel(kernel) is None:
         return f"unknown LM-head kernel {kernel!r}; choose one of {', '.join(KERNELS)}"
+    kernel = HeadKernel(kernel)
     device = torch.device(device) if device is not None else default_device()
-    if kernel == "torch":
+    if kernel is TORCH:
         return None
     if device.type != "cuda":
         return f"{kernel} needs a CUDA device, got {device}"
@@ -59,11 +70,11 @@ def kernel_unavailable_reason(kernel: str, device: torch.device | str | None = N
     need = _MIN_CAPABILITY[kernel]
     if cap < need:
         return f"{kernel} needs compute capability >= {need[0]}.{need[1]}, this GPU is {cap[0]}.{cap[1]}"
-    if kernel == "humming" and not _module_available("humming"):
-        return "humming-kernels is not installed (pip install humming-kernels==0.1.17)"
-    if kernel == "triton" and not triton_available():
+    if kernel is HUMMING and not _module_available("humming"):
+        return f"humming-kernels is not installed (pip install humming-kernels=={TESTED_HUMMING_VERSION})"
+    if kernel is TRITON and not triton_available():
         return "triton is not installed"
-    if kernel == "scaled_mm" and not hasattr(torch, "_scaled_mm"):
+    if kernel is SCALED_MM and not hasattr(torch, "_scaled_mm"):
         return f"torch {torch.__version__} has no torch._scaled_mm"
     return None
 
@@ -72,7 +83,7 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def select_head_kernel(device: torch.device | str | None = None, preferred: str | None = None) -> tuple[str, str]:
+def select_head_kernel(device: torch.device | str | None = None, preferred: HeadKernel | str | None = None) -> tuple[HeadKernel, str]:
     """(kernel name, reason). ``preferred`` (or env ``VLLM_LING_LM_HEAD_KERNEL``) forces a
     kernel and raises ``ValueError`` if it cannot run. Otherwise the arch table's first
     runnable kernel; skipping a better one logs a WARNING once with why."""
@@ -84,9 +95,9 @@ def select_head_kernel(device: torch.device | str | None = None, preferred: str 
         if why_not is not None:
             source = "preferred=" if preferred else f"{KERNEL_ENV}="
             raise ValueError(f"LM-head kernel {source}{forced!r} cannot run on {device}: {why_not}")
-        return forced, f"forced by {'argument' if preferred else KERNEL_ENV}"
+        return HeadKernel(forced), f"forced by {'argument' if preferred else KERNEL_ENV}"
     if device.type != "cuda":
-        return "torch", f"no CUDA device ({device}): chunked fp32 dequantize path, for correctness only"
+        return TORCH, f"no CUDA device ({device}): chunked fp32 dequantize path, for correctness only"
     cap = torch.cuda.get_device_capability(device)
     order, evidence = HEAD_KERNEL_BY_ARCH.get(
         cap, (_UNMEASURED_ORDER, f"sm_{cap[0]}{cap[1]} not measured; default order {', '.join(_UNMEASURED_ORDER)}")

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from vllm_ling.options import HeadKernel
+
 
 @dataclasses.dataclass
 class Fp8HeadState:
@@ -15,7 +17,7 @@ class Fp8HeadState:
     ``[V, H]`` e4m3 weight and ``[V]`` fp32 scale). Register them on the module (they are
     the only large tensors) so they move and count with it."""
 
-    kernel: str
+    kernel: HeadKernel
     vocab_size: int
     hidden_size: int
     weight: torch.Tensor

@@ -11,6 +11,7 @@ import torch
 
 from vllm_ling.ops.lm_head.head import fp8_head_logits, prepare_fp8_head
 from vllm_ling.ops.lm_head.quantize import quantize_fp8_per_channel
+from vllm_ling.options import HeadKernel
 from vllm_ling.ops.lm_head.selection import default_device, select_head_kernel
 
 
@@ -28,9 +29,9 @@ def warmup_kernels(
     if device.type != "cuda":
         raise RuntimeError(f"warmup_kernels needs a CUDA device, got {device}")
     started = time.perf_counter()
-    name, reason = (kernel, "requested") if kernel else select_head_kernel(device)
+    name, reason = (HeadKernel(kernel), "requested") if kernel else select_head_kernel(device)
     kernels_before = 0
-    if name == "humming":
+    if name is HeadKernel.HUMMING:
         from vllm_ling.ops.humming_cache import configure_humming_cache, count_cached_kernels
 
         kernels_before = count_cached_kernels(configure_humming_cache())
@@ -49,14 +50,14 @@ def warmup_kernels(
         rows_done.append(rows)
     torch.cuda.synchronize(device)
     result = {
-        "kernel": name,
+        "kernel": name.value,
         "reason": reason,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "row_counts": rows_done,
         "seconds": round(time.perf_counter() - started, 2),
     }
-    if name == "humming":
+    if name is HeadKernel.HUMMING:
         from vllm_ling.ops.humming_cache import count_cached_kernels
 
         result["cache_dir"] = os.environ.get("HUMMING_CACHE_DIR")

@@ -18,6 +18,7 @@ from vllm_ling.options import MoeDecode, option
 from vllm_ling.ops.moe.activation import (ROUTED_EXPERT_CLAMP, check_clamp, effective_limit,
                                           swiglu_activation_expr)
 from vllm_ling.ops.moe.decode import layouts as decode_layouts
+from vllm_ling.ops.moe.decode.shapes import MAX_GRID_ROWS
 from vllm_ling.ops.moe.routing import moe_align_block_size, weighted_topk_sum
 from vllm_ling.ops.mxfp4 import MXFP4_GROUP_SIZE
 
@@ -128,7 +129,7 @@ class HummingMxfp4Experts:
         tuning_overrides: dict[str, dict] | None = None,
         param_dtype: torch.dtype = torch.bfloat16,
         top_k: int | None = None,
-        decode: str = DECODE_AUTO,
+        decode: MoeDecode | str = DECODE_AUTO,
         decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS,
     ):
         if param_dtype != torch.bfloat16:
@@ -136,9 +137,10 @@ class HummingMxfp4Experts:
         check_clamp(clamp)
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
-        if decode != DECODE_OFF and top_k and decode_max_tokens * top_k > 65535:
+        decode = MoeDecode(decode)  # benchmarks pass the plain word; compare members from here on
+        if decode is not DECODE_OFF and top_k and decode_max_tokens * top_k > MAX_GRID_ROWS:
             raise ValueError(f"decode_max_tokens {decode_max_tokens} x top_k {top_k} exceeds the decode kernels' "
-                             "65535 grid rows (one per token and slot)")
+                             f"{MAX_GRID_ROWS} grid rows (one per token and slot)")
         for label, impl in (("routing_impl", routing_impl), ("reduce_impl", reduce_impl)):
             if impl not in ("auto", "torch", "triton"):
                 raise ValueError(f"{label} must be auto, torch or triton, got {impl!r}")
@@ -171,7 +173,7 @@ class HummingMxfp4Experts:
         hm = _import_humming()
         self.decoder = None
         self.decode_max_tokens = decode_max_tokens
-        if decode == DECODE_COPY:  # needs the checkpoint-layout tensors, before humming's transform
+        if decode is DECODE_COPY:  # needs the checkpoint-layout tensors, before humming's transform
             self.decoder = self._packed_decoder(w13_weight, w13_weight_scale, w2_weight,
                                                 w2_weight_scale, top_k)
         self._forward_fn = hm["humming_forward"]
@@ -210,12 +212,12 @@ class HummingMxfp4Experts:
         log_once(logger, logging.INFO, f"humming-moe-{w4a8}",
                  "Humming MXFP4 MoE: %d experts, hidden %d, intermediate %d, %s, indexed GEMM",
                  E, H, I, "W4A8 (FP8 e4m3 per-token activations)" if w4a8 else "W4A16 (BF16 activations)")
-        if decode == DECODE_AUTO:
+        if decode is DECODE_AUTO:
             self.decoder = self._humming_layout_decoder(top_k)
-        if decode == DECODE_OFF:
+        if decode is DECODE_OFF:
             self.decode_status = "off (VLLM_LING_MOE_DECODE=off): humming's GEMM at every batch size"
         elif self.decoder is not None:
-            self.decode_status = (f"{'packed copy' if decode == DECODE_COPY else 'humming layout'}, "
+            self.decode_status = (f"{'packed copy' if decode is DECODE_COPY else 'humming layout'}, "
                                   f"<= {decode_max_tokens} tokens")
 
     # -- decode kernels ---------------------------------------------------------------------

@@ -8,6 +8,9 @@ from typing import ClassVar
 
 from vllm_ling.ops.moe.decode.sources import humming_layout_source
 
+# CUDA's gridDim.y limit; the decode kernels launch one grid row per (token, top-k slot)
+MAX_GRID_ROWS = 65535
+
 
 @dataclasses.dataclass(frozen=True)
 class PackedDecodeConfig:
