@@ -24,6 +24,11 @@ python3 -c "import torchvision" 2>/dev/null ||
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)" > "$out/versions.txt" 2>&1
 quiet=/tmp/vllm-ling-quiet
+record() {  # suite, pytest log: a verified.csv row (brought back in run.tgz) from pytest's summary line
+  local summary
+  summary=$(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$2" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+  python3 scripts/record_verified.py --suite "$1" --result "${summary:-no summary (stopped)}" --file "$out/verified.csv"
+}
 case "$phase" in
 serve-and-test)
   rm -f "$quiet"
@@ -35,6 +40,7 @@ serve-and-test)
   # the tiny end-to-end tests in two processes (three servers each), and the rest of the gpu suite
   (timeout 420 python3 -m pytest -q -rA -m gpu tests/deploy/test_serve_gpu_e2e.py --basetemp "$out/pt-a" \
      -k "scripted or trap or accepts_its_drafts" > "$out/e2e-a.log" 2>&1; echo "e2e-a rc $?" >> "$out/rc.txt"
+   record gpu-e2e "$out/e2e-a.log"
    # make demo's program with the GPU build (the install step needs a network)
    timeout 150 python3 -m vllm_ling.cli.demo --out "$out/demo" > "$out/demo.log" 2>&1
    echo "demo rc $?" >> "$out/rc.txt") &
@@ -46,8 +52,10 @@ serve-and-test)
     --ignore=tests/deploy/test_helm_chart.py --ignore=tests/deploy/test_ray_two_nodes.py \
     --basetemp "$out/pt-suite" > "$out/gpu-suite.log" 2>&1
   echo "gpu suite rc $?" >> "$out/rc.txt"
+  record gpu "$out/gpu-suite.log"
   wait $e2e_a
   wait $e2e_b; echo "e2e-b rc $?" >> "$out/rc.txt"
+  record gpu-e2e "$out/e2e-b.log"
   touch "$quiet"
   wait $fs; echo "ours-mtp rc $?" >> "$out/rc.txt"
   ;;
