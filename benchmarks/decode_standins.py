@@ -7,7 +7,7 @@ the named vLLM kernel computes (same inputs, same math, tests against a plain-Py
 in ``tests/benchmarks/test_decode_standins.py``) in at most as many launches:
 
 - ``grouped_topk``: Ling's expert selection from the gate's fp32 logits (the gate GEMV itself is
-  each composition's own: ``vllm_ling.ops.router`` or vLLM's cast + cuBLAS). vLLM: one fused
+  each composition's own: ``vllm_ling.ops.small_gemv.router`` or vLLM's cast + cuBLAS). vLLM: one fused
   ``grouped_topk`` kernel; here one launch, a program per token: sigmoid scores, expert bias for
   selection only, each group scored by the sum of its top-2 biased scores, the ``topk_group``
   best groups kept, the top-k biased scores inside them, weights = unbiased scores renormalised

@@ -11,7 +11,7 @@ MLA, MoE, head). A step of T tokens is one sequence's verify window of T positio
   q, k, v, f, g as one 20480 x 2560 launch, as ``vllm_ling.layers.kda_merged_proj`` serves them), routed experts
   through the MoE decode kernels on humming's weights (``HummingMxfp4Experts`` default), the
   FP8 head (``vllm_ling.ops.lm_head``, kernel chosen per arch), the router GEMV
-  (``vllm_ling.ops.router``);
+  (``vllm_ling.ops.small_gemv.router``);
 - ``upstream``: what vLLM 0.32 runs on sm_90: humming's indexed GEMM for the experts, the BF16
   head, the W8A8 block-FP8 stand-in for DeepGEMM (``benchmarks/upstream_fp8.py``),
   GateLinear's fp32 path for the router (cast + cuBLAS), and KDA's qkv_proj, f_proj and g_proj as
@@ -59,8 +59,8 @@ from vllm_ling.ops.moe.activation import SHARED_EXPERT_CLAMP
 from vllm_ling.ops.moe.humming import HummingMxfp4Experts
 from vllm_ling.ops.moe.routing import route
 from vllm_ling.ops.moe.warmup import random_mxfp4_experts
-from vllm_ling.ops.router import MAX_ROWS as ROUTER_MAX_ROWS
-from vllm_ling.ops.router import router_logits
+from vllm_ling.ops.small_gemv.router import MAX_ROWS as ROUTER_MAX_ROWS
+from vllm_ling.ops.small_gemv.router import router_logits
 from vllm_ling.ops.small_gemv import BF16_MAX_ROWS
 from vllm_ling.ops.small_gemv import small_gemv
 
@@ -77,7 +77,7 @@ STANDINS = {
                      "W_UK bmm (cuBLAS), one split-K pass reading each cache row once per block of query rows "
                      "(online softmax, causal over the verify window), one combine pass that merges the splits "
                      "and applies W_UV and the sigmoid head gate",
-    "router": "the gate GEMV is each composition's own (vllm-ling: vllm_ling.ops.router up to 16 tokens; "
+    "router": "the gate GEMV is each composition's own (vllm-ling: vllm_ling.ops.small_gemv.router up to 16 tokens; "
               "upstream: vLLM GateLinear's path for this gate, cast to fp32 + cuBLAS fp32 F.linear); the grouped "
               "top-k after it is a stand-in, Triton with a program per token (benchmarks/decode_standins.py; "
               "vLLM: the fused grouped_topk kernel); ids checked against vllm_ling.ops.moe.routing.route",

@@ -244,7 +244,7 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     assert ((4096, 2560) in plan.dense_shapes) != options.kda_merged_proj
     # the router group follows the server's decision for Ling's gate (kernel available: pretend GPU)
     from vllm_ling.layers import router_gate_cuda
-    from vllm_ling.ops import router as router_ops
+    from vllm_ling.ops.small_gemv import router as router_ops
 
     monkeypatch.setattr(router_ops, "unavailable_reason", lambda device=None: None)
     config = json.loads(FLASH_CONFIG.read_text())

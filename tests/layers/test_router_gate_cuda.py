@@ -1,6 +1,6 @@
 """The CUDA router-GEMV gate: its platform-independent rules (CPU).
 
-The kernel itself is tested on the GPU (tests/ops/router); here it is replaced by the float64
+The kernel itself is tested on the GPU (tests/ops/small_gemv/test_router_gemv_gpu.py); here it is replaced by the float64
 reference cast to fp32, and every output is compared with an independent float64 F.linear.
 """
 
@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("vllm")  # the GPU box runs tests/ops only: it has no vLLM
 
 from vllm_ling.layers import router_gate_cuda as R  # noqa: E402
-from vllm_ling.ops import router as router_ops  # noqa: E402
+from vllm_ling.ops.small_gemv import router as router_ops  # noqa: E402
 from vllm_ling.options import LingOptionError, LingOptions, RouterGemv  # noqa: E402
 
 LING = dict(prefix="model.layers.5.mlp.gate", num_experts=512, hidden_size=2560, weight_dtype=torch.float32,

@@ -40,7 +40,7 @@ from vllm_ling.ops.dense_fp8.linear import launch_config  # noqa: E402
 from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, clamp_define  # noqa: E402
 from vllm_ling.ops.moe.decode.shapes import PackedDecodeConfig, default_humming_decode_configs  # noqa: E402
 from vllm_ling.ops.moe.decode.sources import packed_layout_source  # noqa: E402
-from vllm_ling.ops.router import MAX_ROWS as ROUTER_MAX_ROWS  # noqa: E402
+from vllm_ling.ops.small_gemv.router import MAX_ROWS as ROUTER_MAX_ROWS  # noqa: E402
 from vllm_ling.ops.small_gemv import BF16_MAX_ROWS  # noqa: E402
 from vllm_ling.ops.small_gemv import kernel as small_gemv  # noqa: E402
 

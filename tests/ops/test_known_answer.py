@@ -272,9 +272,9 @@ def test_unjudged_rows_are_ignored_but_judged_rows_still_fail():
 
 
 def test_router_problem_answers_and_planted_faults():
-    from vllm_ling.ops.router import reference_router_logits
+    from vllm_ling.ops.small_gemv.router import reference_router_logits
 
-    from vllm_ling.ops.router import MAX_ROWS
+    from vllm_ling.ops.small_gemv.router import MAX_ROWS
     from vllm_ling.ops.small_gemv.kernel import default_launch, launch_row_counts
 
     p = ka.router_gemv_problem(256)

@@ -8,7 +8,7 @@ import torch
 
 from vllm_ling.ops import known_answer as ka
 from vllm_ling.ops.known_answer.router import ROUTER_EXPERTS
-from vllm_ling.ops.router import router_logits, unavailable_reason
+from vllm_ling.ops.small_gemv.router import router_logits, unavailable_reason
 from vllm_ling.ops.small_gemv.kernel import launch_row_counts
 
 pytestmark = pytest.mark.gpu
@@ -32,7 +32,7 @@ def test_kernel_reading_the_next_expert_row_fails_naming_it():
 
 
 def test_warmup_compiles_every_variant_the_server_launches():
-    from vllm_ling.ops.router import MAX_ROWS
+    from vllm_ling.ops.small_gemv.router import MAX_ROWS
     from vllm_ling.ops.small_gemv import kernel, warmup
 
     kernel._COMPILED.clear()  # only what the warmup itself compiles counts

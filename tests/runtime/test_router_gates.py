@@ -72,7 +72,7 @@ def lings_gates(loaded_tiny_models, monkeypatch):
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
     from vllm_ling.layers import router_gate_cuda as R
-    from vllm_ling.ops import router as router_ops
+    from vllm_ling.ops.small_gemv import router as router_ops
 
     monkeypatch.setattr(router_ops, "unavailable_reason", lambda device=None: None)
     monkeypatch.setattr(router_ops, "router_logits",
@@ -128,7 +128,7 @@ def test_active_when_every_gate_runs_the_kernel_and_it_passes(loaded_tiny_models
 
 
 def test_a_wrong_kernel_fails_the_known_answers_and_the_optimization(loaded_tiny_models, lings_gates, monkeypatch):
-    from vllm_ling.ops import router as router_ops
+    from vllm_ling.ops.small_gemv import router as router_ops
 
     monkeypatch.setattr(router_ops, "router_logits",  # drops the last column of every row
                         lambda x, w: x[:, :-1].float() @ w[:, :-1].t())

@@ -125,7 +125,7 @@ class WarmupPlan:
 
     @property
     def router_problems(self) -> list[str]:
-        from vllm_ling.ops.router import shape_problems as router_shape_problems
+        from vllm_ling.ops.small_gemv.router import shape_problems as router_shape_problems
 
         return router_shape_problems(self.shapes.num_experts, self.shapes.hidden_size)
 

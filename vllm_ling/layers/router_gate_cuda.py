@@ -5,8 +5,8 @@ params_dtype=float32)``. For an fp32 gate of Ling's shape none of GateLinear's s
 applies on sm_90 or sm_121: it casts the tokens to fp32 and runs cuBLAS's fp32 GEMM, two launches
 (``benchmarks/results/small_gemv_h200.md``). :class:`LingGateLinear` *is* GateLinear (same
 parameters, loaders and every tier); for a gate the router GEMV holds (fp32, unquantized,
-bias-free, fp32 logits, a hidden size :func:`vllm_ling.ops.router.shape_problems` accepts, and no
-specialized vLLM kernel for it on this GPU) it runs :func:`vllm_ling.ops.router.router_logits` for
+bias-free, fp32 logits, a hidden size :func:`vllm_ling.ops.small_gemv.router.shape_problems` accepts, and no
+specialized vLLM kernel for it on this GPU) it runs :func:`vllm_ling.ops.small_gemv.router.router_logits` for
 batches of 1..``MAX_ROWS`` BF16 tokens and GateLinear's own forward otherwise. The decision is
 made at construction, before weights load; a gate it does not hold keeps GateLinear's path, so
 other models and every other platform are unchanged.
@@ -33,7 +33,7 @@ from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import RouterGemv, read
-from vllm_ling.ops import router as router_ops
+from vllm_ling.ops.small_gemv import router as router_ops
 
 logger = get_logger("router")
 

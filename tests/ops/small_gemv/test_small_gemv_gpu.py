@@ -1,5 +1,5 @@
 """The small GEMV with BF16 weights and BF16 or fp32 outputs against the float64 reference (GPU
-only); the fp32-weight mode is tested as the router (tests/ops/router).
+only); the fp32-weight mode is tested as the router (tests/ops/small_gemv/test_router_gemv_gpu.py).
 
 Shapes: Ling's BF16 linears (KDA b_proj and MLA g_proj: 32 heads x 2560, per tensor-parallel
 rank 32 / tp), a partial last CTA, the largest K a warp holds; 1..16 rows; PDL on and off;

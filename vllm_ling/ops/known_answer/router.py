@@ -3,7 +3,7 @@ logit against the float64 reference with the tolerance the kernel's own tests us
 
 Tolerance: ``|out - ref| <= 2**-16 * S`` with ``S = |x| @ |w|.T`` (float64): any fp32 summation
 order stays below ``2**-16.9 S`` up to H = 4096, while a wrong pairing of weights and tokens, a
-lost term or a wrong output row is off by ``O(S / H) >= 2**-12 S`` (tests/ops/router). The runner
+lost term or a wrong output row is off by ``O(S / H) >= 2**-12 S`` (tests/ops/small_gemv/test_router_gemv_gpu.py). The runner
 judges ``|out - ref| / (|ref| + floor)``; ``floor = S - |ref|`` makes that denominator S.
 """
 
@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from vllm_ling.ops.known_answer.runner import KernelCheckResult, KnownAnswerCase, run_check
-from vllm_ling.ops.router import MAX_ROWS, magnitude_bound, reference_router_logits
+from vllm_ling.ops.small_gemv.router import MAX_ROWS, magnitude_bound, reference_router_logits
 from vllm_ling.ops.small_gemv.kernel import launch_row_counts
 
 ROUTER_RTOL = 2.0 ** -16

@@ -51,7 +51,7 @@ def warmup_kernels(n: int, k: int, weight_dtype: torch.dtype, out_dtype: torch.d
 
 def warmup_router(hidden_size: int, num_experts: int, device: torch.device | str | None = None) -> dict[str, Any]:
     """The router gate's kernels (fp32 weight and logits, up to the router's row limit)."""
-    from vllm_ling.ops.router import MAX_ROWS
+    from vllm_ling.ops.small_gemv.router import MAX_ROWS
 
     return warmup_kernels(num_experts, hidden_size, torch.float32, torch.float32, MAX_ROWS, device)
 

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from vllm_ling.ops.router import (MAX_ROWS, magnitude_bound, reference_router_logits, router_logits,
+from vllm_ling.ops.small_gemv.router import (MAX_ROWS, magnitude_bound, reference_router_logits, router_logits,
                                   unavailable_reason)
 
 pytestmark = pytest.mark.gpu

@@ -1,9 +1,9 @@
-"""The MoE router GEMV on CUDA: fp32 logits of BF16 hidden states against Ling's fp32 gate
-(no vLLM import).
+"""The MoE router GEMV on CUDA, the small GEMV in its fp32-weight mode: fp32 logits of BF16 hidden
+states against Ling's fp32 gate (no vLLM import).
 
 vLLM 0.32 has no specialized kernel for Ling's gate shape (hidden 2560 x 512 experts, fp32): its
 ``GateLinear`` casts the activations to fp32 in one launch and runs cuBLAS's fp32 GEMM in
-another. :func:`router_logits` is one launch of :mod:`vllm_ling.ops.small_gemv` whose weight
+another. :func:`router_logits` is one launch of this package's small GEMV whose weight
 stream overlaps the previous kernel.
 """
 
