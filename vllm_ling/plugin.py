@@ -88,6 +88,9 @@ def register() -> list[str]:
     from vllm_ling.refusal import install_excepthook
 
     install_excepthook()  # first: a refusal below is one line, not a traceback
+    from vllm_ling.runtime import clean_stop
+
+    clean_stop.install()  # a requested stop does not log EngineDeadError at ERROR
     check_vllm_version()
     _default_report_path()
     _observe_humming_jit()
