@@ -85,9 +85,14 @@ def register() -> list[str]:
     global _registered
     if _registered is not None:
         return _registered
-    from vllm_ling.refusal import install_excepthook
+    from vllm_ling.refusal import ensure_file, install_excepthook, install_log_filter
 
     install_excepthook()  # first: a refusal below is one line, not a traceback
+    install_log_filter()  # ... also when vLLM catches it and logs it (a worker's verification)
+    ensure_file()  # plain vllm serve: a worker's refusal reaches the API server's last line
+    from vllm_ling.runtime import clean_stop
+
+    clean_stop.install()  # a requested stop does not log EngineDeadError at ERROR
     check_vllm_version()
     _default_report_path()
     _observe_humming_jit()

@@ -70,6 +70,35 @@ def record(message: str) -> bool:
     return True
 
 
+def recorded() -> str | None:
+    """The refusal a process of this server recorded so far (None: none, or no file)."""
+    path = os.environ.get(REFUSAL_FILE_ENV)
+    try:
+        return (Path(path).read_text().strip() or None) if path else None
+    except OSError:
+        return None
+
+
+def ensure_file() -> None:
+    """Under plain ``vllm serve`` nobody named a refusal file: the first vLLM process names one
+    before it spawns the others (they inherit it), so a refusal raised in a worker reaches the
+    API server's last line too (:func:`excepthook`); that process removes it at exit. Only in
+    ``vllm serve``'s own process (not a program that merely registers the plugin, whose servers
+    would then share one file)."""
+    import multiprocessing
+
+    if os.environ.get(REFUSAL_FILE_ENV) or multiprocessing.parent_process() is not None \
+            or sys.argv[1:2] != ["serve"]:
+        return
+    import atexit
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="vllm-ling-refusal-", suffix=".txt")
+    os.close(fd)
+    os.environ[REFUSAL_FILE_ENV] = path
+    atexit.register(lambda: Path(path).unlink(missing_ok=True))
+
+
 def take(path: str | os.PathLike) -> str | None:
     """The refusal a child recorded in ``path`` (None: none), removing the file."""
     try:
@@ -89,11 +118,12 @@ _previous_hook = None
 
 def excepthook(exc_type, exc, tb) -> None:
     refusal = find(exc)
-    if refusal is None:
+    # vLLM's "engine core initialization failed" after a worker's refusal: the refusal is the cause
+    message = str(refusal) if refusal is not None else recorded()
+    if message is None:
         (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
         return
     logger.debug("traceback of the refusal below", exc_info=(exc_type, exc, tb))
-    message = str(refusal)
     print(f"vllm-ling: error: {message}", file=sys.stderr, flush=True)
     record(message)
 
@@ -104,3 +134,29 @@ def install_excepthook() -> None:
     if sys.excepthook is not excepthook:
         _previous_hook = sys.excepthook
         sys.excepthook = excepthook
+
+
+class _LogFilter:
+    """On one of vLLM's handlers: a record with a traceback whose error is a refusal, or that
+    comes after a refusal this server recorded (vLLM's engine core and API server report the
+    worker's failure again), is shown at DEBUG only (still shown at ``VLLM_LOGGING_LEVEL=DEBUG``)."""
+
+    def __init__(self, handler) -> None:
+        self.handler = handler
+
+    def filter(self, record) -> bool:
+        if not record.exc_info or record.levelno <= 10:
+            return True
+        if find(record.exc_info[1]) is None and recorded() is None:
+            return True
+        record.levelno, record.levelname = 10, "DEBUG"
+        return self.handler.level <= 10
+
+
+def install_log_filter() -> None:
+    """Add :class:`_LogFilter` to the handlers of vLLM's ``vllm`` logger (idempotent)."""
+    import logging
+
+    for handler in logging.getLogger("vllm").handlers:
+        if not any(isinstance(f, _LogFilter) for f in handler.filters):
+            handler.addFilter(_LogFilter(handler))

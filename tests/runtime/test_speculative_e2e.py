@@ -157,6 +157,35 @@ def test_trap_is_refused_at_startup_in_strict_mode(agreeing_checkpoint, tmp_path
     assert rc != 0
     assert "vllm-ling refuses to serve: startup verification failed (draft_shares_target_modules" in log
     assert not group_alive(server.proc.pid), "processes left behind after a strict refusal"
+    # plain vllm serve: the API server's last word is the refusal (vllm_ling.refusal.ensure_file)
+    said = [line for line in log.splitlines() if line.startswith("vllm-ling: error: ")]
+    assert said and said[-1].startswith("vllm-ling: error: vllm-ling refuses to serve"), log[-3000:]
+
+
+def test_trap_refusal_is_the_launchers_last_line(agreeing_checkpoint, tmp_path):
+    """Issue 27: the strict refusal raised in the worker is `vllm-ling serve`'s last line (exit 2),
+    with no traceback shown (vLLM's tracebacks of it are at DEBUG)."""
+    import subprocess
+    import sys
+
+    from vllm_ling.cli.serve import EXIT_USAGE
+    from vllm_ling.runtime.local_server import cpu_env, free_port
+
+    env = cpu_env({"VLLM_LING_PORT": str(free_port()), "VLLM_LING_HOST": "127.0.0.1", "VLLM_LING_SMOKE": "0",
+                   "VLLM_LING_NEGATIVE_CONTROL": "weight_only_head", "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    done = subprocess.run([sys.executable, "-m", "vllm_ling.cli.main", "serve", str(agreeing_checkpoint),
+                           "--device", "cpu", "--max-model-len", "1024"], env=env, capture_output=True,
+                          text=True, timeout=900, start_new_session=True)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == EXIT_USAGE, done.stderr[-3000:]
+    assert lines[-1].startswith("vllm-ling serve: error: vllm-ling refuses to serve: startup verification "
+                                "failed (draft_shares_target_modules"), lines[-5:]
+    assert lines[-1].endswith("Set VLLM_LING_VERIFY=warn to serve anyway.")
+    # vLLM's logged tracebacks of it (worker, engine core) are at DEBUG; one is left, printed by
+    # multiprocessing itself for the engine-core process ("Process EngineCore:"), out of our reach
+    assert "ERROR" not in "\n".join(line for line in lines if "WorkerProc failed to start" in line
+                                    or "EngineCore failed to start" in line), done.stderr[-5000:]
+    assert done.stderr.count("Traceback") <= 1, done.stderr[-5000:]
 
 
 def test_trap_collapses_acceptance_when_only_warned(agreeing_checkpoint, tmp_path):

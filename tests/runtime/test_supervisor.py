@@ -143,3 +143,31 @@ def test_stop_before_start_starts_nothing(tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert "before vLLM started" in proc.stderr and not marker.exists()
+
+
+def test_stop_file_is_written_before_the_signal_reaches_the_server(tmp_path):
+    """vLLM's processes read it to tell a requested stop from an engine failure (runtime.clean_stop)."""
+    runner = RUNNER.replace("teardown_margin=2.0)", "teardown_margin=2.0, stop_file=os.environ['STOP'])")
+    server = """
+        import os, signal, sys, time
+        from vllm_ling.runtime.supervisor import STOP_FILE_ENV
+        def drain(*_):
+            with open(os.environ["PIDS"], "a") as f:
+                f.write(" " + (open(os.environ[STOP_FILE_ENV]).read() or "empty"))
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, drain)
+        open(os.environ["PIDS"], "w").write(str(os.getpid()))
+        time.sleep(300)
+    """
+    stop = tmp_path / "stop"
+    stop.write_text("")
+    from vllm_ling.runtime.supervisor import STOP_FILE_ENV
+
+    env = {**os.environ, "PIDS": str(tmp_path / "pids"), "STOP": str(stop), STOP_FILE_ENV: str(stop)}
+    proc = subprocess.Popen([sys.executable, "-c", runner, textwrap.dedent(server), "5"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    wait_for_pids(tmp_path, 1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0, proc.stderr.read()
+    assert (tmp_path / "pids").read_text().split()[1] == "SIGTERM"

@@ -46,7 +46,7 @@ from vllm_ling.options import (CPU_MOE_BACKEND_REFUSAL, LING3_PARSER, PREFIX, SP
 from vllm_ling.refusal import REFUSAL_FILE_ENV, take
 from vllm_ling.runtime.local_server import plugin_names
 from vllm_ling.runtime.report import ReportPathError, check_report_path, default_report_path
-from vllm_ling.runtime.supervisor import EXIT_SERVER_DIED, Supervisor  # noqa: F401 (exit code of serve)
+from vllm_ling.runtime.supervisor import EXIT_SERVER_DIED, STOP_FILE_ENV, Supervisor  # noqa: F401 (exit code of serve)
 
 ENV_PREFIX = PREFIX
 DEFAULT_MODEL = option("VLLM_LING_MODEL").default
@@ -448,7 +448,11 @@ def serve_main(argv: list[str]) -> int:
     # vLLM's processes write an expected refusal here (vllm_ling.refusal); it is our last line
     fd, refusal_file = tempfile.mkstemp(prefix="vllm-ling-refusal-", suffix=".txt")
     os.close(fd)
-    supervisor.argv, supervisor.env = launcher + plan.argv[1:], {**env, REFUSAL_FILE_ENV: refusal_file}
+    # ... and the supervisor writes this one on a stop request (a clean stop logs no engine failure)
+    fd, supervisor.stop_file = tempfile.mkstemp(prefix="vllm-ling-stop-", suffix=".txt")
+    os.close(fd)
+    supervisor.argv = launcher + plan.argv[1:]
+    supervisor.env = {**env, REFUSAL_FILE_ENV: refusal_file, STOP_FILE_ENV: supervisor.stop_file}
     supervisor.shutdown_timeout = float(_flag_value(plan.argv, "--shutdown-timeout", "0"))
     try:
         if supervisor.start() is not None and smoke:
@@ -457,6 +461,7 @@ def serve_main(argv: list[str]) -> int:
         code = supervisor.run()
     finally:
         refusal = take(refusal_file)
+        Path(supervisor.stop_file).unlink(missing_ok=True)
     if refusal is not None and code != 0 and supervisor.stop_signal is None:
         print(f"vllm-ling serve: error: {refusal}", file=sys.stderr, flush=True)
         return EXIT_USAGE

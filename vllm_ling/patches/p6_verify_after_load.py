@@ -15,6 +15,11 @@ from __future__ import annotations
 import functools
 import importlib
 
+from vllm_ling.log import get_logger
+from vllm_ling.refusal import Refusal, record
+
+logger = get_logger("verify")
+
 RUNNERS = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
     ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
@@ -55,7 +60,12 @@ def _wrap(cls: type) -> None:
 
         target = loaded.get("target")
         if target is not None:
-            verify_once(target, self.vllm_config, runner=f"{type(self).__module__}.{type(self).__name__}")
+            try:
+                verify_once(target, self.vllm_config, runner=f"{type(self).__module__}.{type(self).__name__}")
+            except Refusal as exc:  # strict: vLLM logs it with its traceback (at DEBUG: refusal._LogFilter)
+                record(str(exc))  # the launcher's (vllm-ling serve) / the API server's last line
+                logger.error("%s", exc)
+                raise
         return result
 
     setattr(load_model, _MARK, True)

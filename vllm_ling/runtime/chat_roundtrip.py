@@ -24,7 +24,6 @@ import dataclasses
 import json
 from typing import Any
 
-from vllm_ling.refusal import Refusal
 from vllm_ling.runtime.verification import LingVerificationError
 
 PASSED, FAILED, OFF = "passed", "failed", "off by request"
@@ -238,7 +237,7 @@ def record_in_report(result: RoundtripResult, path: str | None) -> bool:
     return update_report(path, add)
 
 
-class ChatRoundtripRefusal(Refusal, LingVerificationError):
+class ChatRoundtripRefusal(LingVerificationError):
     """A strict server's refusal of a failed round trip: one line, no traceback (vllm_ling.refusal)."""
 
 

@@ -38,6 +38,9 @@ EXIT_SERVER_DIED = 4  # vLLM exited 0 without a stop request: its engine died (d
 TEARDOWN_MARGIN_S = 30.0
 CLEANUP_GRACE_S = 5.0
 _PR_SET_CHILD_SUBREAPER = 36
+# Set in vLLM's environment: the file the supervisor writes when a stop is requested, before it
+# forwards the signal, so vLLM's processes know the stop is wanted (vllm_ling.runtime.clean_stop).
+STOP_FILE_ENV = "_VLLM_LING_STOP_FILE"
 
 
 def become_subreaper() -> bool:
@@ -90,8 +93,9 @@ class Supervisor:
 
     def __init__(self, argv: list[str], env: Mapping[str, str], shutdown_timeout: float,
                  log: Callable[[str], None] | None = None,
-                 teardown_margin: float = TEARDOWN_MARGIN_S):
+                 teardown_margin: float = TEARDOWN_MARGIN_S, stop_file: str | None = None):
         self.argv = argv
+        self.stop_file = stop_file  # written on a stop request (STOP_FILE_ENV in vLLM's environment)
         self.env = dict(env)
         self.shutdown_timeout = shutdown_timeout
         self.teardown_margin = teardown_margin
@@ -118,11 +122,20 @@ class Supervisor:
             if self.stop_signal is None:
                 self.stop_signal = signum
                 self.stop_deadline = time.monotonic() + self.shutdown_timeout + self.teardown_margin
+                self._mark_stop(signum)
             child = self.child
         if child is not None and not self.exited.is_set():
             try:
                 child.send_signal(signum)
             except ProcessLookupError:
+                pass
+
+    def _mark_stop(self, signum: int) -> None:
+        if self.stop_file:
+            try:
+                with open(self.stop_file, "w") as f:
+                    f.write(signal.Signals(signum).name)
+            except OSError:
                 pass
 
     def stop(self, code: int) -> None:

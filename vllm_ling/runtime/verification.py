@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.refusal import Refusal
 from vllm_ling.options import (Bf16Gemv, DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, RouterGemv,
                                VerifyPolicy, plugin_options, read)
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
@@ -54,8 +55,9 @@ from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, hum
 logger = get_logger("verify")
 
 
-class LingVerificationError(RuntimeError):
-    """A requested optimization is not active (policy strict)."""
+class LingVerificationError(Refusal, RuntimeError):
+    """A requested optimization is not active (policy strict); a refusal (vllm_ling.refusal): the
+    message names the fix, so it is the launcher's last line and its traceback stays at DEBUG."""
 
 
 @dataclasses.dataclass
