@@ -128,10 +128,13 @@ def test_an_uncaught_refusal_is_one_line_recorded_for_the_launcher(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == "vllm-ling: error: --flag-x: fix it like this"
     assert "Traceback" not in done.stderr
     assert record.read_text() == "--flag-x: fix it like this"
-    other = subprocess.run([sys.executable, "-c", "from vllm_ling.refusal import install_excepthook\n"
-                            "install_excepthook()\nraise KeyError('not a refusal')"],
-                           env=env, capture_output=True, text=True, timeout=60)
+    other_code = "from vllm_ling.refusal import install_excepthook\ninstall_excepthook()\nraise KeyError('not a refusal')"
+    fresh = {**env, "_VLLM_LING_REFUSAL_FILE": str(tmp_path / "fresh.txt")}  # each launch has its own file
+    other = subprocess.run([sys.executable, "-c", other_code], env=fresh, capture_output=True, text=True, timeout=60)
     assert "Traceback" in other.stderr and other.stderr.strip().endswith("KeyError: 'not a refusal'")
+    # after a recorded refusal, a later error of the same launch is its consequence: the refusal stays last
+    after = subprocess.run([sys.executable, "-c", other_code], env=env, capture_output=True, text=True, timeout=60)
+    assert after.stderr.strip().splitlines()[-1] == "vllm-ling: error: --flag-x: fix it like this"
 
 
 def _serve(tmp_path, model, *argv, env=None, timeout=300):
