@@ -24,3 +24,14 @@ def log_once(logger: logging.Logger, level: int, key: str, msg: str, *args) -> b
     _once.add((logger.name, key))
     logger.log(level, msg, *args, stacklevel=2)
     return True
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """``Type: message`` on one line: a kernel's JIT build can put pages of compiler output in its
+    exception, and the refusal must stay one line (the whole text is in the DEBUG traceback)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1:
+        text += f" ... {lines[-1]}" if len(lines) > 2 else f" {lines[-1]}"
+    text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -311,6 +311,7 @@ def test_scales_are_fitted_only_when_vllm_left_them_in_e8m0(monkeypatch):
     assert layer.ling_block_scales == method.block_scales == D.E8M0_UPCAST
     # a kernel whose processing converted them (DeepGEMM, B12x, CPU: float32) is left alone
     converted = torch.nn.Module()
+    converted.weight = torch.nn.Parameter(torch.zeros(256, 256, dtype=torch.float8_e4m3fn), requires_grad=False)
     converted.weight_scale_inv = torch.nn.Parameter(torch.ones(2, 2), requires_grad=False)
     kept = converted.weight_scale_inv
     assert D.fit_block_scales(converted, "DeepGemmFp8BlockScaledMMKernel") == "float32"

@@ -90,9 +90,7 @@ def refuse_nan_codes(weight: torch.Tensor, prefix: str) -> None:
                          "re-export it (or serve with VLLM_LING_DENSE_FP8=vllm to see NaN outputs instead)")
 
 
-def block_scale_name(layer: torch.nn.Module) -> str:
-    """Fp8LinearMethod registers block scales as ``weight_scale_inv`` (compressed-tensors: ``weight_scale``)."""
-    return "weight_scale_inv" if getattr(layer, "weight_scale_inv", None) is not None else "weight_scale"
+E8M0_UPCAST = "float32 (upcast from E8M0)"
 
 
 def fit_block_scales(layer: torch.nn.Module, kernel_name: str) -> str:
@@ -104,7 +102,9 @@ def fit_block_scales(layer: torch.nn.Module, kernel_name: str) -> str:
     scales still in E8M0 here are upcast once (exact: E8M0 holds powers of two); the startup
     known-answer check proves the served kernel reads them right. Returns what the layer holds.
     """
-    name = block_scale_name(layer)
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import FP8BlockParams
+
+    name = FP8BlockParams.from_layer(layer).block_scale_attr  # the name vLLM's kernels read it by
     scale = getattr(layer, name, None)
     if scale is None:
         return "none"
@@ -117,9 +117,6 @@ def fit_block_scales(layer: torch.nn.Module, kernel_name: str) -> str:
              "Dense block-FP8 linears on %s: the checkpoint's E8M0 block scales upcast to float32 once "
              "(the kernel reads float32 scales; vllm#47818).", kernel_name)
     return E8M0_UPCAST
-
-
-E8M0_UPCAST = "float32 (upcast from E8M0)"
 
 
 class LingBlockFp8LinearMethod(Fp8LinearMethod):

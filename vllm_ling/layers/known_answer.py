@@ -16,6 +16,7 @@ import types
 
 import torch
 
+from vllm_ling.log import one_line
 from vllm_ling.options import MoePath
 from vllm_ling.ops import known_answer as ka
 
@@ -79,7 +80,7 @@ def check_dense_fp8_method(method, device: torch.device | str = "cpu",
         scratch_method.process_weights_after_loading(layer)
     except Exception as exc:  # a kernel that cannot even prepare fails, named
         return ka.KernelCheckResult("dense_fp8", dense_kernel_label(method), False, float("inf"), 0.0,
-                                    [f"scratch layer {n}x{k}: raised {type(exc).__name__}: {exc}"], 0.0)
+                                    [f"scratch layer {n}x{k}: raised {one_line(exc)}"], 0.0)
     label = dense_kernel_label(scratch_method)
     return ka.run_check("dense_fp8", label, problem.cases,
                         lambda inp: scratch_method.apply(layer, inp["x"].to(device=device, dtype=dtype)))
@@ -117,7 +118,7 @@ def check_moe_method(method, device: torch.device | str = "cpu") -> ka.KernelChe
                                         w4a8=bool(getattr(method, "w4a8", False)), **sizes)
     except Exception as exc:
         return ka.KernelCheckResult("moe_mxfp4", moe_kernel_label(method), False, float("inf"), 0.0,
-                                    [f"scratch experts: raised {type(exc).__name__}: {exc}"], 0.0)
+                                    [f"scratch experts: raised {one_line(exc)}"], 0.0)
     result.kernel = moe_kernel_label(scratch_method)  # with the decode path it built
     return result
 
@@ -136,7 +137,7 @@ def check_head_method(method, device: torch.device | str = "cpu") -> ka.KernelCh
                                                          kernel, out_dtype=out_dtype)
     except Exception as exc:
         return ka.KernelCheckResult("fp8_head", str(kernel), False, float("inf"), 0.0,
-                                    [f"scratch head: raised {type(exc).__name__}: {exc}"], 0.0)
+                                    [f"scratch head: raised {one_line(exc)}"], 0.0)
     return ka.run_check("fp8_head", str(kernel), problem.cases,
                         lambda inp: scratch_method.apply(None, inp["x"].to(device)))
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from vllm_ling.log import one_line
 from vllm_ling.ops.known_answer import KernelCheckResult, check_kda, skipped_result
 
 KDA_CPU_KERNEL = "plain-PyTorch KDA (vllm_ling.ops.kda: chunked prefill, recurrent decode)"
@@ -134,7 +135,7 @@ def report_section(target, draft) -> dict[str, Any]:
         results, seconds = timed_kernel_checks(target, draft)
     except Exception as exc:  # finding the kernels failed: the check fails, the server does not crash
         results = [KernelCheckResult(CHECK_NAME, "finding the serving kernels", False, float("inf"), 0.0,
-                                     [f"raised {type(exc).__name__}: {exc}"], 0.0)]
+                                     [f"raised {one_line(exc)}"], 0.0)]
         seconds = 0.0
     ok, line = summary(results)
     choice = last_choice()

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_ling.log import get_logger, log_once
+from vllm_ling.log import get_logger, log_once, one_line
 from vllm_ling.refusal import Refusal
 from vllm_ling.options import (Bf16Gemv, DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, RouterGemv,
                                VerifyPolicy, plugin_options, read)
@@ -457,17 +457,6 @@ def _gpu_arch() -> str | None:
         major, minor = torch.cuda.get_device_capability()
         return f"sm_{major}{minor}"
     return None
-
-
-def one_line(exc: BaseException, limit: int = 400) -> str:
-    """``Type: message`` on one line: a kernel's JIT build can put pages of compiler output in its
-    exception, and the refusal must stay one line (the whole text is in the DEBUG traceback)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    text = lines[0] if lines else ""
-    if len(lines) > 1:
-        text += f" ... {lines[-1]}" if len(lines) > 2 else f" {lines[-1]}"
-    text = f"{type(exc).__name__}: {text}"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def guarded(name: str, run: Callable[[], Check]) -> Check:

@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 import torch
 
+from vllm_ling.log import one_line
+
 
 @dataclasses.dataclass
 class KnownAnswerCase:
@@ -84,7 +86,7 @@ def run_check(name: str, kernel: str, cases: list[KnownAnswerCase],
                 torch.cuda.synchronize(out.device)
             err = _case_errors(case, out)
         except Exception as exc:  # a kernel that raises fails its check, named
-            failing.append(f"{case.label}: raised {type(exc).__name__}: {exc}")
+            failing.append(f"{case.label}: raised {one_line(exc)}")
             worst_ratio, max_error, tolerance = math.inf, math.inf, case.rtol
             continue
         case_max = float(err.max()) if err.numel() else 0.0
