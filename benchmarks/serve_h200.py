@@ -93,6 +93,15 @@ def copy_bandwidth() -> tuple[float | None, str]:
         return None, f"copy bandwidth not measured: {type(exc).__name__}: {exc}"
 
 
+def device_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except Exception as exc:  # the name is a label: the run goes on
+        return f"unknown ({type(exc).__name__})"
+
+
 def parse_startup(log: str) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for key, pattern in STARTUP_PATTERNS.items():
@@ -186,7 +195,9 @@ def run(args) -> int:
     log_path = logs / f"{name}.log"
     result: dict[str, Any] = {"name": name, "composition": args.composition, "mtp": args.mtp, "command": cmd,
                               "switches": {k: v for k, v in env.items() if k.startswith("VLLM_LING_")},
-                              "copy_gbs": copy_gbs, "copy_how": copy_how}
+                              "copy_gbs": copy_gbs, "copy_how": copy_how, "device": device_name(),
+                              "block_fp8_env": {k: os.environ.get(k) for k in (
+                                  "VLLM_USE_DEEP_GEMM", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER")}}
     t0 = time.perf_counter()
     try:
         server = start_server(cmd, env, log_path, port, timeout=args.startup_timeout)
@@ -257,10 +268,15 @@ def render(args) -> int:
     copy_gbs = statistics.median(copy) if copy else None
     plans = {c: plan_bytes(c) for c in sorted({c["context"] for r in runs for c in r.get("contexts", [])})}
     upstream = by_name.get("upstream")
-    lines = ["# Ling-3.0-flash served by real vLLM 0.32 + vllm-ling on the H200 (full-size, dummy weights)", "",
+    devices = sorted({r.get("device") or "unknown device" for r in runs})
+    lines = [f"# Ling-3.0-flash served by real vLLM 0.32 + vllm-ling on {', '.join(devices)} (full-size, dummy weights)",
+             "",
              f"Produced by `benchmarks/serve_h200.py` (`run` per composition, then `render`). Batch 1, CUDA graphs "
              f"and torch.compile, strict startup verification. Copy bandwidth measured in the same runs: "
              f"{copy_gbs:.0f} GB/s ({runs[0].get('copy_how')})." if copy_gbs else "Copy bandwidth not measured.", "",
+             "vLLM's block-FP8 selection environment in these runs: "
+             + ", ".join(f"{k}={v}" for k, v in (runs[0].get("block_fp8_env") or {}).items()) + " (unset: vLLM's default)."
+             if runs[0].get("block_fp8_env") else "", "",
              "Floor: `vllm-ling plan`'s bytes per step (FP8 head for ours, BF16 head for upstream; the verify "
              "window 4 tokens plus 3 draft steps for an MTP iteration) at the measured copy bandwidth.", "",
              "| composition | context | TPOT ms (1 token) | floor ms | TPOT / floor | fraction of copy bw | "

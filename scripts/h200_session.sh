@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# One command on the H200 device after `bash .gpuvllm/device-install.sh` (../shared/tools/device-vllm.sh):
-# the GPU work of a lease in parallel, every log under $OUT (read after the call).
+# One command on the GPU device (H100 or H200) after `bash .gpuvllm/device-install.sh`
+# (../shared/tools/device-vllm.sh): the GPU work of a lease, every log under $OUT (read after the call).
 #
-#   bash scripts/h200_session.sh serve-and-test   # full-size ours+MTP (measured once the rest is done),
-#                                                 # the tiny GPU end-to-end tests, the gpu test suite
-#   bash scripts/h200_session.sh measure          # full-size ours and upstream composition, one after
-#                                                 # the other, then the table
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh tests      # the gpu suite: the tiny `vllm-ling serve`
+#                                                             # end-to-end tests, make demo's program and
+#                                                             # the kernel tests, one process each, in parallel
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours       # full-size: vllm-ling defaults without MTP
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh upstream   # full-size: the upstream composition
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-mtp   # full-size: vllm-ling defaults (MTP x3)
 #
-# Each part has its own time limit inside the 10-minute call, so what finished comes back.
+# One full-size server per call (65 GiB of weights leave an 80 GB H100 room for one); each part has its
+# own time limit inside the 10-minute call, so what finished comes back. Run the phases back to back on
+# one machine (it is given back 30 s after a call): later starts reuse the Inductor cache that way.
 set -u
 phase=${1:?phase}
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 : "${OUT:?OUT}"
-out=/tmp/h200-run  # everything here; one archive back to $OUT at the end (the device returns 8 files)
+commit=${TREE_COMMIT:-}
+out=/tmp/gpu-run-$phase  # everything here; one archive back to $OUT at the end (the device returns 8 files)
 rm -rf "$out" && mkdir -p "$out/logs"
 # The device bundle (../shared/tools/device-vllm.sh) has no torchvision for torch 2.13 (vLLM's GPU wheel
 # depends on it, so users have it): vLLM 0.32's kernel warm-up imports its MiniMax-M3 warm-up module,
@@ -21,67 +26,75 @@ rm -rf "$out" && mkdir -p "$out/logs"
 python3 -c "import torchvision" 2>/dev/null ||
   printf 'def minimax_m3_msa_warmup(*args, **kwargs):\n    return None\n' \
     > /tmp/site/vllm/model_executor/warmup/minimax_m3_msa_warmup.py
+# Nor has it FlashInfer's prebuilt kernels (flashinfer-cubin): vLLM's FlashInfer block-scale FP8 GEMM
+# would JIT-build with nvcc inside the first start (minutes; it ran out a start-up limit in the last
+# lease). Off here: vLLM then picks DeepGEMM (loaded) or CUTLASS (DeepGEMM off) for block FP8.
+export VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0
+# Servers run in their own sessions, which outlive a command stopped at its limit: whatever holds the
+# GPU when a phase begins or ends is from this session's earlier work, and goes.
+free_gpu() {
+  nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
+  pkill -9 -f "vllm_ling.cli serve|vllm.entrypoints|VLLM::" 2>/dev/null
+  sleep 2
+}
+free_gpu
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)" > "$out/versions.txt" 2>&1
-quiet=/tmp/vllm-ling-quiet
+python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())" \
+  > "$out/versions.txt" 2>&1
 record() {  # suite, pytest log: a verified.csv row (brought back in run.tgz) from pytest's summary line
   local summary
   summary=$(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$2" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
-  python3 scripts/record_verified.py --suite "$1" --result "${summary:-no summary (stopped)}" --file "$out/verified.csv"
+  python3 scripts/record_verified.py --suite "$1" --result "${summary:-no summary (stopped)}" \
+    --file "$out/verified.csv" ${commit:+--commit "$commit"}
+}
+e2e=tests/deploy/test_serve_gpu_e2e.py
+pids=()
+part() {  # name, time limit (s), pytest arguments...: one pytest process in the background
+  local name=$1 limit=$2; shift 2
+  (timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider --basetemp "$out/pt-$name" "$@" \
+     > "$out/$name.log" 2>&1; echo "$name rc $?" >> "$out/rc.txt") &
+  pids+=($!)
 }
 case "$phase" in
-serve-and-test)
-  rm -f "$quiet"
-  # the full-size server first: vLLM's start-up check wants its GPU share free
-  timeout 560 python3 -m benchmarks.serve_h200 run --composition ours --mtp --json "$out/ours-mtp.json" \
-    --logs "$out/logs" --wait-for "$quiet" --wait-for-s 450 > "$out/ours-mtp.txt" 2>&1 &
-  fs=$!
-  sleep 30
-  # the tiny end-to-end tests in two processes (three servers each), and the rest of the gpu suite
-  (timeout 420 python3 -m pytest -q -rA -m gpu tests/deploy/test_serve_gpu_e2e.py --basetemp "$out/pt-a" \
-     -k "scripted or trap or accepts_its_drafts" > "$out/e2e-a.log" 2>&1; echo "e2e-a rc $?" >> "$out/rc.txt"
-   record gpu-e2e "$out/e2e-a.log"
-   # make demo's program with the GPU build (the install step needs a network)
-   timeout 150 python3 -m vllm_ling.cli.demo --out "$out/demo" > "$out/demo.log" 2>&1
+tests)
+  # Tiny models compile in seconds: one Inductor worker per server keeps 15 servers' host memory small.
+  # DeepGEMM stays loaded (vLLM's default); its JIT warm-up over every M is vLLM's default in one
+  # server (the agreeing checkpoint's) and skipped in the others (their few sizes JIT on first use).
+  export TORCHINDUCTOR_COMPILE_THREADS=1
+  VLLM_DEEP_GEMM_WARMUP=skip part scripted 540 "$e2e::test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs"
+  VLLM_DEEP_GEMM_WARMUP=skip part trap 540 "$e2e::test_weight_only_head_trap_is_refused_on_the_gpu"
+  part agreeing 540 "$e2e::test_agreeing_checkpoint_accepts_its_drafts_and_answers_right"
+  VLLM_DEEP_GEMM_WARMUP=skip part greedy-off 540 "$e2e" -k "greedy and speculation"
+  VLLM_DEEP_GEMM_WARMUP=skip part greedy-eager 540 "$e2e" -k "greedy and eager"
+  VLLM_DEEP_GEMM_WARMUP=skip part opt-out-each 540 "$e2e" -k "each_opt_out_alone"
+  VLLM_DEEP_GEMM_WARMUP=skip part opt-out-all 540 "$e2e" -k "every_opt_out_at_once"
+  (VLLM_DEEP_GEMM_WARMUP=skip timeout 400 python3 -m vllm_ling.cli.demo --out "$out/demo" > "$out/demo.log" 2>&1
    echo "demo rc $?" >> "$out/rc.txt") &
-  e2e_a=$!
-  timeout 420 python3 -m pytest -q -rA -m gpu tests/deploy/test_serve_gpu_e2e.py --basetemp "$out/pt-b" \
-    -k "greedy or opt_out" > "$out/e2e-b.log" 2>&1 &
-  e2e_b=$!
-  timeout 390 python3 -m pytest -q -rA -m gpu tests --ignore=tests/deploy/test_serve_gpu_e2e.py \
-    --ignore=tests/deploy/test_helm_chart.py --ignore=tests/deploy/test_ray_two_nodes.py \
-    --basetemp "$out/pt-suite" > "$out/gpu-suite.log" 2>&1
-  echo "gpu suite rc $?" >> "$out/rc.txt"
-  record gpu "$out/gpu-suite.log"
-  wait $e2e_a
-  wait $e2e_b; echo "e2e-b rc $?" >> "$out/rc.txt"
-  record gpu-e2e "$out/e2e-b.log"
-  touch "$quiet"
-  wait $fs; echo "ours-mtp rc $?" >> "$out/rc.txt"
+  pids+=($!)
+  part kernels-a 540 -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \
+    tests/ops/test_known_answer_gpu.py
+  part kernels-b 540 -m gpu tests/ops/moe tests/ops/lm_head tests/ops/test_humming_jit.py tests/benchmarks
+  wait "${pids[@]}"
+  for name in scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all; do record gpu-e2e:$name "$out/$name.log"; done
+  for name in kernels-a kernels-b; do record gpu:$name "$out/$name.log"; done
   ;;
-measure)
-  # both full-size servers start together (one compile each, in parallel) on a fixed small KV cache;
-  # ours is measured once both are healthy, upstream once ours has stopped: one server busy at a time
-  rm -f /tmp/h-ours /tmp/h-up /tmp/d-ours
-  common=(--gpu-memory-utilization 0.44 --kv-cache-gib 1 --vllm-arg=--max-num-batched-tokens --vllm-arg=2048)
-  timeout 520 python3 -m benchmarks.serve_h200 run --composition ours --json "$out/ours.json" --logs "$out/logs" \
-    "${common[@]}" --healthy-file /tmp/h-ours --wait-for /tmp/h-up --wait-for-s 400 --done-file /tmp/d-ours \
-    > "$out/ours.txt" 2>&1 &
-  p1=$!
-  sleep 20
-  timeout 520 python3 -m benchmarks.serve_h200 run --composition upstream --json "$out/upstream.json" \
-    --logs "$out/logs" "${common[@]}" --healthy-file /tmp/h-up --wait-for /tmp/d-ours --wait-for-s 480 \
-    > "$out/upstream.txt" 2>&1 &
-  p2=$!
-  wait $p1; echo "ours rc $?" >> "$out/rc.txt"
-  touch /tmp/d-ours
-  wait $p2; echo "upstream rc $?" >> "$out/rc.txt"
+ours|upstream|ours-mtp)
+  # vLLM's block-FP8 GEMM (the prefill path; the upstream composition's decode path too) without
+  # DeepGEMM: CUTLASS on the upcast scales, the path a DGX Spark (sm_121, no DeepGEMM) takes, and no
+  # DeepGEMM JIT warm-up in the start-up. The KV cache is fixed (one 32K request fits).
+  export VLLM_USE_DEEP_GEMM=0
+  composition=(--composition "${phase%-mtp}")
+  [ "$phase" = ours-mtp ] && composition+=(--mtp)
+  timeout 560 python3 -m benchmarks.serve_h200 run "${composition[@]}" --json "$OUT/$phase.json" \
+    --logs "$out/logs" --gpu-memory-utilization 0.5 --kv-cache-gib 4 --startup-timeout 480 \
+    --vllm-arg=--max-num-batched-tokens --vllm-arg=2048 > "$out/$phase.txt" 2>&1
+  echo "$phase rc $?" >> "$out/rc.txt"
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
+free_gpu
 # server logs and reports of the tests, not their checkpoints
-tar czf "$OUT/run.tgz" -C "$out" --exclude='*.safetensors' --exclude='*.bin' . 2>/dev/null
-cp "$out"/*.json "$OUT"/ 2>/dev/null
+tar czf "$OUT/run-$phase.tgz" -C "$out" --exclude='*.safetensors' --exclude='*.bin' . 2>/dev/null
 cat "$out/rc.txt"
-for f in "$out"/*.log; do echo "== $f"; grep -E "passed|failed|error" "$f" | tail -n 3; done
+for f in "$out"/*.log; do echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$f" | tail -n 6; done
 for f in "$out"/*.txt; do echo "== $f"; tail -n 4 "$f"; done

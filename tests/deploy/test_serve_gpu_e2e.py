@@ -13,16 +13,19 @@ the GPU with other jobs):
 - the agreeing checkpoint: accept length >= 3.5, its greedy output equal to the independent
   expectation (:func:`vllm_ling.models.agreeing_checkpoint.expected_continuation`) with speculation
   on, off, and in eager mode;
-- every opt-out switch at once (the upstream composition): it serves, verified, and the report says
-  which optimization is off.
+- each opt-out switch alone (one server per switch, started together) and every switch at once (the
+  upstream composition): each serves, verified, answers right, and the report says which optimization
+  is off;
+- vLLM's DeepGEMM loaded (its default) and off: the dense block-FP8 kernels each start serves are
+  printed from its report, and with DeepGEMM off the CUTLASS path runs on the upcast E8M0 scales.
 
-gpu marker: skipped without CUDA. On the H200 device (no vLLM in its image), after
-``../shared/tools/device-vllm.sh build`` here and the parts sent as its plan says, one command::
+gpu marker: skipped without CUDA. On the GPU device (H100/H200; no vLLM in its image), after
+``../shared/tools/device-vllm.sh build`` here and the parts sent as its plan says::
 
-    bash .gpuvllm/device-install.sh && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH &&
-    python3 -m pytest -q -m gpu tests/deploy/test_serve_gpu_e2e.py
+    bash .gpuvllm/device-install.sh && TREE_COMMIT=<sha> bash scripts/h200_session.sh tests
 
-(``make test-gpu`` runs it with the rest of the ``gpu`` suite; ``tests/README.md``.)
+runs these tests one process each, in parallel, with the rest of the ``gpu`` suite (``make test-gpu``
+runs the same set in one process; ``tests/README.md``).
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ def test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs(scripted, tmp_p
         assert requested >= {"moe_humming", "fp8_head", "dense_fp8_decode", "small_bf16_decode", "router_gemv",
                              "kda_merged_in_proj", "mtp"}, requested
         assert graphs_and_compile_ran(server.log())
+        print(f"scripted checkpoint on the GPU: dense block-FP8 kernels {dense_kernels(report)}")
         d0, a0 = spec_counters(server.base_url)
         r = requests.post(server.base_url + "/v1/chat/completions", timeout=600, json={
             "model": "tiny", "messages": [{"role": "user", "content": "How is the weather in Paris?"}],
@@ -166,6 +170,7 @@ def test_agreeing_checkpoint_accepts_its_drafts_and_answers_right(agreeing_defau
     report = json.loads(report_path.read_text())
     assert report["passed"] and report["optimizations"]["mtp"]["active"], report["checks"]
     assert graphs_and_compile_ran(server.log())
+    print(f"agreeing checkpoint on the GPU: dense block-FP8 kernels {dense_kernels(report)}")
     d0, a0 = spec_counters(server.base_url)
     tokens = complete(server.base_url)
     d1, a1 = spec_counters(server.base_url)
@@ -175,9 +180,17 @@ def test_agreeing_checkpoint_accepts_its_drafts_and_answers_right(agreeing_defau
     assert accept_length >= 3.5
 
 
+def dense_kernels(report: dict) -> dict[str, int]:
+    """The dense block-FP8 kernels the served layers run (label -> layer count), from the report."""
+    return ((report.get("kernel_checks") or {}).get("dense_fp8") or {}).get("kernels") or {}
+
+
 @pytest.mark.parametrize("name, env, vllm_args", [
+    # vLLM without DeepGEMM and FlashInfer's block-scale GEMM picks CUTLASS above 32 tokens, which
+    # reads float32 block scales only: the checkpoint's E8M0 scales upcast once (issue 32's crash).
     ("speculation off, humming's GEMM at every size, vLLM's DeepGEMM off",
-     {"VLLM_LING_MTP": "0", "VLLM_LING_MOE_DECODE": "off", "VLLM_USE_DEEP_GEMM": "0"}, []),
+     {"VLLM_LING_MTP": "0", "VLLM_LING_MOE_DECODE": "off", "VLLM_USE_DEEP_GEMM": "0",
+      "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}, []),
     ("eager mode (no CUDA graphs, no torch.compile)", {}, ["--enforce-eager"]),
 ])
 def test_greedy_output_is_the_same_without_speculation_and_in_eager_mode(agreeing, expected, tmp_path,
@@ -186,9 +199,69 @@ def test_greedy_output_is_the_same_without_speculation_and_in_eager_mode(agreein
     try:
         report = json.loads(report_path.read_text())
         assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+        print(f"{name}: dense block-FP8 kernels {dense_kernels(report)}")
+        if env.get("VLLM_USE_DEEP_GEMM") == "0":
+            assert any("upcast from E8M0" in k for k in dense_kernels(report)), dense_kernels(report)
         assert complete(server.base_url) == expected, name
     finally:
         stop(server)
+
+
+# Each opt-out switch alone -> the report entries it turns off (the rest stay active). The humming
+# decode kernels are humming's: vLLM's MoE method turns them off too.
+SWITCHED_OFF = {
+    "VLLM_LING_MOE_BACKEND": {"moe_humming", "moe_decode_kernels"},
+    "VLLM_LING_MOE_DECODE": {"moe_decode_kernels"},
+    "VLLM_LING_DENSE_FP8": {"dense_fp8_decode"},
+    "VLLM_LING_KDA_MERGED_PROJ": {"kda_merged_in_proj"},
+    "VLLM_LING_BF16_GEMV": {"small_bf16_decode"},
+    "VLLM_LING_ROUTER_GEMV": {"router_gemv"},
+    "VLLM_LING_FP8_HEAD": {"fp8_head"},
+    "VLLM_LING_MTP": {"mtp"},
+}
+
+
+def test_each_opt_out_alone_serves_verified_and_turns_off_only_its_optimization(agreeing, expected, tmp_path):
+    """One server per switch, all started at once (the tiny model leaves the GPU room): each passes
+    strict verification, answers the expected greedy tokens, and its report has exactly that
+    switch's optimizations off."""
+    from vllm_ling.options import upstream_composition
+    from vllm_ling.runtime.local_server import wait_healthy
+
+    switches = upstream_composition()
+    assert set(switches) == set(SWITCHED_OFF), "an opt-out switch without its expectation here"
+    started = {}
+    try:
+        for name, value in switches.items():
+            d = tmp_path / name.lower()
+            d.mkdir()
+            started[name] = serve(agreeing, d, env={name: value}, wait=False)
+        problems = {}
+        for name, (server, report_path) in started.items():
+            try:
+                wait_healthy(server)
+                report = json.loads(report_path.read_text())
+                opts = report["optimizations"]
+                off = {n for n, o in opts.items() if o["requested"] and not o["active"]}
+                not_requested = {n for n, o in opts.items() if not o["requested"]}
+                if not report["passed"]:
+                    problems[name] = ("verification failed", [c for c in report["checks"] if not c["passed"]])
+                elif off:
+                    problems[name] = ("requested but inactive", off)
+                elif not SWITCHED_OFF[name] <= not_requested:
+                    problems[name] = ("still requested", SWITCHED_OFF[name] - not_requested)
+                elif not_requested - SWITCHED_OFF[name]:
+                    problems[name] = ("also off", not_requested - SWITCHED_OFF[name])
+                elif complete(server.base_url) != expected:
+                    problems[name] = ("greedy output differs", None)
+                else:
+                    print(f"{name}={switches[name]}: verified, off: {sorted(not_requested)}")
+            except Exception as exc:  # one switch's failure is reported with the others'
+                problems[name] = (type(exc).__name__, str(exc)[-2000:])
+        assert not problems, problems
+    finally:
+        for server, _ in started.values():
+            stop(server)
 
 
 def test_every_opt_out_at_once_serves_verified_and_says_what_is_off(agreeing, expected, tmp_path):
