@@ -8,6 +8,8 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours       # full-size: vllm-ling defaults without MTP
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh upstream   # full-size: the upstream composition
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-mtp   # full-size: vllm-ling defaults (MTP x3)
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
+#                                                             # then upstream (a lease's last ten minutes)
 #
 # One full-size server per call (65 GiB of weights leave an 80 GB H100 room for one); each part has its
 # own time limit inside the 10-minute call, so what finished comes back. Run the phases back to back on
@@ -89,6 +91,30 @@ ours|upstream|ours-mtp)
     --logs "$out/logs" --gpu-memory-utilization 0.5 --kv-cache-gib 4 --startup-timeout 480 \
     --vllm-arg=--max-num-batched-tokens --vllm-arg=2048 > "$out/$phase.txt" 2>&1
   echo "$phase rc $?" >> "$out/rc.txt"
+  ;;
+short)
+  # One lease's last ten minutes: the tiny end-to-end essentials beside the full-size start, then the
+  # full-size measurements one server at a time (ours measures once the tiny servers are done).
+  export TORCHINDUCTOR_COMPILE_THREADS=1
+  quiet=/tmp/gpu-quiet-$$
+  (VLLM_DEEP_GEMM_WARMUP=skip part scripted 300 "$e2e::test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs"
+   part agreeing 300 "$e2e::test_agreeing_checkpoint_accepts_its_drafts_and_answers_right"
+   part greedy-off 300 "$e2e" -k "greedy and speculation"
+   wait "${pids[@]}"; touch "$quiet"
+   for name in scripted agreeing greedy-off; do record gpu-e2e:$name "$out/$name.log"; done) &
+  tiny=$!
+  start=$SECONDS
+  (unset TORCHINDUCTOR_COMPILE_THREADS; export VLLM_USE_DEEP_GEMM=0
+   timeout 330 python3 -m benchmarks.serve_h200 run --composition ours --json "$OUT/ours.json" --logs "$out/logs" \
+     --gpu-memory-utilization 0.5 --kv-cache-gib 4 --startup-timeout 280 --wait-for "$quiet" --wait-for-s 200 \
+     --vllm-arg=--max-num-batched-tokens --vllm-arg=2048 > "$out/ours.txt" 2>&1
+   echo "ours rc $?" >> "$out/rc.txt"
+   left=$((560 - (SECONDS - start)))
+   timeout "$left" python3 -m benchmarks.serve_h200 run --composition upstream --json "$OUT/upstream.json" \
+     --logs "$out/logs" --gpu-memory-utilization 0.5 --kv-cache-gib 4 --startup-timeout $((left - 45)) \
+     --repeats 2 --long-repeats 1 --vllm-arg=--max-num-batched-tokens --vllm-arg=2048 > "$out/upstream.txt" 2>&1
+   echo "upstream rc $?" >> "$out/rc.txt")
+  wait $tiny
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
