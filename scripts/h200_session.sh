@@ -25,6 +25,10 @@ rm -rf "$out" && mkdir -p "$out/logs"
 # depends on it, so users have it): vLLM 0.32's kernel warm-up imports its MiniMax-M3 warm-up module,
 # which imports torchvision, for every model. On this device only, that module is replaced by a no-op
 # (Ling has no MiniMax-M3 layer); a torchvision stub instead makes transformers import torchvision.io.
+# Better, vLLM's own pin carried beside the bundle (a second warm-up, Qwen-VL's, imports it through
+# transformers too): `pip download --no-deps torchvision==0.28.0 -d .gpuvllm/tv` here, carried.
+ls .gpuvllm/tv/torchvision-*.whl >/dev/null 2>&1 && ! python3 -c "import torchvision" 2>/dev/null &&
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpuvllm/tv/*.whl
 python3 -c "import torchvision" 2>/dev/null ||
   printf 'def minimax_m3_msa_warmup(*args, **kwargs):\n    return None\n' \
     > /tmp/site/vllm/model_executor/warmup/minimax_m3_msa_warmup.py
