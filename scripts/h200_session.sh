@@ -54,6 +54,10 @@ record() {  # suite, pytest log: a verified.csv row (brought back in run.tgz) fr
     --file "$out/verified.csv" ${commit:+--commit "$commit"}
 }
 e2e=tests/deploy/test_serve_gpu_e2e.py
+# A full-size server's settings, every phase alike: a fixed KV cache (one 32K request fits) and
+# 2048-token prefill chunks; the start check's share stays small (the cache is not profiled).
+full_size=(--logs "$out/logs" --gpu-memory-utilization 0.5 --kv-cache-gib 4
+           --vllm-arg=--max-num-batched-tokens --vllm-arg=2048)
 pids=()
 part() {  # name, time limit (s), pytest arguments...: one pytest process in the background
   local name=$1 limit=$2; shift 2
@@ -87,13 +91,12 @@ tests)
 ours|upstream|ours-mtp)
   # vLLM's block-FP8 GEMM (the prefill path; the upstream composition's decode path too) without
   # DeepGEMM: CUTLASS on the upcast scales, the path a DGX Spark (sm_121, no DeepGEMM) takes, and no
-  # DeepGEMM JIT warm-up in the start-up. The KV cache is fixed (one 32K request fits).
+  # DeepGEMM JIT warm-up in the start-up.
   export VLLM_USE_DEEP_GEMM=0
   composition=(--composition "${phase%-mtp}")
   [ "$phase" = ours-mtp ] && composition+=(--mtp)
   timeout 560 python3 -m benchmarks.serve_h200 run "${composition[@]}" --json "$OUT/$phase.json" \
-    --logs "$out/logs" --gpu-memory-utilization 0.5 --kv-cache-gib 4 --startup-timeout 480 \
-    --vllm-arg=--max-num-batched-tokens --vllm-arg=2048 > "$out/$phase.txt" 2>&1
+    "${full_size[@]}" --startup-timeout 480 > "$out/$phase.txt" 2>&1
   echo "$phase rc $?" >> "$out/rc.txt"
   ;;
 short)
@@ -109,14 +112,12 @@ short)
   tiny=$!
   start=$SECONDS
   (unset TORCHINDUCTOR_COMPILE_THREADS; export VLLM_USE_DEEP_GEMM=0
-   timeout 330 python3 -m benchmarks.serve_h200 run --composition ours --json "$OUT/ours.json" --logs "$out/logs" \
-     --gpu-memory-utilization 0.5 --kv-cache-gib 4 --startup-timeout 280 --wait-for "$quiet" --wait-for-s 200 \
-     --vllm-arg=--max-num-batched-tokens --vllm-arg=2048 > "$out/ours.txt" 2>&1
+   timeout 330 python3 -m benchmarks.serve_h200 run --composition ours --json "$OUT/ours.json" "${full_size[@]}" \
+     --startup-timeout 280 --wait-for "$quiet" --wait-for-s 200 > "$out/ours.txt" 2>&1
    echo "ours rc $?" >> "$out/rc.txt"
    left=$((560 - (SECONDS - start)))
    timeout "$left" python3 -m benchmarks.serve_h200 run --composition upstream --json "$OUT/upstream.json" \
-     --logs "$out/logs" --gpu-memory-utilization 0.5 --kv-cache-gib 4 --startup-timeout $((left - 45)) \
-     --repeats 2 --long-repeats 1 --vllm-arg=--max-num-batched-tokens --vllm-arg=2048 > "$out/upstream.txt" 2>&1
+     "${full_size[@]}" --startup-timeout $((left - 45)) --repeats 2 --long-repeats 1 > "$out/upstream.txt" 2>&1
    echo "upstream rc $?" >> "$out/rc.txt")
   wait $tiny
   ;;

@@ -94,6 +94,11 @@ def graphs_and_compile_ran(log: str) -> bool:
     return compiled and "Graph capturing finished" in log
 
 
+def dense_kernels(report: dict) -> dict[str, int]:
+    """The dense block-FP8 kernels the served layers run (label -> layer count), from the report."""
+    return ((report.get("kernel_checks") or {}).get("dense_fp8") or {}).get("kernels") or {}
+
+
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory) -> Path:
     from vllm_ling.models.scripted_checkpoint import EXAMPLE_SCRIPT
@@ -178,11 +183,6 @@ def test_agreeing_checkpoint_accepts_its_drafts_and_answers_right(agreeing_defau
     accept_length = 1 + (a1 - a0) / (d1 - d0)
     print(f"agreeing checkpoint on the GPU: accept length {accept_length:.2f} over {d1 - d0:.0f} drafts")
     assert accept_length >= 3.5
-
-
-def dense_kernels(report: dict) -> dict[str, int]:
-    """The dense block-FP8 kernels the served layers run (label -> layer count), from the report."""
-    return ((report.get("kernel_checks") or {}).get("dense_fp8") or {}).get("kernels") or {}
 
 
 @pytest.mark.parametrize("name, env, vllm_args", [
