@@ -226,6 +226,27 @@ PATCHES: tuple[Patch, ...] = (
         delete_when="`get_config` stops retrying a config class's ValueError (the check then "
                     "goes back into `LingHybridConfig`)",
     ),
+    Patch(
+        id="P10", slug="drain-timeout-ends-streams",
+        module="vllm_ling.patches.p10_drain_ends_streams",
+        targets=("vllm.v1.engine.async_llm:AsyncLLM.shutdown",),
+        upstream_sha256={
+            "vllm.v1.engine.async_llm:AsyncLLM.shutdown":
+                "bdbf42b739a6731d6553b015cc04bd2abeb907b5d0ae42ef19e75497f4b3745d",
+            "vllm.v1.engine.async_llm:AsyncLLM.generate":
+                "5bd0ee90459b0e29348891b03548cdc31eef8c9218b3c416d5df4e5e14d1bca2",
+            "vllm.v1.engine.output_processor:OutputProcessor.propagate_error":
+                "7acce6170d1783dd81861355760c619ecb670ed9ee920e969f6743764415c760",
+        },
+        stage=Stage.REGISTER, condition="every process (acts in the API server)",
+        why="requests still running when `--shutdown-timeout` ends the drain get an error "
+            "(their stream's error event and `[DONE]`, HTTP 503): vLLM kills the EngineCore and "
+            "cancels the output handler without ending them, so their streams hung, uvicorn waited "
+            "for those connections forever and the API server never exited (killed, exit 137)",
+        upstream="the drain mode of vLLM's shutdown timeout (vllm#34730) aborts nothing at the "
+                 "deadline",
+        delete_when="vLLM ends unfinished requests when the drain deadline passes",
+    ),
 )
 
 
@@ -317,6 +338,10 @@ UPSTREAM_FILE_SHA256: dict[str, str] = {
         "b81c306cd33d1d6ebad2968a324868684b565c8c27469217999aac3a0b120061",
     "vllm.config.model":
         "04ca37ea1d50128a7ddede30e7baa4e0a56bccec85091577a2c81c5de1a8fab8",
+    "vllm.v1.engine.async_llm":
+        "3491dde64ef226b9f65e4341c944615cf6ebd23de3210293dc66767c4c18365c",
+    "vllm.v1.engine.output_processor":
+        "e78c5af6b0db10c93f19af359d4cb003a82f7ddfde1ae2c58084a53a56d0adb4",
 }
 
 
