@@ -16,8 +16,6 @@ Registry record: ``registry.PATCHES``.
 
 from __future__ import annotations
 
-import logging
-
 from vllm_ling.log import get_logger
 
 logger = get_logger("shutdown")
@@ -84,8 +82,7 @@ def apply() -> None:
         try:
             end_unfinished(self, handler.get_loop() if handler is not None else None, timeout)
         except Exception:  # shutdown must finish whatever happens here
-            logger.log(logging.WARNING, "could not end the requests still running at shutdown",
-                       exc_info=True)
+            logger.warning("could not end the requests still running at shutdown", exc_info=True)
 
     shutdown.__wrapped__ = original
     setattr(shutdown, _MARK, True)
