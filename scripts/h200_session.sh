@@ -8,6 +8,7 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours       # full-size: vllm-ling defaults without MTP
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh upstream   # full-size: the upstream composition
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-mtp   # full-size: vllm-ling defaults (MTP x3)
+#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp     # those tiny end-to-end tests beside it first
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
 #
@@ -59,6 +60,19 @@ e2e=tests/deploy/test_serve_gpu_e2e.py
 full_size=(--logs "$out/logs" --gpu-memory-utilization 0.5 --kv-cache-gib 4
            --vllm-arg=--max-num-batched-tokens --vllm-arg=2048)
 pids=()
+tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its short name
+  local name=$1 limit=$2
+  case "$name" in
+  scripted) VLLM_DEEP_GEMM_WARMUP=skip part scripted "$limit" "$e2e::test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs" ;;
+  trap) VLLM_DEEP_GEMM_WARMUP=skip part trap "$limit" "$e2e::test_weight_only_head_trap_is_refused_on_the_gpu" ;;
+  agreeing) part agreeing "$limit" "$e2e::test_agreeing_checkpoint_accepts_its_drafts_and_answers_right" ;;
+  greedy-off) VLLM_DEEP_GEMM_WARMUP=skip part greedy-off "$limit" "$e2e" -k "greedy and speculation" ;;
+  greedy-eager) VLLM_DEEP_GEMM_WARMUP=skip part greedy-eager "$limit" "$e2e" -k "greedy and eager" ;;
+  opt-out-each) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-each "$limit" "$e2e" -k "each_opt_out_alone" ;;
+  opt-out-all) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-all "$limit" "$e2e" -k "every_opt_out_at_once" ;;
+  *) echo "unknown tiny test $name" >&2 ;;
+  esac
+}
 part() {  # name, time limit (s), pytest arguments...: one pytest process in the background
   local name=$1 limit=$2; shift 2
   (timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider --basetemp "$out/pt-$name" "$@" \
@@ -71,13 +85,7 @@ tests)
   # DeepGEMM stays loaded (vLLM's default); its JIT warm-up over every M is vLLM's default in one
   # server (the agreeing checkpoint's) and skipped in the others (their few sizes JIT on first use).
   export TORCHINDUCTOR_COMPILE_THREADS=1
-  VLLM_DEEP_GEMM_WARMUP=skip part scripted 540 "$e2e::test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs"
-  VLLM_DEEP_GEMM_WARMUP=skip part trap 540 "$e2e::test_weight_only_head_trap_is_refused_on_the_gpu"
-  part agreeing 540 "$e2e::test_agreeing_checkpoint_accepts_its_drafts_and_answers_right"
-  VLLM_DEEP_GEMM_WARMUP=skip part greedy-off 540 "$e2e" -k "greedy and speculation"
-  VLLM_DEEP_GEMM_WARMUP=skip part greedy-eager 540 "$e2e" -k "greedy and eager"
-  VLLM_DEEP_GEMM_WARMUP=skip part opt-out-each 540 "$e2e" -k "each_opt_out_alone"
-  VLLM_DEEP_GEMM_WARMUP=skip part opt-out-all 540 "$e2e" -k "every_opt_out_at_once"
+  for name in scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all; do tiny_test "$name" 540; done
   (VLLM_DEEP_GEMM_WARMUP=skip timeout 400 python3 -m vllm_ling.cli.demo --out "$out/demo" > "$out/demo.log" 2>&1
    echo "demo rc $?" >> "$out/rc.txt") &
   pids+=($!)
@@ -89,24 +97,34 @@ tests)
   for name in kernels-a kernels-b; do record gpu:$name "$out/$name.log"; done
   ;;
 ours|upstream|ours-mtp)
+  # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
+  # full-size start, which measures only once they are done (the timings stay that server's own).
+  wait_for=()
+  if [ -n "${WITH_TESTS:-}" ]; then
+    quiet=/tmp/gpu-quiet-$phase
+    (export TORCHINDUCTOR_COMPILE_THREADS=1
+     for name in $WITH_TESTS; do tiny_test "$name" 420; done
+     wait "${pids[@]}"; touch "$quiet"
+     for name in $WITH_TESTS; do record gpu-e2e:$name "$out/$name.log"; done) &
+    tiny=$!
+    wait_for=(--wait-for "$quiet" --wait-for-s 420)
+  fi
   # vLLM's block-FP8 GEMM (the prefill path; the upstream composition's decode path too) without
   # DeepGEMM: CUTLASS on the upcast scales, the path a DGX Spark (sm_121, no DeepGEMM) takes, and no
   # DeepGEMM JIT warm-up in the start-up.
-  export VLLM_USE_DEEP_GEMM=0
   composition=(--composition "${phase%-mtp}")
   [ "$phase" = ours-mtp ] && composition+=(--mtp)
-  timeout 560 python3 -m benchmarks.serve_h200 run "${composition[@]}" --json "$OUT/$phase.json" \
-    "${full_size[@]}" --startup-timeout 480 > "$out/$phase.txt" 2>&1
+  VLLM_USE_DEEP_GEMM=0 timeout 560 python3 -m benchmarks.serve_h200 run "${composition[@]}" \
+    --json "$OUT/$phase.json" "${full_size[@]}" --startup-timeout 480 "${wait_for[@]}" > "$out/$phase.txt" 2>&1
   echo "$phase rc $?" >> "$out/rc.txt"
+  [ -n "${WITH_TESTS:-}" ] && wait $tiny
   ;;
 short)
   # One lease's last ten minutes: the tiny end-to-end essentials beside the full-size start, then the
   # full-size measurements one server at a time (ours measures once the tiny servers are done).
   export TORCHINDUCTOR_COMPILE_THREADS=1
   quiet=/tmp/gpu-quiet-$$
-  (VLLM_DEEP_GEMM_WARMUP=skip part scripted 300 "$e2e::test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs"
-   part agreeing 300 "$e2e::test_agreeing_checkpoint_accepts_its_drafts_and_answers_right"
-   part greedy-off 300 "$e2e" -k "greedy and speculation"
+  (for name in scripted agreeing greedy-off; do tiny_test "$name" 300; done
    wait "${pids[@]}"; touch "$quiet"
    for name in scripted agreeing greedy-off; do record gpu-e2e:$name "$out/$name.log"; done) &
   tiny=$!
