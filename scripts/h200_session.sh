@@ -37,6 +37,10 @@ python3 -c "import torchvision" 2>/dev/null ||
 # would JIT-build with nvcc inside the first start (minutes; it ran out a start-up limit in the last
 # lease). Off here: vLLM then picks DeepGEMM (loaded) or CUTLASS (DeepGEMM off) for block FP8.
 export VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0
+# Likewise its sampling kernels: vLLM's warm-up samples, and FlashInfer's top-k/top-p sampler JIT-built
+# for minutes there (a fresh full-size start ran out of its 480 s in that build). The benchmarks and
+# tests decode greedily; vLLM's PyTorch sampler serves them the same.
+export VLLM_USE_FLASHINFER_SAMPLER=0
 # Servers run in their own sessions, which outlive a command stopped at its limit: whatever holds the
 # GPU when a phase begins or ends is from this session's earlier work, and goes.
 free_gpu() {

@@ -20,6 +20,8 @@ Registry record: ``registry.PATCHES``.
 
 from __future__ import annotations
 
+import sys
+
 from vllm_ling.log import get_logger
 
 logger = get_logger("shutdown")
@@ -114,6 +116,8 @@ def apply() -> None:
     original = async_llm.shutdown
 
     def shutdown(self, timeout: float | None = None) -> None:
+        if sys.is_finalizing():  # AsyncLLM.__del__ at interpreter exit: no request is left to answer
+            return original(self, timeout=timeout)
         handler = getattr(self, "output_handler", None)
         processor = getattr(self, "output_processor", None)
         try:
