@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# vLLM inspects each registered model class in a fresh Python process (about 9 s on a 2-core
+# runner, twice per server: target and draft) unless VLLM_CACHE_ROOT's modelinfo cache holds it.
+# One cache for every vLLM process this session starts; tests that set XDG_CACHE_HOME keep it.
+_SESSION_VLLM_CACHE = None
+if "VLLM_CACHE_ROOT" not in os.environ:
+    _SESSION_VLLM_CACHE = tempfile.mkdtemp(prefix="vllm-ling-tests-vllm-cache-")
+    os.environ["VLLM_CACHE_ROOT"] = _SESSION_VLLM_CACHE
+
+
+def pytest_unconfigure(config):
+    if _SESSION_VLLM_CACHE:
+        shutil.rmtree(_SESSION_VLLM_CACHE, ignore_errors=True)
 
 
 def _has_cuda() -> bool:
