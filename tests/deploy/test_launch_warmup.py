@@ -210,8 +210,10 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     """For each option combination, warmup's kernel set equals what the server's quantization
     config builds from the same environment (its real selection code, on a pretend GPU where
     humming is available): MoE method on/off with its W4A8/decode switches, FP8 head on/off."""
-    from vllm_ling.layers import moe_method, quant_config
-    from vllm_ling.options import LingOptions
+    from vllm_ling.layers import moe_method
+    from vllm_ling.ops.moe.selection import MoePath
+    from vllm_ling.options import LingOptions, MoeDecode
+    from vllm_ling.selection import Feature, recorded
 
     for name in list(env) + ["VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_BACKEND",
                              "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8",
@@ -230,12 +232,13 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     layer = types.SimpleNamespace(moe_config=types.SimpleNamespace(
         moe_backend="auto", hidden_dim=2560, intermediate_size_per_partition=768))
     options = LingOptions.from_env()
-    method = moe_method.choose_moe_method(layer, "model.layers.3.mlp.experts", **quant_config.moe_method_kwargs(options))
-    assert plan.moe == (method is not None)
-    if method is not None:
-        server = {"w4a8": method.w4a8, "decode": method.decode,
-                  "decode_max_tokens": 0 if method.decode == "off" else method.decode_max_tokens}
-        assert plan.moe_kwargs() == server
+    method = moe_method.choose_moe_method(layer, "model.layers.3.mlp.experts", options)
+    server = recorded(layer, Feature.MOE)  # what the layer recorded, the same selector as warm-up's
+    assert plan.moe == (method is not None) == (server.choice is MoePath.HUMMING)
+    assert plan.moe_selection.kernel_kwargs() == server.kernel_kwargs()
+    if method is not None:  # the method serves the recorded switches
+        assert (method.w4a8, method.decode, method.decode_max_tokens) == (
+            options.moe_w4a8, options.moe_decode, 0 if options.moe_decode is MoeDecode.OFF else options.moe_decode_max_tokens)
     assert plan.head == options.fp8_head
     # the dense FP8 group follows the server's switch, on every decode shape of the model
     assert plan.dense == (options.dense_fp8.value == "ling") and len(plan.dense_shapes) == 9

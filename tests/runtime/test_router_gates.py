@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from vllm_ling.options import LingOptions, RouterGemv  # noqa: E402
 
-CUDA = {"platform": "cuda", "moe_backend": "reference", "router_gemv": True}  # (the MoE check is not tested here)
+CUDA = {"platform": "cuda", "router_gemv": True}  # (the MoE check is not tested here)
 GATES = 5  # the tiny model: 4 MoE layers + the NEXTN layer
 
 

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_ling.options import LingOptions  # noqa: E402
+from vllm_ling.options import LingOptions, MoeDecode  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -64,31 +64,96 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
     jsonschema.validate(report, REPORT_JSON_SCHEMA)
 
 
-def test_cuda_expectations_require_humming_on_every_layer(loaded_tiny_models, monkeypatch):
+@contextlib.contextmanager
+def moe_selected(models, selection):
+    """Every routed-expert layer records ``selection`` (as the quant config would have)."""
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
-    from vllm_ling.layers.moe_method import HUMMING, LingMxfp4MoEMethod
+    from vllm_ling.selection import SELECTIONS_ATTR, Feature
 
-    cuda = {"platform": "cuda", "moe_backend": "humming"}
-    report = _report(loaded_tiny_models, cuda)
-    check = _check(report, "moe_layers")
-    assert not check["passed"]
-    assert check["expected"] == "5 x humming (4 target MoE + 1 NEXTN)"
-    assert check["actual"].startswith(
-        "5 x reference; not humming: ['target.model.layers.2.mlp.experts.routed_experts'")
-    _, target, draft = loaded_tiny_models
+    _, target, draft = models
     with contextlib.ExitStack() as stack:
         for model in (target, draft):
-            for _, m in model.named_modules():
+            for m in model.modules():
                 if isinstance(m, RoutedExperts):
-                    stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(m.moe_config, HUMMING)))
-        assert _check(_report(loaded_tiny_models, cuda), "moe_layers")["passed"]
+                    stack.enter_context(swapped(m, SELECTIONS_ATTR, {Feature.MOE: selection}))
+        yield
+
+
+def _humming_selection():
+    from vllm_ling.ops.moe.selection import MoePath, MoeSelection
+    from vllm_ling.selection import Feature
+
+    return MoeSelection(Feature.MOE, MoePath.HUMMING, "CUDA, humming runs", decode=MoeDecode.AUTO, decode_max_tokens=32)
+
+
+def test_a_layer_serving_other_than_its_selection_fails(loaded_tiny_models):
+    """The planted divergence: the layers record humming while their methods serve the reference;
+    verification reads the recorded selection and fails naming the layers. Once the methods serve
+    the recorded selection, it passes."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
+
+    humming = _humming_selection()
+    with moe_selected(loaded_tiny_models, humming):
+        report = _report(loaded_tiny_models, {"platform": "cuda"})
+        check = _check(report, "moe_layers")
+        assert not check["passed"] and not report["passed"]
+        assert check["expected"] == "5 x humming (4 target MoE + 1 NEXTN), as selected"
+        assert check["actual"].startswith(
+            "5 x reference; not the recorded selection: ['target.model.layers.2.mlp.experts.routed_experts "
+            "(selected humming, serves reference)'")
+        assert report["moe_backend"] == "humming" and report["optimizations"]["moe_humming"]["requested"]
+        assert not report["optimizations"]["moe_humming"]["active"]
+        _, target, draft = loaded_tiny_models
+        with contextlib.ExitStack() as stack:
+            for model in (target, draft):
+                for _, m in model.named_modules():
+                    if isinstance(m, RoutedExperts):
+                        stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(m.moe_config, humming)))
+            assert _check(_report(loaded_tiny_models, {"platform": "cuda"}), "moe_layers")["passed"]
+
+
+def test_a_layer_with_other_kernel_switches_than_selected_fails(loaded_tiny_models):
+    """Same backend, different decode mode: the switches are part of what was selected."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
+
+    humming = _humming_selection()
+    _, target, _ = loaded_tiny_models
+    layer = next(m for m in target.modules() if isinstance(m, RoutedExperts))
+    off = dataclasses.replace(humming, decode=MoeDecode.OFF, decode_max_tokens=0)
+    with moe_selected(loaded_tiny_models, humming), contextlib.ExitStack() as stack:
+        _, target, draft = loaded_tiny_models
+        for model in (target, draft):
+            for m in model.modules():
+                if isinstance(m, RoutedExperts):
+                    stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(
+                        m.moe_config, off if m is layer else humming)))
+        check = _check(_report(loaded_tiny_models, {"platform": "cuda"}), "moe_layers")
+    assert not check["passed"]
+    assert "not the recorded selection: ['target.model.layers.2.mlp.experts.routed_experts" in check["actual"]
+
+
+def test_a_layer_without_a_recorded_selection_fails(loaded_tiny_models):
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    from vllm_ling.selection import SELECTIONS_ATTR
+
+    _, _, draft = loaded_tiny_models
+    layer = next(m for m in draft.modules() if isinstance(m, RoutedExperts))
+    with swapped(layer, SELECTIONS_ATTR, {}):
+        check = _check(_report(loaded_tiny_models), "moe_layers")
+    assert not check["passed"]
+    assert check["actual"] == "5 x reference; no selection recorded: ['draft.model.layers.6.mlp.experts.routed_experts']"
 
 
 def test_requested_dense_fp8_needs_every_eligible_linear_on_the_kernel(loaded_tiny_models):
     # the CPU-loaded model runs the CPU reference, so asking for the CUDA W8A16 path must fail
     # and say how many block-FP8 linears it found on the kernel
-    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "dense_fp8": True})
+    report = _report(loaded_tiny_models, {"platform": "cuda", "dense_fp8": True})
     check = _check(report, "dense_fp8_layers")
     assert not check["passed"] and check["actual"].startswith("0 of ")
     assert report["optimizations"]["dense_fp8_decode"] == {"requested": True, "active": False,
@@ -107,8 +172,8 @@ def test_non_humming_moe_layer_is_named(loaded_tiny_models):
     with swapped(layer, "quant_method", vllm_method):
         check = _check(_report(loaded_tiny_models), "moe_layers")
     assert not check["passed"]
-    assert check["actual"] == ("4 x reference, 1 x vllm:UnquantizedFusedMoEMethod; not reference: "
-                               "['draft.model.layers.6.mlp.experts.routed_experts']")
+    assert check["actual"] == ("4 x reference, 1 x vllm:UnquantizedFusedMoEMethod; not the recorded selection: "
+                               "['draft.model.layers.6.mlp.experts.routed_experts (selected reference, serves vllm:UnquantizedFusedMoEMethod)']")
 
 
 def test_bf16_head_fails_the_fp8_head_check(loaded_tiny_models):
@@ -199,8 +264,8 @@ def test_strict_raises_with_every_failed_check_and_its_fix(loaded_tiny_models):
 def test_warn_logs_each_failed_check_and_off_is_silent(loaded_tiny_models, caplog):
     from vllm_ling.runtime.verification import enforce_policy
 
-    report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True,
-                                          "platform": "cuda", "moe_backend": "humming"})
+    with moe_selected(loaded_tiny_models, _humming_selection()):
+        report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True, "platform": "cuda"})
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
         enforce_policy(report, "warn")
         enforce_policy(report, "off")
@@ -379,14 +444,14 @@ def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_model
     exp = Expectations.from_runtime(vllm_config, LingOptions())
     config = vllm_config.model_config.hf_config
     n = config.num_hidden_layers
-    whole = check_moe_layers(target, draft, exp, config, Stage(0, 1, 0, n))
+    whole = check_moe_layers(target, draft, config, Stage(0, 1, 0, n))
     assert whole.passed and "pipeline" not in whole.expected
     # the full model measured against a later stage's range: the stage's count is expected
-    later = check_moe_layers(target, None, exp, config, Stage(1, 2, n // 2, n))
+    later = check_moe_layers(target, None, config, Stage(1, 2, n // 2, n))
     stage_moe = sum(1 for i in range(n // 2, n) if i >= config.first_k_dense_replace)
     assert not later.passed
     assert later.expected == f"{stage_moe} x reference ({stage_moe} target MoE + 0 NEXTN on pipeline stage 1 of 2 " \
-                             f"(layers {n // 2}..{n - 1}))"
+                             f"(layers {n // 2}..{n - 1})), as selected"
     with swapped(target, "lm_head", PPMissingLayer()):
         first = check_head(target, exp, Stage(0, 2, 0, n // 2))
         assert first.passed and first.expected.startswith("no head on pipeline stage 0 of 2")
@@ -441,7 +506,7 @@ def test_unmerged_kda_layers_pass_with_their_reason_but_are_not_active(loaded_ti
 def test_requested_small_gemv_needs_the_unquantized_linears_on_it(loaded_tiny_models):
     # the CPU-loaded model keeps vLLM's GEMM for b_proj / g_proj, so asking for the CUDA small
     # GEMV must fail and say what it found; not requested (CPU) it passes and reports inactive
-    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "small_bf16": True})
+    report = _report(loaded_tiny_models, {"platform": "cuda", "small_bf16": True})
     check = _check(report, "small_bf16_layers")
     assert not check["passed"] and check["actual"].startswith("0 of ")
     assert report["optimizations"]["small_bf16_decode"] == {"requested": True, "active": False,
@@ -461,7 +526,7 @@ def test_small_gemv_fallback_is_reported_not_fatal(loaded_tiny_models, monkeypat
                                   ling_small_gemv_reason="weight dtype torch.float16 is not BF16")
     planted = [("target.model.layers.0.self_attn.b_proj", layer)]
     monkeypatch.setattr(V, "_small_bf16_layers", lambda target, draft: (planted, planted, []))
-    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "small_bf16": True})
+    report = _report(loaded_tiny_models, {"platform": "cuda", "small_bf16": True})
     check = _check(report, "small_bf16_layers")
     assert check["passed"] and "0 of 1" in check["actual"] and "float16 is not BF16" in check["actual"]
     entry = report["optimizations"]["small_bf16_decode"]
@@ -494,7 +559,7 @@ def test_small_gemv_known_answer_runs_every_launch_shape(loaded_tiny_models, mon
     monkeypatch.setattr(UnquantizedLinearMethod, "apply", lambda self, layer, x, bias=None: F.linear(x, layer.weight))
     planted = [("target.model.layers.0.self_attn.b_proj", layer)]
     monkeypatch.setattr(V, "_small_bf16_layers", lambda target, draft: (planted, planted, planted))
-    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "small_bf16": True})
+    report = _report(loaded_tiny_models, {"platform": "cuda", "small_bf16": True})
     check = _check(report, "small_bf16_layers")
     assert tuple(seen) == launch_row_counts(32, BF16_MAX_ROWS)
     assert check["passed"] is (wrong_from_rows is None), check["actual"]

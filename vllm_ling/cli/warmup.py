@@ -26,8 +26,9 @@ from typing import Mapping
 from vllm_ling.cli.serve import (DEFAULT_MODEL, EXIT_USAGE, LaunchError, check_model_dir, read_model_config,
                                  read_option, resolve_device, resolve_model)
 from vllm_ling.models.dense_linears import distinct_decode_shapes
-from vllm_ling.options import (Bf16Gemv, DenseFp8, LingOptionError, LingOptions, MoeBackend, MoeDecode, RouterGemv,
-                               warmup_options)
+from vllm_ling.ops.moe.selection import HummingUnavailable, MoePath, MoeSelection, MoeShape, select_moe
+from vllm_ling.options import Bf16Gemv, DenseFp8, LingOptionError, LingOptions, RouterGemv, warmup_options
+from vllm_ling.selection import Platform
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
 EXIT_KERNEL_FAILED = 5  # a kernel group failed to build or run, or computed wrong numbers
@@ -105,9 +106,15 @@ class WarmupPlan:
     dense_shapes: tuple[tuple[int, int], ...] = ()  # block-FP8 dense linears per rank (N, K)
 
     @property
+    def moe_selection(self) -> MoeSelection:
+        """The server's MoE selection for these shapes on a GPU (humming's availability is what
+        building the kernels proves, so it is assumed here)."""
+        return select_moe(self.options, Platform.CUDA, MoeShape(self.shapes.hidden_size, self.shapes.intermediate_size),
+                          "the routed experts", humming_status=_checked_by_building)
+
+    @property
     def moe(self) -> bool:
-        """The server runs humming's MoE (our method) unless the user opted out."""
-        return self.options.moe_backend is MoeBackend.HUMMING
+        return self.moe_selection.choice is MoePath.HUMMING
 
     @property
     def head(self) -> bool:
@@ -142,17 +149,11 @@ class WarmupPlan:
 
         return shape_problems(self.shapes.bf16_linear_rows, self.shapes.hidden_size, torch.bfloat16)
 
-    def moe_kwargs(self) -> dict:
-        """Exactly the kernel switches the server's MoE method gets (layers.quant_config)."""
-        decode = self.options.moe_decode
-        return {"w4a8": self.options.moe_w4a8, "decode": decode,
-                "decode_max_tokens": 0 if decode is MoeDecode.OFF else self.options.moe_decode_max_tokens}
-
     def describe(self) -> str:
         s = self.shapes
-        moe = (f"MoE {'W4A8' if self.options.moe_w4a8 else 'W4A16'}, decode {self.options.moe_decode}"
-               f" (<= {self.options.moe_decode_max_tokens} tokens)" if self.moe
-               else "MoE skipped (VLLM_LING_MOE_BACKEND=vllm: vLLM's backend serves)")
+        sel = self.moe_selection
+        moe = (f"MoE {'W4A8' if sel.w4a8 else 'W4A16'}, decode {sel.decode} (<= {sel.decode_max_tokens} tokens)"
+               if self.moe else f"MoE skipped ({sel.reason}: vLLM's backend serves)")
         head = "FP8 LM head" if self.head else "LM head skipped (VLLM_LING_FP8_HEAD=0: BF16 head)"
         dense = (f"dense FP8 W8A16 on {len(self.dense_shapes)} weight shapes" if self.dense else
                  "dense FP8 skipped (" + ("VLLM_LING_DENSE_FP8=vllm: vLLM's kernel serves"
@@ -170,6 +171,10 @@ class WarmupPlan:
                 f"{s.hidden_size}, expert intermediate {s.intermediate_size}, {s.num_experts} "
                 f"experts, top-{s.top_k}, SwiGLU limits {list(s.swiglu_limits)}; {moe}; {head} "
                 f"{s.vocab_rows} x {s.hidden_size}; {dense}; {router}; {bf16}")
+
+
+def _checked_by_building(w4a8: bool) -> tuple[bool, str]:
+    return True, "checked when warm-up builds the kernels"
 
 
 def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
@@ -195,13 +200,18 @@ def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
                                                     kda_merged_in_proj=options.kda_merged_proj))
     except (KeyError, ValueError):  # not the -fp4 layout (e.g. a BF16 checkpoint): nothing block-FP8
         dense_shapes = ()
-    return WarmupPlan(
+    plan = WarmupPlan(
         model_dir=model_dir, tensor_parallel_size=tp, dense_shapes=dense_shapes,
         shapes=kernel_shapes(config, tp, model_dir / "config.json"),
         options=options,
         token_counts=read_option(values, "VLLM_LING_WARMUP_TOKEN_COUNTS"),
         row_counts=read_option(values, "VLLM_LING_WARMUP_ROW_COUNTS"),
         humming_cache=read_option(values, "VLLM_LING_HUMMING_CACHE"))
+    try:
+        plan.moe_selection  # an explicit MoE request the shapes cannot serve: a usage error, as on the server
+    except HummingUnavailable as exc:
+        raise LaunchError(str(exc)) from None
+    return plan
 
 
 def _load_warmup_functions():
@@ -292,7 +302,8 @@ def _run_group(name: str, warm, plan, shapes):
     """One kernel group's warm-up call with the arguments that group takes."""
     if name == "moe":
         return warm(shapes.hidden_size, shapes.intermediate_size, shapes.num_experts, shapes.top_k,
-                    token_counts=list(plan.token_counts), swiglu_limits=shapes.swiglu_limits, **plan.moe_kwargs())
+                    token_counts=list(plan.token_counts), swiglu_limits=shapes.swiglu_limits,
+                    **plan.moe_selection.kernel_kwargs())
     if name == "dense_fp8":
         return warm(list(plan.dense_shapes))
     if name == "router":

@@ -97,17 +97,10 @@ class LingFp8Config(Fp8Config):
                 and not self._skipped(prefix):
             from vllm_ling.layers.moe_method import choose_moe_method
 
-            method = choose_moe_method(layer, prefix, **moe_method_kwargs(self.options))
+            method = choose_moe_method(layer, prefix, self.options)
             if method is not None:
                 return method
         return super().get_quant_method(layer, prefix)
-
-
-def moe_method_kwargs(options: LingOptions) -> dict:
-    """The switches the routed-MoE method is built with (``vllm-ling warmup`` compiles for the
-    same ones: tests/deploy/test_launch_warmup.py)."""
-    return {"moe_backend_option": options.moe_backend, "w4a8": options.moe_w4a8,
-            "decode": options.moe_decode, "decode_max_tokens": options.moe_decode_max_tokens}
 
 
 def register_ling_quant_config() -> list[str]:

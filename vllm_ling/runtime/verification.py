@@ -6,8 +6,9 @@ before the server accepts a request. Each check compares what was requested with
 modules that are really there:
 
 - model classes are vllm-ling's;
-- every routed-MoE layer of target and draft uses vllm-ling's MXFP4 method with the
-  platform's backend (humming on CUDA, the PyTorch reference on CPU), and the count is
+- every routed-MoE layer of target and draft serves the MoE selection the quant config recorded on
+  it (:func:`vllm_ling.ops.moe.selection.select_moe`: humming on CUDA, the PyTorch reference on CPU,
+  vLLM's backend when opted out), read from its method, never derived again here; and the count is
   MoE layers + NEXTN layers;
 - the target head runs vllm-ling's FP8 method with a float8_e4m3fn weight of the expected
   byte size (or BF16 when opted out);
@@ -46,8 +47,9 @@ import torch
 
 from vllm_ling.log import get_logger, log_once, one_line
 from vllm_ling.refusal import Refusal
-from vllm_ling.options import (Bf16Gemv, DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, RouterGemv,
-                               VerifyPolicy, plugin_options, read)
+from vllm_ling.ops.moe.selection import MoePath, MoeSelection
+from vllm_ling.options import Bf16Gemv, DenseFp8, LingOptions, MoeDecode, RouterGemv, VerifyPolicy, plugin_options, read
+from vllm_ling.selection import Feature, recorded
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
@@ -74,7 +76,6 @@ class Expectations:
     """What the checks expect, from the options, the platform and the vLLM config."""
 
     platform: str  # "cpu" | "cuda"
-    moe_backend: MoePath
     fp8_head: bool
     spec_method: str | None
     num_speculative_tokens: int
@@ -96,13 +97,10 @@ class Expectations:
         from vllm.platforms import current_platform
 
         platform = "cpu" if current_platform.is_cpu() else "cuda"
-        moe_opt_out = options.moe_backend is MoeBackend.VLLM or (
-            getattr(vllm_config.kernel_config, "moe_backend", "auto") not in ("auto", MoePath.HUMMING))
-        moe = MoePath.VLLM if moe_opt_out else (MoePath.REFERENCE if platform == "cpu" else MoePath.HUMMING)
         spec = vllm_config.speculative_config
         from vllm_ling.runtime.spec_policy import default_applied, no_nextn_layers, pp_no_draft
 
-        return cls(platform=platform, moe_backend=moe, fp8_head=options.fp8_head,
+        return cls(platform=platform, fp8_head=options.fp8_head,
                    spec_method=getattr(spec, "method", None),
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
                    default_spec=default_applied(vllm_config),
@@ -169,33 +167,56 @@ def check_model_classes(target, draft, exp: Expectations, stage: Stage | None = 
                  "vllm-ling's plugin did not register its classes: check VLLM_PLUGINS allows vllm_ling")
 
 
-def check_moe_layers(target, draft, exp: Expectations, config, stage: Stage | None = None) -> Check:
-    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
+def _moe_layers(target, draft) -> list[tuple[str, torch.nn.Module]]:
+    layers = [("target." + n, m) for n, m in _routed_expert_layers(target)]
+    return layers + ([("draft." + n, m) for n, m in _routed_expert_layers(draft)] if draft is not None else [])
+
+
+def selected_moe(target, draft) -> MoeSelection | None:
+    """The MoE selection the quant config recorded (the first layer's; check_moe_layers fails
+    where a layer's differs or is missing)."""
+    return next((s for _, m in _moe_layers(target, draft) if (s := recorded(m, Feature.MOE)) is not None), None)
+
+
+def check_moe_layers(target, draft, config, stage: Stage | None = None) -> Check:
+    """Every routed-expert layer serves the selection recorded on it (backend and kernel switches,
+    read from its method), all layers have the same one, and the count is the stage's MoE layers +
+    NEXTN layers."""
+    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod, served_selection
 
     stage = stage or Stage(0, 1, 0, config.num_hidden_layers)
     # vLLM's BailingMoeV3 builds an MoE block for layer_id >= first_k_dense_replace
     moe_layers = sum(1 for i in range(stage.start, stage.end) if i >= config.first_k_dense_replace)
     nextn = config.num_nextn_predict_layers if draft is not None else 0
-    layers = [("target." + n, m) for n, m in _routed_expert_layers(target)]
-    if draft is not None:
-        layers += [("draft." + n, m) for n, m in _routed_expert_layers(draft)]
-    backends: dict[str, int] = {}
-    wrong = []
+    layers = _moe_layers(target, draft)
+    first = selected_moe(target, draft)
+    served: dict[str, int] = {}
+    diverging, unselected, other = [], [], []
     for name, layer in layers:
         qm = layer.quant_method
-        backend = qm.backend if isinstance(qm, LingMxfp4MoEMethod) else f"vllm:{type(qm).__name__}"
-        backends[backend] = backends.get(backend, 0) + 1
-        if (exp.moe_backend is MoePath.VLLM) != backend.startswith("vllm:") or (
-                exp.moe_backend is not MoePath.VLLM and backend != exp.moe_backend):
-            wrong.append(name)
+        path, *switches = served_selection(qm)
+        label = str(path) if isinstance(qm, LingMxfp4MoEMethod) else f"vllm:{type(qm).__name__}"
+        served[label] = served.get(label, 0) + 1
+        sel = recorded(layer, Feature.MOE)
+        if sel is None:
+            unselected.append(name)
+        elif (path, *switches) != (sel.choice, sel.w4a8, sel.decode, sel.decode_max_tokens):
+            diverging.append(f"{name} (selected {sel.choice}, serves {label})")
+        elif sel != first:
+            other.append(f"{name} (selected {sel.choice}: {sel.reason})")
     expected_count = moe_layers + nextn
-    actual = ", ".join(f"{v} x {k}" for k, v in sorted(backends.items())) or "no routed-expert layers"
-    ok = not wrong and len(layers) == expected_count
-    if wrong:
-        actual += f"; not {exp.moe_backend}: {wrong[:3]}"
+    actual = ", ".join(f"{v} x {k}" for k, v in sorted(served.items())) or "no routed-expert layers"
+    for what, names in (("not the recorded selection", diverging), ("no selection recorded", unselected),
+                        ("another selection than the first layer's", other)):
+        if names:
+            actual += f"; {what}: {names[:3]}"
+    ok = not (diverging or unselected or other) and len(layers) == expected_count
     where = f" on {stage.label()}" if stage.size > 1 else ""
+    choice = first.choice if first is not None else "the ling_fp8 selection"
     return Check("moe_layers", ok,
-                 f"{expected_count} x {exp.moe_backend} ({moe_layers} target MoE + {nextn} NEXTN{where})", actual, f"install humming-kernels {TESTED_HUMMING_VERSION} on an sm_75+ GPU, or opt out with VLLM_LING_MOE_BACKEND=vllm")
+                 f"{expected_count} x {choice} ({moe_layers} target MoE + {nextn} NEXTN{where}), as selected",
+                 actual, f"install humming-kernels {TESTED_HUMMING_VERSION} on an sm_75+ GPU, or opt out with "
+                 "VLLM_LING_MOE_BACKEND=vllm; a layer serving other than its selection is a defect: report it")
 
 
 def moe_decode_summary(target, draft) -> tuple[bool, str]:
@@ -483,7 +504,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     bf16_linears = _small_bf16_layers(target, draft)
     kda_state = kda_in_proj.kda_in_proj_state(target)
     checks = [guarded("model_classes", lambda: check_model_classes(target, draft, exp, stage)),
-              guarded("moe_layers", lambda: check_moe_layers(target, draft, exp, config, stage)),
+              guarded("moe_layers", lambda: check_moe_layers(target, draft, config, stage)),
               guarded("lm_head", lambda: check_head(target, exp, stage)),
               guarded("draft_shares_target_modules", lambda: check_draft_sharing(target, draft, exp, stage)),
               guarded("dense_fp8_layers", lambda: check_dense_fp8(target, draft, exp)),
@@ -497,10 +518,12 @@ def build_report(target, draft, vllm_config, options: LingOptions,
               Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
                     kernel_checks.FIX)]
     by_name = {c.name: c for c in checks}
-    moe_active = exp.moe_backend is not MoePath.VLLM and by_name["moe_layers"].passed
+    moe = selected_moe(target, draft)
+    moe_path = moe.choice if moe is not None else MoePath.VLLM  # nothing of ours selected: vLLM's
+    moe_active = moe_path is not MoePath.VLLM and by_name["moe_layers"].passed
     head_active = exp.fp8_head and by_name["lm_head"].passed
     mtp_active = exp.spec_method == "mtp" and by_name["draft_shares_target_modules"].passed
-    decode_requested = exp.moe_backend is MoePath.HUMMING and options.moe_decode is not MoeDecode.OFF
+    decode_requested = moe_path is MoePath.HUMMING and moe.decode is not MoeDecode.OFF
     decode_active, decode_detail = moe_decode_summary(target, draft)
     return {
         "passed": all(c.passed for c in checks),
@@ -510,13 +533,13 @@ def build_report(target, draft, vllm_config, options: LingOptions,
         "versions": {"vllm": vllm_version() or "unknown", "humming": humming_version()},
         "optimizations": {
             # Humming is requested only where it can exist (CUDA) and the user did not opt out.
-            "moe_humming": {"requested": exp.moe_backend is MoePath.HUMMING,
-                            "active": moe_active and exp.moe_backend is MoePath.HUMMING,
-                            "detail": by_name["moe_layers"].actual if exp.moe_backend is not MoePath.VLLM
-                            else "opted out (VLLM_LING_MOE_BACKEND=vllm or --moe-backend): vLLM chooses"},
+            "moe_humming": {"requested": moe_path is MoePath.HUMMING,
+                            "active": moe_active and moe_path is MoePath.HUMMING,
+                            "detail": by_name["moe_layers"].actual if moe_path is not MoePath.VLLM
+                            else f"{moe.reason if moe else 'not selected by ling_fp8'}: vLLM chooses"},
             # Sub-path of moe_humming: fused kernels for batches <= VLLM_LING_MOE_DECODE_MAX_TOKENS.
             "moe_decode_kernels": {"requested": decode_requested, "active": decode_requested and decode_active,
-                                   "detail": decode_detail if exp.moe_backend is MoePath.HUMMING
+                                   "detail": decode_detail if moe_path is MoePath.HUMMING
                                    else "needs the humming MoE backend on CUDA"},
             "fp8_head": {"requested": options.fp8_head, "active": head_active,
                          "detail": by_name["lm_head"].actual},
@@ -534,7 +557,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
                 by_name[kda_in_proj.CHECK_NAME].actual),
             "mtp": {"requested": exp.mtp, "active": mtp_active, "detail": _mtp_detail(exp, by_name)},
         },
-        "moe_backend": exp.moe_backend,
+        "moe_backend": moe_path,
         "head_dtype": (str(target.lm_head.weight.dtype).replace("torch.", "") if _has_head(target)
                        else f"none ({stage.label()})"),
         "spec_method": exp.spec_method,
