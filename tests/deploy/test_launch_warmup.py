@@ -212,7 +212,7 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     humming is available): MoE method on/off with its W4A8/decode switches, FP8 head on/off."""
     from vllm_ling.layers import moe_method
     from vllm_ling.ops.moe.selection import MoePath
-    from vllm_ling.options import LingOptions, MoeDecode
+    from vllm_ling.options import DenseFp8, LingOptions, MoeDecode
     from vllm_ling.selection import Feature, recorded
 
     for name in list(env) + ["VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_BACKEND",
@@ -241,7 +241,7 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
             options.moe_w4a8, options.moe_decode, 0 if options.moe_decode is MoeDecode.OFF else options.moe_decode_max_tokens)
     assert plan.head == options.fp8_head
     # the dense FP8 group follows the server's switch, on every decode shape of the model
-    assert plan.dense == (options.dense_fp8.value == "ling") and len(plan.dense_shapes) == 9
+    assert plan.dense == (options.dense_fp8 is DenseFp8.LING) and len(plan.dense_shapes) == 9
     # the KDA shapes follow the same switch as the server's KDA layer: one merged 20480 x 2560, or three
     assert ((20480, 2560) in plan.dense_shapes) == options.kda_merged_proj
     assert ((4096, 2560) in plan.dense_shapes) != options.kda_merged_proj

@@ -150,12 +150,28 @@ def test_a_layer_without_a_recorded_selection_fails(loaded_tiny_models):
     assert check["actual"] == "5 x reference; no selection recorded: ['draft.model.layers.6.mlp.experts.routed_experts']"
 
 
-def test_requested_dense_fp8_needs_every_eligible_linear_on_the_kernel(loaded_tiny_models):
-    # the CPU-loaded model runs the CPU reference, so asking for the CUDA W8A16 path must fail
-    # and say how many block-FP8 linears it found on the kernel
-    report = _report(loaded_tiny_models, {"platform": "cuda", "dense_fp8": True})
+def test_a_dense_linear_serving_other_than_its_selection_fails(loaded_tiny_models):
+    """The planted divergence for dense FP8: the linears record the CUDA W8A16 kernel while the
+    CPU-loaded model serves them dequantized; verification fails, counting and naming them."""
+    from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
+    from vllm_ling.runtime.verification import _block_fp8_linears
+    from vllm_ling.selection import SELECTIONS_ATTR, Feature, Selection
+
+    _, target, draft = loaded_tiny_models
+    found = _block_fp8_linears(target, draft)
+    assert found and all(sel.choice is DenseFp8Kernel.DEQUANTIZED and served is DenseFp8Kernel.DEQUANTIZED
+                         for _, _, sel, served in found)
+    assert _check(_report(loaded_tiny_models), "dense_fp8_layers")["passed"]
+    w8a16 = Selection(Feature.DENSE_FP8, DenseFp8Kernel.W8A16, "CUDA, the W8A16 kernel runs")
+    with contextlib.ExitStack() as stack:
+        for _, m, _, _ in found:
+            stack.enter_context(swapped(m, SELECTIONS_ATTR, {Feature.DENSE_FP8: w8a16}))
+        report = _report(loaded_tiny_models, {"platform": "cuda"})
     check = _check(report, "dense_fp8_layers")
-    assert not check["passed"] and check["actual"].startswith("0 of ")
+    assert not check["passed"] and check["expected"].startswith(f"each of {len(found)} block-FP8 dense linears on "
+                                                                f"its recorded kernel ({len(found)} x w8a16)")
+    assert check["actual"].startswith(f"0 of {len(found)} block-FP8 dense linears on the W8A16 kernel; not the "
+                                      f"recorded selection: ['{found[0][0]} (selected w8a16, serves dequantized)'")
     assert report["optimizations"]["dense_fp8_decode"] == {"requested": True, "active": False,
                                                             "detail": check["actual"]}
 

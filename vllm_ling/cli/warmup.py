@@ -27,8 +27,8 @@ from vllm_ling.cli.serve import (DEFAULT_MODEL, EXIT_USAGE, LaunchError, check_m
                                  read_option, resolve_device, resolve_model)
 from vllm_ling.models.dense_linears import distinct_decode_shapes
 from vllm_ling.ops.moe.selection import HummingUnavailable, MoePath, MoeSelection, MoeShape, select_moe
-from vllm_ling.options import Bf16Gemv, DenseFp8, LingOptionError, LingOptions, RouterGemv, warmup_options
-from vllm_ling.selection import Platform
+from vllm_ling.options import Bf16Gemv, LingOptionError, LingOptions, RouterGemv, warmup_options
+from vllm_ling.selection import Platform, Selection
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
 EXIT_KERNEL_FAILED = 5  # a kernel group failed to build or run, or computed wrong numbers
@@ -120,10 +120,25 @@ class WarmupPlan:
     def head(self) -> bool:
         return self.options.fp8_head
 
+    def dense_selections(self) -> list[tuple[tuple[int, int], Selection]]:
+        """The server's selection for each block-FP8 dense shape (CUDA; the W8A16 kernel's
+        availability is what building it proves)."""
+        from vllm_ling.ops.dense_fp8.selection import DenseShape, select_dense_fp8
+        from vllm_ling.ops.fp8 import QUANT_BLOCK
+
+        return [((n, k), select_dense_fp8(self.options, Platform.CUDA, DenseShape((n,), k), [QUANT_BLOCK, QUANT_BLOCK],
+                                          f"dense {n} x {k}", unavailable_reason=lambda: None))
+                for n, k in self.dense_shapes]
+
+    @property
+    def dense_w8a16_shapes(self) -> list[tuple[int, int]]:
+        from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
+
+        return [shape for shape, sel in self.dense_selections() if sel.choice is DenseFp8Kernel.W8A16]
+
     @property
     def dense(self) -> bool:
-        """The server runs vllm-ling's W8A16 kernels on block-FP8 dense linears (CUDA)."""
-        return self.options.dense_fp8 is DenseFp8.LING and bool(self.dense_shapes)
+        return bool(self.dense_w8a16_shapes)
 
     @property
     def router(self) -> bool:
@@ -155,10 +170,9 @@ class WarmupPlan:
         moe = (f"MoE {'W4A8' if sel.w4a8 else 'W4A16'}, decode {sel.decode} (<= {sel.decode_max_tokens} tokens)"
                if self.moe else f"MoE skipped ({sel.reason}: vLLM's backend serves)")
         head = "FP8 LM head" if self.head else "LM head skipped (VLLM_LING_FP8_HEAD=0: BF16 head)"
-        dense = (f"dense FP8 W8A16 on {len(self.dense_shapes)} weight shapes" if self.dense else
-                 "dense FP8 skipped (" + ("VLLM_LING_DENSE_FP8=vllm: vLLM's kernel serves"
-                                          if self.options.dense_fp8 is not DenseFp8.LING
-                                          else "no block-FP8 dense linears") + ")")
+        dense = (f"dense FP8 W8A16 on {len(self.dense_w8a16_shapes)} weight shapes" if self.dense else
+                 "dense FP8 skipped (" + (f"{self.dense_selections()[0][1].reason}: vLLM's kernel serves"
+                                          if self.dense_shapes else "no block-FP8 dense linears") + ")")
         router = (f"router GEMV {s.num_experts} x {s.hidden_size}" if self.router else
                   "router GEMV skipped (" + ("VLLM_LING_ROUTER_GEMV=vllm: vLLM's GateLinear serves"
                                              if self.options.router_gemv is not RouterGemv.LING
@@ -305,7 +319,7 @@ def _run_group(name: str, warm, plan, shapes):
                     token_counts=list(plan.token_counts), swiglu_limits=shapes.swiglu_limits,
                     **plan.moe_selection.kernel_kwargs())
     if name == "dense_fp8":
-        return warm(list(plan.dense_shapes))
+        return warm(plan.dense_w8a16_shapes)
     if name == "router":
         return warm(shapes.hidden_size, shapes.num_experts)
     if name == "bf16_linears":

@@ -10,6 +10,8 @@ modules that are really there:
   it (:func:`vllm_ling.ops.moe.selection.select_moe`: humming on CUDA, the PyTorch reference on CPU,
   vLLM's backend when opted out), read from its method, never derived again here; and the count is
   MoE layers + NEXTN layers;
+- every block-FP8 dense linear serves the kernel recorded on it
+  (:func:`vllm_ling.ops.dense_fp8.selection.select_dense_fp8`), and the W8A16 kernel agrees with vLLM's;
 - the target head runs vllm-ling's FP8 method with a float8_e4m3fn weight of the expected
   byte size (or BF16 when opted out);
 - the draft's head(s) and embedding are the target's module objects, and the draft holds no
@@ -47,9 +49,10 @@ import torch
 
 from vllm_ling.log import get_logger, log_once, one_line
 from vllm_ling.refusal import Refusal
+from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
 from vllm_ling.ops.moe.selection import MoePath, MoeSelection
-from vllm_ling.options import Bf16Gemv, DenseFp8, LingOptions, MoeDecode, RouterGemv, VerifyPolicy, plugin_options, read
-from vllm_ling.selection import Feature, recorded
+from vllm_ling.options import Bf16Gemv, LingOptions, MoeDecode, RouterGemv, VerifyPolicy, plugin_options, read
+from vllm_ling.selection import Feature, Selection, recorded
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
@@ -80,7 +83,6 @@ class Expectations:
     spec_method: str | None
     num_speculative_tokens: int
     default_spec: bool  # the speculative config is vllm-ling's default
-    dense_fp8: bool = False  # vllm-ling's W8A16 kernel serves decode-sized block-FP8 dense linears
     kda_merged_proj: bool = False  # each KDA layer's q, k, v, f, g projections are one linear
     small_bf16: bool = False  # vllm-ling's small GEMV serves the checkpoint's BF16 linears at decode sizes
     router_gemv: bool = False  # vllm-ling's router GEMV serves decode-sized batches of the MoE gates
@@ -104,7 +106,6 @@ class Expectations:
                    spec_method=getattr(spec, "method", None),
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
                    default_spec=default_applied(vllm_config),
-                   dense_fp8=platform == "cuda" and options.dense_fp8 is DenseFp8.LING,
                    kda_merged_proj=options.kda_merged_proj,
                    small_bf16=platform == "cuda" and options.bf16_gemv is Bf16Gemv.LING,
                    router_gemv=platform == "cuda" and options.router_gemv is RouterGemv.LING,
@@ -236,10 +237,21 @@ def moe_decode_summary(target, draft) -> tuple[bool, str]:
 DENSE_FP8_MAX_REL_DIFF = 0.1  # vs vLLM's W8A8 kernel: its activation quantization alone is ~2-4% L2
 
 
-def _block_fp8_linears(model) -> list[tuple[str, torch.nn.Module]]:
-    return [(n, m) for n, m in model.named_modules()
-            if getattr(m, "weight_block_size", None) is not None and hasattr(m, "weight_scale_inv")
-            and hasattr(m, "quant_method") and hasattr(m, "logical_widths")]
+def _block_fp8_linears(target, draft) -> list[tuple[str, torch.nn.Module, Selection | None, DenseFp8Kernel | None]]:
+    """(name, layer, recorded selection, what it serves) for every block-FP8 dense linear: the
+    linears with a dense FP8 selection recorded, and any with a block-FP8 method without one."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from vllm_ling.layers.dense_fp8_path import served_dense_fp8_kernel
+
+    found = []
+    for prefix, model in (("target.", target), ("draft.", draft)):
+        for n, m in (model.named_modules() if model is not None else ()):
+            sel = recorded(m, Feature.DENSE_FP8)
+            if isinstance(m, LinearBase) and (sel is not None or getattr(
+                    getattr(m, "quant_method", None), "weight_block_size", None) is not None):
+                found.append((prefix + n, m, sel, served_dense_fp8_kernel(m)))
+    return found
 
 
 def _w8a16_vs_vllm(layer: torch.nn.Module) -> float:
@@ -257,27 +269,35 @@ def _w8a16_vs_vllm(layer: torch.nn.Module) -> float:
     return float((ours_out - vllm_out).norm() / vllm_out.norm().clamp_min(1e-30))
 
 
-def check_dense_fp8(target, draft, exp: Expectations) -> Check:
-    """Which block-FP8 dense linears run the W8A16 kernel, and a known answer: on the first of
-    them, the W8A16 output for two random rows against vLLM's own (W8A8) kernel on the same layer."""
-    from vllm_ling.layers.dense_fp8_cuda import LingW8A16Fp8LinearMethod, unaligned_shards
-
-    layers = [("target." + n, m) for n, m in _block_fp8_linears(target)]
-    if draft is not None:
-        layers += [("draft." + n, m) for n, m in _block_fp8_linears(draft)]
-    ours = [(n, m) for n, m in layers if isinstance(m.quant_method, LingW8A16Fp8LinearMethod)]
-    serving = [(n, m) for n, m in ours if getattr(m, "ling_w8a16", None) is not None]
-    actual = f"{len(serving)} of {len(layers)} block-FP8 dense linears on the W8A16 kernel"
+def check_dense_fp8(found) -> Check:
+    """Every block-FP8 dense linear serves the kernel recorded on it (read from its method and
+    loaded state), and a known answer: on the first linear the W8A16 kernel serves, its output for
+    two random rows against vLLM's own (W8A8) kernel on the same layer. ``found``:
+    :func:`_block_fp8_linears`."""
+    selected: dict[str, int] = {}
+    diverging, unselected = [], []
+    for name, _, sel, served in found:
+        if sel is None:
+            unselected.append(name)
+            continue
+        selected[str(sel.choice)] = selected.get(str(sel.choice), 0) + 1
+        if served is not sel.choice:
+            diverging.append(f"{name} (selected {sel.choice}, serves {served or 'another method'})")
+    serving = [(n, m) for n, m, _, served in found if served is DenseFp8Kernel.W8A16]
+    actual = f"{len(serving)} of {len(found)} block-FP8 dense linears on the W8A16 kernel"
     if serving:
         actual += f" ({serving[0][1].quant_method.decode_kernel_status})"
-    if not exp.dense_fp8:
-        return Check("dense_fp8_layers", not ours,
-                     "vLLM's block-FP8 kernels (CPU platform or VLLM_LING_DENSE_FP8=vllm)", actual,
-                     "the quant config chose vllm-ling's method although it was not requested")
-    eligible = [n for n, m in layers if not unaligned_shards(list(m.logical_widths), m.input_size_per_partition)]
-    ok = bool(eligible) and len(serving) == len(eligible)
+    for what, names in (("not the recorded selection", diverging), ("no selection recorded", unselected)):
+        if names:
+            actual += f"; {what}: {names[:3]}"
+    ok = not diverging and not unselected
+    expected = (f"each of {len(found)} block-FP8 dense linears on its recorded kernel ("
+                + (", ".join(f"{v} x {k}" for k, v in sorted(selected.items())) or "none recorded") + ")")
+    fix = ("see the WARNING naming the layers vLLM's processing changed, or set VLLM_LING_DENSE_FP8=vllm; a layer "
+           "serving other than its selection is a defect: report it")
     if serving:
         name, layer = serving[0]
+        expected += ", the W8A16 kernel agreeing with vLLM's kernel"
         above = layer.quant_method.vllm_kernel_name
         actual += f"; above {layer.ling_w8a16_max_rows} tokens vLLM's {above} (block scales " \
                   f"{getattr(layer, 'ling_block_scales', 'as loaded')})"
@@ -285,16 +305,14 @@ def check_dense_fp8(target, draft, exp: Expectations) -> Check:
             rel = _w8a16_vs_vllm(layer)
         except Exception as exc:  # the check fails, naming the kernel that raised; the server does not crash
             logger.debug("dense_fp8_layers: known answer on %s raised", name, exc_info=True)
-            return Check("dense_fp8_layers", False, "the W8A16 kernel agreeing with vLLM's kernel", actual +
+            return Check("dense_fp8_layers", False, expected, actual +
                          f"; known answer on {name} raised {one_line(exc)} (W8A16 kernel vs vLLM's "
                          f"{above})", f"vLLM's {above} cannot run this layer: set VLLM_LING_DENSE_FP8=vllm to "
                          "see whether vLLM's kernel serves it alone, or report the kernel")
         ok = ok and rel < DENSE_FP8_MAX_REL_DIFF
         actual += (f"; known answer on {name}: relative L2 difference to vLLM's kernel {rel:.3g} "
                    f"(limit {DENSE_FP8_MAX_REL_DIFF})")
-    return Check("dense_fp8_layers", ok, f"all {len(eligible)} eligible block-FP8 dense linears on the W8A16 kernel, "
-                 "agreeing with vLLM's kernel", actual,
-                 "see the WARNING naming the layers vLLM's processing changed, or set VLLM_LING_DENSE_FP8=vllm")
+    return Check("dense_fp8_layers", ok, expected, actual, fix)
 
 
 SMALL_BF16_MAX_REL_DIFF = 2.0**-7  # vs vLLM's BF16 GEMM: both round once to BF16 from fp32 sums
@@ -502,12 +520,14 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     stage = pipeline_stage(target, config.num_hidden_layers)
     gates = router_gates.gate_census(target, draft)
     bf16_linears = _small_bf16_layers(target, draft)
+    dense_linears = _block_fp8_linears(target, draft)
+    dense_requested = any(sel is not None and sel.choice is DenseFp8Kernel.W8A16 for _, _, sel, _ in dense_linears)
     kda_state = kda_in_proj.kda_in_proj_state(target)
     checks = [guarded("model_classes", lambda: check_model_classes(target, draft, exp, stage)),
               guarded("moe_layers", lambda: check_moe_layers(target, draft, config, stage)),
               guarded("lm_head", lambda: check_head(target, exp, stage)),
               guarded("draft_shares_target_modules", lambda: check_draft_sharing(target, draft, exp, stage)),
-              guarded("dense_fp8_layers", lambda: check_dense_fp8(target, draft, exp)),
+              guarded("dense_fp8_layers", lambda: check_dense_fp8(dense_linears)),
               guarded("small_bf16_layers", lambda: check_small_bf16(bf16_linears, exp)),
               guarded(kda_in_proj.CHECK_NAME, lambda: Check(kda_in_proj.CHECK_NAME, *kda_in_proj.check_kda_in_proj(
                   kda_state, exp.kda_merged_proj, config, stage.start, stage.end))),
@@ -543,8 +563,8 @@ def build_report(target, draft, vllm_config, options: LingOptions,
                                    else "needs the humming MoE backend on CUDA"},
             "fp8_head": {"requested": options.fp8_head, "active": head_active,
                          "detail": by_name["lm_head"].actual},
-            "dense_fp8_decode": {"requested": exp.dense_fp8,
-                                 "active": exp.dense_fp8 and by_name["dense_fp8_layers"].passed,
+            "dense_fp8_decode": {"requested": dense_requested,
+                                 "active": dense_requested and by_name["dense_fp8_layers"].passed,
                                  "detail": by_name["dense_fp8_layers"].actual},
             "small_bf16_decode": {"requested": exp.small_bf16,
                                   "active": exp.small_bf16 and by_name["small_bf16_layers"].passed
