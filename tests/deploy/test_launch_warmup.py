@@ -69,14 +69,14 @@ def test_router_gemv_plan_follows_the_switch_and_the_gate_shape(tmp_path):
     on = plan({})
     assert on.router and f"router GEMV {config['num_experts']} x {config['hidden_size']}" in on.describe()
     off = plan({"VLLM_LING_ROUTER_GEMV": "vllm"})
-    assert not off.router and "router GEMV skipped (VLLM_LING_ROUTER_GEMV=vllm" in off.describe()
+    assert not off.router and "router GEMV skipped (opted out (VLLM_LING_ROUTER_GEMV=vllm)" in off.describe()
     wide = plan({}, hidden_size=8192)  # the server keeps GateLinear's path for a gate it cannot hold
     assert not wide.router and "router GEMV skipped (K=8192 exceeds 4096" in wide.describe()
     # the BF16 linears (b_proj, MLA g_proj): heads per tensor-parallel rank x hidden
     assert on.bf16_linears and f"BF16 linears small GEMV {config['num_attention_heads']} x " \
         f"{config['hidden_size']}" in on.describe()
     off = plan({"VLLM_LING_BF16_GEMV": "vllm"})
-    assert not off.bf16_linears and "BF16 linears skipped (VLLM_LING_BF16_GEMV=vllm" in off.describe()
+    assert not off.bf16_linears and "BF16 linears skipped (opted out (VLLM_LING_BF16_GEMV=vllm)" in off.describe()
     assert wide.bf16_linears  # a BF16 row of 8192 still fits a warp's registers
     wider = plan({}, hidden_size=16384)
     assert not wider.bf16_linears and "BF16 linears skipped (K=16384 exceeds 8192" in wider.describe()
@@ -254,7 +254,7 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     gate = router_gate_cuda.GateFacts(prefix="model.layers.3.mlp.gate", num_experts=config["num_experts"],
                                       hidden_size=config["hidden_size"], weight_dtype=torch.float32,
                                       has_bias=False, unquantized=True, out_dtype=torch.float32)
-    assert plan.router == (router_gate_cuda.decide(gate, options.router_gemv) is None)
+    assert plan.router_selection() == router_gate_cuda.decide(gate, options)  # the same selector, the same answer
 
 
 def test_a_kernel_group_computing_wrong_numbers_stops_warmup_nonzero(tmp_path, monkeypatch, capsys):

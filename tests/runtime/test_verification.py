@@ -97,7 +97,7 @@ def test_a_layer_serving_other_than_its_selection_fails(loaded_tiny_models):
 
     humming = _humming_selection()
     with moe_selected(loaded_tiny_models, humming):
-        report = _report(loaded_tiny_models, {"platform": "cuda"})
+        report = _report(loaded_tiny_models)
         check = _check(report, "moe_layers")
         assert not check["passed"] and not report["passed"]
         assert check["expected"] == "5 x humming (4 target MoE + 1 NEXTN), as selected"
@@ -112,7 +112,7 @@ def test_a_layer_serving_other_than_its_selection_fails(loaded_tiny_models):
                 for _, m in model.named_modules():
                     if isinstance(m, RoutedExperts):
                         stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(m.moe_config, humming)))
-            assert _check(_report(loaded_tiny_models, {"platform": "cuda"}), "moe_layers")["passed"]
+            assert _check(_report(loaded_tiny_models), "moe_layers")["passed"]
 
 
 def test_a_layer_with_other_kernel_switches_than_selected_fails(loaded_tiny_models):
@@ -132,7 +132,7 @@ def test_a_layer_with_other_kernel_switches_than_selected_fails(loaded_tiny_mode
                 if isinstance(m, RoutedExperts):
                     stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(
                         m.moe_config, off if m is layer else humming)))
-        check = _check(_report(loaded_tiny_models, {"platform": "cuda"}), "moe_layers")
+        check = _check(_report(loaded_tiny_models), "moe_layers")
     assert not check["passed"]
     assert "not the recorded selection: ['target.model.layers.2.mlp.experts.routed_experts" in check["actual"]
 
@@ -166,7 +166,7 @@ def test_a_dense_linear_serving_other_than_its_selection_fails(loaded_tiny_model
     with contextlib.ExitStack() as stack:
         for _, m, _, _ in found:
             stack.enter_context(swapped(m, SELECTIONS_ATTR, {Feature.DENSE_FP8: w8a16}))
-        report = _report(loaded_tiny_models, {"platform": "cuda"})
+        report = _report(loaded_tiny_models)
     check = _check(report, "dense_fp8_layers")
     assert not check["passed"] and check["expected"].startswith(f"each of {len(found)} block-FP8 dense linears on "
                                                                 f"its recorded kernel ({len(found)} x w8a16)")
@@ -281,7 +281,7 @@ def test_warn_logs_each_failed_check_and_off_is_silent(loaded_tiny_models, caplo
     from vllm_ling.runtime.verification import enforce_policy
 
     with moe_selected(loaded_tiny_models, _humming_selection()):
-        report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True, "platform": "cuda"})
+        report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True})
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
         enforce_policy(report, "warn")
         enforce_policy(report, "off")
@@ -519,12 +519,33 @@ def test_unmerged_kda_layers_pass_with_their_reason_but_are_not_active(loaded_ti
     assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
 
 
+def _bf16_gemv_selected(layer):
+    from vllm_ling.ops.small_gemv.selection import GemvPath
+    from vllm_ling.selection import Feature, Selection, record
+
+    record(layer, Selection(Feature.BF16_GEMV, GemvPath.LING, "CUDA, the small GEMV runs"))
+    return layer
+
+
 def test_requested_small_gemv_needs_the_unquantized_linears_on_it(loaded_tiny_models):
-    # the CPU-loaded model keeps vLLM's GEMM for b_proj / g_proj, so asking for the CUDA small
-    # GEMV must fail and say what it found; not requested (CPU) it passes and reports inactive
-    report = _report(loaded_tiny_models, {"platform": "cuda", "small_bf16": True})
+    # the planted divergence: the CPU-loaded model keeps vLLM's GEMM for b_proj / g_proj while their
+    # recorded selection says the small GEMV; verification fails and says what it found. As
+    # loaded (CPU: vLLM's GEMM selected) it passes and reports inactive
+    from vllm_ling.runtime.verification import _small_bf16_layers
+    from vllm_ling.selection import SELECTIONS_ATTR
+
+    _, target, draft = loaded_tiny_models
+    layers = _small_bf16_layers(target, draft)[0]
+    assert layers
+    with contextlib.ExitStack() as stack:
+        for _, m in layers:
+            stack.enter_context(swapped(m, SELECTIONS_ATTR, {}))
+            _bf16_gemv_selected(m)
+        report = _report(loaded_tiny_models)
     check = _check(report, "small_bf16_layers")
-    assert not check["passed"] and check["actual"].startswith("0 of ")
+    assert not check["passed"] and check["actual"].startswith(f"0 of {len(layers)} unquantized linears on the "
+                                                              "small GEMV; not the recorded selection: [")
+    assert "(selected ling, serves vllm)" in check["actual"]
     assert report["optimizations"]["small_bf16_decode"] == {"requested": True, "active": False,
                                                              "detail": check["actual"]}
     report = _report(loaded_tiny_models)
@@ -538,11 +559,12 @@ def test_small_gemv_fallback_is_reported_not_fatal(loaded_tiny_models, monkeypat
     from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
     from vllm_ling.runtime import verification as V
 
-    layer = types.SimpleNamespace(quant_method=object.__new__(LingSmallBf16LinearMethod), ling_small_gemv=None,
-                                  ling_small_gemv_reason="weight dtype torch.float16 is not BF16")
+    layer = _bf16_gemv_selected(types.SimpleNamespace(
+        quant_method=object.__new__(LingSmallBf16LinearMethod), ling_small_gemv=None,
+        ling_small_gemv_reason="weight dtype torch.float16 is not BF16"))
     planted = [("target.model.layers.0.self_attn.b_proj", layer)]
     monkeypatch.setattr(V, "_small_bf16_layers", lambda target, draft: (planted, planted, []))
-    report = _report(loaded_tiny_models, {"platform": "cuda", "small_bf16": True})
+    report = _report(loaded_tiny_models)
     check = _check(report, "small_bf16_layers")
     assert check["passed"] and "0 of 1" in check["actual"] and "float16 is not BF16" in check["actual"]
     entry = report["optimizations"]["small_bf16_decode"]
@@ -562,8 +584,8 @@ def test_small_gemv_known_answer_runs_every_launch_shape(loaded_tiny_models, mon
     from vllm_ling.runtime import verification as V
 
     weight = torch.randn((32, 256), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    layer = types.SimpleNamespace(quant_method=object.__new__(LingSmallBf16LinearMethod), ling_small_gemv=weight,
-                                  weight=weight)
+    layer = _bf16_gemv_selected(types.SimpleNamespace(quant_method=object.__new__(LingSmallBf16LinearMethod),
+                                                      ling_small_gemv=weight, weight=weight))
     seen = []
 
     def kernel(layer, x):
@@ -575,7 +597,7 @@ def test_small_gemv_known_answer_runs_every_launch_shape(loaded_tiny_models, mon
     monkeypatch.setattr(UnquantizedLinearMethod, "apply", lambda self, layer, x, bias=None: F.linear(x, layer.weight))
     planted = [("target.model.layers.0.self_attn.b_proj", layer)]
     monkeypatch.setattr(V, "_small_bf16_layers", lambda target, draft: (planted, planted, planted))
-    report = _report(loaded_tiny_models, {"platform": "cuda", "small_bf16": True})
+    report = _report(loaded_tiny_models)
     check = _check(report, "small_bf16_layers")
     assert tuple(seen) == launch_row_counts(32, BF16_MAX_ROWS)
     assert check["passed"] is (wrong_from_rows is None), check["actual"]

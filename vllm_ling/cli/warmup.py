@@ -27,7 +27,7 @@ from vllm_ling.cli.serve import (DEFAULT_MODEL, EXIT_USAGE, LaunchError, check_m
                                  read_option, resolve_device, resolve_model)
 from vllm_ling.models.dense_linears import distinct_decode_shapes
 from vllm_ling.ops.moe.selection import HummingUnavailable, MoePath, MoeSelection, MoeShape, select_moe
-from vllm_ling.options import Bf16Gemv, LingOptionError, LingOptions, RouterGemv, warmup_options
+from vllm_ling.options import LingOptionError, LingOptions, warmup_options
 from vllm_ling.selection import Platform, Selection
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
@@ -140,21 +140,35 @@ class WarmupPlan:
     def dense(self) -> bool:
         return bool(self.dense_w8a16_shapes)
 
+    def router_selection(self) -> Selection:
+        """The server's selection for Ling's gates (fp32, unquantized, bias-free, fp32 logits; the
+        kernel's availability is what building it proves)."""
+        import torch
+
+        from vllm_ling.ops.small_gemv.selection import GateFacts, select_router_gemv
+
+        facts = GateFacts("the MoE router gates", self.shapes.num_experts, self.shapes.hidden_size, torch.float32,
+                          has_bias=False, unquantized=True, out_dtype=torch.float32)
+        return select_router_gemv(self.options, Platform.CUDA, facts, unavailable_reason=lambda: None)
+
     @property
     def router(self) -> bool:
-        """The server runs vllm-ling's router GEMV on the fp32 MoE gates (CUDA) where it holds them."""
-        return self.options.router_gemv is RouterGemv.LING and not self.router_problems
+        from vllm_ling.ops.small_gemv.selection import GemvPath
 
-    @property
-    def router_problems(self) -> list[str]:
-        from vllm_ling.ops.small_gemv.router import shape_problems as router_shape_problems
+        return self.router_selection().choice is GemvPath.LING
 
-        return router_shape_problems(self.shapes.num_experts, self.shapes.hidden_size)
+    def bf16_selection(self) -> Selection:
+        from vllm_ling.ops.small_gemv.selection import select_bf16_gemv
+
+        return select_bf16_gemv(self.options, Platform.CUDA, "the BF16 linears", unavailable_reason=lambda: None)
 
     @property
     def bf16_linears(self) -> bool:
-        """The server runs vllm-ling's small GEMV on the unquantized BF16 linears (CUDA)."""
-        return self.options.bf16_gemv is Bf16Gemv.LING and not self.bf16_problems
+        """The server selects vllm-ling's small GEMV for the unquantized BF16 linears (CUDA) and it holds
+        their weights (a weight it cannot hold keeps vLLM's GEMM: layers.small_bf16_cuda.kernel_problems)."""
+        from vllm_ling.ops.small_gemv.selection import GemvPath
+
+        return self.bf16_selection().choice is GemvPath.LING and not self.bf16_problems
 
     @property
     def bf16_problems(self) -> list[str]:
@@ -174,12 +188,10 @@ class WarmupPlan:
                  "dense FP8 skipped (" + (f"{self.dense_selections()[0][1].reason}: vLLM's kernel serves"
                                           if self.dense_shapes else "no block-FP8 dense linears") + ")")
         router = (f"router GEMV {s.num_experts} x {s.hidden_size}" if self.router else
-                  "router GEMV skipped (" + ("VLLM_LING_ROUTER_GEMV=vllm: vLLM's GateLinear serves"
-                                             if self.options.router_gemv is not RouterGemv.LING
-                                             else "; ".join(self.router_problems)) + ")")
+                  f"router GEMV skipped ({self.router_selection().reason}: vLLM's GateLinear serves)")
+        bf16_sel = self.bf16_selection()
         bf16 = (f"BF16 linears small GEMV {s.bf16_linear_rows} x {s.hidden_size}" if self.bf16_linears else
-                "BF16 linears skipped (" + ("VLLM_LING_BF16_GEMV=vllm: vLLM's GEMM serves"
-                                            if self.options.bf16_gemv is not Bf16Gemv.LING
+                "BF16 linears skipped (" + (f"{bf16_sel.reason}: vLLM's GEMM serves" if self.bf16_problems == []
                                             else "; ".join(self.bf16_problems)) + ")")
         return (f"{self.model_dir} (tensor parallel {self.tensor_parallel_size}): hidden "
                 f"{s.hidden_size}, expert intermediate {s.intermediate_size}, {s.num_experts} "

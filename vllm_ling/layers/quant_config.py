@@ -25,6 +25,7 @@ from vllm.platforms import current_platform
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.dense_fp8.selection import DenseShape, select_dense_fp8
+from vllm_ling.ops.small_gemv.selection import select_bf16_gemv
 from vllm_ling.options import LingOptions
 from vllm_ling.selection import Platform, record
 
@@ -91,9 +92,11 @@ class LingFp8Config(Fp8Config):
         if isinstance(layer, LinearBase) and current_platform.is_cuda() and self._skipped(prefix):
             from vllm_ling.layers.small_bf16_cuda import choose_small_bf16_method
 
-            method = choose_small_bf16_method(prefix, self.options.bf16_gemv)
+            method = choose_small_bf16_method(layer, prefix, self.options)
             if method is not None:
                 return method
+        elif isinstance(layer, LinearBase) and self._skipped(prefix):
+            record(layer, select_bf16_gemv(self.options, Platform.CPU, prefix))  # vLLM's GEMM, said on the layer
         if isinstance(layer, ParallelLMHead) and self.options.fp8_head:
             from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
 

@@ -51,7 +51,8 @@ from vllm_ling.log import get_logger, log_once, one_line
 from vllm_ling.refusal import Refusal
 from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
 from vllm_ling.ops.moe.selection import MoePath, MoeSelection
-from vllm_ling.options import Bf16Gemv, LingOptions, MoeDecode, RouterGemv, VerifyPolicy, plugin_options, read
+from vllm_ling.ops.small_gemv.selection import GemvPath
+from vllm_ling.options import LingOptions, MoeDecode, VerifyPolicy, plugin_options, read
 from vllm_ling.selection import Feature, Selection, recorded
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
@@ -84,8 +85,6 @@ class Expectations:
     num_speculative_tokens: int
     default_spec: bool  # the speculative config is vllm-ling's default
     kda_merged_proj: bool = False  # each KDA layer's q, k, v, f, g projections are one linear
-    small_bf16: bool = False  # vllm-ling's small GEMV serves the checkpoint's BF16 linears at decode sizes
-    router_gemv: bool = False  # vllm-ling's router GEMV serves decode-sized batches of the MoE gates
     no_nextn_layers: bool = False  # MTP wanted but the checkpoint has no NEXTN layer
     pp_no_draft: bool = False  # MTP wanted but pipeline parallelism: vLLM 0.32 runs no draft there
 
@@ -107,8 +106,6 @@ class Expectations:
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
                    default_spec=default_applied(vllm_config),
                    kda_merged_proj=options.kda_merged_proj,
-                   small_bf16=platform == "cuda" and options.bf16_gemv is Bf16Gemv.LING,
-                   router_gemv=platform == "cuda" and options.router_gemv is RouterGemv.LING,
                    no_nextn_layers=no_nextn_layers(vllm_config), pp_no_draft=pp_no_draft(vllm_config))
 
 
@@ -341,23 +338,41 @@ def _small_bf16_layers(target, draft):
     return layers, ours, [(n, m) for n, m in ours if getattr(m, "ling_small_gemv", None) is not None]
 
 
-def check_small_bf16(found, exp: Expectations) -> Check:
-    """Every unquantized linear is on vllm-ling's method (a layer the small GEMV cannot hold keeps
-    vLLM's GEMM with one WARNING, counted in ``actual``), and a known answer: on the first served
-    layer, the small GEMV against vLLM's own GEMM on the same layer for random rows, one row count
-    per launch shape the kernel picks for that layer (CTA width, direct or staged rows).
-    ``found``: :func:`_small_bf16_layers`."""
-    from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
+def small_bf16_selected(found) -> bool:
+    """Some unquantized linear selected vllm-ling's small GEMV (the optimization is requested)."""
+    return any((s := recorded(m, Feature.BF16_GEMV)) is not None and s.choice is GemvPath.LING for _, m in found[0])
+
+
+def check_small_bf16(found) -> Check:
+    """Every unquantized linear has the method its recorded selection names (vllm-ling's, where a
+    layer the small GEMV cannot hold keeps vLLM's GEMM with one WARNING, counted in ``actual``; or
+    vLLM's), and a known answer: on the first served layer, the small GEMV against vLLM's own GEMM on
+    the same layer for random rows, one row count per launch shape the kernel picks for that layer
+    (CTA width, direct or staged rows). ``found``: :func:`_small_bf16_layers`."""
+    from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod, served_path
 
     layers, ours, serving = found
     actual = f"{len(serving)} of {len(layers)} unquantized linears on the small GEMV"
     kept = [f"{n}: {m.ling_small_gemv_reason}" for n, m in ours if getattr(m, "ling_small_gemv", None) is None]
     if kept:
         actual += f"; vLLM's GEMM for {kept[:3]}"
-    if not exp.small_bf16:
-        return Check("small_bf16_layers", not ours, "vLLM's GEMM (CPU platform or VLLM_LING_BF16_GEMV=vllm)",
-                     actual, "the quant config chose vllm-ling's method although it was not requested")
-    ok = bool(layers) and len(ours) == len(layers)
+    diverging, unselected = [], []
+    for name, m in layers:
+        sel = recorded(m, Feature.BF16_GEMV)
+        if sel is None:
+            unselected.append(name)
+        elif served_path(m) is not sel.choice:
+            diverging.append(f"{name} (selected {sel.choice}, serves {served_path(m)})")
+    for what, names in (("not the recorded selection", diverging), ("no selection recorded", unselected)):
+        if names:
+            actual += f"; {what}: {names[:3]}"
+    fix = ("see the WARNING naming the layers the small GEMV cannot hold, or set VLLM_LING_BF16_GEMV=vllm; a "
+           "layer serving other than its selection is a defect: report it")
+    if not small_bf16_selected(found):
+        return Check("small_bf16_layers", not diverging and not unselected,
+                     "vLLM's GEMM on every unquantized linear, as selected (CPU platform or VLLM_LING_BF16_GEMV=vllm)",
+                     actual, fix)
+    ok = bool(layers) and not diverging and not unselected
     if serving:
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
@@ -377,9 +392,8 @@ def check_small_bf16(found, exp: Expectations) -> Check:
         ok = ok and rel < SMALL_BF16_MAX_REL_DIFF
         actual += f"; known answer on {name} at {', '.join(map(str, row_counts))} rows: largest relative L2 " \
                   f"difference to vLLM's GEMM {rel:.3g} (limit {SMALL_BF16_MAX_REL_DIFF:.3g})"
-    return Check("small_bf16_layers", ok, "every unquantized linear on vllm-ling's method, the small GEMV serving "
-                 "the ones it holds and agreeing with vLLM's GEMM", actual,
-                 "see the WARNING naming the layers the small GEMV cannot hold, or set VLLM_LING_BF16_GEMV=vllm")
+    return Check("small_bf16_layers", ok, "every unquantized linear on the method its selection names, the small "
+                 "GEMV serving the ones it holds and agreeing with vLLM's GEMM", actual, fix)
 
 
 def check_head(target, exp: Expectations, stage: Stage | None = None) -> Check:
@@ -528,11 +542,11 @@ def build_report(target, draft, vllm_config, options: LingOptions,
               guarded("lm_head", lambda: check_head(target, exp, stage)),
               guarded("draft_shares_target_modules", lambda: check_draft_sharing(target, draft, exp, stage)),
               guarded("dense_fp8_layers", lambda: check_dense_fp8(dense_linears)),
-              guarded("small_bf16_layers", lambda: check_small_bf16(bf16_linears, exp)),
+              guarded("small_bf16_layers", lambda: check_small_bf16(bf16_linears)),
               guarded(kda_in_proj.CHECK_NAME, lambda: Check(kda_in_proj.CHECK_NAME, *kda_in_proj.check_kda_in_proj(
                   kda_state, exp.kda_merged_proj, config, stage.start, stage.end))),
               guarded(router_gates.CHECK_NAME, lambda: Check(
-                  router_gates.CHECK_NAME, *router_gates.check_router_gates(gates, exp.router_gemv, exp.platform))),
+                  router_gates.CHECK_NAME, *router_gates.check_router_gates(gates, exp.platform))),
               guarded("speculative_config", lambda: check_speculative(exp, options)),
               guarded("versions", lambda: check_versions(exp)),
               Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
@@ -566,12 +580,12 @@ def build_report(target, draft, vllm_config, options: LingOptions,
             "dense_fp8_decode": {"requested": dense_requested,
                                  "active": dense_requested and by_name["dense_fp8_layers"].passed,
                                  "detail": by_name["dense_fp8_layers"].actual},
-            "small_bf16_decode": {"requested": exp.small_bf16,
-                                  "active": exp.small_bf16 and by_name["small_bf16_layers"].passed
+            "small_bf16_decode": {"requested": small_bf16_selected(bf16_linears),
+                                  "active": small_bf16_selected(bf16_linears) and by_name["small_bf16_layers"].passed
                                   and bool(bf16_linears[2]),
                                   "detail": by_name["small_bf16_layers"].actual},
             "router_gemv": router_gates.optimization_entry(gates, by_name[router_gates.CHECK_NAME].passed,
-                                                           exp.router_gemv, exp.platform, known),
+                                                           exp.platform, known),
             "kda_merged_in_proj": kda_in_proj.optimization_entry(
                 kda_state, by_name[kda_in_proj.CHECK_NAME].passed, exp.kda_merged_proj,
                 by_name[kda_in_proj.CHECK_NAME].actual),
