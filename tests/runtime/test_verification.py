@@ -205,6 +205,26 @@ def test_bf16_head_fails_the_fp8_head_check(loaded_tiny_models):
     assert report["optimizations"]["fp8_head"]["active"] is False
 
 
+def test_a_head_serving_another_kernel_than_selected_fails(loaded_tiny_models):
+    """The planted divergence for the head: the head records humming while its prepared state is
+    the CPU's torch path; and a head without a recorded selection fails too."""
+    from vllm_ling.options import HeadKernel
+    from vllm_ling.selection import SELECTIONS_ATTR, Feature, Selection, recorded
+
+    _, target, _ = loaded_tiny_models
+    assert recorded(target.lm_head, Feature.HEAD_KERNEL).choice is HeadKernel.TORCH  # as loaded on CPU
+    assert _check(_report(loaded_tiny_models), "lm_head")["expected"].endswith(
+        "kernel torch as selected (no CUDA device (cpu): chunked fp32 dequantize path, for correctness only)")
+    humming = Selection(Feature.HEAD_KERNEL, HeadKernel.HUMMING, "sm_90 measured")
+    with swapped(target.lm_head, SELECTIONS_ATTR, {Feature.HEAD_KERNEL: humming}):
+        check = _check(_report(loaded_tiny_models), "lm_head")
+    assert not check["passed"] and check["expected"].endswith("kernel humming as selected (sm_90 measured)")
+    assert check["actual"].endswith(", kernel torch")
+    with swapped(target.lm_head, SELECTIONS_ATTR, {}):
+        check = _check(_report(loaded_tiny_models), "lm_head")
+    assert not check["passed"] and check["actual"].endswith("kernel torch, no kernel selection recorded")
+
+
 def test_duplicated_draft_head_is_caught(loaded_tiny_models):
     _, target, draft = loaded_tiny_models
     with swapped(draft.model.layers["6"].shared_head, "head", copy.deepcopy(target.lm_head)):

@@ -13,7 +13,8 @@ modules that are really there:
 - every block-FP8 dense linear serves the kernel recorded on it
   (:func:`vllm_ling.ops.dense_fp8.selection.select_dense_fp8`), and the W8A16 kernel agrees with vLLM's;
 - the target head runs vllm-ling's FP8 method with a float8_e4m3fn weight of the expected
-  byte size (or BF16 when opted out);
+  byte size and the kernel it recorded (:func:`vllm_ling.ops.lm_head.selection.select_head_kernel`),
+  or BF16 when opted out;
 - the draft's head(s) and embedding are the target's module objects, and the draft holds no
   storage of that size of its own;
 - every MoE router gate is vllm-ling's GateLinear on CUDA, on the router GEMV wherever the kernel
@@ -411,17 +412,22 @@ def check_head(target, exp: Expectations, stage: Stage | None = None) -> Check:
     nbytes = w.numel() * w.element_size()
     rows = head.num_embeddings_per_partition if hasattr(head, "num_embeddings_per_partition") else w.shape[0]
     cols = getattr(head, "embedding_dim", None) or w.shape[-1]
+    selection = recorded(head, Feature.HEAD_KERNEL)
     if exp.fp8_head:
-        # One byte per weight; a GPU kernel's repacked layout may pad a little (BF16 would be 2x).
-        expected = f"Fp8LmHeadMethod, float8_e4m3fn, {rows * cols} bytes"
+        # One byte per weight; a GPU kernel's repacked layout may pad a little (BF16 would be 2x). The
+        # kernel is the one the head recorded when it selected, read back from its prepared state.
+        expected = f"Fp8LmHeadMethod, float8_e4m3fn, {rows * cols} bytes, kernel " + (
+            f"{selection.choice} as selected ({selection.reason})" if selection else "as selected")
         ok = (isinstance(qm, Fp8LmHeadMethod) and w.dtype == torch.float8_e4m3fn
-              and rows * cols <= nbytes < 1.1 * rows * cols)
+              and rows * cols <= nbytes < 1.1 * rows * cols
+              and selection is not None and getattr(qm, "kernel", None) is selection.choice)
     else:
         expected = "BF16 head (VLLM_LING_FP8_HEAD=0)"
         ok = not isinstance(qm, Fp8LmHeadMethod) and w.dtype != torch.float8_e4m3fn
     kernel = getattr(qm, "kernel", None)
     actual = f"{type(qm).__name__}, {str(w.dtype).replace('torch.', '')}, {nbytes} bytes" + (
-        f", kernel {kernel}" if kernel else "")
+        f", kernel {kernel}" if kernel else "") + ("" if selection is not None or not exp.fp8_head
+                                                    else ", no kernel selection recorded")
     return Check("lm_head", ok, expected, actual,
                  "the ling_fp8 quantization was not selected: do not pass --quantization, or set VLLM_LING_FP8_HEAD=0")
 
