@@ -42,6 +42,18 @@ def _report(models, exp_changes=None, options=None):
     return build_report(target, draft, vllm_config, options, exp)
 
 
+def _speculation(name):
+    """The selection patch P5 would record (runtime.spec_policy.select_speculation), by choice name."""
+    from vllm_ling.runtime.spec_policy import Speculation, select_speculation
+
+    facts = {"DEFAULT_MTP": (LingOptions(), False, 1, 1), "USER": (LingOptions(), True, 1, 1),
+             "OFF": (LingOptions(mtp=False), False, 1, 1), "OFF_NO_NEXTN": (LingOptions(), False, 0, 1),
+             "OFF_PIPELINE": (LingOptions(), False, 1, 2)}[name]
+    selection = select_speculation(*facts)
+    assert selection.choice is Speculation[name]
+    return selection
+
+
 def _check(report, name):
     return next(c for c in report["checks"] if c["name"] == name)
 
@@ -279,7 +291,7 @@ def test_a_multi_line_exception_becomes_one_line():
 
 
 def test_wrong_speculative_config_is_caught(loaded_tiny_models):
-    check = _check(_report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True}),
+    check = _check(_report(loaded_tiny_models, {"num_speculative_tokens": 2, "speculation": _speculation("DEFAULT_MTP")}),
                    "speculative_config")
     assert not check["passed"]
     assert (check["expected"], check["actual"]) == ("mtp, 3 tokens (vllm-ling default)", "mtp, 2 tokens")
@@ -288,7 +300,7 @@ def test_wrong_speculative_config_is_caught(loaded_tiny_models):
 def test_strict_raises_with_every_failed_check_and_its_fix(loaded_tiny_models):
     from vllm_ling.runtime.verification import LingVerificationError, enforce_policy
 
-    report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True})
+    report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "speculation": _speculation("DEFAULT_MTP")})
     with pytest.raises(LingVerificationError) as err:
         enforce_policy(report, "strict")
     assert str(err.value) == (
@@ -301,7 +313,7 @@ def test_warn_logs_each_failed_check_and_off_is_silent(loaded_tiny_models, caplo
     from vllm_ling.runtime.verification import enforce_policy
 
     with moe_selected(loaded_tiny_models, _humming_selection()):
-        report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True})
+        report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "speculation": _speculation("DEFAULT_MTP")})
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
         enforce_policy(report, "warn")
         enforce_policy(report, "off")
@@ -446,7 +458,7 @@ def test_user_chosen_ngram_passes_with_mtp_not_requested(loaded_tiny_models):
     vllm_config, target, _ = loaded_tiny_models
     options = LingOptions()
     exp = dataclasses.replace(Expectations.from_runtime(vllm_config, options), spec_method="ngram",
-                              num_speculative_tokens=2, default_spec=False)
+                              num_speculative_tokens=2, speculation=_speculation("USER"))
     report = build_report(target, None, vllm_config, options, exp)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert report["optimizations"]["mtp"] == {
@@ -460,14 +472,38 @@ def test_checkpoint_without_nextn_layers_reports_mtp_not_requested(loaded_tiny_m
     from vllm_ling.runtime.verification import Expectations, build_report
 
     exp = dataclasses.replace(Expectations.from_runtime(vllm_config, LingOptions()), spec_method=None,
-                              num_speculative_tokens=0, default_spec=False, no_nextn_layers=True)
+                              num_speculative_tokens=0, speculation=_speculation("OFF_NO_NEXTN"))
     report = build_report(target, None, vllm_config, LingOptions(), exp)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert report["optimizations"]["mtp"]["requested"] is False
     assert "num_nextn_predict_layers=0" in report["optimizations"]["mtp"]["detail"]
     # Without the mark, missing speculation under VLLM_LING_MTP=1 is still a failure.
-    exp = dataclasses.replace(exp, no_nextn_layers=False)
+    exp = dataclasses.replace(exp, speculation=_speculation("DEFAULT_MTP"))
     assert not _check(build_report(target, None, vllm_config, LingOptions(), exp), "speculative_config")["passed"]
+
+
+def test_a_speculative_config_other_than_selected_fails(loaded_tiny_models):
+    """The planted divergence for speculation: P5 recorded 'off' (VLLM_LING_MTP=0) while MTP serves."""
+    off = _speculation("OFF")
+    check = _check(_report(loaded_tiny_models, {"spec_method": "mtp", "num_speculative_tokens": 3,
+                                                "speculation": off}), "speculative_config")
+    assert not check["passed"] and (check["expected"], check["actual"]) == ("off (VLLM_LING_MTP=0)", "mtp, 3 tokens")
+    vllm_config, _, _ = loaded_tiny_models
+    from vllm_ling.runtime.spec_policy import Speculation, recorded_speculation
+
+    # the session's engine config went through P5: vllm-ling's default, recorded on the target's config
+    assert recorded_speculation(vllm_config.model_config.hf_config).choice is Speculation.DEFAULT_MTP
+
+
+def test_speculation_selector():
+    from vllm_ling.runtime.spec_policy import Speculation, select_speculation
+
+    assert select_speculation(LingOptions(), True, 0, 2).choice is Speculation.USER  # the user's config wins
+    assert select_speculation(LingOptions(mtp=False), False, 1, 2).reason == "VLLM_LING_MTP=0"
+    assert select_speculation(LingOptions(), False, 0, 2).choice is Speculation.OFF_PIPELINE
+    assert select_speculation(LingOptions(), False, 0, 1).choice is Speculation.OFF_NO_NEXTN
+    sel = select_speculation(LingOptions(num_spec_tokens=2), False, 1, 1)
+    assert (sel.choice, sel.reason) == (Speculation.DEFAULT_MTP, "vllm-ling default: mtp, 2 tokens")
 
 
 def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_models):

@@ -55,6 +55,7 @@ from vllm_ling.ops.moe.selection import MoePath, MoeSelection
 from vllm_ling.ops.small_gemv.selection import GemvPath
 from vllm_ling.options import LingOptions, MoeDecode, VerifyPolicy, plugin_options, read
 from vllm_ling.selection import Feature, Selection, recorded
+from vllm_ling.runtime.spec_policy import VLLM_MTP_METHOD, Speculation
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
@@ -84,15 +85,13 @@ class Expectations:
     fp8_head: bool
     spec_method: str | None
     num_speculative_tokens: int
-    default_spec: bool  # the speculative config is vllm-ling's default
+    speculation: Selection | None  # what patch P5 selected and recorded (None: it did not decide)
     kda_merged_proj: bool = False  # each KDA layer's q, k, v, f, g projections are one linear
-    no_nextn_layers: bool = False  # MTP wanted but the checkpoint has no NEXTN layer
-    pp_no_draft: bool = False  # MTP wanted but pipeline parallelism: vLLM 0.32 runs no draft there
 
     @property
     def mtp(self) -> bool:
         """The NEXTN draft is what speculates (another method, e.g. ngram, has no Ling draft)."""
-        return self.spec_method == "mtp"
+        return self.spec_method == VLLM_MTP_METHOD
 
     @classmethod
     def from_runtime(cls, vllm_config, options: LingOptions) -> "Expectations":
@@ -100,14 +99,13 @@ class Expectations:
 
         platform = "cpu" if current_platform.is_cpu() else "cuda"
         spec = vllm_config.speculative_config
-        from vllm_ling.runtime.spec_policy import default_applied, no_nextn_layers, pp_no_draft
+        from vllm_ling.runtime.spec_policy import recorded_speculation
 
         return cls(platform=platform, fp8_head=options.fp8_head,
                    spec_method=getattr(spec, "method", None),
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
-                   default_spec=default_applied(vllm_config),
-                   kda_merged_proj=options.kda_merged_proj,
-                   no_nextn_layers=no_nextn_layers(vllm_config), pp_no_draft=pp_no_draft(vllm_config))
+                   speculation=recorded_speculation(vllm_config.model_config.hf_config),
+                   kda_merged_proj=options.kda_merged_proj)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -486,15 +484,19 @@ def check_draft_sharing(target, draft, exp: Expectations, stage: Stage | None = 
 
 
 def check_speculative(exp: Expectations, options: LingOptions) -> Check:
-    if exp.default_spec:
-        expected = f"mtp, {options.num_spec_tokens} tokens (vllm-ling default)"
-        ok = exp.spec_method == "mtp" and exp.num_speculative_tokens == options.num_spec_tokens
-    elif options.mtp and exp.spec_method is None and exp.no_nextn_layers:
-        expected, ok = "off (the checkpoint has no NEXTN layers: num_nextn_predict_layers=0)", True
-    elif options.mtp and exp.spec_method is None and exp.pp_no_draft:
-        expected, ok = "off (pipeline parallelism: vLLM 0.32 runs no draft model there)", True
-    elif options.mtp and exp.spec_method is None:
-        expected, ok = "mtp (VLLM_LING_MTP=1)", False
+    """The speculative config in force is the one patch P5 selected and recorded
+    (:func:`vllm_ling.runtime.spec_policy.select_speculation`)."""
+    sel = exp.speculation
+    choice = sel.choice if sel is not None else None
+    if choice is Speculation.DEFAULT_MTP:
+        expected = f"{VLLM_MTP_METHOD}, {options.num_spec_tokens} tokens (vllm-ling default)"
+        ok = exp.mtp and exp.num_speculative_tokens == options.num_spec_tokens
+    elif choice in (Speculation.OFF, Speculation.OFF_NO_NEXTN, Speculation.OFF_PIPELINE):
+        expected, ok = f"off ({sel.reason})", exp.spec_method is None
+    elif choice is Speculation.USER:
+        expected, ok = "as configured by the user", exp.spec_method is not None
+    elif options.mtp and exp.spec_method is None:  # nothing recorded: P5 did not run for this target
+        expected, ok = f"{VLLM_MTP_METHOD} (VLLM_LING_MTP=1; no speculative selection recorded)", False
     else:
         expected = "as configured by the user" if exp.spec_method else "off (VLLM_LING_MTP=0)"
         ok = True
@@ -562,7 +564,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     moe_path = moe.choice if moe is not None else MoePath.VLLM  # nothing of ours selected: vLLM's
     moe_active = moe_path is not MoePath.VLLM and by_name["moe_layers"].passed
     head_active = exp.fp8_head and by_name["lm_head"].passed
-    mtp_active = exp.spec_method == "mtp" and by_name["draft_shares_target_modules"].passed
+    mtp_active = exp.mtp and by_name["draft_shares_target_modules"].passed
     decode_requested = moe_path is MoePath.HUMMING and moe.decode is not MoeDecode.OFF
     decode_active, decode_detail = moe_decode_summary(target, draft)
     return {
@@ -611,10 +613,10 @@ def build_report(target, draft, vllm_config, options: LingOptions,
 
 
 def _mtp_detail(exp: Expectations, by_name: dict[str, Check]) -> str:
-    if exp.no_nextn_layers and exp.spec_method is None:
-        return "not requested: the checkpoint has no NEXTN layers (num_nextn_predict_layers=0)"
-    if exp.pp_no_draft and exp.spec_method is None:
-        return "not requested: pipeline parallelism (vLLM 0.32 runs no draft model there)"
+    off_by_design = {Speculation.OFF_NO_NEXTN: "the checkpoint has no NEXTN layers (num_nextn_predict_layers=0)",
+                     Speculation.OFF_PIPELINE: "pipeline parallelism (vLLM 0.32 runs no draft model there)"}
+    if exp.speculation is not None and exp.speculation.choice in off_by_design and exp.spec_method is None:
+        return "not requested: " + off_by_design[exp.speculation.choice]
     if exp.spec_method is not None and not exp.mtp:
         return f"not requested: --speculative-config method {exp.spec_method}"
     return by_name["draft_shares_target_modules"].actual
