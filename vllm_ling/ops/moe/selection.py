@@ -60,11 +60,9 @@ def select_moe(options: LingOptions, platform: Platform, shape: MoeShape, prefix
     warm-up passes its own: building the kernels is how it finds out). Raises
     :class:`HummingUnavailable` where an explicit request cannot run.
     """
-    vllm_backend = vllm_moe_backend or "auto"
-    if options.moe_backend is MoeBackend.VLLM:
-        return MoeSelection(Feature.MOE, MoePath.VLLM, "opted out: VLLM_LING_MOE_BACKEND=vllm")
-    if vllm_backend not in VLLM_BACKENDS_LEAVING_US_IN_CHARGE:
-        return MoeSelection(Feature.MOE, MoePath.VLLM, f"opted out: --moe-backend {vllm_backend}")
+    opted_out = opt_out_reason(options, vllm_moe_backend)
+    if opted_out is not None:
+        return MoeSelection(Feature.MOE, MoePath.VLLM, f"opted out: {opted_out}")
     if options.moe_decode is MoeDecode.COPY:
         _refuse_packed_copy(shape, prefix, options.moe_w4a8, platform)
     if platform is Platform.CPU:
@@ -88,6 +86,17 @@ def select_moe(options: LingOptions, platform: Platform, shape: MoeShape, prefix
     return MoeSelection(Feature.MOE, MoePath.HUMMING, f"CUDA, humming runs ({why})" if why else "CUDA, humming runs",
                         w4a8=options.moe_w4a8, decode=decode,
                         decode_max_tokens=0 if decode is MoeDecode.OFF else options.moe_decode_max_tokens)
+
+
+def opt_out_reason(options: LingOptions, vllm_moe_backend: str | None) -> str | None:
+    """Which explicit choice hands the routed experts to vLLM's MXFP4 backends (None: they are
+    ours). Also what the CPU config hook refuses before loading (vLLM-CPU has no such backend)."""
+    if options.moe_backend is MoeBackend.VLLM:
+        return "VLLM_LING_MOE_BACKEND=vllm"
+    vllm_backend = vllm_moe_backend or "auto"
+    if vllm_backend not in VLLM_BACKENDS_LEAVING_US_IN_CHARGE:
+        return f"--moe-backend {vllm_backend}"
+    return None
 
 
 def _refuse_packed_copy(shape: MoeShape, prefix: str, w4a8: bool, platform: Platform) -> None:
