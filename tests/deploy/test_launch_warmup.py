@@ -103,6 +103,19 @@ def test_missing_model_and_bad_config(tmp_path):
     assert result.returncode == 2 and "does not divide" in result.stderr
 
 
+def test_a_packed_copy_the_shapes_cannot_serve_is_refused_as_on_the_server(tmp_path):
+    """The MoE selector refuses VLLM_LING_MOE_DECODE=copy for an expert intermediate (per GPU) that
+    is not a multiple of 64; warm-up asks the same selector, so it refuses the same way (exit 2)."""
+    config = json.loads(FLASH_CONFIG.read_text())
+    model = tmp_path / "odd"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 800}))
+    result = cli(str(model), "--allow-cpu", env_extra={"VLLM_LING_MOE_DECODE": "copy"})
+    assert result.returncode == 2
+    assert "VLLM_LING_MOE_DECODE=copy cannot run for the routed experts: hidden 2560 / expert intermediate 800" \
+        in result.stderr, result.stderr
+
+
 def test_shapes_follow_the_config(tmp_path):
     config = json.loads(TINY_CONFIG.read_text())
     shapes = warmup.kernel_shapes(config, 1, TINY_CONFIG)

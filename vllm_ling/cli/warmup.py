@@ -181,8 +181,9 @@ class WarmupPlan:
     def describe(self) -> str:
         s = self.shapes
         sel = self.moe_selection
-        moe = (f"MoE {'W4A8' if sel.w4a8 else 'W4A16'}, decode {sel.decode} (<= {sel.decode_max_tokens} tokens)"
-               if self.moe else f"MoE skipped ({sel.reason}: vLLM's backend serves)")
+        decode = f"decode {sel.decode}" + (f" (<= {sel.decode_max_tokens} tokens)" if sel.decode_max_tokens else "")
+        moe = (f"MoE {'W4A8' if sel.w4a8 else 'W4A16'}, {decode}" if self.moe
+               else f"MoE skipped ({sel.reason}: vLLM's backend serves)")
         head = "FP8 LM head" if self.head else "LM head skipped (VLLM_LING_FP8_HEAD=0: BF16 head)"
         dense = (f"dense FP8 W8A16 on {len(self.dense_w8a16_shapes)} weight shapes" if self.dense else
                  "dense FP8 skipped (" + (f"{self.dense_selections()[0][1].reason}: vLLM's kernel serves"

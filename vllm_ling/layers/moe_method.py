@@ -24,7 +24,8 @@ from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import LingOptions, MoeDecode
 from vllm_ling.ops import moe as moe_ops
-from vllm_ling.ops.moe.selection import HummingUnavailable, MoePath, MoeSelection, MoeShape, select_moe
+from vllm_ling.ops.moe.selection import (HummingUnavailable, MoePath, MoeSelection, MoeShape, opt_out_reason,
+                                         select_moe)
 from vllm_ling.selection import Platform, record
 
 logger = get_logger("moe")
@@ -146,14 +147,14 @@ def choose_moe_method(layer, prefix: str, options: LingOptions) -> LingMxfp4MoEM
     from vllm.platforms import current_platform
 
     config = layer.moe_config
+    vllm_backend = getattr(config, "moe_backend", "auto")
     selection = record(layer, select_moe(
         options, Platform.CPU if current_platform.is_cpu() else Platform.CUDA,
-        MoeShape(config.hidden_dim, config.intermediate_size_per_partition), prefix,
-        vllm_moe_backend=getattr(config, "moe_backend", "auto")))
+        MoeShape(config.hidden_dim, config.intermediate_size_per_partition), prefix, vllm_moe_backend=vllm_backend))
     if selection.choice is MoePath.VLLM:
         log_once(logger, logging.WARNING, "moe-opt-out",
                  "Humming MoE is OFF by explicit choice (%s): vLLM selects the MXFP4 MoE "
-                 "backend; the startup report marks moe_humming inactive.", selection.reason.removeprefix("opted out: "))
+                 "backend; the startup report marks moe_humming inactive.", opt_out_reason(options, vllm_backend))
         return None
     if selection.choice is REFERENCE:
         log_once(logger, logging.INFO, "moe-cpu", "Routed MXFP4 experts: %s.", BACKEND_DESCRIPTIONS[REFERENCE])
