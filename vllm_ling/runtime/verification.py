@@ -54,9 +54,9 @@ from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
 from vllm_ling.ops.moe.selection import MoePath, MoeSelection
 from vllm_ling.ops.small_gemv.selection import GemvPath
 from vllm_ling.options import LingOptions, MoeDecode, VerifyPolicy, plugin_options, read
-from vllm_ling.selection import Feature, Selection, recorded
-from vllm_ling.runtime.spec_policy import VLLM_MTP_METHOD, Speculation
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
+from vllm_ling.runtime.spec_policy import VLLM_MTP_METHOD, Speculation
+from vllm_ling.selection import Feature, Selection, recorded
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
 
@@ -79,7 +79,8 @@ class Check:
 
 @dataclasses.dataclass
 class Expectations:
-    """What the checks expect, from the options, the platform and the vLLM config."""
+    """The facts the checks take from the options, the platform and the vLLM config. Which backend
+    serves each feature is not here: the checks read the selection recorded on each layer."""
 
     platform: str  # "cpu" | "cuda"
     fp8_head: bool
