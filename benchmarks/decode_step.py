@@ -235,7 +235,8 @@ class Model:
         from vllm_ling.ops import lm_head as LH
 
         hq, hs = LH.quantize_fp8_per_channel(self.head_bf16)
-        self.head_kernel, self.head_reason = LH.select_head_kernel(dev)
+        head = LH.select_head_kernel(dev)
+        self.head_kernel, self.head_reason = head.choice, head.reason
         self.head_fp8 = LH.prepare_fp8_head(hq, hs, self.head_kernel)
         self.LH = LH
         self.rope_cos, self.rope_sin = rope_table(cfg["rope_theta"], self.rope, context + tokens_max + 2, dev)

@@ -60,14 +60,6 @@ CPU_MOE_BACKEND_REFUSAL = (
     "vllm-ling's plain-PyTorch MXFP4 reference serves them), or serve with vLLM's MoE backends on a GPU.")
 
 
-class MoePath(Choice):
-    """What serves a Ling routed-expert layer (the report's ``moe_backend``): not an option."""
-
-    HUMMING = "humming"
-    REFERENCE = "reference"  # plain PyTorch, CPU platform only
-    VLLM = "vllm"            # opted out: vLLM's own MXFP4 backend
-
-
 class MoeDecode(Choice):
     AUTO = "auto"  # fused decode kernels on humming's own weights where they run
     COPY = "copy"  # fused decode kernels on a second, GEMV-packed copy of the experts

@@ -69,14 +69,14 @@ def test_router_gemv_plan_follows_the_switch_and_the_gate_shape(tmp_path):
     on = plan({})
     assert on.router and f"router GEMV {config['num_experts']} x {config['hidden_size']}" in on.describe()
     off = plan({"VLLM_LING_ROUTER_GEMV": "vllm"})
-    assert not off.router and "router GEMV skipped (VLLM_LING_ROUTER_GEMV=vllm" in off.describe()
+    assert not off.router and "router GEMV skipped (opted out (VLLM_LING_ROUTER_GEMV=vllm)" in off.describe()
     wide = plan({}, hidden_size=8192)  # the server keeps GateLinear's path for a gate it cannot hold
     assert not wide.router and "router GEMV skipped (K=8192 exceeds 4096" in wide.describe()
     # the BF16 linears (b_proj, MLA g_proj): heads per tensor-parallel rank x hidden
     assert on.bf16_linears and f"BF16 linears small GEMV {config['num_attention_heads']} x " \
         f"{config['hidden_size']}" in on.describe()
     off = plan({"VLLM_LING_BF16_GEMV": "vllm"})
-    assert not off.bf16_linears and "BF16 linears skipped (VLLM_LING_BF16_GEMV=vllm" in off.describe()
+    assert not off.bf16_linears and "BF16 linears skipped (opted out (VLLM_LING_BF16_GEMV=vllm)" in off.describe()
     assert wide.bf16_linears  # a BF16 row of 8192 still fits a warp's registers
     wider = plan({}, hidden_size=16384)
     assert not wider.bf16_linears and "BF16 linears skipped (K=16384 exceeds 8192" in wider.describe()
@@ -101,6 +101,19 @@ def test_missing_model_and_bad_config(tmp_path):
     assert result.returncode == 2 and "moe_intermediate_size" in result.stderr
     result = cli(str(make_model(tmp_path)), "--allow-cpu", "--tensor-parallel-size", "5")
     assert result.returncode == 2 and "does not divide" in result.stderr
+
+
+def test_a_packed_copy_the_shapes_cannot_serve_is_refused_as_on_the_server(tmp_path):
+    """The MoE selector refuses VLLM_LING_MOE_DECODE=copy for an expert intermediate (per GPU) that
+    is not a multiple of 64; warm-up asks the same selector, so it refuses the same way (exit 2)."""
+    config = json.loads(FLASH_CONFIG.read_text())
+    model = tmp_path / "odd"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 800}))
+    result = cli(str(model), "--allow-cpu", env_extra={"VLLM_LING_MOE_DECODE": "copy"})
+    assert result.returncode == 2
+    assert "VLLM_LING_MOE_DECODE=copy cannot run for the routed experts: hidden 2560 / expert intermediate 800" \
+        in result.stderr, result.stderr
 
 
 def test_shapes_follow_the_config(tmp_path):
@@ -210,8 +223,10 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     """For each option combination, warmup's kernel set equals what the server's quantization
     config builds from the same environment (its real selection code, on a pretend GPU where
     humming is available): MoE method on/off with its W4A8/decode switches, FP8 head on/off."""
-    from vllm_ling.layers import moe_method, quant_config
-    from vllm_ling.options import LingOptions
+    from vllm_ling.layers import moe_method
+    from vllm_ling.ops.moe.selection import MoePath
+    from vllm_ling.options import DenseFp8, LingOptions, MoeDecode
+    from vllm_ling.selection import Feature, recorded
 
     for name in list(env) + ["VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_BACKEND",
                              "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8",
@@ -230,15 +245,16 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     layer = types.SimpleNamespace(moe_config=types.SimpleNamespace(
         moe_backend="auto", hidden_dim=2560, intermediate_size_per_partition=768))
     options = LingOptions.from_env()
-    method = moe_method.choose_moe_method(layer, "model.layers.3.mlp.experts", **quant_config.moe_method_kwargs(options))
-    assert plan.moe == (method is not None)
-    if method is not None:
-        server = {"w4a8": method.w4a8, "decode": method.decode,
-                  "decode_max_tokens": 0 if method.decode == "off" else method.decode_max_tokens}
-        assert plan.moe_kwargs() == server
+    method = moe_method.choose_moe_method(layer, "model.layers.3.mlp.experts", options)
+    server = recorded(layer, Feature.MOE)  # what the layer recorded, the same selector as warm-up's
+    assert plan.moe == (method is not None) == (server.choice is MoePath.HUMMING)
+    assert plan.moe_selection.kernel_kwargs() == server.kernel_kwargs()
+    if method is not None:  # the method serves the recorded switches
+        assert (method.w4a8, method.decode, method.decode_max_tokens) == (
+            options.moe_w4a8, options.moe_decode, 0 if options.moe_decode is MoeDecode.OFF else options.moe_decode_max_tokens)
     assert plan.head == options.fp8_head
     # the dense FP8 group follows the server's switch, on every decode shape of the model
-    assert plan.dense == (options.dense_fp8.value == "ling") and len(plan.dense_shapes) == 9
+    assert plan.dense == (options.dense_fp8 is DenseFp8.LING) and len(plan.dense_shapes) == 9
     # the KDA shapes follow the same switch as the server's KDA layer: one merged 20480 x 2560, or three
     assert ((20480, 2560) in plan.dense_shapes) == options.kda_merged_proj
     assert ((4096, 2560) in plan.dense_shapes) != options.kda_merged_proj
@@ -251,7 +267,7 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     gate = router_gate_cuda.GateFacts(prefix="model.layers.3.mlp.gate", num_experts=config["num_experts"],
                                       hidden_size=config["hidden_size"], weight_dtype=torch.float32,
                                       has_bias=False, unquantized=True, out_dtype=torch.float32)
-    assert plan.router == (router_gate_cuda.decide(gate, options.router_gemv) is None)
+    assert plan.router_selection() == router_gate_cuda.decide(gate, options)  # the same selector, the same answer
 
 
 def test_a_kernel_group_computing_wrong_numbers_stops_warmup_nonzero(tmp_path, monkeypatch, capsys):

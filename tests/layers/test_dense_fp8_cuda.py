@@ -11,7 +11,9 @@ import torch
 pytest.importorskip("vllm")  # the GPU box runs tests/ops only: it has no vLLM
 
 from vllm_ling.layers import dense_fp8_cuda as D  # noqa: E402
+from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel  # noqa: E402
 from vllm_ling.options import DenseFp8, LingOptions, LingOptionError  # noqa: E402
+from vllm_ling.selection import Feature, recorded  # noqa: E402
 
 BLOCK = types.SimpleNamespace(weight_block_size=[128, 128])
 
@@ -49,8 +51,8 @@ def test_opt_out_warns_and_keeps_vllm(caplog, monkeypatch):
     monkeypatch.setattr(D.Fp8LinearMethod, "__init__", lambda self, qc: None)
     logging.getLogger("vllm.ling").propagate = True
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
-        assert _vllm_kernel_only(D.choose_dense_fp8_method(BLOCK, "model.layers.0.self_attn.qkv_proj", [4096] * 3,
-                                                           2560, option=DenseFp8.VLLM))
+        assert _vllm_kernel_only(D.choose_dense_fp8_method(BLOCK, _Layer(), "model.layers.0.self_attn.qkv_proj",
+                                                           [4096] * 3, 2560, LingOptions(dense_fp8=DenseFp8.VLLM)))
     assert any("explicit choice" in r.getMessage() for r in caplog.records)
 
 
@@ -59,10 +61,10 @@ def test_requested_but_unavailable_is_an_error_naming_the_opt_out(monkeypatch):
 
     monkeypatch.setattr(ops, "unavailable_reason", lambda device=None: "sm_80 has no e4m3 conversion")
     with pytest.raises(D.DenseFp8Unavailable, match="VLLM_LING_DENSE_FP8=vllm"):
-        D.choose_dense_fp8_method(BLOCK, "p", [4096], 2560, option=DenseFp8.LING)
+        D.choose_dense_fp8_method(BLOCK, _Layer(), "p", [4096], 2560, LingOptions())
     with pytest.raises(D.DenseFp8Unavailable, match="128x128"):
-        D.choose_dense_fp8_method(types.SimpleNamespace(weight_block_size=[64, 64]), "p", [4096], 2560,
-                                  option=DenseFp8.LING)
+        D.choose_dense_fp8_method(types.SimpleNamespace(weight_block_size=[64, 64]), _Layer(), "p", [4096], 2560,
+                                  LingOptions())
 
 
 def test_unaligned_linear_keeps_vllm(monkeypatch):
@@ -70,7 +72,10 @@ def test_unaligned_linear_keeps_vllm(monkeypatch):
 
     monkeypatch.setattr(ops, "unavailable_reason", lambda device=None: None)
     monkeypatch.setattr(D.Fp8LinearMethod, "__init__", lambda self, qc: None)
-    assert _vllm_kernel_only(D.choose_dense_fp8_method(BLOCK, "p", [100, 28], 2560, option=DenseFp8.LING))
+    layer = _Layer()
+    assert _vllm_kernel_only(D.choose_dense_fp8_method(BLOCK, layer, "p", [100, 28], 2560, LingOptions()))
+    selection = recorded(layer, Feature.DENSE_FP8)  # the layer records why it keeps vLLM's kernel
+    assert selection.choice is DenseFp8Kernel.VLLM and "shard 0 has 100 rows" in selection.reason
 
 
 class _Layer(types.SimpleNamespace):

@@ -145,6 +145,13 @@ def _force_amx(monkeypatch, amx: bool) -> str:
     return "forced AMX (kernel ops emulated)"
 
 
+def _keep_recorded_selections(monkeypatch, layer):
+    """Choosing records the selection on the layer: the session's shared model keeps its own."""
+    from vllm_ling.selection import SELECTIONS_ATTR
+
+    monkeypatch.setattr(layer, SELECTIONS_ATTR, dict(getattr(layer, SELECTIONS_ATTR, {})))
+
+
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
 def test_vllms_cpu_kernel_is_caught_or_refused(loaded_tiny_models, monkeypatch, amx):
     """vLLM's own block-FP8 method, as vLLM-CPU selects its kernel: with AMX its kernel runs and
@@ -187,6 +194,13 @@ def test_the_served_path_is_the_one_this_cpu_takes(loaded_tiny_models):
         assert path.check is None and path.reason == "CPU without AMX: vLLM-CPU has no block-FP8 kernel"
 
 
+def _keep_recorded_selections(monkeypatch, layer):
+    """Choosing records the selection on the layer: the session's shared model keeps its own."""
+    from vllm_ling.selection import SELECTIONS_ATTR
+
+    monkeypatch.setattr(layer, SELECTIONS_ATTR, dict(getattr(layer, SELECTIONS_ATTR, {})))
+
+
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
 def test_ling_fp8_decides_on_vllms_real_method_and_serves_dequantized(loaded_tiny_models, monkeypatch, amx):
     """The quant config's decision end to end, on vLLM's real Fp8LinearMethod and kernel
@@ -201,6 +215,7 @@ def test_ling_fp8_decides_on_vllms_real_method_and_serves_dequantized(loaded_tin
     how = _force_amx(monkeypatch, amx)
     monkeypatch.setattr(dense_fp8_path, "_chosen", None)
     layer = target.model.layers[0].mlp.gate_up_proj
+    _keep_recorded_selections(monkeypatch, layer)
     with set_current_vllm_config(vllm_config):
         method = vllm_config.quant_config.get_quant_method(layer, "model.layers.0.mlp.gate_up_proj")
     path = dense_fp8_path.last_choice()
@@ -236,6 +251,7 @@ def test_ling_fp8_serves_vllms_amx_kernel_only_if_it_passes(loaded_tiny_models, 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(known_answer, "check_dense_fp8_method", check)
     layer = target.model.layers[0].mlp.gate_up_proj
+    _keep_recorded_selections(monkeypatch, layer)
     with set_current_vllm_config(vllm_config):
         first = vllm_config.quant_config.get_quant_method(layer, "model.layers.0.mlp.gate_up_proj")
         second = vllm_config.quant_config.get_quant_method(layer, "model.layers.0.mlp.down_proj")
@@ -244,6 +260,9 @@ def test_ling_fp8_serves_vllms_amx_kernel_only_if_it_passes(loaded_tiny_models, 
     assert type(first) is expected and type(second) is expected
     assert dense_fp8_path.last_choice().kernel == (dense_fp8_path.VLLM_AMX if vllm_kernel_correct
                                                    else dense_fp8_path.DEQUANTIZED)
+    from vllm_ling.selection import Feature, recorded
+
+    assert recorded(layer, Feature.DENSE_FP8).choice is dense_fp8_path.last_choice().kernel  # what it serves
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])

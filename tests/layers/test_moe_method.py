@@ -8,7 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-from vllm_ling.options import MoeBackend, MoeDecode  # noqa: E402
+from vllm_ling.options import LingOptions, MoeBackend, MoeDecode  # noqa: E402
 
 
 @pytest.mark.parametrize("layer", [2, 4])  # layer 4 has SwiGLU clamps (experts 4, shared 5)
@@ -88,7 +88,7 @@ def test_cuda_without_humming_refuses_naming_the_cause(loaded_tiny_models, monke
     monkeypatch.setattr(moe_method.moe_ops, "humming_status",
                         lambda *a, **k: (False, "humming-kernels is not installed"))
     with pytest.raises(moe_method.HummingUnavailable) as err:
-        moe_method.choose_moe_method(layer, "model.layers.2.mlp.experts", MoeBackend.HUMMING)
+        moe_method.choose_moe_method(layer, "model.layers.2.mlp.experts", LingOptions(moe_backend=MoeBackend.HUMMING))
     assert str(err.value) == (
         "Humming MXFP4 MoE cannot run for model.layers.2.mlp.experts: humming-kernels is not installed. "
         "Install humming-kernels (it comes with vllm==0.32.0) on an sm_75+ GPU, or opt out explicitly "
@@ -103,8 +103,8 @@ def test_explicit_opt_out_is_one_warning_and_leaves_vllm_in_charge(loaded_tiny_m
     layer = _FakeMoE(target.model.layers[2].mlp.experts.routed_experts.moe_config)
     _once.discard(("vllm.ling.moe", "moe-opt-out"))
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
-        assert moe_method.choose_moe_method(layer, "a", MoeBackend.VLLM) is None
-        assert moe_method.choose_moe_method(layer, "b", MoeBackend.VLLM) is None
+        assert moe_method.choose_moe_method(layer, "a", LingOptions(moe_backend=MoeBackend.VLLM)) is None
+        assert moe_method.choose_moe_method(layer, "b", LingOptions(moe_backend=MoeBackend.VLLM)) is None
     warnings = [r.getMessage() for r in caplog.records if "Humming MoE is OFF" in r.getMessage()]
     assert warnings == ["Humming MoE is OFF by explicit choice (VLLM_LING_MOE_BACKEND=vllm): vLLM selects "
                         "the MXFP4 MoE backend; the startup report marks moe_humming inactive."]
@@ -115,7 +115,7 @@ def test_cpu_uses_the_reference_method(loaded_tiny_models):
 
     _, target, _ = loaded_tiny_models
     layer = _FakeMoE(target.model.layers[2].mlp.experts.routed_experts.moe_config)
-    assert choose_moe_method(layer, "x", MoeBackend.HUMMING).backend == REFERENCE
+    assert choose_moe_method(layer, "x", LingOptions(moe_backend=MoeBackend.HUMMING)).backend == REFERENCE
 
 
 def test_w4a8_is_selectable_and_refused_where_it_cannot_run(loaded_tiny_models, monkeypatch):
@@ -126,7 +126,7 @@ def test_w4a8_is_selectable_and_refused_where_it_cannot_run(loaded_tiny_models, 
     _, target, _ = loaded_tiny_models
     layer = _FakeMoE(target.model.layers[2].mlp.experts.routed_experts.moe_config)
     with pytest.raises(moe_method.HummingUnavailable, match="VLLM_LING_MOE_W4A8=1 needs humming on an sm_89"):
-        moe_method.choose_moe_method(layer, "x", MoeBackend.HUMMING, w4a8=True)
+        moe_method.choose_moe_method(layer, "x", LingOptions(moe_backend=MoeBackend.HUMMING, moe_w4a8=True))
     monkeypatch.setattr(current_platform.__class__, "is_cpu", lambda self=None: False)
     asked = []
 
@@ -135,7 +135,7 @@ def test_w4a8_is_selectable_and_refused_where_it_cannot_run(loaded_tiny_models, 
         return True, ""
 
     monkeypatch.setattr(moe_method.moe_ops, "humming_status", status)
-    method = moe_method.choose_moe_method(layer, "x", MoeBackend.HUMMING, w4a8=True)
+    method = moe_method.choose_moe_method(layer, "x", LingOptions(moe_backend=MoeBackend.HUMMING, moe_w4a8=True))
     assert asked == [True]  # the W4A8 capability (sm_89+) is what gets checked
     assert method.backend == moe_method.HUMMING and method.w4a8
     assert method.description == "humming MXFP4 indexed GEMM (W4A8, FP8 per-token activations)"
@@ -145,7 +145,7 @@ def test_decode_options_reach_the_method(loaded_tiny_models, monkeypatch):
     """VLLM_LING_MOE_DECODE / _MAX_TOKENS are parsed (bad values named) and handed to the
     humming method that CUDA would build."""
     from vllm_ling.layers.moe_method import HUMMING, LingMxfp4MoEMethod, choose_moe_method
-    from vllm_ling.options import LingOptionError, LingOptions
+    from vllm_ling.options import LingOptionError
 
     from vllm_ling.ops import moe as moe_ops
 
@@ -168,13 +168,14 @@ def test_decode_options_reach_the_method(loaded_tiny_models, monkeypatch):
         LingOptions.from_env()
 
     _, target, _ = loaded_tiny_models
-    layer = target.model.layers[2].mlp.experts.routed_experts
+    # a stand-in: choosing records the selection on the layer, and the loaded model is shared
+    layer = _FakeMoE(target.model.layers[2].mlp.experts.routed_experts.moe_config)
     from vllm.platforms import current_platform
     from vllm_ling.ops import moe as moe_ops
 
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     monkeypatch.setattr(moe_ops, "humming_status", lambda w4a8=False: (True, "pretend"))
-    method = choose_moe_method(layer, "model.layers.2.mlp.experts", MoeBackend.HUMMING, decode=MoeDecode.COPY, decode_max_tokens=4)
+    method = choose_moe_method(layer, "model.layers.2.mlp.experts", LingOptions(moe_backend=MoeBackend.HUMMING, moe_decode=MoeDecode.COPY, moe_decode_max_tokens=4))
     assert isinstance(method, LingMxfp4MoEMethod) and method.backend == HUMMING
     assert (method.decode, method.decode_max_tokens) == ("copy", 4)
     assert method.decode_status is None and not method.decode_active  # nothing built before loading
@@ -189,29 +190,48 @@ def test_packed_copy_that_cannot_run_is_refused_before_loading(loaded_tiny_model
     from vllm_ling.ops import moe as moe_ops
 
     _, target, _ = loaded_tiny_models
-    layer = target.model.layers[2].mlp.experts.routed_experts
+    layer = _FakeMoE(target.model.layers[2].mlp.experts.routed_experts.moe_config)
     prefix = "model.layers.2.mlp.experts"
     with pytest.raises(HummingUnavailable, match="VLLM_LING_MOE_DECODE=copy cannot run .*CPU platform"):
-        choose_moe_method(layer, prefix, MoeBackend.HUMMING, decode=MoeDecode.COPY)
+        choose_moe_method(layer, prefix, LingOptions(moe_backend=MoeBackend.HUMMING, moe_decode=MoeDecode.COPY))
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     monkeypatch.setattr(moe_ops, "humming_status", lambda w4a8=False: (True, "pretend"))
     with pytest.raises(HummingUnavailable, match="copy cannot run .*VLLM_LING_MOE_W4A8=1"):
-        choose_moe_method(layer, prefix, MoeBackend.HUMMING, w4a8=True, decode=MoeDecode.COPY)
+        choose_moe_method(layer, prefix, LingOptions(moe_backend=MoeBackend.HUMMING, moe_w4a8=True, moe_decode=MoeDecode.COPY))
     cfg = layer.moe_config
     if cfg.hidden_dim % 64 == 0 and cfg.intermediate_size_per_partition % 64 == 0:
         monkeypatch.setattr(cfg, "intermediate_size_per_partition", cfg.intermediate_size_per_partition + 32)
     with pytest.raises(HummingUnavailable, match="not multiples of 64.*VLLM_LING_MOE_DECODE=auto"):
-        choose_moe_method(layer, prefix, MoeBackend.HUMMING, decode=MoeDecode.COPY)
-    assert choose_moe_method(layer, prefix, MoeBackend.HUMMING, decode=MoeDecode.AUTO) is not None  # auto: best effort
+        choose_moe_method(layer, prefix, LingOptions(moe_backend=MoeBackend.HUMMING, moe_decode=MoeDecode.COPY))
+    assert choose_moe_method(layer, prefix, LingOptions(moe_backend=MoeBackend.HUMMING, moe_decode=MoeDecode.AUTO)) is not None  # auto: best effort
 
 
 def test_a_backend_name_as_a_string_is_refused(loaded_tiny_models):
-    """Backends travel as enum members: a plain word (a typo or not) fails loudly, never silently."""
+    """Backends travel as enum members inside a Selection: a plain word (a typo or not) fails
+    loudly, never silently."""
     from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
-    from vllm_ling.options import MoePath
+    from vllm_ling.ops.moe.selection import MoePath, MoeSelection
+    from vllm_ling.selection import Feature
 
     _, target, _ = loaded_tiny_models
     moe_config = target.model.layers[2].mlp.experts.routed_experts.moe_config
-    with pytest.raises(ValueError, match="unknown Ling MoE backend 'humming'"):
-        LingMxfp4MoEMethod(moe_config, "humming")
-    assert LingMxfp4MoEMethod(moe_config, MoePath.REFERENCE).backend is MoePath.REFERENCE
+    with pytest.raises(TypeError, match="Selection needs a Feature and an enum choice"):
+        MoeSelection(Feature.MOE, "humming", "a word")
+    with pytest.raises(ValueError, match="not a selection of a Ling MoE backend"):
+        LingMxfp4MoEMethod(moe_config, MoeSelection(Feature.MOE, MoePath.VLLM, "vLLM's"))
+    reference = MoeSelection(Feature.MOE, MoePath.REFERENCE, "test")
+    assert LingMxfp4MoEMethod(moe_config, reference).backend is MoePath.REFERENCE
+
+
+def test_choosing_records_the_selection_on_the_layer(loaded_tiny_models):
+    """The loaded model's routed-expert layers carry the selection the quant config made (CPU:
+    the reference), and their methods serve exactly it."""
+    from vllm_ling.ops.moe.selection import MoePath
+    from vllm_ling.selection import Feature, recorded
+
+    _, target, draft = loaded_tiny_models
+    for model in (target, draft):
+        for layer in (m for n, m in model.named_modules() if n.endswith("routed_experts")):
+            selection = recorded(layer, Feature.MOE)
+            assert selection.choice is MoePath.REFERENCE and selection.reason.startswith("CPU platform")
+            assert layer.quant_method.selection == selection

@@ -15,6 +15,7 @@ pytest.importorskip("vllm")  # the GPU box runs tests/ops only: it has no vLLM
 
 from vllm_ling.layers import router_gate_cuda as R  # noqa: E402
 from vllm_ling.ops.small_gemv import router as router_ops  # noqa: E402
+from vllm_ling.ops.small_gemv.selection import GemvPath  # noqa: E402
 from vllm_ling.options import LingOptionError, LingOptions, RouterGemv  # noqa: E402
 
 LING = dict(prefix="model.layers.5.mlp.gate", num_experts=512, hidden_size=2560, weight_dtype=torch.float32,
@@ -63,13 +64,13 @@ def test_option_parses_and_defaults_to_ling():
 
 
 def test_lings_fp32_gate_takes_the_kernel(kernel_runs, records):
-    assert R.decide(R.GateFacts(**LING), RouterGemv.LING) is None
+    assert R.decide(R.GateFacts(**LING), LingOptions(router_gemv=RouterGemv.LING)).choice is GemvPath.LING
     assert _warnings(records) == []
 
 
 def test_opt_out_warns_once_and_keeps_gatelinear(kernel_runs, records):
     for _ in range(3):  # one WARNING for all the gates
-        assert R.decide(R.GateFacts(**LING), RouterGemv.VLLM) == "opted out (VLLM_LING_ROUTER_GEMV=vllm)"
+        assert R.decide(R.GateFacts(**LING), LingOptions(router_gemv=RouterGemv.VLLM)).reason == "opted out (VLLM_LING_ROUTER_GEMV=vllm)"
     assert len(_warnings(records)) == 1 and "explicit choice" in _warnings(records)[0]
 
 
@@ -82,7 +83,7 @@ def test_opt_out_warns_once_and_keeps_gatelinear(kernel_runs, records):
 def test_other_kinds_of_gate_keep_gatelinear_without_a_warning(kernel_runs, records, change, words, monkeypatch):
     # e.g. another model's BF16 gate: not what the kernel is for, and not an error even where it cannot run
     monkeypatch.setattr(router_ops, "unavailable_reason", lambda device=None: "sm_75: needs sm_80+")
-    reason = R.decide(R.GateFacts(**{**LING, **change}), RouterGemv.LING)
+    reason = R.decide(R.GateFacts(**{**LING, **change}), LingOptions(router_gemv=RouterGemv.LING)).reason
     assert reason.startswith("not an fp32 unquantized bias-free gate") and words in reason
     assert _warnings(records) == []
 
@@ -96,7 +97,7 @@ def test_other_kinds_of_gate_keep_gatelinear_without_a_warning(kernel_runs, reco
 def test_an_fp32_gate_the_kernel_cannot_take_is_one_warning(records, change, words, monkeypatch):
     monkeypatch.setattr(router_ops, "unavailable_reason", lambda device=None: "sm_75: needs sm_80+")  # not needed
     for _ in range(2):
-        assert words in R.decide(R.GateFacts(**{**LING, **change}), RouterGemv.LING)
+        assert words in R.decide(R.GateFacts(**{**LING, **change}), LingOptions(router_gemv=RouterGemv.LING)).reason
     warned = _warnings(records)
     assert len(warned) == 1 and words in warned[0] and "model.layers.5.mlp.gate" in warned[0]
 
@@ -104,7 +105,7 @@ def test_an_fp32_gate_the_kernel_cannot_take_is_one_warning(records, change, wor
 def test_requested_but_unavailable_is_an_error_naming_the_opt_out(monkeypatch):
     monkeypatch.setattr(router_ops, "unavailable_reason", lambda device=None: "sm_75: needs sm_80+")
     with pytest.raises(R.RouterGemvUnavailable, match=r"model\.layers\.5\.mlp\.gate: sm_75.*VLLM_LING_ROUTER_GEMV=vllm"):
-        R.decide(R.GateFacts(**LING), RouterGemv.LING)
+        R.decide(R.GateFacts(**LING), LingOptions(router_gemv=RouterGemv.LING))
 
 
 def test_fake_impl_gives_the_shape_and_dtype_under_symbolic_sizes(kernel_runs):
@@ -216,7 +217,11 @@ def test_unavailable_kernel_refuses_the_gate_at_construction(tp1, monkeypatch):
     with pytest.raises(R.RouterGemvUnavailable, match="VLLM_LING_ROUTER_GEMV=vllm"):
         _gate()
     monkeypatch.setenv("VLLM_LING_ROUTER_GEMV", "vllm")
-    assert _gate().ling_router_gemv_reason == "opted out (VLLM_LING_ROUTER_GEMV=vllm)"
+    gate = _gate()
+    assert gate.ling_router_gemv_reason == "opted out (VLLM_LING_ROUTER_GEMV=vllm)"
+    from vllm_ling.selection import Feature, recorded
+
+    assert recorded(gate, Feature.ROUTER_GEMV).choice is GemvPath.VLLM  # the gate records what it serves
 
 
 def test_registered_on_cuda_only(tp1, monkeypatch, records):

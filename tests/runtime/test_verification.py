@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_ling.options import LingOptions  # noqa: E402
+from vllm_ling.options import LingOptions, MoeDecode  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -42,6 +42,18 @@ def _report(models, exp_changes=None, options=None):
     return build_report(target, draft, vllm_config, options, exp)
 
 
+def _speculation(name):
+    """The selection patch P5 would record (runtime.spec_policy.select_speculation), by choice name."""
+    from vllm_ling.runtime.spec_policy import Speculation, select_speculation
+
+    facts = {"DEFAULT_MTP": (LingOptions(), False, 1, 1), "USER": (LingOptions(), True, 1, 1),
+             "OFF": (LingOptions(mtp=False), False, 1, 1), "OFF_NO_NEXTN": (LingOptions(), False, 0, 1),
+             "OFF_PIPELINE": (LingOptions(), False, 1, 2)}[name]
+    selection = select_speculation(*facts)
+    assert selection.choice is Speculation[name]
+    return selection
+
+
 def _check(report, name):
     return next(c for c in report["checks"] if c["name"] == name)
 
@@ -64,33 +76,114 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
     jsonschema.validate(report, REPORT_JSON_SCHEMA)
 
 
-def test_cuda_expectations_require_humming_on_every_layer(loaded_tiny_models, monkeypatch):
+@contextlib.contextmanager
+def moe_selected(models, selection):
+    """Every routed-expert layer records ``selection`` (as the quant config would have)."""
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
-    from vllm_ling.layers.moe_method import HUMMING, LingMxfp4MoEMethod
+    from vllm_ling.selection import SELECTIONS_ATTR, Feature
 
-    cuda = {"platform": "cuda", "moe_backend": "humming"}
-    report = _report(loaded_tiny_models, cuda)
-    check = _check(report, "moe_layers")
-    assert not check["passed"]
-    assert check["expected"] == "5 x humming (4 target MoE + 1 NEXTN)"
-    assert check["actual"].startswith(
-        "5 x reference; not humming: ['target.model.layers.2.mlp.experts.routed_experts'")
-    _, target, draft = loaded_tiny_models
+    _, target, draft = models
     with contextlib.ExitStack() as stack:
         for model in (target, draft):
-            for _, m in model.named_modules():
+            for m in model.modules():
                 if isinstance(m, RoutedExperts):
-                    stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(m.moe_config, HUMMING)))
-        assert _check(_report(loaded_tiny_models, cuda), "moe_layers")["passed"]
+                    stack.enter_context(swapped(m, SELECTIONS_ATTR, {Feature.MOE: selection}))
+        yield
 
 
-def test_requested_dense_fp8_needs_every_eligible_linear_on_the_kernel(loaded_tiny_models):
-    # the CPU-loaded model runs the CPU reference, so asking for the CUDA W8A16 path must fail
-    # and say how many block-FP8 linears it found on the kernel
-    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "dense_fp8": True})
+def _humming_selection():
+    from vllm_ling.ops.moe.selection import MoePath, MoeSelection
+    from vllm_ling.selection import Feature
+
+    return MoeSelection(Feature.MOE, MoePath.HUMMING, "CUDA, humming runs", decode=MoeDecode.AUTO, decode_max_tokens=32)
+
+
+def test_a_layer_serving_other_than_its_selection_fails(loaded_tiny_models):
+    """The planted divergence: the layers record humming while their methods serve the reference;
+    verification reads the recorded selection and fails naming the layers. Once the methods serve
+    the recorded selection, it passes."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
+
+    humming = _humming_selection()
+    with moe_selected(loaded_tiny_models, humming):
+        report = _report(loaded_tiny_models)
+        check = _check(report, "moe_layers")
+        assert not check["passed"] and not report["passed"]
+        assert check["expected"] == "5 x humming (4 target MoE + 1 NEXTN), as selected"
+        assert check["actual"].startswith(
+            "5 x reference; not the recorded selection: ['target.model.layers.2.mlp.experts.routed_experts "
+            "(selected humming, serves reference)'")
+        assert report["moe_backend"] == "humming" and report["optimizations"]["moe_humming"]["requested"]
+        assert not report["optimizations"]["moe_humming"]["active"]
+        _, target, draft = loaded_tiny_models
+        with contextlib.ExitStack() as stack:
+            for model in (target, draft):
+                for _, m in model.named_modules():
+                    if isinstance(m, RoutedExperts):
+                        stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(m.moe_config, humming)))
+            assert _check(_report(loaded_tiny_models), "moe_layers")["passed"]
+
+
+def test_a_layer_with_other_kernel_switches_than_selected_fails(loaded_tiny_models):
+    """Same backend, different decode mode: the switches are part of what was selected."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
+
+    humming = _humming_selection()
+    _, target, _ = loaded_tiny_models
+    layer = next(m for m in target.modules() if isinstance(m, RoutedExperts))
+    off = dataclasses.replace(humming, decode=MoeDecode.OFF, decode_max_tokens=0)
+    with moe_selected(loaded_tiny_models, humming), contextlib.ExitStack() as stack:
+        _, target, draft = loaded_tiny_models
+        for model in (target, draft):
+            for m in model.modules():
+                if isinstance(m, RoutedExperts):
+                    stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(
+                        m.moe_config, off if m is layer else humming)))
+        check = _check(_report(loaded_tiny_models), "moe_layers")
+    assert not check["passed"]
+    assert "not the recorded selection: ['target.model.layers.2.mlp.experts.routed_experts" in check["actual"]
+
+
+def test_a_layer_without_a_recorded_selection_fails(loaded_tiny_models):
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    from vllm_ling.selection import SELECTIONS_ATTR
+
+    _, _, draft = loaded_tiny_models
+    layer = next(m for m in draft.modules() if isinstance(m, RoutedExperts))
+    with swapped(layer, SELECTIONS_ATTR, {}):
+        check = _check(_report(loaded_tiny_models), "moe_layers")
+    assert not check["passed"]
+    assert check["actual"] == "5 x reference; no selection recorded: ['draft.model.layers.6.mlp.experts.routed_experts']"
+
+
+def test_a_dense_linear_serving_other_than_its_selection_fails(loaded_tiny_models):
+    """The planted divergence for dense FP8: the linears record the CUDA W8A16 kernel while the
+    CPU-loaded model serves them dequantized; verification fails, counting and naming them."""
+    from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
+    from vllm_ling.runtime.verification import _block_fp8_linears
+    from vllm_ling.selection import SELECTIONS_ATTR, Feature, Selection
+
+    _, target, draft = loaded_tiny_models
+    found = _block_fp8_linears(target, draft)
+    assert found and all(sel.choice is DenseFp8Kernel.DEQUANTIZED and served is DenseFp8Kernel.DEQUANTIZED
+                         for _, _, sel, served in found)
+    assert _check(_report(loaded_tiny_models), "dense_fp8_layers")["passed"]
+    w8a16 = Selection(Feature.DENSE_FP8, DenseFp8Kernel.W8A16, "CUDA, the W8A16 kernel runs")
+    with contextlib.ExitStack() as stack:
+        for _, m, _, _ in found:
+            stack.enter_context(swapped(m, SELECTIONS_ATTR, {Feature.DENSE_FP8: w8a16}))
+        report = _report(loaded_tiny_models)
     check = _check(report, "dense_fp8_layers")
-    assert not check["passed"] and check["actual"].startswith("0 of ")
+    assert not check["passed"] and check["expected"].startswith(f"each of {len(found)} block-FP8 dense linears on "
+                                                                f"its recorded kernel ({len(found)} x w8a16)")
+    assert check["actual"].startswith(f"0 of {len(found)} block-FP8 dense linears on the W8A16 kernel; not the "
+                                      f"recorded selection: ['{found[0][0]} (selected w8a16, serves dequantized)'")
     assert report["optimizations"]["dense_fp8_decode"] == {"requested": True, "active": False,
                                                             "detail": check["actual"]}
 
@@ -107,8 +200,8 @@ def test_non_humming_moe_layer_is_named(loaded_tiny_models):
     with swapped(layer, "quant_method", vllm_method):
         check = _check(_report(loaded_tiny_models), "moe_layers")
     assert not check["passed"]
-    assert check["actual"] == ("4 x reference, 1 x vllm:UnquantizedFusedMoEMethod; not reference: "
-                               "['draft.model.layers.6.mlp.experts.routed_experts']")
+    assert check["actual"] == ("4 x reference, 1 x vllm:UnquantizedFusedMoEMethod; not the recorded selection: "
+                               "['draft.model.layers.6.mlp.experts.routed_experts (selected reference, serves vllm:UnquantizedFusedMoEMethod)']")
 
 
 def test_bf16_head_fails_the_fp8_head_check(loaded_tiny_models):
@@ -122,6 +215,26 @@ def test_bf16_head_fails_the_fp8_head_check(loaded_tiny_models):
     check = _check(report, "lm_head")
     assert not check["passed"] and check["actual"] == "UnquantizedEmbeddingMethod, bfloat16, 1048576 bytes"
     assert report["optimizations"]["fp8_head"]["active"] is False
+
+
+def test_a_head_serving_another_kernel_than_selected_fails(loaded_tiny_models):
+    """The planted divergence for the head: the head records humming while its prepared state is
+    the CPU's torch path; and a head without a recorded selection fails too."""
+    from vllm_ling.options import HeadKernel
+    from vllm_ling.selection import SELECTIONS_ATTR, Feature, Selection, recorded
+
+    _, target, _ = loaded_tiny_models
+    assert recorded(target.lm_head, Feature.HEAD_KERNEL).choice is HeadKernel.TORCH  # as loaded on CPU
+    assert _check(_report(loaded_tiny_models), "lm_head")["expected"].endswith(
+        "kernel torch as selected (no CUDA device (cpu): chunked fp32 dequantize path, for correctness only)")
+    humming = Selection(Feature.HEAD_KERNEL, HeadKernel.HUMMING, "sm_90 measured")
+    with swapped(target.lm_head, SELECTIONS_ATTR, {Feature.HEAD_KERNEL: humming}):
+        check = _check(_report(loaded_tiny_models), "lm_head")
+    assert not check["passed"] and check["expected"].endswith("kernel humming as selected (sm_90 measured)")
+    assert check["actual"].endswith(", kernel torch")
+    with swapped(target.lm_head, SELECTIONS_ATTR, {}):
+        check = _check(_report(loaded_tiny_models), "lm_head")
+    assert not check["passed"] and check["actual"].endswith("kernel torch, no kernel selection recorded")
 
 
 def test_duplicated_draft_head_is_caught(loaded_tiny_models):
@@ -178,7 +291,7 @@ def test_a_multi_line_exception_becomes_one_line():
 
 
 def test_wrong_speculative_config_is_caught(loaded_tiny_models):
-    check = _check(_report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True}),
+    check = _check(_report(loaded_tiny_models, {"num_speculative_tokens": 2, "speculation": _speculation("DEFAULT_MTP")}),
                    "speculative_config")
     assert not check["passed"]
     assert (check["expected"], check["actual"]) == ("mtp, 3 tokens (vllm-ling default)", "mtp, 2 tokens")
@@ -187,7 +300,7 @@ def test_wrong_speculative_config_is_caught(loaded_tiny_models):
 def test_strict_raises_with_every_failed_check_and_its_fix(loaded_tiny_models):
     from vllm_ling.runtime.verification import LingVerificationError, enforce_policy
 
-    report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True})
+    report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "speculation": _speculation("DEFAULT_MTP")})
     with pytest.raises(LingVerificationError) as err:
         enforce_policy(report, "strict")
     assert str(err.value) == (
@@ -199,8 +312,8 @@ def test_strict_raises_with_every_failed_check_and_its_fix(loaded_tiny_models):
 def test_warn_logs_each_failed_check_and_off_is_silent(loaded_tiny_models, caplog):
     from vllm_ling.runtime.verification import enforce_policy
 
-    report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "default_spec": True,
-                                          "platform": "cuda", "moe_backend": "humming"})
+    with moe_selected(loaded_tiny_models, _humming_selection()):
+        report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "speculation": _speculation("DEFAULT_MTP")})
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
         enforce_policy(report, "warn")
         enforce_policy(report, "off")
@@ -345,7 +458,7 @@ def test_user_chosen_ngram_passes_with_mtp_not_requested(loaded_tiny_models):
     vllm_config, target, _ = loaded_tiny_models
     options = LingOptions()
     exp = dataclasses.replace(Expectations.from_runtime(vllm_config, options), spec_method="ngram",
-                              num_speculative_tokens=2, default_spec=False)
+                              num_speculative_tokens=2, speculation=_speculation("USER"))
     report = build_report(target, None, vllm_config, options, exp)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert report["optimizations"]["mtp"] == {
@@ -359,14 +472,38 @@ def test_checkpoint_without_nextn_layers_reports_mtp_not_requested(loaded_tiny_m
     from vllm_ling.runtime.verification import Expectations, build_report
 
     exp = dataclasses.replace(Expectations.from_runtime(vllm_config, LingOptions()), spec_method=None,
-                              num_speculative_tokens=0, default_spec=False, no_nextn_layers=True)
+                              num_speculative_tokens=0, speculation=_speculation("OFF_NO_NEXTN"))
     report = build_report(target, None, vllm_config, LingOptions(), exp)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert report["optimizations"]["mtp"]["requested"] is False
     assert "num_nextn_predict_layers=0" in report["optimizations"]["mtp"]["detail"]
     # Without the mark, missing speculation under VLLM_LING_MTP=1 is still a failure.
-    exp = dataclasses.replace(exp, no_nextn_layers=False)
+    exp = dataclasses.replace(exp, speculation=_speculation("DEFAULT_MTP"))
     assert not _check(build_report(target, None, vllm_config, LingOptions(), exp), "speculative_config")["passed"]
+
+
+def test_a_speculative_config_other_than_selected_fails(loaded_tiny_models):
+    """The planted divergence for speculation: P5 recorded 'off' (VLLM_LING_MTP=0) while MTP serves."""
+    off = _speculation("OFF")
+    check = _check(_report(loaded_tiny_models, {"spec_method": "mtp", "num_speculative_tokens": 3,
+                                                "speculation": off}), "speculative_config")
+    assert not check["passed"] and (check["expected"], check["actual"]) == ("off (VLLM_LING_MTP=0)", "mtp, 3 tokens")
+    vllm_config, _, _ = loaded_tiny_models
+    from vllm_ling.runtime.spec_policy import Speculation, recorded_speculation
+
+    # the session's engine config went through P5: vllm-ling's default, recorded on the target's config
+    assert recorded_speculation(vllm_config.model_config.hf_config).choice is Speculation.DEFAULT_MTP
+
+
+def test_speculation_selector():
+    from vllm_ling.runtime.spec_policy import Speculation, select_speculation
+
+    assert select_speculation(LingOptions(), True, 0, 2).choice is Speculation.USER  # the user's config wins
+    assert select_speculation(LingOptions(mtp=False), False, 1, 2).reason == "VLLM_LING_MTP=0"
+    assert select_speculation(LingOptions(), False, 0, 2).choice is Speculation.OFF_PIPELINE
+    assert select_speculation(LingOptions(), False, 0, 1).choice is Speculation.OFF_NO_NEXTN
+    sel = select_speculation(LingOptions(num_spec_tokens=2), False, 1, 1)
+    assert (sel.choice, sel.reason) == (Speculation.DEFAULT_MTP, "vllm-ling default: mtp, 2 tokens")
 
 
 def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_models):
@@ -379,14 +516,14 @@ def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_model
     exp = Expectations.from_runtime(vllm_config, LingOptions())
     config = vllm_config.model_config.hf_config
     n = config.num_hidden_layers
-    whole = check_moe_layers(target, draft, exp, config, Stage(0, 1, 0, n))
+    whole = check_moe_layers(target, draft, config, Stage(0, 1, 0, n))
     assert whole.passed and "pipeline" not in whole.expected
     # the full model measured against a later stage's range: the stage's count is expected
-    later = check_moe_layers(target, None, exp, config, Stage(1, 2, n // 2, n))
+    later = check_moe_layers(target, None, config, Stage(1, 2, n // 2, n))
     stage_moe = sum(1 for i in range(n // 2, n) if i >= config.first_k_dense_replace)
     assert not later.passed
     assert later.expected == f"{stage_moe} x reference ({stage_moe} target MoE + 0 NEXTN on pipeline stage 1 of 2 " \
-                             f"(layers {n // 2}..{n - 1}))"
+                             f"(layers {n // 2}..{n - 1})), as selected"
     with swapped(target, "lm_head", PPMissingLayer()):
         first = check_head(target, exp, Stage(0, 2, 0, n // 2))
         assert first.passed and first.expected.startswith("no head on pipeline stage 0 of 2")
@@ -438,12 +575,33 @@ def test_unmerged_kda_layers_pass_with_their_reason_but_are_not_active(loaded_ti
     assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
 
 
+def _bf16_gemv_selected(layer):
+    from vllm_ling.ops.small_gemv.selection import GemvPath
+    from vllm_ling.selection import Feature, Selection, record
+
+    record(layer, Selection(Feature.BF16_GEMV, GemvPath.LING, "CUDA, the small GEMV runs"))
+    return layer
+
+
 def test_requested_small_gemv_needs_the_unquantized_linears_on_it(loaded_tiny_models):
-    # the CPU-loaded model keeps vLLM's GEMM for b_proj / g_proj, so asking for the CUDA small
-    # GEMV must fail and say what it found; not requested (CPU) it passes and reports inactive
-    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "small_bf16": True})
+    # the planted divergence: the CPU-loaded model keeps vLLM's GEMM for b_proj / g_proj while their
+    # recorded selection says the small GEMV; verification fails and says what it found. As
+    # loaded (CPU: vLLM's GEMM selected) it passes and reports inactive
+    from vllm_ling.runtime.verification import _small_bf16_layers
+    from vllm_ling.selection import SELECTIONS_ATTR
+
+    _, target, draft = loaded_tiny_models
+    layers = _small_bf16_layers(target, draft)[0]
+    assert layers
+    with contextlib.ExitStack() as stack:
+        for _, m in layers:
+            stack.enter_context(swapped(m, SELECTIONS_ATTR, {}))
+            _bf16_gemv_selected(m)
+        report = _report(loaded_tiny_models)
     check = _check(report, "small_bf16_layers")
-    assert not check["passed"] and check["actual"].startswith("0 of ")
+    assert not check["passed"] and check["actual"].startswith(f"0 of {len(layers)} unquantized linears on the "
+                                                              "small GEMV; not the recorded selection: [")
+    assert "(selected ling, serves vllm)" in check["actual"]
     assert report["optimizations"]["small_bf16_decode"] == {"requested": True, "active": False,
                                                              "detail": check["actual"]}
     report = _report(loaded_tiny_models)
@@ -457,11 +615,12 @@ def test_small_gemv_fallback_is_reported_not_fatal(loaded_tiny_models, monkeypat
     from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
     from vllm_ling.runtime import verification as V
 
-    layer = types.SimpleNamespace(quant_method=object.__new__(LingSmallBf16LinearMethod), ling_small_gemv=None,
-                                  ling_small_gemv_reason="weight dtype torch.float16 is not BF16")
+    layer = _bf16_gemv_selected(types.SimpleNamespace(
+        quant_method=object.__new__(LingSmallBf16LinearMethod), ling_small_gemv=None,
+        ling_small_gemv_reason="weight dtype torch.float16 is not BF16"))
     planted = [("target.model.layers.0.self_attn.b_proj", layer)]
     monkeypatch.setattr(V, "_small_bf16_layers", lambda target, draft: (planted, planted, []))
-    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "small_bf16": True})
+    report = _report(loaded_tiny_models)
     check = _check(report, "small_bf16_layers")
     assert check["passed"] and "0 of 1" in check["actual"] and "float16 is not BF16" in check["actual"]
     entry = report["optimizations"]["small_bf16_decode"]
@@ -481,8 +640,8 @@ def test_small_gemv_known_answer_runs_every_launch_shape(loaded_tiny_models, mon
     from vllm_ling.runtime import verification as V
 
     weight = torch.randn((32, 256), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    layer = types.SimpleNamespace(quant_method=object.__new__(LingSmallBf16LinearMethod), ling_small_gemv=weight,
-                                  weight=weight)
+    layer = _bf16_gemv_selected(types.SimpleNamespace(quant_method=object.__new__(LingSmallBf16LinearMethod),
+                                                      ling_small_gemv=weight, weight=weight))
     seen = []
 
     def kernel(layer, x):
@@ -494,7 +653,7 @@ def test_small_gemv_known_answer_runs_every_launch_shape(loaded_tiny_models, mon
     monkeypatch.setattr(UnquantizedLinearMethod, "apply", lambda self, layer, x, bias=None: F.linear(x, layer.weight))
     planted = [("target.model.layers.0.self_attn.b_proj", layer)]
     monkeypatch.setattr(V, "_small_bf16_layers", lambda target, draft: (planted, planted, planted))
-    report = _report(loaded_tiny_models, {"platform": "cuda", "moe_backend": "humming", "small_bf16": True})
+    report = _report(loaded_tiny_models)
     check = _check(report, "small_bf16_layers")
     assert tuple(seen) == launch_row_counts(32, BF16_MAX_ROWS)
     assert check["passed"] is (wrong_from_rows is None), check["actual"]

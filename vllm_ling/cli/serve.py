@@ -69,6 +69,12 @@ class LaunchError(Exception):
     """A configuration problem the user must fix; the message names the flag or file."""
 
 
+def _parsed(values: Mapping[str, str | None], short: str):
+    """A resolved value (its command-line text) as the option's type: enums are compared as enums."""
+    text = values[short]
+    return None if text is None else option(PREFIX + short.upper()).parse(text)
+
+
 def resolve(option: Option, flag_value: str | None, env: Mapping[str, str]) -> str | None:
     """flag > environment > default, as the text that goes on the command line / into the
     environment (None: unset)."""
@@ -269,7 +275,7 @@ def memory_guard_notes(model_dir: Path, config: dict, device: str, values: dict[
     try:
         need = mg.estimate(model_dir, config, device=device, max_model_len=int(values["max_model_len"]),
                            max_num_seqs=seqs, fp8_head=values["fp8_head"] == "1",
-                           mtp=values["mtp"] == "1", expert_copy=values["moe_decode"] == MoeDecode.COPY.value,
+                           mtp=values["mtp"] == "1", expert_copy=_parsed(values, "moe_decode") is MoeDecode.COPY,
                            tensor_parallel_size=tp * pp, kv_reserved=kv_reserved)
         memory = mg.device_memory(device, env)
     except LingOptionError as exc:
@@ -317,7 +323,7 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
     values = {o.short: resolve(o, getattr(args, o.short), env) for o in serve_options()}
     explicit = {o.short for o in serve_options()
                 if getattr(args, o.short) is not None or env.get(o.name, "") != ""}
-    if device == "cpu" and values["moe_backend"] == MoeBackend.VLLM.value:
+    if device == "cpu" and _parsed(values, "moe_backend") is MoeBackend.VLLM:
         source = "--moe-backend vllm" if args.moe_backend is not None else "VLLM_LING_MOE_BACKEND=vllm"
         raise LaunchError(CPU_MOE_BACKEND_REFUSAL.format(what=source))
 

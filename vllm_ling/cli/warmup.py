@@ -26,8 +26,9 @@ from typing import Mapping
 from vllm_ling.cli.serve import (DEFAULT_MODEL, EXIT_USAGE, LaunchError, check_model_dir, read_model_config,
                                  read_option, resolve_device, resolve_model)
 from vllm_ling.models.dense_linears import distinct_decode_shapes
-from vllm_ling.options import (Bf16Gemv, DenseFp8, LingOptionError, LingOptions, MoeBackend, MoeDecode, RouterGemv,
-                               warmup_options)
+from vllm_ling.ops.moe.selection import HummingUnavailable, MoePath, MoeSelection, MoeShape, select_moe
+from vllm_ling.options import LingOptionError, LingOptions, warmup_options
+from vllm_ling.selection import Platform, Selection
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
 EXIT_KERNEL_FAILED = 5  # a kernel group failed to build or run, or computed wrong numbers
@@ -105,34 +106,69 @@ class WarmupPlan:
     dense_shapes: tuple[tuple[int, int], ...] = ()  # block-FP8 dense linears per rank (N, K)
 
     @property
+    def moe_selection(self) -> MoeSelection:
+        """The server's MoE selection for these shapes on a GPU (humming's availability is what
+        building the kernels proves, so it is assumed here)."""
+        return select_moe(self.options, Platform.CUDA, MoeShape(self.shapes.hidden_size, self.shapes.intermediate_size),
+                          "the routed experts", humming_status=_checked_by_building)
+
+    @property
     def moe(self) -> bool:
-        """The server runs humming's MoE (our method) unless the user opted out."""
-        return self.options.moe_backend is MoeBackend.HUMMING
+        return self.moe_selection.choice is MoePath.HUMMING
 
     @property
     def head(self) -> bool:
         return self.options.fp8_head
 
+    def dense_selections(self) -> list[tuple[tuple[int, int], Selection]]:
+        """The server's selection for each block-FP8 dense shape (CUDA; the W8A16 kernel's
+        availability is what building it proves)."""
+        from vllm_ling.ops.dense_fp8.selection import DenseShape, select_dense_fp8
+        from vllm_ling.ops.fp8 import QUANT_BLOCK
+
+        return [((n, k), select_dense_fp8(self.options, Platform.CUDA, DenseShape((n,), k), [QUANT_BLOCK, QUANT_BLOCK],
+                                          f"dense {n} x {k}", unavailable_reason=lambda: None))
+                for n, k in self.dense_shapes]
+
+    @property
+    def dense_w8a16_shapes(self) -> list[tuple[int, int]]:
+        from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
+
+        return [shape for shape, sel in self.dense_selections() if sel.choice is DenseFp8Kernel.W8A16]
+
     @property
     def dense(self) -> bool:
-        """The server runs vllm-ling's W8A16 kernels on block-FP8 dense linears (CUDA)."""
-        return self.options.dense_fp8 is DenseFp8.LING and bool(self.dense_shapes)
+        return bool(self.dense_w8a16_shapes)
+
+    def router_selection(self) -> Selection:
+        """The server's selection for Ling's gates (fp32, unquantized, bias-free, fp32 logits; the
+        kernel's availability is what building it proves)."""
+        import torch
+
+        from vllm_ling.ops.small_gemv.selection import GateFacts, select_router_gemv
+
+        facts = GateFacts("the MoE router gates", self.shapes.num_experts, self.shapes.hidden_size, torch.float32,
+                          has_bias=False, unquantized=True, out_dtype=torch.float32)
+        return select_router_gemv(self.options, Platform.CUDA, facts, unavailable_reason=lambda: None)
 
     @property
     def router(self) -> bool:
-        """The server runs vllm-ling's router GEMV on the fp32 MoE gates (CUDA) where it holds them."""
-        return self.options.router_gemv is RouterGemv.LING and not self.router_problems
+        from vllm_ling.ops.small_gemv.selection import GemvPath
 
-    @property
-    def router_problems(self) -> list[str]:
-        from vllm_ling.ops.small_gemv.router import shape_problems as router_shape_problems
+        return self.router_selection().choice is GemvPath.LING
 
-        return router_shape_problems(self.shapes.num_experts, self.shapes.hidden_size)
+    def bf16_selection(self) -> Selection:
+        from vllm_ling.ops.small_gemv.selection import select_bf16_gemv
+
+        return select_bf16_gemv(self.options, Platform.CUDA, "the BF16 linears", unavailable_reason=lambda: None)
 
     @property
     def bf16_linears(self) -> bool:
-        """The server runs vllm-ling's small GEMV on the unquantized BF16 linears (CUDA)."""
-        return self.options.bf16_gemv is Bf16Gemv.LING and not self.bf16_problems
+        """The server selects vllm-ling's small GEMV for the unquantized BF16 linears (CUDA) and it holds
+        their weights (a weight it cannot hold keeps vLLM's GEMM: layers.small_bf16_cuda.kernel_problems)."""
+        from vllm_ling.ops.small_gemv.selection import GemvPath
+
+        return self.bf16_selection().choice is GemvPath.LING and not self.bf16_problems
 
     @property
     def bf16_problems(self) -> list[str]:
@@ -142,34 +178,30 @@ class WarmupPlan:
 
         return shape_problems(self.shapes.bf16_linear_rows, self.shapes.hidden_size, torch.bfloat16)
 
-    def moe_kwargs(self) -> dict:
-        """Exactly the kernel switches the server's MoE method gets (layers.quant_config)."""
-        decode = self.options.moe_decode
-        return {"w4a8": self.options.moe_w4a8, "decode": decode,
-                "decode_max_tokens": 0 if decode is MoeDecode.OFF else self.options.moe_decode_max_tokens}
-
     def describe(self) -> str:
         s = self.shapes
-        moe = (f"MoE {'W4A8' if self.options.moe_w4a8 else 'W4A16'}, decode {self.options.moe_decode}"
-               f" (<= {self.options.moe_decode_max_tokens} tokens)" if self.moe
-               else "MoE skipped (VLLM_LING_MOE_BACKEND=vllm: vLLM's backend serves)")
+        sel = self.moe_selection
+        decode = f"decode {sel.decode}" + (f" (<= {sel.decode_max_tokens} tokens)" if sel.decode_max_tokens else "")
+        moe = (f"MoE {'W4A8' if sel.w4a8 else 'W4A16'}, {decode}" if self.moe
+               else f"MoE skipped ({sel.reason}: vLLM's backend serves)")
         head = "FP8 LM head" if self.head else "LM head skipped (VLLM_LING_FP8_HEAD=0: BF16 head)"
-        dense = (f"dense FP8 W8A16 on {len(self.dense_shapes)} weight shapes" if self.dense else
-                 "dense FP8 skipped (" + ("VLLM_LING_DENSE_FP8=vllm: vLLM's kernel serves"
-                                          if self.options.dense_fp8 is not DenseFp8.LING
-                                          else "no block-FP8 dense linears") + ")")
+        dense = (f"dense FP8 W8A16 on {len(self.dense_w8a16_shapes)} weight shapes" if self.dense else
+                 "dense FP8 skipped (" + (f"{self.dense_selections()[0][1].reason}: vLLM's kernel serves"
+                                          if self.dense_shapes else "no block-FP8 dense linears") + ")")
         router = (f"router GEMV {s.num_experts} x {s.hidden_size}" if self.router else
-                  "router GEMV skipped (" + ("VLLM_LING_ROUTER_GEMV=vllm: vLLM's GateLinear serves"
-                                             if self.options.router_gemv is not RouterGemv.LING
-                                             else "; ".join(self.router_problems)) + ")")
+                  f"router GEMV skipped ({self.router_selection().reason}: vLLM's GateLinear serves)")
+        bf16_sel = self.bf16_selection()
         bf16 = (f"BF16 linears small GEMV {s.bf16_linear_rows} x {s.hidden_size}" if self.bf16_linears else
-                "BF16 linears skipped (" + ("VLLM_LING_BF16_GEMV=vllm: vLLM's GEMM serves"
-                                            if self.options.bf16_gemv is not Bf16Gemv.LING
+                "BF16 linears skipped (" + (f"{bf16_sel.reason}: vLLM's GEMM serves" if self.bf16_problems == []
                                             else "; ".join(self.bf16_problems)) + ")")
         return (f"{self.model_dir} (tensor parallel {self.tensor_parallel_size}): hidden "
                 f"{s.hidden_size}, expert intermediate {s.intermediate_size}, {s.num_experts} "
                 f"experts, top-{s.top_k}, SwiGLU limits {list(s.swiglu_limits)}; {moe}; {head} "
                 f"{s.vocab_rows} x {s.hidden_size}; {dense}; {router}; {bf16}")
+
+
+def _checked_by_building(w4a8: bool) -> tuple[bool, str]:
+    return True, "checked when warm-up builds the kernels"
 
 
 def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
@@ -195,13 +227,18 @@ def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
                                                     kda_merged_in_proj=options.kda_merged_proj))
     except (KeyError, ValueError):  # not the -fp4 layout (e.g. a BF16 checkpoint): nothing block-FP8
         dense_shapes = ()
-    return WarmupPlan(
+    plan = WarmupPlan(
         model_dir=model_dir, tensor_parallel_size=tp, dense_shapes=dense_shapes,
         shapes=kernel_shapes(config, tp, model_dir / "config.json"),
         options=options,
         token_counts=read_option(values, "VLLM_LING_WARMUP_TOKEN_COUNTS"),
         row_counts=read_option(values, "VLLM_LING_WARMUP_ROW_COUNTS"),
         humming_cache=read_option(values, "VLLM_LING_HUMMING_CACHE"))
+    try:
+        plan.moe_selection  # an explicit MoE request the shapes cannot serve: a usage error, as on the server
+    except HummingUnavailable as exc:
+        raise LaunchError(str(exc)) from None
+    return plan
 
 
 def _load_warmup_functions():
@@ -292,9 +329,10 @@ def _run_group(name: str, warm, plan, shapes):
     """One kernel group's warm-up call with the arguments that group takes."""
     if name == "moe":
         return warm(shapes.hidden_size, shapes.intermediate_size, shapes.num_experts, shapes.top_k,
-                    token_counts=list(plan.token_counts), swiglu_limits=shapes.swiglu_limits, **plan.moe_kwargs())
+                    token_counts=list(plan.token_counts), swiglu_limits=shapes.swiglu_limits,
+                    **plan.moe_selection.kernel_kwargs())
     if name == "dense_fp8":
-        return warm(list(plan.dense_shapes))
+        return warm(plan.dense_w8a16_shapes)
     if name == "router":
         return warm(shapes.hidden_size, shapes.num_experts)
     if name == "bf16_linears":

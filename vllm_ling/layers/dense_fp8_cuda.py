@@ -30,28 +30,17 @@ from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.dense_fp8.decode_kernel import MAX_ROWS as DECODE_MAX_ROWS
 from vllm_ling.ops.dense_fp8.tuned_configs import w8a16_max_rows
-from vllm_ling.ops.fp8 import QUANT_BLOCK
-from vllm_ling.options import DenseFp8
+from vllm_ling.ops.dense_fp8.selection import (DenseFp8Kernel, DenseFp8Unavailable, DenseShape, select_dense_fp8,
+                                               unaligned_shards)
+from vllm_ling.options import DenseFp8, LingOptions
+from vllm_ling.selection import Platform, record
+
+__all__ = ["DenseFp8Unavailable", "LingBlockFp8LinearMethod", "LingW8A16Fp8LinearMethod", "choose_dense_fp8_method",
+           "unaligned_shards"]
 
 logger = get_logger("quant.dense_fp8")
 
 CUDA_DENSE_FP8_PATH = f"vllm-ling W8A16 block-FP8 kernel for <= {DECODE_MAX_ROWS} tokens (no activation quantization), vLLM's above"
-
-
-class DenseFp8Unavailable(RuntimeError):
-    """The W8A16 dense path was requested (the default) and cannot run here."""
-
-
-def unaligned_shards(output_partition_sizes: list[int], input_size: int) -> list[str]:
-    """Why a merged linear cannot use the kernel's ``scale row = n // 128`` indexing: every
-    shard but the last must be a whole number of 128-row blocks, and K a multiple of 128."""
-    out = []
-    if input_size % QUANT_BLOCK:
-        out.append(f"K={input_size} is not a multiple of {QUANT_BLOCK}")
-    for i, width in enumerate(output_partition_sizes[:-1]):
-        if width % QUANT_BLOCK:
-            out.append(f"shard {i} has {width} rows, not a multiple of {QUANT_BLOCK}")
-    return out
 
 
 def block_scales_fp32(scale: torch.Tensor) -> torch.Tensor:
@@ -193,34 +182,37 @@ class LingW8A16Fp8LinearMethod(LingBlockFp8LinearMethod):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def choose_dense_fp8_method(quant_config, prefix: str, output_partition_sizes: list[int], input_size: int,
-                            option: DenseFp8, device: torch.device | str | None = None) -> LingBlockFp8LinearMethod:
-    """Our method for one CUDA block-FP8 dense linear.
+def choose_dense_fp8_method(quant_config, layer, prefix: str, output_partition_sizes: list[int], input_size: int,
+                            options: LingOptions, device: torch.device | str | None = None) -> LingBlockFp8LinearMethod:
+    """Our method for one CUDA block-FP8 dense linear, built from its selection
+    (:func:`~vllm_ling.ops.dense_fp8.selection.select_dense_fp8`), which is recorded on ``layer``:
+    W8A16 below vLLM's kernel, or vLLM's kernel at every size (:class:`LingBlockFp8LinearMethod`,
+    scales fitted to it) when opted out (one WARNING) or for a linear whose shards the kernel cannot
+    index (one WARNING naming it). Raises :class:`DenseFp8Unavailable` before any weight loads."""
+    import vllm_ling.ops.dense_fp8 as dense_ops
 
-    ``option`` ``DenseFp8.VLLM`` opts out (one WARNING): vLLM's kernel at every size
-    (:class:`LingBlockFp8LinearMethod`, scales fitted to it). Otherwise the W8A16 kernel must be
-    able to run on this GPU (else :class:`DenseFp8Unavailable`, before any weight loads, naming the
-    opt-out); a linear whose shards it cannot index keeps vLLM's kernel with one WARNING naming it.
-    """
-    if option is DenseFp8.VLLM:
+    selection = record(layer, select_dense_fp8(
+        options, Platform.CUDA, DenseShape(tuple(output_partition_sizes), input_size),
+        getattr(quant_config, "weight_block_size", None), prefix,
+        unavailable_reason=lambda: dense_ops.unavailable_reason(device)))
+    if selection.choice is DenseFp8Kernel.W8A16:
+        log_once(logger, logging.INFO, "dense-fp8-on", "Dense block-FP8 linears: %s.", CUDA_DENSE_FP8_PATH)
+        return LingW8A16Fp8LinearMethod(quant_config, prefix)
+    if options.dense_fp8 is DenseFp8.VLLM:
         log_once(logger, logging.WARNING, "dense-fp8-opt-out",
                  "Dense block-FP8 W8A16 kernel is OFF by explicit choice (VLLM_LING_DENSE_FP8=vllm): vLLM "
                  "selects the dense FP8 linear kernel; the startup report marks dense_fp8_decode inactive.")
-        return LingBlockFp8LinearMethod(quant_config, prefix)
-    block = list(getattr(quant_config, "weight_block_size", None) or [])
-    if block != [QUANT_BLOCK, QUANT_BLOCK]:
-        raise DenseFp8Unavailable(f"{prefix}: the W8A16 kernel reads 128x128 block scales, the checkpoint has "
-                                  f"{block}; opt out with VLLM_LING_DENSE_FP8=vllm")
-    from vllm_ling.ops.dense_fp8 import unavailable_reason
-
-    why = unavailable_reason(device)
-    if why:
-        raise DenseFp8Unavailable(f"dense block-FP8 W8A16 kernel cannot run for {prefix}: {why}; opt out with "
-                                  "VLLM_LING_DENSE_FP8=vllm")
-    problems = unaligned_shards(output_partition_sizes, input_size)
-    if problems:
+    else:
         log_once(logger, logging.WARNING, f"dense-fp8-unaligned-{prefix}",
-                 "%s keeps vLLM's block-FP8 kernel: %s.", prefix, "; ".join(problems))
-        return LingBlockFp8LinearMethod(quant_config, prefix)
-    log_once(logger, logging.INFO, "dense-fp8-on", "Dense block-FP8 linears: %s.", CUDA_DENSE_FP8_PATH)
-    return LingW8A16Fp8LinearMethod(quant_config, prefix)
+                 "%s keeps vLLM's block-FP8 kernel: %s.", prefix, selection.reason)
+    return LingBlockFp8LinearMethod(quant_config, prefix)
+
+
+def served_kernel(method, layer) -> DenseFp8Kernel | None:
+    """What a CUDA block-FP8 linear serves, read from its method and loaded state (None: not ours)."""
+    if isinstance(method, LingW8A16Fp8LinearMethod):
+        # the post-load fallback (vLLM replaced the weight) serves vLLM's kernel although W8A16 was selected
+        return DenseFp8Kernel.W8A16 if getattr(layer, "ling_w8a16", None) is not None else DenseFp8Kernel.VLLM
+    if isinstance(method, LingBlockFp8LinearMethod):
+        return DenseFp8Kernel.VLLM
+    return None

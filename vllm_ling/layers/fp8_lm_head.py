@@ -6,9 +6,9 @@ The checkpoint's BF16 head loads through vLLM's normal vocab-parallel weight loa
 (``vllm_ling.ops.lm_head.quantize_fp8_per_channel``): the module object keeps its
 identity, ``layer.weight`` becomes the FP8 tensor (half the bytes), ``layer.weight_scale``
 holds the per-row scales, and the BF16 storage is freed. ``apply`` computes logits with
-the kernel chosen per GPU architecture by measurement (``select_head_kernel``), or the
-chunked fp32 reference on CPU; vLLM's LogitsProcessor then gathers, slices padding and
-applies soft-capping as for any head.
+the kernel chosen per GPU architecture by measurement (``select_head_kernel``, whose selection is
+recorded on the head), or the chunked fp32 reference on CPU; vLLM's LogitsProcessor then gathers,
+slices padding and applies soft-capping as for any head.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops import lm_head as head_ops
+from vllm_ling.options import HeadKernel
+from vllm_ling.selection import record
 
 logger = get_logger("lm_head")
 
@@ -29,12 +31,13 @@ logger = get_logger("lm_head")
 class Fp8LmHeadMethod(QuantizeMethodBase):
     """Quant method for ``ParallelLMHead``: BF16 in the checkpoint, FP8 in memory."""
 
-    def __init__(self, kernel: str | None = None):
-        self.requested_kernel = kernel
+    def __init__(self, kernel: HeadKernel | None = None):
+        self.requested_kernel = kernel  # None: the selector's choice for the head's device
         self.state: head_ops.Fp8HeadState | None = None
 
     @property
-    def kernel(self) -> str | None:
+    def kernel(self) -> HeadKernel | None:
+        """The kernel prepared for the loaded head (what serves)."""
         return self.state.kernel if self.state is not None else None
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
@@ -50,8 +53,10 @@ class Fp8LmHeadMethod(QuantizeMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         bf16 = layer.weight.data
         q, scale = head_ops.quantize_fp8_per_channel(bf16)
-        self.state = head_ops.prepare_fp8_head(q, scale, self.requested_kernel,
+        selection = record(layer, head_ops.select_head_kernel(bf16.device, preferred=self.requested_kernel))
+        self.state = head_ops.prepare_fp8_head(q, scale, selection.choice,
                                                out_dtype=getattr(layer, "ling_checkpoint_dtype", bf16.dtype))
+        self.state.reason = selection.reason
         stored = self.state.weight
         if stored.dtype != torch.float8_e4m3fn:  # humming repacks the FP8 bytes into int32 words
             stored = stored.view(torch.float8_e4m3fn)

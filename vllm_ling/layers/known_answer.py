@@ -17,7 +17,7 @@ import types
 import torch
 
 from vllm_ling.log import one_line
-from vllm_ling.options import MoePath
+from vllm_ling.ops.moe.selection import MoePath
 from vllm_ling.ops import known_answer as ka
 
 
@@ -98,7 +98,7 @@ def check_moe_method(method, device: torch.device | str = "cpu") -> ka.KernelChe
     one path and runs the small sizes only."""
     scratch_method = copy.copy(method)
     scratch_method.humming_experts = None
-    on_cpu = getattr(method, "backend", None) == MoePath.REFERENCE
+    on_cpu = getattr(method, "backend", None) is MoePath.REFERENCE
     sizes = dict(hidden=64, intermediate=64, token_counts=(4,)) if on_cpu else {}
     layer = types.SimpleNamespace(layer_name="known-answer scratch experts", swiglu_limit=None)
 

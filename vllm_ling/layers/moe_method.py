@@ -22,8 +22,11 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import MoeBackend, MoeDecode, MoePath
+from vllm_ling.options import LingOptions, MoeDecode
 from vllm_ling.ops import moe as moe_ops
+from vllm_ling.ops.moe.selection import (HummingUnavailable, MoePath, MoeSelection, MoeShape, opt_out_reason,
+                                         select_moe)
+from vllm_ling.selection import Platform, record
 
 logger = get_logger("moe")
 
@@ -32,28 +35,37 @@ BACKEND_DESCRIPTIONS = {
     HUMMING: "humming MXFP4 indexed GEMM (W4A16)",
     REFERENCE: "plain-PyTorch MXFP4 reference (CPU platform)",
 }
-
-
-class HummingUnavailable(RuntimeError):
-    """Humming was requested (the default) but cannot run on this GPU."""
+__all__ = ["HummingUnavailable", "LingMxfp4MoEMethod", "choose_moe_method", "served_selection"]
 
 
 class LingMxfp4MoEMethod(Mxfp4MoEMethod):
     """MXFP4 experts through humming (CUDA) or the PyTorch reference (CPU)."""
 
-    def __init__(self, moe, backend: MoePath, w4a8: bool = False, decode: MoeDecode = MoeDecode.AUTO,
-                 decode_max_tokens: int = moe_ops.DEFAULT_DECODE_MAX_TOKENS):
+    def __init__(self, moe, selection: MoeSelection):
         # Skip Mxfp4MoEMethod.__init__: it selects one of vLLM's backends, which is
         # exactly what this method replaces.
         FusedMoEMethodBase.__init__(self, moe)
-        if not isinstance(backend, MoePath) or backend not in BACKEND_DESCRIPTIONS:
-            raise ValueError(f"unknown Ling MoE backend {backend!r}")
-        self.backend = backend
-        self.w4a8 = w4a8
-        self.decode = decode
-        self.decode_max_tokens = decode_max_tokens
+        if not isinstance(selection, MoeSelection) or selection.choice not in BACKEND_DESCRIPTIONS:
+            raise ValueError(f"not a selection of a Ling MoE backend: {selection!r}")
+        self.selection = selection  # what this method serves (verification compares it with the layer's)
         self.humming_experts: moe_ops.HummingMxfp4Experts | None = None
         self.max_capture_size = getattr(moe, "max_capture_size", None)
+
+    @property
+    def backend(self) -> MoePath:
+        return self.selection.choice
+
+    @property
+    def w4a8(self) -> bool:
+        return self.selection.w4a8
+
+    @property
+    def decode(self) -> MoeDecode:
+        return self.selection.decode
+
+    @property
+    def decode_max_tokens(self) -> int:
+        return self.selection.decode_max_tokens
 
     @property
     def description(self) -> str:
@@ -100,9 +112,8 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
         try:
             self.humming_experts = moe_ops.HummingMxfp4Experts(
                 layer.w13_weight.data, layer.w13_weight_scale.data,
-                layer.w2_weight.data, layer.w2_weight_scale.data, w4a8=self.w4a8,
-                top_k=layer.moe_config.experts_per_token, decode=self.decode,
-                decode_max_tokens=self.decode_max_tokens)
+                layer.w2_weight.data, layer.w2_weight_scale.data,
+                top_k=layer.moe_config.experts_per_token, **self.selection.kernel_kwargs())
         except Exception as exc:
             hint = (" (or drop the packed copy: VLLM_LING_MOE_DECODE=auto)"
                     if self.decode is MoeDecode.COPY else "")
@@ -126,54 +137,33 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
         return out.to(x.dtype)
 
 
-def choose_moe_method(layer, prefix: str, moe_backend_option: MoeBackend, w4a8: bool = False,
-                      decode: MoeDecode = MoeDecode.AUTO, decode_max_tokens: int = moe_ops.DEFAULT_DECODE_MAX_TOKENS):
-    """Our method for a Ling MXFP4 routed-expert layer, or None to let vLLM choose.
+def choose_moe_method(layer, prefix: str, options: LingOptions) -> LingMxfp4MoEMethod | None:
+    """Our method for a Ling MXFP4 routed-expert layer, or None to let vLLM choose; the
+    selection (:func:`~vllm_ling.ops.moe.selection.select_moe`) is recorded on ``layer``.
 
     Raises :class:`HummingUnavailable` (before any weight loads) when humming is the
     requested backend on CUDA and cannot run.
     """
     from vllm.platforms import current_platform
 
-    vllm_backend = getattr(layer.moe_config, "moe_backend", "auto") or "auto"
-    if moe_backend_option is MoeBackend.VLLM or vllm_backend not in ("auto", HUMMING):
-        reason = ("VLLM_LING_MOE_BACKEND=vllm" if moe_backend_option is MoeBackend.VLLM
-                  else f"--moe-backend {vllm_backend}")
+    config = layer.moe_config
+    vllm_backend = getattr(config, "moe_backend", "auto")
+    selection = record(layer, select_moe(
+        options, Platform.CPU if current_platform.is_cpu() else Platform.CUDA,
+        MoeShape(config.hidden_dim, config.intermediate_size_per_partition), prefix, vllm_moe_backend=vllm_backend))
+    if selection.choice is MoePath.VLLM:
         log_once(logger, logging.WARNING, "moe-opt-out",
                  "Humming MoE is OFF by explicit choice (%s): vLLM selects the MXFP4 MoE "
-                 "backend; the startup report marks moe_humming inactive.", reason)
+                 "backend; the startup report marks moe_humming inactive.", opt_out_reason(options, vllm_backend))
         return None
-    if decode is MoeDecode.COPY:
-        _check_packed_copy_request(layer.moe_config, prefix, w4a8, current_platform.is_cpu())
-    if current_platform.is_cpu():
-        if w4a8:
-            raise HummingUnavailable("VLLM_LING_MOE_W4A8=1 needs humming on an sm_89+ GPU; the CPU "
-                                     "platform runs the BF16 reference. Unset VLLM_LING_MOE_W4A8.")
-        log_once(logger, logging.INFO, "moe-cpu",
-                 "Routed MXFP4 experts: %s.", BACKEND_DESCRIPTIONS[REFERENCE])
-        return LingMxfp4MoEMethod(layer.moe_config, REFERENCE)
-    ok, reason = moe_ops.humming_status(w4a8=w4a8)
-    if not ok:
-        raise HummingUnavailable(
-            f"Humming MXFP4 MoE cannot run for {prefix}: {reason}. Install humming-kernels "
-            "(it comes with vllm==0.32.0) on an sm_75+ GPU" + (", or set VLLM_LING_MOE_W4A8=0 (W4A8 "
-            "needs sm_89+)" if w4a8 else "") + ", or opt out explicitly with "
-            "VLLM_LING_MOE_BACKEND=vllm (or vLLM's --moe-backend).")
-    return LingMxfp4MoEMethod(layer.moe_config, HUMMING, w4a8=w4a8, decode=decode,
-                              decode_max_tokens=decode_max_tokens)
+    if selection.choice is REFERENCE:
+        log_once(logger, logging.INFO, "moe-cpu", "Routed MXFP4 experts: %s.", BACKEND_DESCRIPTIONS[REFERENCE])
+    return LingMxfp4MoEMethod(config, selection)
 
 
-def _check_packed_copy_request(moe_config, prefix: str, w4a8: bool, on_cpu: bool) -> None:
-    """VLLM_LING_MOE_DECODE=copy is an explicit request: refuse it before weights load where it
-    cannot run instead of silently serving without it."""
-    hidden, inter = moe_config.hidden_dim, moe_config.intermediate_size_per_partition
-    why = None
-    if on_cpu:
-        why = "the CPU platform runs the plain-PyTorch reference (the decode kernels are CUDA-only)"
-    elif w4a8:
-        why = "the packed-copy kernels use BF16 activations and VLLM_LING_MOE_W4A8=1 asks for FP8"
-    elif hidden % 64 or inter % 64:
-        why = f"hidden {hidden} / expert intermediate {inter} per GPU are not multiples of 64"
-    if why is not None:
-        raise HummingUnavailable(f"VLLM_LING_MOE_DECODE=copy cannot run for {prefix}: {why}. "
-                                 "Use VLLM_LING_MOE_DECODE=auto (or off).")
+def served_selection(quant_method) -> tuple[MoePath, bool, MoeDecode, int]:
+    """What a routed-expert layer's method serves: backend and kernel switches, read from the method
+    itself (vLLM's methods: ``MoePath.VLLM``)."""
+    if isinstance(quant_method, LingMxfp4MoEMethod):
+        return quant_method.backend, quant_method.w4a8, quant_method.decode, quant_method.decode_max_tokens
+    return MoePath.VLLM, False, MoeDecode.OFF, 0

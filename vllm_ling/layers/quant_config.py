@@ -24,7 +24,10 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_s
 from vllm.platforms import current_platform
 
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.ops.dense_fp8.selection import DenseShape, select_dense_fp8
+from vllm_ling.ops.small_gemv.selection import select_bf16_gemv
 from vllm_ling.options import LingOptions
+from vllm_ling.selection import Platform, record
 
 LING_QUANT_NAME = "ling_fp8"
 logger = get_logger("quant")
@@ -65,20 +68,23 @@ class LingFp8Config(Fp8Config):
             from vllm_ling.layers.dense_fp8_path import DEQUANTIZED, cpu_dense_fp8_path
 
             path = cpu_dense_fp8_path(self)
-            if path.kernel is DEQUANTIZED:
+            selection = record(layer, select_dense_fp8(self.options, Platform.CPU, _dense_shape(layer), self.weight_block_size,
+                                                       prefix, cpu_kernel=lambda: (path.kernel, path.reason)))
+            if selection.choice is DEQUANTIZED:
                 from vllm_ling.layers.dense_fp8_cpu import CPU_DENSE_FP8_PATH, CpuBlockFp8LinearMethod
 
                 log_once(logger, logging.INFO, "cpu-dense", "Dense block-FP8 linears: %s (%s).",
-                         CPU_DENSE_FP8_PATH, path.reason)
+                         CPU_DENSE_FP8_PATH, selection.reason)
                 return CpuBlockFp8LinearMethod(self.weight_block_size,
                                                bool(getattr(self, "is_scale_e8m0", False)))
-            log_once(logger, logging.INFO, "cpu-dense", "Dense block-FP8 linears: vLLM's kernel (%s).", path.reason)
+            log_once(logger, logging.INFO, "cpu-dense", "Dense block-FP8 linears: vLLM's kernel (%s).", selection.reason)
         if isinstance(layer, LinearBase) and self.weight_block_size is not None \
                 and current_platform.is_cuda() and not self._skipped(prefix):
             from vllm_ling.layers.dense_fp8_cuda import choose_dense_fp8_method
 
-            sizes = list(getattr(layer, "output_partition_sizes", None) or [layer.output_size])
-            method = choose_dense_fp8_method(self, prefix, sizes, layer.input_size, self.options.dense_fp8)
+            shape = _dense_shape(layer)
+            method = choose_dense_fp8_method(self, layer, prefix, list(shape.output_partition_sizes), shape.input_size,
+                                             self.options)
             from vllm.model_executor.layers.quantization.utils.marlin_utils import get_marlin_input_dtype
 
             method.marlin_input_dtype = get_marlin_input_dtype(prefix)  # as Fp8Config does
@@ -86,9 +92,11 @@ class LingFp8Config(Fp8Config):
         if isinstance(layer, LinearBase) and current_platform.is_cuda() and self._skipped(prefix):
             from vllm_ling.layers.small_bf16_cuda import choose_small_bf16_method
 
-            method = choose_small_bf16_method(prefix, self.options.bf16_gemv)
+            method = choose_small_bf16_method(layer, prefix, self.options)
             if method is not None:
                 return method
+        elif isinstance(layer, LinearBase) and self._skipped(prefix):
+            record(layer, select_bf16_gemv(self.options, Platform.CPU, prefix))  # vLLM's GEMM, said on the layer
         if isinstance(layer, ParallelLMHead) and self.options.fp8_head:
             from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
 
@@ -97,17 +105,14 @@ class LingFp8Config(Fp8Config):
                 and not self._skipped(prefix):
             from vllm_ling.layers.moe_method import choose_moe_method
 
-            method = choose_moe_method(layer, prefix, **moe_method_kwargs(self.options))
+            method = choose_moe_method(layer, prefix, self.options)
             if method is not None:
                 return method
         return super().get_quant_method(layer, prefix)
 
 
-def moe_method_kwargs(options: LingOptions) -> dict:
-    """The switches the routed-MoE method is built with (``vllm-ling warmup`` compiles for the
-    same ones: tests/deploy/test_launch_warmup.py)."""
-    return {"moe_backend_option": options.moe_backend, "w4a8": options.moe_w4a8,
-            "decode": options.moe_decode, "decode_max_tokens": options.moe_decode_max_tokens}
+def _dense_shape(layer) -> DenseShape:
+    return DenseShape(tuple(getattr(layer, "output_partition_sizes", None) or [layer.output_size]), layer.input_size)
 
 
 def register_ling_quant_config() -> list[str]:

@@ -23,7 +23,6 @@ startup verification finds the gates on the loaded model and runs the kernel on 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 
@@ -32,8 +31,11 @@ import torch
 from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import RouterGemv, read
+from vllm_ling.options import LingOptions, RouterGemv
 from vllm_ling.ops.small_gemv import router as router_ops
+from vllm_ling.ops.small_gemv.selection import (NOT_A_GEMV_GATE, ROUTER_OPT_OUT, GateFacts, GemvPath,
+                                                RouterGemvUnavailable, select_router_gemv)
+from vllm_ling.selection import Platform, Selection, record
 
 logger = get_logger("router")
 
@@ -41,73 +43,33 @@ IN_TREE_NAME = "GateLinear"
 KERNEL_LABEL = f"vllm-ling router GEMV (<= {router_ops.MAX_ROWS} tokens)"
 _DESCRIPTION = (f"MoE router gates (CUDA): {KERNEL_LABEL}, GateLinear's path above, for the fp32 gates GateLinear "
                 "runs as cast + F.linear")
-OPT_OUT = "VLLM_LING_ROUTER_GEMV=vllm"
+OPT_OUT = ROUTER_OPT_OUT
+__all__ = ["GateFacts", "RouterGemvUnavailable", "decide", "register_cuda_router_gate", "router_gate_class"]
 
 
-class RouterGemvUnavailable(RuntimeError):
-    """The router GEMV was requested (the default) for a gate it holds and cannot run here."""
-
-
-@dataclasses.dataclass(frozen=True)
-class GateFacts:
-    """What decides a gate's path, read from the constructed GateLinear before weights load."""
-
-    prefix: str
-    num_experts: int
-    hidden_size: int
-    weight_dtype: torch.dtype
-    has_bias: bool
-    unquantized: bool
-    out_dtype: torch.dtype | None
-    vllm_kernel: str | None = None  # a specialized kernel vLLM has for this gate on this GPU
-    batch_invariant: bool = False   # VLLM_BATCH_INVARIANT: vLLM's batch-invariant linear
-
-
-def decide(facts: GateFacts, option: RouterGemv, device: torch.device | str | None = None) -> str | None:
-    """None when the router GEMV serves this gate; otherwise why GateLinear's path does.
-
-    Opted out: one WARNING. Not a gate the kernel is for (quantized, bias, not fp32 weights and
-    logits): GateLinear as it is, said once at INFO. A gate of that kind whose shape the kernel
-    cannot hold, one vLLM has a specialized kernel for, or vLLM's batch-invariant mode: one WARNING
-    per reason. Otherwise the kernel must run on this GPU, else :class:`RouterGemvUnavailable`
-    naming the opt-out.
-    """
-    if option is RouterGemv.VLLM:
+def decide(facts: GateFacts, options: LingOptions, device: torch.device | str | None = None) -> Selection:
+    """The gate's selection (:func:`~vllm_ling.ops.small_gemv.selection.select_router_gemv`), said
+    once: opted out, one WARNING; not a gate the kernel is for (quantized, bias, not fp32 weights and
+    logits), once at INFO; a gate of that kind the kernel cannot hold, one WARNING per reason.
+    Raises :class:`RouterGemvUnavailable` where the kernel holds the gate and cannot run here."""
+    selection = select_router_gemv(options, Platform.CUDA, facts,
+                                   unavailable_reason=lambda: router_ops.unavailable_reason(device))
+    reason = selection.reason
+    if selection.choice is GemvPath.LING:
+        log_once(logger, logging.INFO, "router-gemv-on", "MoE router gates: %s.", KERNEL_LABEL)
+    elif options.router_gemv is RouterGemv.VLLM:
         log_once(logger, logging.WARNING, "router-gemv-opt-out",
                  "Router GEMV is OFF by explicit choice (%s): MoE gates run vLLM's GateLinear path; the startup "
                  "report marks router_gemv inactive.", OPT_OUT)
-        return f"opted out ({OPT_OUT})"
-    kind = []
-    if not facts.unquantized:
-        kind.append("quantized")
-    if facts.has_bias:
-        kind.append("has a bias")
-    if facts.weight_dtype != torch.float32:
-        kind.append(f"{str(facts.weight_dtype).replace('torch.', '')} weights")
-    if facts.out_dtype not in (None, torch.float32):
-        kind.append(f"{str(facts.out_dtype).replace('torch.', '')} logits")
-    if kind:
-        reason = "not an fp32 unquantized bias-free gate with fp32 logits (" + ", ".join(kind) + ")"
+    elif reason.startswith(NOT_A_GEMV_GATE):
         log_once(logger, logging.INFO, f"router-gemv-kind-{reason}",
                  "%s and similar gates keep vLLM's GateLinear path: %s.", facts.prefix, reason)
-        return reason
-    problems = router_ops.shape_problems(facts.num_experts, facts.hidden_size)
-    if facts.vllm_kernel:
-        problems.append(f"vLLM has a specialized kernel for this gate here ({facts.vllm_kernel})")
-    if facts.batch_invariant:
-        problems.append("vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT) is on")
-    if problems:
-        reason = "; ".join(problems)
+    else:
         log_once(logger, logging.WARNING, f"router-gemv-off-{reason}",
                  "Router GEMV off for %s (%d experts x %d) and similar gates: %s; vLLM's GateLinear path serves "
                  "them (the startup check router_gates reports it).", facts.prefix, facts.num_experts,
                  facts.hidden_size, reason)
-        return reason
-    why = router_ops.unavailable_reason(device)
-    if why:
-        raise RouterGemvUnavailable(f"router GEMV cannot run for {facts.prefix}: {why}; opt out with {OPT_OUT}")
-    log_once(logger, logging.INFO, "router-gemv-on", "MoE router gates: %s.", KERNEL_LABEL)
-    return None
+    return selection
 
 
 _GATES = LayersByName()  # op name -> gate (layers/op_layers.py: why names are prefixes)
@@ -157,7 +119,13 @@ def router_gate_class():
             super().__init__(*args, **kwargs)
             device = self.weight.device if self.weight.device.type == "cuda" else None
             self.ling_router_key = register_gate(self, self.prefix)
-            self.ling_router_gemv_reason = decide(self.gate_facts(), read("VLLM_LING_ROUTER_GEMV"), device)
+            self._select(decide(self.gate_facts(), LingOptions.from_env(), device))
+
+        def _select(self, selection: Selection) -> None:
+            """Record the selection and dispatch by it (``ling_router_gemv_reason``: None where the
+            router GEMV serves; verification compares the two)."""
+            record(self, selection)
+            self.ling_router_gemv_reason = None if selection.choice is GemvPath.LING else selection.reason
 
         def gate_facts(self) -> GateFacts:
             return GateFacts(prefix=self.prefix, num_experts=self.output_size, hidden_size=self.input_size,
@@ -174,7 +142,7 @@ def router_gate_class():
         def set_out_dtype(self, out_dtype: torch.dtype) -> None:
             super().set_out_dtype(out_dtype)
             if self.ling_router_gemv_reason is None and out_dtype != torch.float32:
-                self.ling_router_gemv_reason = decide(self.gate_facts(), RouterGemv.LING)
+                self._select(decide(self.gate_facts(), LingOptions(router_gemv=RouterGemv.LING)))
 
         def vllm_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
             """GateLinear's own forward (every tier), logits only."""
@@ -189,6 +157,13 @@ def router_gate_class():
 
     LingGateLinear.__qualname__ = "LingGateLinear"
     return LingGateLinear
+
+
+def served_path(gate) -> GemvPath | None:
+    """What a gate serves at decode sizes, read from its dispatch state (None: vLLM's own class)."""
+    if not hasattr(gate, "ling_router_gemv_reason"):
+        return None
+    return GemvPath.LING if gate.ling_router_gemv else GemvPath.VLLM
 
 
 def register_cuda_router_gate() -> list[str]:

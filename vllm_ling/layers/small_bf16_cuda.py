@@ -24,17 +24,16 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.small_gemv.kernel import BF16_MAX_ROWS as SMALL_BF16_MAX_ROWS
-from vllm_ling.options import Bf16Gemv
+from vllm_ling.ops.small_gemv.selection import BF16_OPT_OUT, Bf16GemvUnavailable, GemvPath, select_bf16_gemv
+from vllm_ling.options import LingOptions
+from vllm_ling.selection import Platform, record
 
 logger = get_logger("quant.small_bf16")
 
 SMALL_BF16_MAX_N = 512    # output rows per rank: the sizes measured (a GEMM library wins on wide weights)
-OPT_OUT_HINT = "VLLM_LING_BF16_GEMV=vllm"
-
-
-class Bf16GemvUnavailable(RuntimeError):
-    """The small-GEMV path was requested (the default) and cannot run here."""
-
+OPT_OUT_HINT = BF16_OPT_OUT
+__all__ = ["Bf16GemvUnavailable", "LingSmallBf16LinearMethod", "choose_small_bf16_method", "kernel_problems",
+           "served_path"]
 
 _LAYERS = LayersByName()  # op name -> layer (layers/op_layers.py: why names are prefixes)
 
@@ -100,21 +99,27 @@ class LingSmallBf16LinearMethod(UnquantizedLinearMethod):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def choose_small_bf16_method(prefix: str, option: Bf16Gemv,
+def choose_small_bf16_method(layer, prefix: str, options: LingOptions,
                              device: torch.device | str | None = None) -> UnquantizedLinearMethod | None:
     """Our method for one unquantized (checkpoint-skipped) linear on CUDA, or None to let vLLM
-    choose. ``option`` ``Bf16Gemv.VLLM`` opts out (one WARNING); otherwise the kernel must be able to run on
-    this GPU (else :class:`Bf16GemvUnavailable`, before any weight loads, naming the opt-out)."""
-    if option is Bf16Gemv.VLLM:
+    choose, from its selection (:func:`~vllm_ling.ops.small_gemv.selection.select_bf16_gemv`),
+    recorded on ``layer``. Opted out: one WARNING; a kernel that cannot run on this GPU raises
+    :class:`Bf16GemvUnavailable` before any weight loads, naming the opt-out."""
+    import vllm_ling.ops.small_gemv as gemv_ops
+
+    selection = record(layer, select_bf16_gemv(options, Platform.CUDA, prefix,
+                                               unavailable_reason=lambda: gemv_ops.unavailable_reason(device)))
+    if selection.choice is GemvPath.VLLM:
         log_once(logger, logging.WARNING, "small-gemv-opt-out-bf16",
                  "Small GEMV for BF16 linears is OFF by explicit choice (%s): vLLM's GEMM serves the checkpoint's "
                  "unquantized linears; the startup report marks small_bf16_decode inactive.", OPT_OUT_HINT)
         return None
-    from vllm_ling.ops.small_gemv import unavailable_reason
-
-    why = unavailable_reason(device)
-    if why:
-        raise Bf16GemvUnavailable(f"the small GEMV cannot run for {prefix}: {why}; opt out with {OPT_OUT_HINT}")
     log_once(logger, logging.INFO, "small-bf16-on",
              "Unquantized BF16 linears: vllm-ling small GEMV for <= %d tokens, vLLM's GEMM above.", SMALL_BF16_MAX_ROWS)
     return LingSmallBf16LinearMethod(prefix)
+
+
+def served_path(layer) -> GemvPath:
+    """What an unquantized linear's method is: vllm-ling's (the small GEMV serving the loaded weights
+    it holds, vLLM's GEMM for one it cannot, reported) or vLLM's."""
+    return GemvPath.LING if isinstance(getattr(layer, "quant_method", None), LingSmallBf16LinearMethod) else GemvPath.VLLM

@@ -71,13 +71,15 @@ def check_cpu_moe_backend(options: LingOptions, kernel_moe_backend: str | None) 
     """On the CPU platform only vllm-ling's reference can run the MXFP4 experts: refuse an opt-out
     to vLLM's backends now, not after the weights began to load (vLLM raises NotImplementedError
     when it builds the first MoE layer)."""
+    from vllm_ling.ops.moe.selection import opt_out_reason
     from vllm_ling.options import CPU_MOE_BACKEND_REFUSAL, MoeBackend
 
-    if options.moe_backend is MoeBackend.VLLM:
-        raise LingConfigError(CPU_MOE_BACKEND_REFUSAL.format(what="VLLM_LING_MOE_BACKEND=vllm (--moe-backend vllm)"))
-    if kernel_moe_backend not in (None, "auto", "humming"):
-        raise LingConfigError(CPU_MOE_BACKEND_REFUSAL.format(
-            what=f"vLLM's --moe-backend {kernel_moe_backend} (opts out of vllm-ling's MoE)"))
+    why = opt_out_reason(options, kernel_moe_backend)  # the MoE selector's own opt-out rule
+    if why is None:
+        return
+    what = ("VLLM_LING_MOE_BACKEND=vllm (--moe-backend vllm)" if options.moe_backend is MoeBackend.VLLM
+            else f"vLLM's {why} (opts out of vllm-ling's MoE)")
+    raise LingConfigError(CPU_MOE_BACKEND_REFUSAL.format(what=what))
 
 
 class LingConfigHook:

@@ -8,6 +8,8 @@ explicit MTP config for it is one clear error instead of vLLM's ZeroDivisionErro
 pipeline parallelism vLLM 0.32 cannot run a draft model at all (runtime.spec_policy
 ``PP_NO_DRAFT_REASON``): no default there (one WARNING), and a user's draft-model config is
 one clear error before any engine process starts.
+The decision is ``runtime.spec_policy.select_speculation``'s, recorded on the target's hf_config
+for the startup verification.
 Why: vLLM has no model-level default speculator, and the upstream recipe leaves MTP
 opt-in. Registry record: ``registry.PATCHES``.
 """
@@ -20,9 +22,6 @@ from vllm_ling.log import get_logger, log_once
 
 logger = get_logger("config")
 _MARK = "_vllm_ling_default_mtp"
-# vLLM's SpeculativeConfig rejects unknown keys, so the marker is popped before vLLM sees
-# the dict and recorded on the target model config instead (runtime.spec_policy).
-DEFAULT_MARKER_KEY = "_vllm_ling_default"
 
 
 def _engine_args():
@@ -57,8 +56,8 @@ def apply() -> None:
     from vllm_ling.options import LingOptions
     from vllm_ling.patches.config_hooks import (LingConfigError, check_head_conflicts, check_mtp_needs_nextn_layers,
                                                 default_speculative_config, is_ling_target)
-    from vllm_ling.runtime.spec_policy import (PP_NO_DRAFT_REASON, mark_default_applied, mark_no_nextn_layers,
-                                               mark_pp_no_draft)
+    from vllm_ling.runtime.spec_policy import (PP_NO_DRAFT_REASON, Speculation, record_speculation,
+                                               recorded_speculation, select_speculation)
 
     engine_args_cls = _engine_args()
     original = engine_args_cls.create_speculative_config
@@ -77,28 +76,29 @@ def apply() -> None:
                     f"--speculative-config method {_user_draft_method(self)!r} with --pipeline-parallel-size {pp}: "
                     f"{PP_NO_DRAFT_REASON}. Drop --speculative-config (or use method ngram), or serve with "
                     "--tensor-parallel-size instead of pipeline parallelism.")
-            if not user_gave and options.mtp and pp > 1:
-                mark_pp_no_draft(target_model_config.hf_config)
+            hf_config = target_model_config.hf_config
+            selection = select_speculation(options, user_gave, nextn, pp)
+            # a second call on the same arguments sees the default this wrapper filled in as the user's:
+            # the first decision stands
+            if not (selection.choice is Speculation.USER and recorded_speculation(hf_config) is not None):
+                record_speculation(hf_config, selection)
+            if selection.choice is Speculation.OFF_PIPELINE:
                 log_once(logger, logging.WARNING, "pp-no-mtp",
                          "NEXTN MTP speculation is off: --pipeline-parallel-size %d, and %s. Reported as not "
                          "requested; --tensor-parallel-size keeps MTP.", pp, PP_NO_DRAFT_REASON)
-            elif not user_gave and options.mtp and nextn == 0:
-                mark_no_nextn_layers(target_model_config.hf_config)
+            elif selection.choice is Speculation.OFF_NO_NEXTN:
                 log_once(logger, logging.WARNING, "no-nextn",
                          "NEXTN MTP speculation is off: %s/config.json has num_nextn_predict_layers=0 "
                          "(no draft layer to speculate with). Reported as not requested; "
                          "VLLM_LING_MTP=0 says so explicitly.", target_model_config.model)
-            elif not user_gave and options.mtp:
+            elif selection.choice is Speculation.DEFAULT_MTP and not user_gave:
                 self.speculative_config = default_speculative_config(
-                    options, target_model_config.hf_config, getattr(self, "max_num_seqs", None))
-                self.speculative_config[DEFAULT_MARKER_KEY] = True
+                    options, hf_config, getattr(self, "max_num_seqs", None))
                 log_once(logger, logging.INFO, "default-mtp",
                          "Ling default speculative decoding: %s (VLLM_LING_MTP=0 turns it off; "
                          "--speculative-config overrides it).", self.speculative_config)
-            elif not user_gave:
+            elif selection.choice is Speculation.OFF:
                 log_once(logger, logging.INFO, "mtp-off", "NEXTN MTP speculation is off (VLLM_LING_MTP=0).")
-        if isinstance(self.speculative_config, dict) and self.speculative_config.pop(DEFAULT_MARKER_KEY, False):
-            mark_default_applied(target_model_config.hf_config)
         return original(self, target_model_config, target_parallel_config)
 
     create_speculative_config.__wrapped__ = original

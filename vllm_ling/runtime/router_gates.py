@@ -2,10 +2,12 @@
 draft run it, read from the modules, and the report's ``router_gemv`` optimization entry.
 
 Every ``GateLinear`` found is counted: vllm-ling's subclass with the kernel path on, vllm-ling's
-subclass on GateLinear's path (with the reason it gave at construction), or vLLM's own class (the
-subclass was not installed). The optimization is active only where every gate runs the kernel
-and the kernel passed its known answers (``kernel_checks``: ``router_gemv``). On the CPU platform
-it is not applicable: vLLM's GateLinear is built there and nothing is warned.
+subclass on GateLinear's path (with the reason its selection gave at construction), or vLLM's own
+class (the subclass was not installed). Each of vllm-ling's gates must serve the selection recorded
+on it (:func:`vllm_ling.ops.small_gemv.selection.select_router_gemv`); the optimization is requested
+where a gate selected the kernel, and active only where every gate runs it and the kernel passed
+its known answers (``kernel_checks``: ``router_gemv``). On the CPU platform it is not applicable:
+vLLM's GateLinear is built there and nothing is warned.
 """
 
 from __future__ import annotations
@@ -23,17 +25,29 @@ class GateCensus:
     serving: int = 0
     off: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> gates on GateLinear's path
     foreign: list[str] = dataclasses.field(default_factory=list)   # vLLM's own GateLinear class
+    diverging: list[str] = dataclasses.field(default_factory=list)  # not serving their recorded selection
+    selected: int = 0  # gates whose recorded selection is the router GEMV
+
+    @property
+    def requested(self) -> bool:
+        return self.selected > 0
 
     def describe(self) -> str:
         text = f"{self.serving} of {self.total} MoE router gates on the router GEMV"
         text += "".join(f"; {n} x GateLinear's path: {why}" for why, n in sorted(self.off.items()))
         if self.foreign:
             text += f"; {len(self.foreign)} x vLLM's GateLinear class ({', '.join(self.foreign[:3])})"
+        if self.diverging:
+            text += f"; not the recorded selection: {self.diverging[:3]}"
         return text
 
 
 def gate_census(target, draft) -> GateCensus:
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    from vllm_ling.layers.router_gate_cuda import served_path
+    from vllm_ling.ops.small_gemv.selection import GemvPath
+    from vllm_ling.selection import Feature, recorded
 
     census = GateCensus()
     for label, model in (("target", target), ("draft", draft)):
@@ -43,9 +57,14 @@ def gate_census(target, draft) -> GateCensus:
             if not isinstance(m, GateLinear):
                 continue
             census.total += 1
-            if not hasattr(m, "ling_router_gemv_reason"):
+            served, sel = served_path(m), recorded(m, Feature.ROUTER_GEMV)
+            if served is None:
                 census.foreign.append(f"{label}.{name}")
-            elif m.ling_router_gemv:
+                continue
+            census.selected += sel is not None and sel.choice is GemvPath.LING
+            if sel is None or served is not sel.choice:
+                census.diverging.append(f"{label}.{name} (selected {sel.choice if sel else 'nothing'}, serves {served})")
+            if served is GemvPath.LING:
                 census.serving += 1
             else:
                 why = m.ling_router_gemv_reason or f"logits dtype {m.out_dtype}, not float32"
@@ -53,20 +72,16 @@ def gate_census(target, draft) -> GateCensus:
     return census
 
 
-def _not_requested(platform: str) -> str:
-    return ("not applicable on the CPU platform: vLLM's GateLinear path is unchanged" if platform == "cpu"
-            else f"opted out ({OPT_OUT} or --router-gemv vllm): vLLM's GateLinear path")
-
-
-def check_router_gates(census: GateCensus, requested: bool, platform: str) -> tuple[bool, str, str, str]:
+def check_router_gates(census: GateCensus, platform: str) -> tuple[bool, str, str, str]:
     """The ``router_gates`` check's (passed, expected, actual, fix)."""
-    if not requested:
-        return (census.serving == 0, f"vLLM's GateLinear path ({_not_requested(platform)})", census.describe(),
-                "the router GEMV served although it was not requested")
-    return (not census.foreign,
-            "every MoE router gate is vllm-ling's GateLinear, on the router GEMV wherever the kernel holds it",
-            census.describe(),
-            f"another plugin replaced vLLM's GateLinear (see the WARNING naming it), or opt out with {OPT_OUT}")
+    if platform == "cpu":
+        return (census.serving == 0, "vLLM's GateLinear path (not applicable on the CPU platform)", census.describe(),
+                "the router GEMV served on the CPU platform")
+    return (not census.foreign and not census.diverging,
+            "every MoE router gate is vllm-ling's GateLinear, serving its recorded selection (the router GEMV "
+            "wherever the kernel holds it)", census.describe(),
+            f"another plugin replaced vLLM's GateLinear (see the WARNING naming it), or opt out with {OPT_OUT}; a "
+            "gate serving other than its selection is a defect: report it")
 
 
 def router_kernel_passed(known: dict[str, Any]) -> bool | None:
@@ -75,12 +90,14 @@ def router_kernel_passed(known: dict[str, Any]) -> bool | None:
     return all(r["passed"] for r in runs) if runs else None
 
 
-def optimization_entry(census: GateCensus, check_passed: bool, requested: bool, platform: str,
-                       known: dict[str, Any]) -> dict[str, Any]:
-    """The report's ``optimizations.router_gemv``: active where every gate runs the kernel and
-    the kernel passed its known answers."""
-    if not requested:
-        return {"requested": False, "active": False, "detail": _not_requested(platform)}
+def optimization_entry(census: GateCensus, check_passed: bool, platform: str, known: dict[str, Any]) -> dict[str, Any]:
+    """The report's ``optimizations.router_gemv``: requested where a gate selected the kernel,
+    active where every gate runs it and the kernel passed its known answers."""
+    if platform == "cpu":
+        return {"requested": False, "active": False,
+                "detail": "not applicable on the CPU platform: vLLM's GateLinear path is unchanged"}
+    if not census.requested:
+        return {"requested": False, "active": False, "detail": f"not selected: {census.describe()}"}
     kernel = router_kernel_passed(known)
     active = check_passed and census.total > 0 and census.serving == census.total and kernel is True
     verdict = {None: "not run", True: "passed", False: "FAILED"}[kernel]

@@ -1,4 +1,6 @@
-"""When NEXTN MTP pays off: the cost model behind the default speculative config.
+"""When NEXTN MTP pays off: the cost model behind the default speculative config; and which
+speculative method serves (:func:`select_speculation`, the one place it is decided: patch P5 calls
+it and records the answer on the target's config, the startup verification proves it).
 
 One MTP cycle at batch size b drafts k tokens per sequence and verifies k+1 positions per
 sequence; it emits ``accept_length`` tokens per sequence, where plain decoding emits one per
@@ -30,11 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_ling.models.cost_model import build_plan, mtp_model, totals
-from vllm_ling.options import STUDY_VERIFY_COST_BATCH1
-
-# Set on the target's hf_config by patch P5 when vllm-ling's default speculative config is
-# the one in force (the config object reaches every process; a global would not).
-DEFAULT_SPEC_ATTR = "vllm_ling_default_spec"
+from vllm_ling.options import STUDY_VERIFY_COST_BATCH1, Choice, LingOptions
+from vllm_ling.selection import Feature, Selection
 
 STUDY_ACCEPT_LENGTH_GSM8K = 2.68
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "data" / "ling3_flash_fp4_config.json"
@@ -89,39 +88,70 @@ def speculative_schedule(config: dict[str, Any] | None = None, num_spec_tokens: 
     return ranges
 
 
-def mark_default_applied(hf_config) -> None:
-    setattr(hf_config, DEFAULT_SPEC_ATTR, True)
+VLLM_MTP_METHOD = "mtp"  # vLLM's name for NEXTN MTP in --speculative-config (parsed from vLLM's config)
+SPECULATION_ATTR = "vllm_ling_speculation"  # on the target's hf_config: {"choice": value, "reason": text}
 
 
-# Set when MTP was wanted (VLLM_LING_MTP=1) but the checkpoint has no NEXTN layer to draft
-# with: speculation is then off by design, not by failure.
-NO_NEXTN_ATTR = "vllm_ling_no_nextn_layers"
+class Speculation(Choice):
+    """Which speculative config is in force for a Ling target, and by whose decision."""
+
+    DEFAULT_MTP = "default_mtp"    # vllm-ling's default NEXTN MTP config
+    USER = "user"                  # the user's speculative config, served as given
+    OFF = "off"                    # VLLM_LING_MTP=0: no speculation
+    OFF_NO_NEXTN = "off_no_nextn"  # MTP wanted, but the checkpoint has no NEXTN layer to draft with
+    OFF_PIPELINE = "off_pipeline"  # MTP wanted, but pipeline parallelism runs no draft (vLLM 0.32)
 
 
-def mark_no_nextn_layers(hf_config) -> None:
-    setattr(hf_config, NO_NEXTN_ATTR, True)
+def select_speculation(options: LingOptions, user_gave: bool, nextn_layers: int, pipeline_parallel_size: int) -> Selection:
+    """The speculative method for a Ling target: the user's config wins; else vllm-ling's default
+    MTP, unless it is switched off or nothing can draft (refusing a user's draft-model config under
+    pipeline parallelism is patch P5's, before this)."""
+    def sel(choice: Speculation, reason: str) -> Selection:
+        return Selection(Feature.SPECULATIVE, choice, reason)
+
+    if user_gave:
+        return sel(Speculation.USER, "the user's --speculative-config")
+    if not options.mtp:
+        return sel(Speculation.OFF, "VLLM_LING_MTP=0")
+    if pipeline_parallel_size > 1:
+        return sel(Speculation.OFF_PIPELINE, "pipeline parallelism: vLLM 0.32 runs no draft model there")
+    if nextn_layers == 0:
+        return sel(Speculation.OFF_NO_NEXTN, "the checkpoint has no NEXTN layers: num_nextn_predict_layers=0")
+    return sel(Speculation.DEFAULT_MTP, f"vllm-ling default: {VLLM_MTP_METHOD}, {options.num_spec_tokens} tokens")
+
+
+def record_speculation(hf_config, selection: Selection) -> None:
+    """On the target's hf_config, which reaches every process; plain strings, so the config still
+    serialises as JSON."""
+    setattr(hf_config, SPECULATION_ATTR, {"choice": selection.choice.value, "reason": selection.reason})
+
+
+def recorded_speculation(hf_config) -> Selection | None:
+    """The selection P5 recorded on the target's hf_config (None: P5 did not decide, e.g. not a Ling
+    target)."""
+    raw = getattr(hf_config, SPECULATION_ATTR, None)
+    if not raw:
+        return None
+    return Selection(Feature.SPECULATIVE, Speculation(raw["choice"]), raw["reason"])
+
+
+def _recorded_is(vllm_config, choice: Speculation) -> bool:
+    selection = recorded_speculation(vllm_config.model_config.hf_config)
+    return selection is not None and selection.choice is choice
 
 
 def no_nextn_layers(vllm_config) -> bool:
-    return bool(getattr(vllm_config.model_config.hf_config, NO_NEXTN_ATTR, False))
+    return _recorded_is(vllm_config, Speculation.OFF_NO_NEXTN)
 
 
-# Set when MTP was wanted but the server runs pipeline parallelism: vLLM 0.32 builds the draft
-# on the last stage only and then reads it on every stage (gpu_model_runner's
-# _check_and_update_cudagraph_mode), so speculation is off by design there.
-PP_NO_DRAFT_ATTR = "vllm_ling_pp_no_draft"
 PP_NO_DRAFT_REASON = ("vLLM 0.32 cannot run a draft model with pipeline parallelism (its model runner reads "
                       "the drafter on every stage; only the last stage builds one)")
 
 
-def mark_pp_no_draft(hf_config) -> None:
-    setattr(hf_config, PP_NO_DRAFT_ATTR, True)
-
-
 def pp_no_draft(vllm_config) -> bool:
-    return bool(getattr(vllm_config.model_config.hf_config, PP_NO_DRAFT_ATTR, False))
+    return _recorded_is(vllm_config, Speculation.OFF_PIPELINE)
 
 
 def default_applied(vllm_config) -> bool:
     """Whether the speculative config in force is vllm-ling's default."""
-    return bool(getattr(vllm_config.model_config.hf_config, DEFAULT_SPEC_ATTR, False))
+    return _recorded_is(vllm_config, Speculation.DEFAULT_MTP)

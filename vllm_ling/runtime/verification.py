@@ -6,11 +6,15 @@ before the server accepts a request. Each check compares what was requested with
 modules that are really there:
 
 - model classes are vllm-ling's;
-- every routed-MoE layer of target and draft uses vllm-ling's MXFP4 method with the
-  platform's backend (humming on CUDA, the PyTorch reference on CPU), and the count is
+- every routed-MoE layer of target and draft serves the MoE selection the quant config recorded on
+  it (:func:`vllm_ling.ops.moe.selection.select_moe`: humming on CUDA, the PyTorch reference on CPU,
+  vLLM's backend when opted out), read from its method, never derived again here; and the count is
   MoE layers + NEXTN layers;
+- every block-FP8 dense linear serves the kernel recorded on it
+  (:func:`vllm_ling.ops.dense_fp8.selection.select_dense_fp8`), and the W8A16 kernel agrees with vLLM's;
 - the target head runs vllm-ling's FP8 method with a float8_e4m3fn weight of the expected
-  byte size (or BF16 when opted out);
+  byte size and the kernel it recorded (:func:`vllm_ling.ops.lm_head.selection.select_head_kernel`),
+  or BF16 when opted out;
 - the draft's head(s) and embedding are the target's module objects, and the draft holds no
   storage of that size of its own;
 - every MoE router gate is vllm-ling's GateLinear on CUDA, on the router GEMV wherever the kernel
@@ -46,9 +50,13 @@ import torch
 
 from vllm_ling.log import get_logger, log_once, one_line
 from vllm_ling.refusal import Refusal
-from vllm_ling.options import (Bf16Gemv, DenseFp8, LingOptions, MoeBackend, MoeDecode, MoePath, RouterGemv,
-                               VerifyPolicy, plugin_options, read)
+from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
+from vllm_ling.ops.moe.selection import MoePath, MoeSelection
+from vllm_ling.ops.small_gemv.selection import GemvPath
+from vllm_ling.options import LingOptions, MoeDecode, VerifyPolicy, plugin_options, read
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
+from vllm_ling.runtime.spec_policy import VLLM_MTP_METHOD, Speculation
+from vllm_ling.selection import Feature, Selection, recorded
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
 
@@ -71,46 +79,34 @@ class Check:
 
 @dataclasses.dataclass
 class Expectations:
-    """What the checks expect, from the options, the platform and the vLLM config."""
+    """The facts the checks take from the options, the platform and the vLLM config. Which backend
+    serves each feature is not here: the checks read the selection recorded on each layer."""
 
     platform: str  # "cpu" | "cuda"
-    moe_backend: MoePath
     fp8_head: bool
     spec_method: str | None
     num_speculative_tokens: int
-    default_spec: bool  # the speculative config is vllm-ling's default
-    dense_fp8: bool = False  # vllm-ling's W8A16 kernel serves decode-sized block-FP8 dense linears
+    speculation: Selection | None  # what patch P5 selected and recorded (None: it did not decide)
     kda_merged_proj: bool = False  # each KDA layer's q, k, v, f, g projections are one linear
-    small_bf16: bool = False  # vllm-ling's small GEMV serves the checkpoint's BF16 linears at decode sizes
-    router_gemv: bool = False  # vllm-ling's router GEMV serves decode-sized batches of the MoE gates
-    no_nextn_layers: bool = False  # MTP wanted but the checkpoint has no NEXTN layer
-    pp_no_draft: bool = False  # MTP wanted but pipeline parallelism: vLLM 0.32 runs no draft there
 
     @property
     def mtp(self) -> bool:
         """The NEXTN draft is what speculates (another method, e.g. ngram, has no Ling draft)."""
-        return self.spec_method == "mtp"
+        return self.spec_method == VLLM_MTP_METHOD
 
     @classmethod
     def from_runtime(cls, vllm_config, options: LingOptions) -> "Expectations":
         from vllm.platforms import current_platform
 
         platform = "cpu" if current_platform.is_cpu() else "cuda"
-        moe_opt_out = options.moe_backend is MoeBackend.VLLM or (
-            getattr(vllm_config.kernel_config, "moe_backend", "auto") not in ("auto", MoePath.HUMMING))
-        moe = MoePath.VLLM if moe_opt_out else (MoePath.REFERENCE if platform == "cpu" else MoePath.HUMMING)
         spec = vllm_config.speculative_config
-        from vllm_ling.runtime.spec_policy import default_applied, no_nextn_layers, pp_no_draft
+        from vllm_ling.runtime.spec_policy import recorded_speculation
 
-        return cls(platform=platform, moe_backend=moe, fp8_head=options.fp8_head,
+        return cls(platform=platform, fp8_head=options.fp8_head,
                    spec_method=getattr(spec, "method", None),
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
-                   default_spec=default_applied(vllm_config),
-                   dense_fp8=platform == "cuda" and options.dense_fp8 is DenseFp8.LING,
-                   kda_merged_proj=options.kda_merged_proj,
-                   small_bf16=platform == "cuda" and options.bf16_gemv is Bf16Gemv.LING,
-                   router_gemv=platform == "cuda" and options.router_gemv is RouterGemv.LING,
-                   no_nextn_layers=no_nextn_layers(vllm_config), pp_no_draft=pp_no_draft(vllm_config))
+                   speculation=recorded_speculation(vllm_config.model_config.hf_config),
+                   kda_merged_proj=options.kda_merged_proj)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,33 +165,56 @@ def check_model_classes(target, draft, exp: Expectations, stage: Stage | None = 
                  "vllm-ling's plugin did not register its classes: check VLLM_PLUGINS allows vllm_ling")
 
 
-def check_moe_layers(target, draft, exp: Expectations, config, stage: Stage | None = None) -> Check:
-    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
+def _moe_layers(target, draft) -> list[tuple[str, torch.nn.Module]]:
+    layers = [("target." + n, m) for n, m in _routed_expert_layers(target)]
+    return layers + ([("draft." + n, m) for n, m in _routed_expert_layers(draft)] if draft is not None else [])
+
+
+def selected_moe(target, draft) -> MoeSelection | None:
+    """The MoE selection the quant config recorded (the first layer's; check_moe_layers fails
+    where a layer's differs or is missing)."""
+    return next((s for _, m in _moe_layers(target, draft) if (s := recorded(m, Feature.MOE)) is not None), None)
+
+
+def check_moe_layers(target, draft, config, stage: Stage | None = None) -> Check:
+    """Every routed-expert layer serves the selection recorded on it (backend and kernel switches,
+    read from its method), all layers have the same one, and the count is the stage's MoE layers +
+    NEXTN layers."""
+    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod, served_selection
 
     stage = stage or Stage(0, 1, 0, config.num_hidden_layers)
     # vLLM's BailingMoeV3 builds an MoE block for layer_id >= first_k_dense_replace
     moe_layers = sum(1 for i in range(stage.start, stage.end) if i >= config.first_k_dense_replace)
     nextn = config.num_nextn_predict_layers if draft is not None else 0
-    layers = [("target." + n, m) for n, m in _routed_expert_layers(target)]
-    if draft is not None:
-        layers += [("draft." + n, m) for n, m in _routed_expert_layers(draft)]
-    backends: dict[str, int] = {}
-    wrong = []
+    layers = _moe_layers(target, draft)
+    first = selected_moe(target, draft)
+    served: dict[str, int] = {}
+    diverging, unselected, other = [], [], []
     for name, layer in layers:
         qm = layer.quant_method
-        backend = qm.backend if isinstance(qm, LingMxfp4MoEMethod) else f"vllm:{type(qm).__name__}"
-        backends[backend] = backends.get(backend, 0) + 1
-        if (exp.moe_backend is MoePath.VLLM) != backend.startswith("vllm:") or (
-                exp.moe_backend is not MoePath.VLLM and backend != exp.moe_backend):
-            wrong.append(name)
+        path, *switches = served_selection(qm)
+        label = str(path) if isinstance(qm, LingMxfp4MoEMethod) else f"vllm:{type(qm).__name__}"
+        served[label] = served.get(label, 0) + 1
+        sel = recorded(layer, Feature.MOE)
+        if sel is None:
+            unselected.append(name)
+        elif (path, *switches) != (sel.choice, sel.w4a8, sel.decode, sel.decode_max_tokens):
+            diverging.append(f"{name} (selected {sel.choice}, serves {label})")
+        elif sel != first:
+            other.append(f"{name} (selected {sel.choice}: {sel.reason})")
     expected_count = moe_layers + nextn
-    actual = ", ".join(f"{v} x {k}" for k, v in sorted(backends.items())) or "no routed-expert layers"
-    ok = not wrong and len(layers) == expected_count
-    if wrong:
-        actual += f"; not {exp.moe_backend}: {wrong[:3]}"
+    actual = ", ".join(f"{v} x {k}" for k, v in sorted(served.items())) or "no routed-expert layers"
+    for what, names in (("not the recorded selection", diverging), ("no selection recorded", unselected),
+                        ("another selection than the first layer's", other)):
+        if names:
+            actual += f"; {what}: {names[:3]}"
+    ok = not (diverging or unselected or other) and len(layers) == expected_count
     where = f" on {stage.label()}" if stage.size > 1 else ""
+    choice = first.choice if first is not None else "the ling_fp8 selection"
     return Check("moe_layers", ok,
-                 f"{expected_count} x {exp.moe_backend} ({moe_layers} target MoE + {nextn} NEXTN{where})", actual, f"install humming-kernels {TESTED_HUMMING_VERSION} on an sm_75+ GPU, or opt out with VLLM_LING_MOE_BACKEND=vllm")
+                 f"{expected_count} x {choice} ({moe_layers} target MoE + {nextn} NEXTN{where}), as selected",
+                 actual, f"install humming-kernels {TESTED_HUMMING_VERSION} on an sm_75+ GPU, or opt out with "
+                 "VLLM_LING_MOE_BACKEND=vllm; a layer serving other than its selection is a defect: report it")
 
 
 def moe_decode_summary(target, draft) -> tuple[bool, str]:
@@ -215,10 +234,21 @@ def moe_decode_summary(target, draft) -> tuple[bool, str]:
 DENSE_FP8_MAX_REL_DIFF = 0.1  # vs vLLM's W8A8 kernel: its activation quantization alone is ~2-4% L2
 
 
-def _block_fp8_linears(model) -> list[tuple[str, torch.nn.Module]]:
-    return [(n, m) for n, m in model.named_modules()
-            if getattr(m, "weight_block_size", None) is not None and hasattr(m, "weight_scale_inv")
-            and hasattr(m, "quant_method") and hasattr(m, "logical_widths")]
+def _block_fp8_linears(target, draft) -> list[tuple[str, torch.nn.Module, Selection | None, DenseFp8Kernel | None]]:
+    """(name, layer, recorded selection, what it serves) for every block-FP8 dense linear: the
+    linears with a dense FP8 selection recorded, and any with a block-FP8 method without one."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from vllm_ling.layers.dense_fp8_path import served_dense_fp8_kernel
+
+    found = []
+    for prefix, model in (("target.", target), ("draft.", draft)):
+        for n, m in (model.named_modules() if model is not None else ()):
+            sel = recorded(m, Feature.DENSE_FP8)
+            if isinstance(m, LinearBase) and (sel is not None or getattr(
+                    getattr(m, "quant_method", None), "weight_block_size", None) is not None):
+                found.append((prefix + n, m, sel, served_dense_fp8_kernel(m)))
+    return found
 
 
 def _w8a16_vs_vllm(layer: torch.nn.Module) -> float:
@@ -236,27 +266,35 @@ def _w8a16_vs_vllm(layer: torch.nn.Module) -> float:
     return float((ours_out - vllm_out).norm() / vllm_out.norm().clamp_min(1e-30))
 
 
-def check_dense_fp8(target, draft, exp: Expectations) -> Check:
-    """Which block-FP8 dense linears run the W8A16 kernel, and a known answer: on the first of
-    them, the W8A16 output for two random rows against vLLM's own (W8A8) kernel on the same layer."""
-    from vllm_ling.layers.dense_fp8_cuda import LingW8A16Fp8LinearMethod, unaligned_shards
-
-    layers = [("target." + n, m) for n, m in _block_fp8_linears(target)]
-    if draft is not None:
-        layers += [("draft." + n, m) for n, m in _block_fp8_linears(draft)]
-    ours = [(n, m) for n, m in layers if isinstance(m.quant_method, LingW8A16Fp8LinearMethod)]
-    serving = [(n, m) for n, m in ours if getattr(m, "ling_w8a16", None) is not None]
-    actual = f"{len(serving)} of {len(layers)} block-FP8 dense linears on the W8A16 kernel"
+def check_dense_fp8(found) -> Check:
+    """Every block-FP8 dense linear serves the kernel recorded on it (read from its method and
+    loaded state), and a known answer: on the first linear the W8A16 kernel serves, its output for
+    two random rows against vLLM's own (W8A8) kernel on the same layer. ``found``:
+    :func:`_block_fp8_linears`."""
+    selected: dict[str, int] = {}
+    diverging, unselected = [], []
+    for name, _, sel, served in found:
+        if sel is None:
+            unselected.append(name)
+            continue
+        selected[str(sel.choice)] = selected.get(str(sel.choice), 0) + 1
+        if served is not sel.choice:
+            diverging.append(f"{name} (selected {sel.choice}, serves {served or 'another method'})")
+    serving = [(n, m) for n, m, _, served in found if served is DenseFp8Kernel.W8A16]
+    actual = f"{len(serving)} of {len(found)} block-FP8 dense linears on the W8A16 kernel"
     if serving:
         actual += f" ({serving[0][1].quant_method.decode_kernel_status})"
-    if not exp.dense_fp8:
-        return Check("dense_fp8_layers", not ours,
-                     "vLLM's block-FP8 kernels (CPU platform or VLLM_LING_DENSE_FP8=vllm)", actual,
-                     "the quant config chose vllm-ling's method although it was not requested")
-    eligible = [n for n, m in layers if not unaligned_shards(list(m.logical_widths), m.input_size_per_partition)]
-    ok = bool(eligible) and len(serving) == len(eligible)
+    for what, names in (("not the recorded selection", diverging), ("no selection recorded", unselected)):
+        if names:
+            actual += f"; {what}: {names[:3]}"
+    ok = not diverging and not unselected
+    expected = (f"each of {len(found)} block-FP8 dense linears on its recorded kernel ("
+                + (", ".join(f"{v} x {k}" for k, v in sorted(selected.items())) or "none recorded") + ")")
+    fix = ("see the WARNING naming the layers vLLM's processing changed, or set VLLM_LING_DENSE_FP8=vllm; a layer "
+           "serving other than its selection is a defect: report it")
     if serving:
         name, layer = serving[0]
+        expected += ", the W8A16 kernel agreeing with vLLM's kernel"
         above = layer.quant_method.vllm_kernel_name
         actual += f"; above {layer.ling_w8a16_max_rows} tokens vLLM's {above} (block scales " \
                   f"{getattr(layer, 'ling_block_scales', 'as loaded')})"
@@ -264,16 +302,14 @@ def check_dense_fp8(target, draft, exp: Expectations) -> Check:
             rel = _w8a16_vs_vllm(layer)
         except Exception as exc:  # the check fails, naming the kernel that raised; the server does not crash
             logger.debug("dense_fp8_layers: known answer on %s raised", name, exc_info=True)
-            return Check("dense_fp8_layers", False, "the W8A16 kernel agreeing with vLLM's kernel", actual +
+            return Check("dense_fp8_layers", False, expected, actual +
                          f"; known answer on {name} raised {one_line(exc)} (W8A16 kernel vs vLLM's "
                          f"{above})", f"vLLM's {above} cannot run this layer: set VLLM_LING_DENSE_FP8=vllm to "
                          "see whether vLLM's kernel serves it alone, or report the kernel")
         ok = ok and rel < DENSE_FP8_MAX_REL_DIFF
         actual += (f"; known answer on {name}: relative L2 difference to vLLM's kernel {rel:.3g} "
                    f"(limit {DENSE_FP8_MAX_REL_DIFF})")
-    return Check("dense_fp8_layers", ok, f"all {len(eligible)} eligible block-FP8 dense linears on the W8A16 kernel, "
-                 "agreeing with vLLM's kernel", actual,
-                 "see the WARNING naming the layers vLLM's processing changed, or set VLLM_LING_DENSE_FP8=vllm")
+    return Check("dense_fp8_layers", ok, expected, actual, fix)
 
 
 SMALL_BF16_MAX_REL_DIFF = 2.0**-7  # vs vLLM's BF16 GEMM: both round once to BF16 from fp32 sums
@@ -302,23 +338,41 @@ def _small_bf16_layers(target, draft):
     return layers, ours, [(n, m) for n, m in ours if getattr(m, "ling_small_gemv", None) is not None]
 
 
-def check_small_bf16(found, exp: Expectations) -> Check:
-    """Every unquantized linear is on vllm-ling's method (a layer the small GEMV cannot hold keeps
-    vLLM's GEMM with one WARNING, counted in ``actual``), and a known answer: on the first served
-    layer, the small GEMV against vLLM's own GEMM on the same layer for random rows, one row count
-    per launch shape the kernel picks for that layer (CTA width, direct or staged rows).
-    ``found``: :func:`_small_bf16_layers`."""
-    from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
+def small_bf16_selected(found) -> bool:
+    """Some unquantized linear selected vllm-ling's small GEMV (the optimization is requested)."""
+    return any((s := recorded(m, Feature.BF16_GEMV)) is not None and s.choice is GemvPath.LING for _, m in found[0])
+
+
+def check_small_bf16(found) -> Check:
+    """Every unquantized linear has the method its recorded selection names (vllm-ling's, where a
+    layer the small GEMV cannot hold keeps vLLM's GEMM with one WARNING, counted in ``actual``; or
+    vLLM's), and a known answer: on the first served layer, the small GEMV against vLLM's own GEMM on
+    the same layer for random rows, one row count per launch shape the kernel picks for that layer
+    (CTA width, direct or staged rows). ``found``: :func:`_small_bf16_layers`."""
+    from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod, served_path
 
     layers, ours, serving = found
     actual = f"{len(serving)} of {len(layers)} unquantized linears on the small GEMV"
     kept = [f"{n}: {m.ling_small_gemv_reason}" for n, m in ours if getattr(m, "ling_small_gemv", None) is None]
     if kept:
         actual += f"; vLLM's GEMM for {kept[:3]}"
-    if not exp.small_bf16:
-        return Check("small_bf16_layers", not ours, "vLLM's GEMM (CPU platform or VLLM_LING_BF16_GEMV=vllm)",
-                     actual, "the quant config chose vllm-ling's method although it was not requested")
-    ok = bool(layers) and len(ours) == len(layers)
+    diverging, unselected = [], []
+    for name, m in layers:
+        sel = recorded(m, Feature.BF16_GEMV)
+        if sel is None:
+            unselected.append(name)
+        elif served_path(m) is not sel.choice:
+            diverging.append(f"{name} (selected {sel.choice}, serves {served_path(m)})")
+    for what, names in (("not the recorded selection", diverging), ("no selection recorded", unselected)):
+        if names:
+            actual += f"; {what}: {names[:3]}"
+    fix = ("see the WARNING naming the layers the small GEMV cannot hold, or set VLLM_LING_BF16_GEMV=vllm; a "
+           "layer serving other than its selection is a defect: report it")
+    if not small_bf16_selected(found):
+        return Check("small_bf16_layers", not diverging and not unselected,
+                     "vLLM's GEMM on every unquantized linear, as selected (CPU platform or VLLM_LING_BF16_GEMV=vllm)",
+                     actual, fix)
+    ok = bool(layers) and not diverging and not unselected
     if serving:
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
@@ -338,9 +392,8 @@ def check_small_bf16(found, exp: Expectations) -> Check:
         ok = ok and rel < SMALL_BF16_MAX_REL_DIFF
         actual += f"; known answer on {name} at {', '.join(map(str, row_counts))} rows: largest relative L2 " \
                   f"difference to vLLM's GEMM {rel:.3g} (limit {SMALL_BF16_MAX_REL_DIFF:.3g})"
-    return Check("small_bf16_layers", ok, "every unquantized linear on vllm-ling's method, the small GEMV serving "
-                 "the ones it holds and agreeing with vLLM's GEMM", actual,
-                 "see the WARNING naming the layers the small GEMV cannot hold, or set VLLM_LING_BF16_GEMV=vllm")
+    return Check("small_bf16_layers", ok, "every unquantized linear on the method its selection names, the small "
+                 "GEMV serving the ones it holds and agreeing with vLLM's GEMM", actual, fix)
 
 
 def check_head(target, exp: Expectations, stage: Stage | None = None) -> Check:
@@ -358,17 +411,22 @@ def check_head(target, exp: Expectations, stage: Stage | None = None) -> Check:
     nbytes = w.numel() * w.element_size()
     rows = head.num_embeddings_per_partition if hasattr(head, "num_embeddings_per_partition") else w.shape[0]
     cols = getattr(head, "embedding_dim", None) or w.shape[-1]
+    selection = recorded(head, Feature.HEAD_KERNEL)
     if exp.fp8_head:
-        # One byte per weight; a GPU kernel's repacked layout may pad a little (BF16 would be 2x).
-        expected = f"Fp8LmHeadMethod, float8_e4m3fn, {rows * cols} bytes"
+        # One byte per weight; a GPU kernel's repacked layout may pad a little (BF16 would be 2x). The
+        # kernel is the one the head recorded when it selected, read back from its prepared state.
+        expected = f"Fp8LmHeadMethod, float8_e4m3fn, {rows * cols} bytes, kernel " + (
+            f"{selection.choice} as selected ({selection.reason})" if selection else "as selected")
         ok = (isinstance(qm, Fp8LmHeadMethod) and w.dtype == torch.float8_e4m3fn
-              and rows * cols <= nbytes < 1.1 * rows * cols)
+              and rows * cols <= nbytes < 1.1 * rows * cols
+              and selection is not None and getattr(qm, "kernel", None) is selection.choice)
     else:
         expected = "BF16 head (VLLM_LING_FP8_HEAD=0)"
         ok = not isinstance(qm, Fp8LmHeadMethod) and w.dtype != torch.float8_e4m3fn
     kernel = getattr(qm, "kernel", None)
     actual = f"{type(qm).__name__}, {str(w.dtype).replace('torch.', '')}, {nbytes} bytes" + (
-        f", kernel {kernel}" if kernel else "")
+        f", kernel {kernel}" if kernel else "") + ("" if selection is not None or not exp.fp8_head
+                                                    else ", no kernel selection recorded")
     return Check("lm_head", ok, expected, actual,
                  "the ling_fp8 quantization was not selected: do not pass --quantization, or set VLLM_LING_FP8_HEAD=0")
 
@@ -427,15 +485,19 @@ def check_draft_sharing(target, draft, exp: Expectations, stage: Stage | None = 
 
 
 def check_speculative(exp: Expectations, options: LingOptions) -> Check:
-    if exp.default_spec:
-        expected = f"mtp, {options.num_spec_tokens} tokens (vllm-ling default)"
-        ok = exp.spec_method == "mtp" and exp.num_speculative_tokens == options.num_spec_tokens
-    elif options.mtp and exp.spec_method is None and exp.no_nextn_layers:
-        expected, ok = "off (the checkpoint has no NEXTN layers: num_nextn_predict_layers=0)", True
-    elif options.mtp and exp.spec_method is None and exp.pp_no_draft:
-        expected, ok = "off (pipeline parallelism: vLLM 0.32 runs no draft model there)", True
-    elif options.mtp and exp.spec_method is None:
-        expected, ok = "mtp (VLLM_LING_MTP=1)", False
+    """The speculative config in force is the one patch P5 selected and recorded
+    (:func:`vllm_ling.runtime.spec_policy.select_speculation`)."""
+    sel = exp.speculation
+    choice = sel.choice if sel is not None else None
+    if choice is Speculation.DEFAULT_MTP:
+        expected = f"{VLLM_MTP_METHOD}, {options.num_spec_tokens} tokens (vllm-ling default)"
+        ok = exp.mtp and exp.num_speculative_tokens == options.num_spec_tokens
+    elif choice in (Speculation.OFF, Speculation.OFF_NO_NEXTN, Speculation.OFF_PIPELINE):
+        expected, ok = f"off ({sel.reason})", exp.spec_method is None
+    elif choice is Speculation.USER:
+        expected, ok = "as configured by the user", exp.spec_method is not None
+    elif options.mtp and exp.spec_method is None:  # nothing recorded: P5 did not run for this target
+        expected, ok = f"{VLLM_MTP_METHOD} (VLLM_LING_MTP=1; no speculative selection recorded)", False
     else:
         expected = "as configured by the user" if exp.spec_method else "off (VLLM_LING_MTP=0)"
         ok = True
@@ -481,26 +543,30 @@ def build_report(target, draft, vllm_config, options: LingOptions,
     stage = pipeline_stage(target, config.num_hidden_layers)
     gates = router_gates.gate_census(target, draft)
     bf16_linears = _small_bf16_layers(target, draft)
+    dense_linears = _block_fp8_linears(target, draft)
+    dense_requested = any(sel is not None and sel.choice is DenseFp8Kernel.W8A16 for _, _, sel, _ in dense_linears)
     kda_state = kda_in_proj.kda_in_proj_state(target)
     checks = [guarded("model_classes", lambda: check_model_classes(target, draft, exp, stage)),
-              guarded("moe_layers", lambda: check_moe_layers(target, draft, exp, config, stage)),
+              guarded("moe_layers", lambda: check_moe_layers(target, draft, config, stage)),
               guarded("lm_head", lambda: check_head(target, exp, stage)),
               guarded("draft_shares_target_modules", lambda: check_draft_sharing(target, draft, exp, stage)),
-              guarded("dense_fp8_layers", lambda: check_dense_fp8(target, draft, exp)),
-              guarded("small_bf16_layers", lambda: check_small_bf16(bf16_linears, exp)),
+              guarded("dense_fp8_layers", lambda: check_dense_fp8(dense_linears)),
+              guarded("small_bf16_layers", lambda: check_small_bf16(bf16_linears)),
               guarded(kda_in_proj.CHECK_NAME, lambda: Check(kda_in_proj.CHECK_NAME, *kda_in_proj.check_kda_in_proj(
                   kda_state, exp.kda_merged_proj, config, stage.start, stage.end))),
               guarded(router_gates.CHECK_NAME, lambda: Check(
-                  router_gates.CHECK_NAME, *router_gates.check_router_gates(gates, exp.router_gemv, exp.platform))),
+                  router_gates.CHECK_NAME, *router_gates.check_router_gates(gates, exp.platform))),
               guarded("speculative_config", lambda: check_speculative(exp, options)),
               guarded("versions", lambda: check_versions(exp)),
               Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
                     kernel_checks.FIX)]
     by_name = {c.name: c for c in checks}
-    moe_active = exp.moe_backend is not MoePath.VLLM and by_name["moe_layers"].passed
+    moe = selected_moe(target, draft)
+    moe_path = moe.choice if moe is not None else MoePath.VLLM  # nothing of ours selected: vLLM's
+    moe_active = moe_path is not MoePath.VLLM and by_name["moe_layers"].passed
     head_active = exp.fp8_head and by_name["lm_head"].passed
-    mtp_active = exp.spec_method == "mtp" and by_name["draft_shares_target_modules"].passed
-    decode_requested = exp.moe_backend is MoePath.HUMMING and options.moe_decode is not MoeDecode.OFF
+    mtp_active = exp.mtp and by_name["draft_shares_target_modules"].passed
+    decode_requested = moe_path is MoePath.HUMMING and moe.decode is not MoeDecode.OFF
     decode_active, decode_detail = moe_decode_summary(target, draft)
     return {
         "passed": all(c.passed for c in checks),
@@ -510,31 +576,31 @@ def build_report(target, draft, vllm_config, options: LingOptions,
         "versions": {"vllm": vllm_version() or "unknown", "humming": humming_version()},
         "optimizations": {
             # Humming is requested only where it can exist (CUDA) and the user did not opt out.
-            "moe_humming": {"requested": exp.moe_backend is MoePath.HUMMING,
-                            "active": moe_active and exp.moe_backend is MoePath.HUMMING,
-                            "detail": by_name["moe_layers"].actual if exp.moe_backend is not MoePath.VLLM
-                            else "opted out (VLLM_LING_MOE_BACKEND=vllm or --moe-backend): vLLM chooses"},
+            "moe_humming": {"requested": moe_path is MoePath.HUMMING,
+                            "active": moe_active and moe_path is MoePath.HUMMING,
+                            "detail": by_name["moe_layers"].actual if moe_path is not MoePath.VLLM
+                            else f"{moe.reason if moe else 'not selected by ling_fp8'}: vLLM chooses"},
             # Sub-path of moe_humming: fused kernels for batches <= VLLM_LING_MOE_DECODE_MAX_TOKENS.
             "moe_decode_kernels": {"requested": decode_requested, "active": decode_requested and decode_active,
-                                   "detail": decode_detail if exp.moe_backend is MoePath.HUMMING
+                                   "detail": decode_detail if moe_path is MoePath.HUMMING
                                    else "needs the humming MoE backend on CUDA"},
             "fp8_head": {"requested": options.fp8_head, "active": head_active,
                          "detail": by_name["lm_head"].actual},
-            "dense_fp8_decode": {"requested": exp.dense_fp8,
-                                 "active": exp.dense_fp8 and by_name["dense_fp8_layers"].passed,
+            "dense_fp8_decode": {"requested": dense_requested,
+                                 "active": dense_requested and by_name["dense_fp8_layers"].passed,
                                  "detail": by_name["dense_fp8_layers"].actual},
-            "small_bf16_decode": {"requested": exp.small_bf16,
-                                  "active": exp.small_bf16 and by_name["small_bf16_layers"].passed
+            "small_bf16_decode": {"requested": small_bf16_selected(bf16_linears),
+                                  "active": small_bf16_selected(bf16_linears) and by_name["small_bf16_layers"].passed
                                   and bool(bf16_linears[2]),
                                   "detail": by_name["small_bf16_layers"].actual},
             "router_gemv": router_gates.optimization_entry(gates, by_name[router_gates.CHECK_NAME].passed,
-                                                           exp.router_gemv, exp.platform, known),
+                                                           exp.platform, known),
             "kda_merged_in_proj": kda_in_proj.optimization_entry(
                 kda_state, by_name[kda_in_proj.CHECK_NAME].passed, exp.kda_merged_proj,
                 by_name[kda_in_proj.CHECK_NAME].actual),
             "mtp": {"requested": exp.mtp, "active": mtp_active, "detail": _mtp_detail(exp, by_name)},
         },
-        "moe_backend": exp.moe_backend,
+        "moe_backend": moe_path,
         "head_dtype": (str(target.lm_head.weight.dtype).replace("torch.", "") if _has_head(target)
                        else f"none ({stage.label()})"),
         "spec_method": exp.spec_method,
@@ -548,10 +614,10 @@ def build_report(target, draft, vllm_config, options: LingOptions,
 
 
 def _mtp_detail(exp: Expectations, by_name: dict[str, Check]) -> str:
-    if exp.no_nextn_layers and exp.spec_method is None:
-        return "not requested: the checkpoint has no NEXTN layers (num_nextn_predict_layers=0)"
-    if exp.pp_no_draft and exp.spec_method is None:
-        return "not requested: pipeline parallelism (vLLM 0.32 runs no draft model there)"
+    off_by_design = {Speculation.OFF_NO_NEXTN: "the checkpoint has no NEXTN layers (num_nextn_predict_layers=0)",
+                     Speculation.OFF_PIPELINE: "pipeline parallelism (vLLM 0.32 runs no draft model there)"}
+    if exp.speculation is not None and exp.speculation.choice in off_by_design and exp.spec_method is None:
+        return "not requested: " + off_by_design[exp.speculation.choice]
     if exp.spec_method is not None and not exp.mtp:
         return f"not requested: --speculative-config method {exp.spec_method}"
     return by_name["draft_shares_target_modules"].actual

@@ -34,6 +34,8 @@ from vllm_ling.ops.lm_head.quantize import (dequantize_fp8_per_channel, quantize
                                            quantize_fp8_per_token, round_up_to_bf16)
 from vllm_ling.ops.lm_head.reference import fp8_reference_logits, reference_logits
 from vllm_ling.ops.lm_head.selection import HEAD_KERNEL_BY_ARCH, KERNELS, KERNEL_ENV, select_head_kernel
+from vllm_ling.options import HeadKernel
+from vllm_ling.selection import Feature, Selection
 from vllm_ling.ops.lm_head.triton_kernel import triton_config_for
 
 REPO = Path(__file__).resolve().parents[3]
@@ -293,9 +295,9 @@ def test_fp8_lm_head_wrapper_from_bf16(head):
 
 def test_select_head_kernel_on_cpu_names_the_reason(monkeypatch):
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    name, reason = select_head_kernel("cpu")
-    assert name == "torch"
-    assert "no CUDA device" in reason
+    sel = select_head_kernel("cpu")
+    assert sel.choice is HeadKernel.TORCH and sel.feature is Feature.HEAD_KERNEL
+    assert "no CUDA device" in sel.reason
 
 
 def test_forced_kernel_that_cannot_run_is_an_error(monkeypatch):
@@ -303,7 +305,7 @@ def test_forced_kernel_that_cannot_run_is_an_error(monkeypatch):
     with pytest.raises(ValueError, match=f"{KERNEL_ENV}='humming' cannot run on cpu: humming needs a CUDA"):
         select_head_kernel("cpu")
     monkeypatch.setenv(KERNEL_ENV, "torch")
-    assert select_head_kernel("cpu") == ("torch", f"forced by {KERNEL_ENV}")
+    assert select_head_kernel("cpu") == Selection(Feature.HEAD_KERNEL, HeadKernel.TORCH, f"forced by {KERNEL_ENV}")
     with pytest.raises(ValueError, match="unknown LM-head kernel 'cublas'"):
         select_head_kernel("cpu", preferred="cublas")
     q, s = quantize_fp8_per_channel(torch.ones(16, 32))

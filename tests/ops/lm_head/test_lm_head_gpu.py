@@ -177,7 +177,8 @@ def test_humming_state_is_half_the_bf16_head(head):
 
 def test_select_head_kernel_on_this_gpu(monkeypatch):
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    name, reason = select_head_kernel(DEV)
+    sel = select_head_kernel(DEV)
+    name, reason = sel.choice, sel.reason
     assert name in FAST_KERNELS
     cap = torch.cuda.get_device_capability()
     if cap in HEAD_KERNEL_BY_ARCH:

@@ -32,7 +32,8 @@ def prepare_fp8_head(
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
     if kernel is None:
-        kernel, reason = select_head_kernel(weight_fp8.device)
+        selection = select_head_kernel(weight_fp8.device)
+        kernel, reason = selection.choice, selection.reason
     else:
         why_not = kernel_unavailable_reason(kernel, weight_fp8.device)
         if why_not is not None:

@@ -1,6 +1,8 @@
 """Which FP8 LM-head kernel runs: per GPU architecture from ``HEAD_KERNEL_BY_ARCH``, or forced
 with ``VLLM_LING_LM_HEAD_KERNEL``; a forced or chosen kernel that cannot run is an error or a
-WARNING naming the reason, never a silent switch."""
+WARNING naming the reason, never a silent switch. :func:`select_head_kernel` is the one place it is
+decided: the head method records its answer on the head, warm-up compiles it, and the startup
+verification proves the head's prepared kernel is the recorded one."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import HeadKernel, read
 from vllm_ling.ops.lm_head.triton_kernel import triton_available
+from vllm_ling.selection import Feature, Selection
 from vllm_ling.versions import TESTED_HUMMING_VERSION
 
 logger = get_logger("ops.lm_head.selection")
@@ -83,8 +86,9 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def select_head_kernel(device: torch.device | str | None = None, preferred: HeadKernel | str | None = None) -> tuple[HeadKernel, str]:
-    """(kernel name, reason). ``preferred`` (or env ``VLLM_LING_LM_HEAD_KERNEL``) forces a
+def select_head_kernel(device: torch.device | str | None = None, preferred: HeadKernel | str | None = None) -> Selection:
+    """The head's :class:`~vllm_ling.selection.Selection` (a ``HeadKernel`` and why). ``preferred``
+    (a kernel, or a word parsed here; or env ``VLLM_LING_LM_HEAD_KERNEL``) forces a
     kernel and raises ``ValueError`` if it cannot run. Otherwise the arch table's first
     runnable kernel; skipping a better one logs a WARNING once with why."""
     device = torch.device(device) if device is not None else default_device()
@@ -95,9 +99,10 @@ def select_head_kernel(device: torch.device | str | None = None, preferred: Head
         if why_not is not None:
             source = "preferred=" if preferred else f"{KERNEL_ENV}="
             raise ValueError(f"LM-head kernel {source}{forced!r} cannot run on {device}: {why_not}")
-        return HeadKernel(forced), f"forced by {'argument' if preferred else KERNEL_ENV}"
+        return Selection(Feature.HEAD_KERNEL, HeadKernel(forced), f"forced by {'argument' if preferred else KERNEL_ENV}")
     if device.type != "cuda":
-        return TORCH, f"no CUDA device ({device}): chunked fp32 dequantize path, for correctness only"
+        return Selection(Feature.HEAD_KERNEL, TORCH, f"no CUDA device ({device}): chunked fp32 dequantize path, "
+                         "for correctness only")
     cap = torch.cuda.get_device_capability(device)
     order, evidence = HEAD_KERNEL_BY_ARCH.get(
         cap, (_UNMEASURED_ORDER, f"sm_{cap[0]}{cap[1]} not measured; default order {', '.join(_UNMEASURED_ORDER)}")
@@ -112,6 +117,6 @@ def select_head_kernel(device: torch.device | str | None = None, preferred: Head
                 log_once(logger, logging.WARNING, f"lm_head_kernel_{cap}_{kernel}",
                          "FP8 LM head uses the %s kernel instead of the faster %s: %s",
                          kernel, order[0], "; ".join(skipped))
-            return kernel, reason
+            return Selection(Feature.HEAD_KERNEL, kernel, reason)
         skipped.append(f"{kernel}: {why_not}")
     raise RuntimeError(f"no FP8 LM-head kernel can run on {device}: " + "; ".join(skipped))

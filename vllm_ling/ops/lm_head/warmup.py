@@ -29,7 +29,8 @@ def warmup_kernels(
     if device.type != "cuda":
         raise RuntimeError(f"warmup_kernels needs a CUDA device, got {device}")
     started = time.perf_counter()
-    name, reason = (HeadKernel(kernel), "requested") if kernel else select_head_kernel(device)
+    selection = select_head_kernel(device, preferred=kernel)  # the head method's selector (layers/fp8_lm_head.py)
+    name, reason = selection.choice, selection.reason
     kernels_before = 0
     if name is HeadKernel.HUMMING:
         from vllm_ling.ops.humming_cache import configure_humming_cache, count_cached_kernels
