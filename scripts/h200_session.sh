@@ -54,7 +54,9 @@ python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm._
   > "$out/versions.txt" 2>&1
 record() {  # suite, pytest log: a verified.csv row (brought back in run.tgz) from pytest's summary line
   local summary
-  summary=$(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$2" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+  # pytest -q prints its summary bare ("1 passed in 197.21s"), without the === rule
+  summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected).* in [0-9.]+s' "$2" | tail -n 1 |
+            sed -E 's/^=+ //; s/ =+$//')
   python3 scripts/record_verified.py --suite "$1" --result "${summary:-no summary (stopped)}" \
     --file "$out/verified.csv" ${commit:+--commit "$commit"}
 }

@@ -150,21 +150,10 @@ def test_outputs_equal_without_speculation_and_with_bf16_head(agreeing_checkpoin
 
 
 def test_trap_is_refused_at_startup_in_strict_mode(agreeing_checkpoint, tmp_path):
-    server = serve_cpu(agreeing_checkpoint, tmp_path / "server.log", wait=False,
-                       env={"VLLM_LING_NEGATIVE_CONTROL": "weight_only_head"})
-    rc = server.proc.wait(timeout=900)
-    log = server.log()
-    assert rc != 0
-    assert "vllm-ling refuses to serve: startup verification failed (draft_shares_target_modules" in log
-    assert not group_alive(server.proc.pid), "processes left behind after a strict refusal"
-    # plain vllm serve: the API server's last word is the refusal (vllm_ling.refusal.ensure_file)
-    said = [line for line in log.splitlines() if line.startswith("vllm-ling: error: ")]
-    assert said and said[-1].startswith("vllm-ling: error: vllm-ling refuses to serve"), log[-3000:]
-
-
-def test_trap_refusal_is_the_launchers_last_line(agreeing_checkpoint, tmp_path):
-    """Issue 27: the strict refusal raised in the worker is `vllm-ling serve`'s last line (exit 2),
-    with no traceback shown (vLLM's tracebacks of it are at DEBUG)."""
+    """The planted weight-only head trap under strict, one start for both last words (issue 27):
+    vLLM's API server (what a plain ``vllm serve`` prints; here the launcher's child) ends with the
+    refusal (vllm_ling.refusal.ensure_file), and ``vllm-ling serve``'s last line is the refusal
+    (exit 2) with no traceback shown (vLLM's tracebacks of it are at DEBUG); nothing is left."""
     import subprocess
     import sys
 
@@ -173,19 +162,30 @@ def test_trap_refusal_is_the_launchers_last_line(agreeing_checkpoint, tmp_path):
 
     env = cpu_env({"VLLM_LING_PORT": str(free_port()), "VLLM_LING_HOST": "127.0.0.1", "VLLM_LING_SMOKE": "0",
                    "VLLM_LING_NEGATIVE_CONTROL": "weight_only_head", "XDG_CACHE_HOME": str(tmp_path / "cache")})
-    done = subprocess.run([sys.executable, "-m", "vllm_ling.cli.main", "serve", str(agreeing_checkpoint),
-                           "--device", "cpu", "--max-model-len", "1024"], env=env, capture_output=True,
-                          text=True, timeout=900, start_new_session=True)
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == EXIT_USAGE, done.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_ling.cli.main", "serve", str(agreeing_checkpoint),
+                             "--device", "cpu", "--max-model-len", "1024"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == EXIT_USAGE, stderr[-3000:]
+    assert "vllm-ling refuses to serve: startup verification failed (draft_shares_target_modules" in stderr
+    assert not group_alive(proc.pid), "processes left behind after a strict refusal"
+    # the API server's last word is the refusal
+    said = [line for line in lines if line.startswith("vllm-ling: error: ")]
+    assert said and said[-1].startswith("vllm-ling: error: vllm-ling refuses to serve"), stderr[-3000:]
+    # and the launcher's last line
     assert lines[-1].startswith("vllm-ling serve: error: vllm-ling refuses to serve: startup verification "
                                 "failed (draft_shares_target_modules"), lines[-5:]
     assert lines[-1].endswith("Set VLLM_LING_VERIFY=warn to serve anyway.")
     # vLLM's logged tracebacks of it (worker, engine core) are at DEBUG; one is left, printed by
     # multiprocessing itself for the engine-core process ("Process EngineCore:"), out of our reach
     assert "ERROR" not in "\n".join(line for line in lines if "WorkerProc failed to start" in line
-                                    or "EngineCore failed to start" in line), done.stderr[-5000:]
-    assert done.stderr.count("Traceback") <= 1, done.stderr[-5000:]
+                                    or "EngineCore failed to start" in line), stderr[-5000:]
+    assert stderr.count("Traceback") <= 1, stderr[-5000:]
 
 
 def test_trap_collapses_acceptance_when_only_warned(agreeing_checkpoint, tmp_path):
