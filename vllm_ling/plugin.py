@@ -103,3 +103,19 @@ def register() -> list[str]:
     _registered = done
     logger.info("vllm-ling registered: %s", "; ".join(done))
     return done
+
+
+def prime_model_info_cache() -> list[str]:
+    """Write vLLM's model-info cache (``$VLLM_CACHE_ROOT/modelinfos``) for vllm-ling's
+    architectures; what was cached. vLLM inspects a lazily registered model class in a fresh
+    Python process (seconds: it imports vLLM and torch) unless that cache holds it, and writes
+    the cache at start-up: an image primes it at build time, so a container (read-only root)
+    neither inspects nor fails to write it."""
+    from vllm import ModelRegistry
+
+    register()
+    done = []
+    for arch in MODEL_CLASSES:
+        ModelRegistry.models[arch].inspect_model_cls()  # vLLM's own lazy inspection and cache writer
+        done.append(arch)
+    return done

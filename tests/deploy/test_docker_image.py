@@ -267,6 +267,10 @@ def test_docker_run_as_a_user_would(image, checkpoint):
         assert json.loads(report)["optimizations"]
         output = logs(name)
         assert "PermissionError" not in output and "Permission denied" not in output, output[-4000:]
+        # the build primed vLLM's model-info cache: no inspection process, no failed cache write
+        primed = docker("exec", name, "ls", "/cache/vllm/modelinfos").stdout.split()
+        assert len(primed) == 2 and all(f.endswith(".json") for f in primed), primed
+        assert "Error saving model info cache" not in output, output[-4000:]
 
         code, seconds = stop(name)
         assert code == 0, logs(name)[-4000:]
