@@ -91,7 +91,7 @@ def apply() -> None:
                          "NEXTN MTP speculation is off: %s/config.json has num_nextn_predict_layers=0 "
                          "(no draft layer to speculate with). Reported as not requested; "
                          "VLLM_LING_MTP=0 says so explicitly.", target_model_config.model)
-            elif selection.choice is Speculation.DEFAULT_MTP and not user_gave:
+            elif selection.choice is Speculation.DEFAULT_MTP:
                 self.speculative_config = default_speculative_config(
                     options, hf_config, getattr(self, "max_num_seqs", None))
                 log_once(logger, logging.INFO, "default-mtp",
