@@ -66,6 +66,7 @@ e2e=tests/deploy/test_serve_gpu_e2e.py
 full_size=(--logs "$out/logs" --gpu-memory-utilization 0.5 --kv-cache-gib 4
            --vllm-arg=--max-num-batched-tokens --vllm-arg=2048)
 pids=()
+suite_of() { case "$1" in kernels-*) echo "gpu:$1" ;; *) echo "gpu-e2e:$1" ;; esac; }
 tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its short name
   local name=$1 limit=$2
   case "$name" in
@@ -76,6 +77,12 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   greedy-eager) VLLM_DEEP_GEMM_WARMUP=skip part greedy-eager "$limit" "$e2e" -k "greedy and eager" ;;
   opt-out-each) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-each "$limit" "$e2e" -k "each_opt_out_alone" ;;
   opt-out-all) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-all "$limit" "$e2e" -k "every_opt_out_at_once" ;;
+  kernels-a) part kernels-a "$limit" -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \
+    tests/ops/test_known_answer_gpu.py ;;
+  kernels-b) part kernels-b "$limit" -m gpu tests/ops/moe tests/ops/lm_head tests/ops/test_humming_jit.py tests/benchmarks ;;
+  demo) (VLLM_DEEP_GEMM_WARMUP=skip timeout "$limit" python3 -m vllm_ling.cli.demo --out "$out/demo" > "$out/demo.log" 2>&1
+         echo "demo rc $?" >> "$out/rc.txt") &
+        pids+=($!) ;;
   *) echo "unknown tiny test $name" >&2 ;;
   esac
 }
@@ -95,9 +102,8 @@ tests)
   (VLLM_DEEP_GEMM_WARMUP=skip timeout 400 python3 -m vllm_ling.cli.demo --out "$out/demo" > "$out/demo.log" 2>&1
    echo "demo rc $?" >> "$out/rc.txt") &
   pids+=($!)
-  part kernels-a 540 -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \
-    tests/ops/test_known_answer_gpu.py
-  part kernels-b 540 -m gpu tests/ops/moe tests/ops/lm_head tests/ops/test_humming_jit.py tests/benchmarks
+  tiny_test kernels-a 540
+  tiny_test kernels-b 540
   wait "${pids[@]}"
   for name in scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all; do record gpu-e2e:$name "$out/$name.log"; done
   for name in kernels-a kernels-b; do record gpu:$name "$out/$name.log"; done
@@ -105,23 +111,26 @@ tests)
 ours|upstream|ours-mtp)
   # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
   # full-size start, which measures only once they are done (the timings stay that server's own).
+  # STARTUP_S (480) and TINY_S (420): the start-up and beside-test limits; scripts/h200_lease.sh, whose
+  # phases outlive a call, raises them for a fresh machine's JIT builds.
+  startup_s=${STARTUP_S:-480} tiny_s=${TINY_S:-420}
   wait_for=()
   if [ -n "${WITH_TESTS:-}" ]; then
     quiet=/tmp/gpu-quiet-$phase
     (export TORCHINDUCTOR_COMPILE_THREADS=1
-     for name in $WITH_TESTS; do tiny_test "$name" 420; done
+     for name in $WITH_TESTS; do tiny_test "$name" "$tiny_s"; done
      wait "${pids[@]}"; touch "$quiet"
-     for name in $WITH_TESTS; do record gpu-e2e:$name "$out/$name.log"; done) &
+     for name in ${WITH_TESTS/demo/}; do record "$(suite_of "$name")" "$out/$name.log"; done) &
     tiny=$!
-    wait_for=(--wait-for "$quiet" --wait-for-s 420)
+    wait_for=(--wait-for "$quiet" --wait-for-s "$tiny_s")
   fi
   # vLLM's block-FP8 GEMM (the prefill path; the upstream composition's decode path too) without
   # DeepGEMM: CUTLASS on the upcast scales, the path a DGX Spark (sm_121, no DeepGEMM) takes, and no
   # DeepGEMM JIT warm-up in the start-up.
   composition=(--composition "${phase%-mtp}")
   [ "$phase" = ours-mtp ] && composition+=(--mtp)
-  VLLM_USE_DEEP_GEMM=0 timeout 560 python3 -m benchmarks.serve_h200 run "${composition[@]}" \
-    --json "$OUT/$phase.json" "${full_size[@]}" --startup-timeout 480 "${wait_for[@]}" > "$out/$phase.txt" 2>&1
+  VLLM_USE_DEEP_GEMM=0 timeout $((startup_s + 80)) python3 -m benchmarks.serve_h200 run "${composition[@]}" \
+    --json "$OUT/$phase.json" "${full_size[@]}" --startup-timeout "$startup_s" "${wait_for[@]}" > "$out/$phase.txt" 2>&1
   echo "$phase rc $?" >> "$out/rc.txt"
   [ -n "${WITH_TESTS:-}" ] && wait $tiny
   ;;

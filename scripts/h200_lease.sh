@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# A whole GPU lease as one detached job: the phases of scripts/h200_session.sh run back to back in their
+# own session, which outlives the device tool's 10-minute calls (the machine stays held while calls
+# follow each other within 30 s), so a fresh machine's JIT builds need not fit one call.
+#
+#   bash scripts/h200_lease.sh start "ours:kernels-a kernels-b" "ours-mtp:scripted agreeing" upstream
+#                                     # after device-install.sh: each PHASE[:WITH_TESTS] in order
+#   bash scripts/h200_lease.sh collect 560
+#                                     # wait up to 560 s (or until the job ends), then bring back what
+#                                     # finished (lease.tgz, the phases' JSON) and print the progress
+#
+# STARTUP_S and TINY_S (default 900 and 600 here) are the phases' limits.
+set -u
+mode=${1:?mode}; shift
+lease=/tmp/lease
+case "$mode" in
+start)
+  rm -rf "$lease" && mkdir -p "$lease/out"
+  # a private copy: the device refreshes the working tree at every call, under a running job
+  cp -a . "$lease/tree"
+  setsid nohup bash "$lease/tree/scripts/h200_lease.sh" run "$@" > "$lease/driver.log" 2>&1 < /dev/null &
+  echo "lease job started: $*"
+  ;;
+run)
+  cd "$lease/tree"
+  export STARTUP_S=${STARTUP_S:-900} TINY_S=${TINY_S:-600}
+  for spec in "$@"; do
+    phase=${spec%%:*}; tests=""; [ "$spec" != "$phase" ] && tests=${spec#*:}
+    echo "$(date +%T) phase $phase (beside: ${tests:-none})"
+    WITH_TESTS="$tests" OUT="$lease/out" bash scripts/h200_session.sh "$phase" > "$lease/phase-$phase.log" 2>&1
+    echo "$(date +%T) phase $phase done"
+  done
+  touch "$lease/done"
+  ;;
+collect)
+  wait_s=${1:-560}
+  : "${OUT:?OUT}"
+  end=$((SECONDS + wait_s))
+  while [ ! -e "$lease/done" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
+  cp "$lease"/out/*.json "$OUT"/ 2>/dev/null
+  tar czf "$OUT/lease.tgz" -C /tmp --exclude='*.safetensors' --exclude='*.bin' --exclude='pt-*/**/model*' \
+    lease/out lease/driver.log $(cd /tmp && ls -d lease/phase-*.log gpu-run-* 2>/dev/null) 2>/dev/null
+  [ -e "$lease/done" ] && echo "lease job: done" || echo "lease job: running"
+  cat "$lease/driver.log"
+  for f in /tmp/gpu-run-*/rc.txt; do [ -e "$f" ] && { echo "== $f"; cat "$f"; }; done
+  for f in /tmp/gpu-run-*/*.txt /tmp/gpu-run-*/logs/*; do
+    [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f" | cut -c1-300; }
+  done
+  ;;
+*) echo "unknown mode $mode" >&2; exit 2 ;;
+esac
