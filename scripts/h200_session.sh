@@ -75,8 +75,8 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   # DeepGEMM loaded in all of them; its JIT warm-up over every M (1105 shapes, 1-2 s each beside a
   # full-size compile) ran the agreeing test out of its limit in the last lease, so it is skipped.
   agreeing) VLLM_DEEP_GEMM_WARMUP=skip part agreeing "$limit" "$e2e::test_agreeing_checkpoint_accepts_its_drafts_and_answers_right" ;;
-  greedy-off) VLLM_DEEP_GEMM_WARMUP=skip part greedy-off "$limit" "$e2e" -k "greedy and speculation" ;;
-  greedy-eager) VLLM_DEEP_GEMM_WARMUP=skip part greedy-eager "$limit" "$e2e" -k "greedy and eager" ;;
+  greedy-off) VLLM_DEEP_GEMM_WARMUP=skip part greedy-off "$limit" "$e2e" -k "greedy and spec_off" ;;
+  greedy-eager) VLLM_DEEP_GEMM_WARMUP=skip part greedy-eager "$limit" "$e2e" -k "greedy and eager_mode" ;;
   opt-out-each) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-each "$limit" "$e2e" -k "each_opt_out_alone" ;;
   opt-out-all) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-all "$limit" "$e2e" -k "every_opt_out_at_once" ;;
   kernels-a) part kernels-a "$limit" -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \

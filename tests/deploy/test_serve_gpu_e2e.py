@@ -188,10 +188,11 @@ def test_agreeing_checkpoint_accepts_its_drafts_and_answers_right(agreeing_defau
 @pytest.mark.parametrize("name, env, vllm_args", [
     # vLLM without DeepGEMM and FlashInfer's block-scale GEMM picks CUTLASS above 32 tokens, which
     # reads float32 block scales only: the checkpoint's E8M0 scales upcast once (issue 32's crash).
-    ("speculation off, humming's GEMM at every size, vLLM's DeepGEMM off",
-     {"VLLM_LING_MTP": "0", "VLLM_LING_MOE_DECODE": "off", "VLLM_USE_DEEP_GEMM": "0",
-      "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}, []),
-    ("eager mode (no CUDA graphs, no torch.compile)", {}, ["--enforce-eager"]),
+    # ids: scripts/h200_session.sh runs the two cases as separate processes (-k spec_off / -k eager_mode)
+    pytest.param("speculation off, humming's GEMM at every size, vLLM's DeepGEMM off",
+                 {"VLLM_LING_MTP": "0", "VLLM_LING_MOE_DECODE": "off", "VLLM_USE_DEEP_GEMM": "0",
+                  "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}, [], id="spec_off"),
+    pytest.param("eager mode (no CUDA graphs, no torch.compile)", {}, ["--enforce-eager"], id="eager_mode"),
 ])
 def test_greedy_output_is_the_same_without_speculation_and_in_eager_mode(agreeing, expected, tmp_path,
                                                                          name, env, vllm_args):
