@@ -168,6 +168,84 @@ def measure(base: str, context: int, max_tokens: int, repeats: int, seed: int) -
     return out
 
 
+def measure_ttft(base: str, contexts: list[int], repeats: int, seed: int) -> list[dict[str, Any]]:
+    """Time to the first token per prompt length (one token asked for; 2048-token prefill chunks as served)."""
+    out = []
+    for context in contexts:
+        rng = random.Random(seed + 7 * context)
+        runs = [stream_once(base, [rng.randrange(100, 2000) for _ in range(context)], 1) for _ in range(repeats)]
+        ttfts = [r["ttft_s"] for r in runs if r["ttft_s"] is not None]
+        out.append({"context": context, "ttft_s": ttfts, "median_s": statistics.median(ttfts) if ttfts else None})
+    return out
+
+
+PROFILE_DECODE_ITERATIONS = 24
+
+
+def profile_windows(base: str, trace_dir: Path, out_dir: Path, prefills: list[int],
+                    decode_context: int) -> dict[str, Any]:
+    """vLLM's torch profiler over named windows (the server runs with --profiler-config): one prefill of
+    each length in ``prefills`` (max_tokens 1) and PROFILE_DECODE_ITERATIONS decode iterations of a
+    request at ``decode_context`` tokens, each trace compacted into ``out_dir``
+    (benchmarks/vllm_profile.py reads them)."""
+    import threading
+
+    import requests
+
+    from benchmarks.vllm_profile import write_compact
+
+    def start(name: str, **kw) -> None:
+        requests.post(base + "/start_profile", json={"profile_prefix": name, **kw}, timeout=600).raise_for_status()
+
+    def stop() -> None:
+        requests.post(base + "/stop_profile", timeout=600).raise_for_status()
+
+    rng = random.Random(11)
+    done: dict[str, Any] = {}
+    for n in prefills:
+        name = f"prefill-{n}"
+        prompt = [rng.randrange(100, 2000) for _ in range(n)]
+        stream_once(base, prompt, 1)  # the same length once unprofiled: first-use work stays out
+        start(name)
+        t0 = time.perf_counter()
+        stream_once(base, [rng.randrange(100, 2000) for _ in range(n)], 1)
+        done[name] = {"request_s": time.perf_counter() - t0}
+        stop()
+    # decode: profile iterations of a running 32K-context request (its prefill is over before the start)
+    name = f"decode-{decode_context}"
+    first = threading.Event()
+    box: dict[str, Any] = {}
+
+    def decode() -> None:
+        prompt = [rng.randrange(100, 2000) for _ in range(decode_context)]
+        import requests as rq
+        with rq.post(base + "/v1/completions", stream=True, timeout=900, json={
+                "model": "ling", "prompt": prompt, "max_tokens": 160, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as r:
+            for raw in r.iter_lines():
+                if raw.startswith(b"data: ") and raw != b"data: [DONE]":
+                    box["chunks"] = box.get("chunks", 0) + 1
+                    if box["chunks"] >= 16:
+                        first.set()
+        first.set()
+
+    t = threading.Thread(target=decode)
+    t.start()
+    first.wait(timeout=600)
+    start(name, max_iterations=PROFILE_DECODE_ITERATIONS)
+    t.join()
+    stop()
+    done[name] = {"chunks": box.get("chunks")}
+    for w in done:
+        for _ in range(60):  # the worker writes the trace after the stop returns
+            out = write_compact(trace_dir, w, out_dir)
+            if out:
+                break
+            time.sleep(2)
+        done[w]["compact"] = str(out) if out else None
+    return done
+
+
 def run(args) -> int:
     from vllm_ling.options import upstream_composition
     from vllm_ling.runtime.local_server import ServerError, free_port, log_tail, start_server
@@ -197,6 +275,13 @@ def run(args) -> int:
     if not args.model:
         cmd += ["--load-format", "dummy"]
     cmd += ["--seed", "0", *args.vllm_arg]
+    trace_dir = None
+    if args.profile_dir:
+        trace_dir = Path(tempfile.mkdtemp(prefix="vllm-traces-"))
+        cmd += ["--profiler-config", json.dumps({
+            "profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False,
+            "ignore_frontend": True,
+            "torch_profiler_activities": ["CPU", "CUDA"] if args.device == "cuda" else ["CPU"]})]
     log_path = logs / f"{name}.log"
     result: dict[str, Any] = {"name": name, "composition": args.composition, "mtp": args.mtp, "command": cmd,
                               "switches": {k: v for k, v in env.items() if k.startswith("VLLM_LING_")},
@@ -240,6 +325,12 @@ def run(args) -> int:
         stream_once(server.base_url, [7] * short, 8)  # warm-up: first-request work stays out of the numbers
         result["contexts"] = [measure(server.base_url, short, args.tokens, args.repeats, 0),
                               measure(server.base_url, long, args.long_tokens, args.long_repeats, 0)]
+        if args.ttft_contexts:
+            result["ttft"] = measure_ttft(server.base_url, args.ttft_contexts, args.ttft_repeats, 0)
+        if trace_dir is not None:
+            out_dir = Path(args.profile_dir)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            result["profile"] = profile_windows(server.base_url, trace_dir, out_dir, args.profile_prefills, long)
     except Exception as exc:  # what was measured is kept
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -251,6 +342,8 @@ def run(args) -> int:
     for c in result.get("contexts", []):
         print(f"{name} context {c['context']}: TPOT {c['tpot_ms']} ms, iteration {c.get('iteration_ms')} ms, "
               f"accept length {c.get('accept_length')}")
+    for t in result.get("ttft", []):
+        print(f"{name} TTFT at {t['context']} tokens: {t['ttft_s']}")
     return 0 if "error" not in result else 1
 
 
@@ -263,6 +356,22 @@ def plan_bytes(context: int) -> dict[str, Any]:
 
 
 def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def ttft_medians(run: dict) -> dict[int, float]:
+    """Prompt length -> median time to the first token: the TTFT measurement, else the first token of the
+    TPOT requests (runs before the TTFT measurement existed; the same prompt, more tokens asked for)."""
+    out = {}
+    for c in run.get("contexts", []):
+        got = [r["ttft_s"] for r in c.get("runs", []) if r.get("ttft_s") is not None]
+        if got:
+            out[c["context"]] = statistics.median(got)
+    out.update({t["context"]: t["median_s"] for t in run.get("ttft", []) if t.get("median_s") is not None})
+    return out
+
+
+def _s(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
@@ -299,6 +408,23 @@ def render(args) -> int:
                          f"{t / floor:.2f}x | {floor / t:.2f} | " if t and floor else
                          f"| {r['name']} | {c['context']} | {_ms(t)} | {_ms(floor)} | - | - | ")
             lines[-1] += f"{up / t:.2f}x |" if up and t else "- |"
+    ttft = {r["name"]: ttft_medians(r) for r in runs}
+    ttft_lengths = sorted({n for r in runs if not r.get("mtp") for n in ttft[r["name"]]})
+    if ttft_lengths:
+        up_ttft = ttft.get("upstream", {})
+        lines += ["", "Time to the first token (one request at a time, 2048-token prefill chunks; median of the "
+                  "repeats, seconds) and the upstream composition's over this one (below 1.00x: slower than "
+                  "upstream):", "",
+                  "| composition | " + " | ".join(f"TTFT s at {n} tokens" for n in ttft_lengths) + " | "
+                  + " | ".join(f"upstream / this at {n}" for n in ttft_lengths) + " |",
+                  "|---|" + "---|" * (2 * len(ttft_lengths))]
+        for r in runs:
+            mine = ttft[r["name"]]
+            if not mine:
+                continue
+            lines.append(f"| {r['name']} | " + " | ".join(_s(mine.get(n)) for n in ttft_lengths) + " | "
+                         + " | ".join(f"{up_ttft[n] / mine[n]:.2f}x" if mine.get(n) and up_ttft.get(n) else "-"
+                                      for n in ttft_lengths) + " |")
     mtp = by_name.get("ours-mtp")
     plain = by_name.get("ours")
     if mtp:
@@ -366,6 +492,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--kv-cache-gib", type=float, default=3.0)
     r.add_argument("--startup-timeout", type=float, default=540)
     r.add_argument("--vllm-arg", action="append", default=[], help="one more vllm serve argument (repeatable)")
+    r.add_argument("--ttft-contexts", type=lambda v: [int(x) for x in v.split(",")] if v else [],
+                   default=[512, 8192, LONG_CONTEXT], help="prompt lengths whose time to first token is measured")
+    r.add_argument("--ttft-repeats", type=int, default=3)
+    r.add_argument("--profile-dir", default=None,
+                   help="profile named windows with vLLM's torch profiler; compact traces land here")
+    r.add_argument("--profile-prefills", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[64, 2048, LONG_CONTEXT], help="prompt lengths of the profiled prefill windows")
     r.add_argument("--wait-for", default=None, help="measure only once this file exists (other GPU jobs done)")
     r.add_argument("--wait-for-s", type=float, default=300)
     r.add_argument("--healthy-file", default=None, help="touched once the server is healthy")

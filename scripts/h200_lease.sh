@@ -9,7 +9,9 @@
 #                                     # wait up to 560 s (or until the job ends), then bring back what
 #                                     # finished (lease.tgz, the phases' JSON) and print the progress
 #
-# STARTUP_S and TINY_S (default 900 and 600 here) are the phases' limits.
+# STARTUP_S and TINY_S (default 900 and 600 here) are the phases' limits; PROFILE=1 profiles each
+# full-size phase (scripts/h200_session.sh). After the phases the device's JIT/compile caches are packed;
+# the collect that sees the job done brings them back when they fit in CACHE_PARTS (4) files.
 set -u
 mode=${1:?mode}; shift
 lease=/tmp/lease
@@ -30,6 +32,13 @@ run)
     WITH_TESTS="$tests" OUT="$lease/out" bash scripts/h200_session.sh "$phase" > "$lease/phase-$phase.log" 2>&1
     echo "$(date +%T) phase $phase done"
   done
+  # the device's JIT and compile caches, measured and packed for the next lease (CACHE_PARTS files of
+  # 15 MB at most come back with the last collect; a later lease carries them to skip the rebuilds)
+  caches=$(cd / && ls -d root/.cache/vllm root/.triton/cache root/.humming root/.cache/flashinfer \
+           tmp/torchinductor_root 2>/dev/null)
+  (cd / && du -sh $caches) > "$lease/out/caches.txt" 2>&1
+  (cd / && tar cf - $caches 2>/dev/null | gzip -1 | split -b 15000000 -d -a 2 - "$lease/cache-")
+  ls -la "$lease"/cache-* >> "$lease/out/caches.txt" 2>&1
   touch "$lease/done"
   ;;
 collect)
@@ -40,6 +49,9 @@ collect)
   cp "$lease"/out/*.json "$OUT"/ 2>/dev/null
   tar czf "$OUT/lease.tgz" -C /tmp --exclude='*.safetensors' --exclude='*.bin' --exclude='pt-*/**/model*' \
     lease/out lease/driver.log $(cd /tmp && ls -d lease/phase-*.log gpu-run-* 2>/dev/null) 2>/dev/null
+  if [ -e "$lease/done" ] && [ "$(ls "$lease"/cache-* 2>/dev/null | wc -l)" -le "${CACHE_PARTS:-4}" ]; then
+    cp "$lease"/cache-* "$OUT"/ 2>/dev/null
+  fi
   [ -e "$lease/done" ] && echo "lease job: done" || echo "lease job: running"
   cat "$lease/driver.log"
   for f in /tmp/gpu-run-*/rc.txt; do [ -e "$f" ] && { echo "== $f"; cat "$f"; }; done

@@ -131,6 +131,9 @@ ours|upstream|ours-mtp)
   # DeepGEMM JIT warm-up in the start-up.
   composition=(--composition "${phase%-mtp}")
   [ "$phase" = ours-mtp ] && composition+=(--mtp)
+  # PROFILE=1: vLLM's torch profiler over named prefill and decode windows after the measurements
+  # (benchmarks/vllm_profile.py; the compact traces come back with the phase's output)
+  [ "${PROFILE:-0}" = 1 ] && composition+=(--profile-dir "$OUT/prof-$phase")
   VLLM_USE_DEEP_GEMM=0 timeout $((startup_s + 80)) python3 -m benchmarks.serve_h200 run "${composition[@]}" \
     --json "$OUT/$phase.json" "${full_size[@]}" --startup-timeout "$startup_s" "${wait_for[@]}" > "$out/$phase.txt" 2>&1
   echo "$phase rc $?" >> "$out/rc.txt"

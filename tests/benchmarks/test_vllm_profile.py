@@ -1,0 +1,90 @@
+"""benchmarks/vllm_profile.py reads vLLM's torch-profiler traces (CPU; the traces come from the H200)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks import vllm_profile as V
+
+
+def _trace(tmp_path):
+    """Two vLLM steps as the torch profiler writes them: per step an ``execute_*`` CPU annotation, the
+    launch calls inside it, kernels carrying the launch's correlation id; one kernel launched outside
+    any step (the sampler) and one host synchronisation."""
+    ev = []
+
+    def step(name, ts, dur):
+        ev.append({"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur})
+
+    def kernel(name, corr, launch_ts, ts, dur):
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch_ts, "dur": 3,
+                   "args": {"correlation": corr}})
+        ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                   "args": {"correlation": corr, "stream": 7}})
+
+    step("execute_context_1(2048)_generation_0(0)", 0, 100)
+    kernel("triton_red_fused_add_mean_mul_pow_rsqrt_0", 1, 10, 200, 10)      # norm
+    kernel("ling_dense_w8a16_wave", 2, 20, 215, 30)                          # dense FP8 (5 us gap before)
+    kernel("void humming<MmaOpClass, Shape<0u, 1536u, 2560u>>", 3, 30, 245, 50)  # routed MoE
+    kernel("void cutlass_80_tensorop_bf16_s16816gemm_relu_bf16", 4, 40, 300, 40)  # after the MoE: the head
+    step("execute_context_0(0)_generation_1(1)", 1000, 100)
+    kernel("ling_moe_hl_down", 5, 1010, 1200, 20)
+    kernel("void humming<MmaOpClass, Shape<0u, 157184u, 2560u>>", 6, 1020, 1220, 100)  # the FP8 head by shape
+    kernel("argmax_kernel", 7, 1500, 1330, 5)  # launched after the step's annotation: joins its iteration
+    ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1600, "dur": 400,
+               "args": {}})
+    path = tmp_path / "prefill-2048_rank0.123.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    return path
+
+
+def test_kernels_are_grouped_by_the_step_that_launched_them_and_classified(tmp_path):
+    trace = _trace(tmp_path)
+    out = V.write_compact(tmp_path, "prefill-2048", tmp_path)
+    assert out is not None and out.name == "prefill-2048.compact.json.gz"
+    result = V.analyse(V.load(out))
+    first, second = result["steps"]
+    assert (first["context_tokens"], first["generation_tokens"]) == (2048, 0)
+    assert (second["context_tokens"], second["generation_tokens"]) == (0, 1)
+    # step 0: kernels 200..340 us; the iteration runs to step 1's first kernel (1200)
+    assert first["iteration_us"] == pytest.approx(1000.0)
+    assert first["busy_us"] == pytest.approx(130.0) and first["gaps_us"] == pytest.approx(10.0)
+    assert first["classes"] == {"norms_residual": 10.0, "dense_fp8": 30.0, "moe_routed": 50.0, "head": 40.0}
+    # step 1: the sampler launched outside the annotation joins the step whose iteration it falls in
+    assert second["classes"] == {"moe_routed": 20.0, "head": 100.0, "sampling": 5.0}
+    assert second["kernels"] == 3
+    assert result["long_host_calls_us"] == {"cudaStreamSynchronize": 400.0}
+    assert trace.exists()
+
+
+def test_rendered_decode_class_sits_beside_its_byte_floor(tmp_path):
+    _trace(tmp_path)
+    result = V.analyse(V.load(V.write_compact(tmp_path, "prefill-2048", tmp_path)))
+    plan = {"components": [{"name": "routed experts MXFP4", "batch1_bytes": 4.0e6, "verify_bytes": 8.0e6}],
+            "heads": {"fp8": {"head_bytes": 2.0e6}, "bf16": {"head_bytes": 4.0e6}}}
+    floors = V.class_floor_us(plan, 32768, 1000.0, 1, "fp8")
+    # 4 MB at 1000 GB/s = 4 us; the decode step's MoE kernels took 20 us: 5.0x the floor
+    assert floors["moe_routed"] == (4.0e6, pytest.approx(4.0))
+    text = "\n".join(V.render_window(result, floors))
+    assert "| moe_routed | 20 | 0.16 | 1 | 4 | 4 | 5.0 |" in text
+    assert "| head | 100 | 0.80 | 1 | 2 | 2 | 50.0 |" in text
+
+
+def test_names_of_the_kernels_vllm_runs_land_in_their_classes():
+    cases = {
+        "void humming<MmaOpClass, Shape<0u, 1536u, 2560u>, Shape<16u, 64u, 256u>>": "moe_routed",
+        "void humming<MmaOpClass, Shape<0u, 157184u, 2560u>>": "head",
+        "_grouped_topk_kernel": "router",
+        "void cutlass::device_kernel<cutlass_3x_gemm_fp8_blockwise_sm90>": "dense_fp8",
+        "fused_recurrent_kda_fwd_kernel": "kda_recurrent",
+        "_causal_conv1d_update_kernel": "kda_conv",
+        "void flash::flash_fwd_splitkv_mla_kernel<>": "mla_attention",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "norms_residual",
+        "ling_small_gemv": "small_bf16",
+        "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "bf16_gemm",
+    }
+    assert {n: V.classify(n) for n in cases} == cases
