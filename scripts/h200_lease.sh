@@ -11,13 +11,16 @@
 #
 # STARTUP_S and TINY_S (default 900 and 600 here) are the phases' limits; PROFILE=1 profiles each
 # full-size phase (scripts/h200_session.sh). After the phases the device's JIT/compile caches are packed;
-# the collect that sees the job done brings them back when they fit in CACHE_PARTS (4) files.
+# `caches FROM COUNT` brings back COUNT of their 15 MB parts per call; a later lease carries them
+# (`tar -xzf` of the joined parts at / before the phases) to skip the rebuilds.
 set -u
 mode=${1:?mode}; shift
 lease=/tmp/lease
 case "$mode" in
 start)
   rm -rf "$lease" && mkdir -p "$lease/out"
+  # caches an earlier lease brought back (carried in .gpucache/, git-excluded): restored in place
+  ls .gpucache/cache-* >/dev/null 2>&1 && cat .gpucache/cache-* | tar -xzf - -C / && echo "caches restored"
   # a private copy: the device refreshes the working tree at every call, under a running job
   cp -a . "$lease/tree"
   setsid nohup bash "$lease/tree/scripts/h200_lease.sh" run "$@" > "$lease/driver.log" 2>&1 < /dev/null &
@@ -37,8 +40,7 @@ run)
     WITH_TESTS="$tests" OUT="$lease/out" bash scripts/h200_session.sh "$phase" > "$lease/phase-$phase.log" 2>&1
     echo "$(date +%T) phase $phase done"
   done
-  # the device's JIT and compile caches, measured and packed for the next lease (CACHE_PARTS files of
-  # 15 MB at most come back with the last collect; a later lease carries them to skip the rebuilds)
+  # the device's JIT and compile caches, measured and packed for the next lease
   caches=$(cd / && ls -d root/.cache/vllm root/.triton/cache root/.humming root/.cache/flashinfer \
            tmp/torchinductor_root 2>/dev/null)
   (cd / && du -sh $caches) > "$lease/out/caches.txt" 2>&1
@@ -54,15 +56,22 @@ collect)
   cp "$lease"/out/*.json "$OUT"/ 2>/dev/null
   tar czf "$OUT/lease.tgz" -C /tmp --exclude='*.safetensors' --exclude='*.bin' --exclude='pt-*/**/model*' \
     lease/out lease/driver.log $(cd /tmp && ls -d lease/phase-*.log gpu-run-* 2>/dev/null) 2>/dev/null
-  if [ -e "$lease/done" ] && [ "$(ls "$lease"/cache-* 2>/dev/null | wc -l)" -le "${CACHE_PARTS:-4}" ]; then
-    cp "$lease"/cache-* "$OUT"/ 2>/dev/null
-  fi
   [ -e "$lease/done" ] && echo "lease job: done" || echo "lease job: running"
   cat "$lease/driver.log"
   for f in /tmp/gpu-run-*/rc.txt; do [ -e "$f" ] && { echo "== $f"; cat "$f"; }; done
   for f in /tmp/gpu-run-*/*.txt /tmp/gpu-run-*/logs/*; do
     [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f" | cut -c1-300; }
   done
+  ;;
+caches)
+  # after the job: bring back cache parts FROM .. FROM+COUNT-1 (15 MB each; a call returns 8 files)
+  : "${OUT:?OUT}"
+  from=${1:-0} count=${2:-4}
+  cat "$lease/out/caches.txt" 2>/dev/null
+  for i in $(seq "$from" $((from + count - 1))); do
+    f=$(printf '%s/cache-%02d' "$lease" "$i"); [ -e "$f" ] && cp "$f" "$OUT"/
+  done
+  ls "$OUT"
   ;;
 *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
