@@ -10,7 +10,7 @@ import torch
 
 from vllm_ling.ops.known_answer.formats import E2M1_TABLE, MOE_ROW_RTOL, MOE_W4A8_ROW_RTOL, MXFP4_GROUP
 from vllm_ling.ops.known_answer.runner import KernelCheckResult, KnownAnswerCase, run_check
-from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, SwigluClamp
+from vllm_ling.ops.moe.activation import SwigluClamp
 
 
 # Two experts per regime (a token's top-2 stay in one regime, so its output has one scale):
@@ -35,6 +35,10 @@ MOE_SWIGLU_LIMIT = 7.0
 # 0.73 vs 1) and most gates of regimes A, C and D exceed L: a kernel computing the other mode
 # misses this case by ~27 % per row, 13x the W4A16 tolerance and 5x W4A8's (tests/ops/test_known_answer.py).
 MOE_MODE_LIMIT = 1.0
+# The answers are computed in the form Ling was trained with, written here and not read from
+# what serves (ops.moe.activation.ROUTED_EXPERT_CLAMP): a server whose MoE computes another mode
+# fails its startup check instead of agreeing with itself.
+TRAINED_CLAMP = SwigluClamp.GATE_OUTPUT
 
 
 @dataclasses.dataclass
@@ -79,7 +83,7 @@ def _fp8_per_token(v: torch.Tensor) -> torch.Tensor:
 
 
 def _experts_answer(x, w13, w2, weights, ids, limit: float | None, fp8_activations: bool = False,
-                    clamp: SwigluClamp = ROUTED_EXPERT_CLAMP) -> torch.Tensor:
+                    clamp: SwigluClamp = TRAINED_CLAMP) -> torch.Tensor:
     """float64; with ``fp8_activations`` both GEMM inputs are rounded per token to e4m3 as a
     W4A8 kernel does (the SwiGLU output first to BF16, as the kernel stores it). ``clamp``: where
     the limit bites the gate (written out here, independent of ``ops.moe.activation.swiglu``)."""
@@ -106,13 +110,13 @@ def _experts_answer(x, w13, w2, weights, ids, limit: float | None, fp8_activatio
 
 def mxfp4_moe_problem(hidden: int = 256, intermediate: int = 128, token_counts=(4, 40),
                       swiglu_limit: float = MOE_SWIGLU_LIMIT, w4a8: bool = False,
-                      seed: int = 0, clamp: SwigluClamp = ROUTED_EXPERT_CLAMP) -> Mxfp4MoEProblem:
+                      seed: int = 0, clamp: SwigluClamp = TRAINED_CLAMP) -> Mxfp4MoEProblem:
     """Eight experts in four regimes (``MOE_REGIMES``), top-2 within a regime; for each token
     count (default one decode-sized and one past the decode kernels' 32) one case without the
     SwiGLU clamp, one with it (``swiglu_limit``) and one at ``MOE_MODE_LIMIT``, where the clamp
     mode decides the answer. Gate/up rows, codes and scales vary so a swapped nibble, row or
     scale group shows. ``w4a8``: answers for FP8 per-token activations, wider tolerance.
-    ``clamp``: the mode the answers are computed in (the served one; the other for tests)."""
+    ``clamp``: the mode the answers are computed in (the trained one; the other for tests)."""
     row_rtol = MOE_W4A8_ROW_RTOL if w4a8 else MOE_ROW_RTOL
     names = list(MOE_REGIMES)
     E, H, I = 2 * len(names), hidden, intermediate
