@@ -28,7 +28,7 @@ VLLM_MOE_UNCHECKED = (
     "vLLM's own MoE method (opted out): no known-answer runner. Its routed experts clamp the SwiGLU gate "
     f"{VLLM_ROUTED_EXPERT_CLAMP.where}, {VLLM_ROUTED_EXPERT_CLAMP.formula} (vLLM 0.32); vllm-ling clamps "
     f"{ROUTED_EXPERT_CLAMP.where}, {ROUTED_EXPERT_CLAMP.formula}, as Ling was trained (inclusionAI's SGLang, "
-    "llama.cpp bailingmoe3, vLLM 0.34 swiglustep): logits differ slightly on the layers with a limit "
+    "llama.cpp bailingmoe3): logits differ slightly on the layers with a limit "
     "(README: \"The routed experts' SwiGLU clamp\")")
 
 

@@ -13,7 +13,8 @@ the gate ``g`` is clamped:
   * x[d:].clamp(-limit, limit)``; vLLM 0.32 uses it for Ling's shared expert), and, per the
   study notes (issue 43), inclusionAI's SGLang branch ("Bailing SwiGLU", FlashInfer
   ``SwigluStep``), sglang-jax (``clip(silu(g), max=L) * clip(u, -L, L)``) and vLLM 0.34's
-  ``activation="swiglustep"``.
+  ``activation="swiglustep"`` (a later vLLM main we could read, commit 055e47c, passes
+  ``activation="silu"`` with ``swiglu_limit`` again: recheck on every vLLM upgrade).
 - :attr:`SwigluClamp.GATE_INPUT`, ``silu(min(g, L)) * clamp(u, -L, L)``: what vLLM 0.32's own
   fused-MoE path computes for Ling's routed experts (``activation="silu"`` with
   ``swiglu_limit`` -> ``silu_and_mul_with_clamp``; its humming backend's ``_CLAMPED_SILU_IMPL``
