@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ling.ops.moe.activation import CLAMP_GATE_OUTPUT, check_clamp, effective_limit
+from vllm_ling.ops.moe.activation import SHARED_EXPERT_CLAMP, SwigluClamp, check_clamp, effective_limit
 
 # --------------------------------------------------------------------------------------
 # Router: grouped top-k of the gate's fp32 logits
@@ -163,17 +163,18 @@ def _swiglu_kernel(x_ptr, out_ptr, D, limit, BLOCK: tl.constexpr, HAS_LIMIT: tl.
     tl.store(out_ptr + t * D + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_act(x: torch.Tensor, limit: float | None = None, clamp: str = "gate_input") -> torch.Tensor:
+def swiglu_act(x: torch.Tensor, limit: float | None = None,
+               clamp: SwigluClamp | str = SHARED_EXPERT_CLAMP) -> torch.Tensor:
     """``vllm_ling.ops.moe.activation.swiglu`` on contiguous [T, 2d] in one launch (fp32 math,
     one rounding to x's dtype)."""
-    check_clamp(clamp)
+    clamp = check_clamp(clamp)
     lim = effective_limit(limit)
     T, two_d = x.shape
     d = two_d // 2
     out = torch.empty((T, d), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(d))
     _swiglu_kernel[(T, triton.cdiv(d, block))](x.contiguous(), out, d, 0.0 if lim is None else lim, BLOCK=block,
-                                               HAS_LIMIT=lim is not None, CLAMP_OUTPUT=clamp == CLAMP_GATE_OUTPUT,
+                                               HAS_LIMIT=lim is not None, CLAMP_OUTPUT=clamp is SwigluClamp.GATE_OUTPUT,
                                                num_warps=4)
     return out
 

@@ -13,6 +13,8 @@ dispatch threshold, VLLM_LING_MOE_DECODE_MAX_TOKENS):
 - bytes of weights + scales of the distinct experts touched, the device copy bandwidth
   measured in this run and the fraction of it reached, ratio to humming in this run;
 - the error of both paths against the float32 reference on the same MXFP4 weights.
+``--swiglu-limit L`` times a layer with a per-layer clamp (Ling-3.0-flash: 4 on layers 35-41) in
+the mode ``--clamp`` (default: the one served, after the SiLU), so the two modes can be compared.
 Writes benchmarks/results/moe_decode_h200.md. No vLLM import.
 """
 
@@ -27,6 +29,7 @@ import torch
 
 from benchmarks.moe import PER_EXPERT_BYTES, copy_bandwidth_gbs, log
 from benchmarks.timing import stacked_time_us
+from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, SwigluClamp
 from vllm_ling.ops.moe.decode.layouts import HummingLayoutDecode, PackedLayoutDecode
 from vllm_ling.ops.moe.decode.shapes import (HummingDecodeConfig, PackedDecodeConfig, RegisterDown,
                                              StreamedGateUp)
@@ -81,15 +84,18 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,2,4,8,16,32")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--hl-variants", default=",".join(HL_VARIANTS))
+    ap.add_argument("--swiglu-limit", type=float, default=None, help="per-layer SwiGLU limit (default: none)")
+    ap.add_argument("--clamp", default=ROUTED_EXPERT_CLAMP.value, choices=[m.value for m in SwigluClamp])
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/moe_decode_h200.md"))
     args = ap.parse_args()
+    limit, clamp = args.swiglu_limit, SwigluClamp(args.clamp)
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth_gbs(dev)
     log(f"copy bandwidth {bw:,.0f} GB/s; building {args.layers} layers")
     raw = [random_mxfp4_experts(E, H, I, dev, seed=i) for i in range(args.layers)]
-    fused = [PackedLayoutDecode(**t, top_k=K) for t in raw]
-    humming = [HummingMxfp4Experts(**t, decode="off") for t in raw]
+    fused = [PackedLayoutDecode(**t, top_k=K, clamp=clamp) for t in raw]
+    humming = [HummingMxfp4Experts(**t, decode="off", clamp=clamp) for t in raw]
     hl = [HummingLayoutDecode(h, K) for h in humming]
     ref_tensors = raw[0]
     del raw
@@ -98,8 +104,8 @@ def main() -> int:
     hl_variants = [v for v in args.hl_variants.split(",") if v]
     rows, errors, steps = [], [], []
     for T in tokens:
-        inputs = [routing(T, 1000 * T + i, dev) for i in range(args.layers)]
-        touched = sum(torch.unique(ids).numel() for _, _, ids in inputs) / len(inputs) * PER_EXPERT_BYTES / 1e6
+        inputs = [(*routing(T, 1000 * T + i, dev), limit) for i in range(args.layers)]
+        touched = sum(torch.unique(ids).numel() for _, _, ids, _ in inputs) / len(inputs) * PER_EXPERT_BYTES / 1e6
 
         def stacked(layers):
             return stacked_time_us([functools.partial(l.forward, *inp) for l, inp in zip(layers, inputs)],
@@ -120,22 +126,23 @@ def main() -> int:
             log(f"T={T} humming layout {name}: {rows[-1][3]:.1f} us/layer stacked (humming {h_st:.1f})")
         # each fused kernel alone (stacked), default configs
         for label, impl in (("packed copy", fused), ("humming layout", hl)):
-            acts = [f.gate_up(x, ids) for f, (x, _, ids) in zip(impl, inputs)]
-            gu = stacked_time_us([functools.partial(f.gate_up, x, ids) for f, (x, _, ids) in zip(impl, inputs)],
-                                 args.iters)
+            acts = [f.gate_up(x, ids, limit) for f, (x, _, ids, _) in zip(impl, inputs)]
+            gu = stacked_time_us([functools.partial(f.gate_up, x, ids, limit)
+                                  for f, (x, _, ids, _) in zip(impl, inputs)], args.iters)
             dn = stacked_time_us([functools.partial(f.down, a, w, ids)
-                                  for f, a, (_, w, ids) in zip(impl, acts, inputs)], args.iters)
+                                  for f, a, (_, w, ids, _) in zip(impl, acts, inputs)], args.iters)
             steps.append((label, T, gu, dn))
-        x, w, ids = inputs[0]
-        ref = experts_reference(x, ref_tensors["w13_weight"], ref_tensors["w2_weight"], w, ids, None,
-                                    w13_scale=ref_tensors["w13_weight_scale"],
-                                    w2_scale=ref_tensors["w2_weight_scale"])
+        x, w, ids, _ = inputs[0]
+        ref = experts_reference(x, ref_tensors["w13_weight"], ref_tensors["w2_weight"], w, ids, limit,
+                                w13_scale=ref_tensors["w13_weight_scale"],
+                                w2_scale=ref_tensors["w2_weight_scale"], clamp=clamp)
         for label, layer in (("humming W4A16", humming[0]), ("decode kernels, packed copy", fused[0]),
                              ("decode kernels, humming layout", hl[0])):
-            errors.append((label, T, ((layer(x, w, ids).float() - ref).norm() / ref.norm()).item()))
+            errors.append((label, T, ((layer(x, w, ids, limit).float() - ref).norm() / ref.norm()).item()))
     lines = ["# MoE decode kernels vs humming's GEMM, one Ling MoE layer (H200)", "",
              f"512 experts, top-8, hidden 2560, intermediate 768, MXFP4 weights, BF16 activations, routed experts "
-             f"only. Copy bandwidth measured in this run: **{bw:,.0f} GB/s**. CUDA-graph medians ({args.iters} "
+             f"only, SwiGLU limit {'none' if limit is None else f'{limit:g}, {clamp.describe()}'}. "
+             f"Copy bandwidth measured in this run: **{bw:,.0f} GB/s**. CUDA-graph medians ({args.iters} "
              f"replays); 'stacked' = {args.layers} distinct layers in one graph, time / {args.layers}; 'single' = "
              f"one layer per graph. MB = weights + E8M0 scales of the distinct experts touched.", "",
              "| path | tokens | single (us) | stacked (us/layer) | MB touched | fraction of copy BW (stacked) "

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from benchmarks import decode_standins as S
 from benchmarks.lm_head import copy_bandwidth_gbs
 from benchmarks.timing import stacked_time_us
+from vllm_ling.ops.moe.activation import SHARED_EXPERT_CLAMP
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vllm_ling", "data",
                       "ling3_flash_fp4_config.json")
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
         row("router_gemv_cublas", T, "(fp32 GEMV alone, reference)", us, E * H * 4)
         # ---- SwiGLU, add + RMSNorm ----
         h = torch.randn((T, 2 * cfg["moe_shared_expert_intermediate_size"]), device=dev, generator=g).to(bf)
-        us = timed([lambda: S.swiglu_act(h, 7.0, "gate_output") for _ in range(n_moe)])
+        us = timed([lambda: S.swiglu_act(h, 7.0, SHARED_EXPERT_CLAMP) for _ in range(n_moe)])
         row("swiglu", T, "shared expert, limit", us, 0)
         r1, r2, resid = (torch.randn((T, H), device=dev, generator=g).to(bf) for _ in range(3))
         nw_ = torch.ones(H, device=dev, dtype=bf)

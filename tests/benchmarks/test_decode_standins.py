@@ -82,7 +82,7 @@ def ref_mla(q, kv, norm_w, cache, pos, cos, sin, w_uk, w_uv, gate_logits, nope, 
 
 def measure(device: str, full: bool = False) -> dict[str, list[float]]:
     from benchmarks import decode_standins as S
-    from vllm_ling.ops.moe.activation import CLAMP_GATE_OUTPUT, swiglu
+    from vllm_ling.ops.moe.activation import SwigluClamp, swiglu
     from vllm_ling.ops.moe.routing import grouped_topk, route
 
     dev = torch.device(device)
@@ -125,7 +125,7 @@ def measure(device: str, full: bool = False) -> dict[str, list[float]]:
     # SwiGLU, both clamp modes and no limit
     d = 768 if full else 50
     x = rnd(3, 2 * d, scale=4.0)
-    for limit, clamp in ((None, "gate_input"), (2.0, "gate_input"), (2.0, CLAMP_GATE_OUTPUT)):
+    for limit, clamp in ((None, SwigluClamp.GATE_OUTPUT), (2.0, SwigluClamp.GATE_INPUT), (2.0, SwigluClamp.GATE_OUTPUT)):
         res[f"swiglu_{limit}_{clamp}"] = [rel(S.swiglu_act(x, limit, clamp), swiglu(x.float(), limit, clamp)),
                                           BF16_REL]
 

@@ -13,6 +13,7 @@ import torch
 from vllm_ling.cli import serve as launch
 from vllm_ling.cli import warmup
 from vllm_ling.models.tiny_checkpoint import TINY_CONFIG
+from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP
 
 from ._tools import REPO, run
 
@@ -133,9 +134,9 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
     calls = []
 
     def fake_moe(hidden, intermediate, experts, top_k, *, token_counts, w4a8, swiglu_limits,
-                 decode, decode_max_tokens):
+                 decode, decode_max_tokens, clamp):
         calls.append(("moe", hidden, intermediate, experts, top_k, tuple(token_counts), w4a8,
-                      tuple(swiglu_limits), decode, decode_max_tokens))
+                      tuple(swiglu_limits), decode, decode_max_tokens, clamp))
         kernel = tmp_path / "cache" / "kernels" / "k1"
         kernel.mkdir(parents=True)
         (kernel / "kernel.cubin").write_bytes(b"x")  # one new kernel in humming's layout
@@ -165,7 +166,7 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
     assert limits  # Ling-3.0-flash clamps its last routed-expert layers
     assert calls == [
         ("moe", config["hidden_size"], config["moe_intermediate_size"], config["num_experts"],
-         config["num_experts_per_tok"], (1, 4), False, (None, *limits), "auto", 32),
+         config["num_experts_per_tok"], (1, 4), False, (None, *limits), "auto", 32, ROUTED_EXPERT_CLAMP),
         ("lm_head", config["vocab_size"], config["hidden_size"], (1, 4)),  # 157184 = 64 x 2456
         # every block-FP8 dense linear the model runs at decode, as vLLM merges them plus the KDA
         # in-projection merge (on by default: q|k|v|f|g = 20480 x 2560, no 4096 x 2560 left)
@@ -198,7 +199,7 @@ def test_real_kernel_warmup_functions_accept_the_arguments_warmup_passes():
 
     groups = dict(warmup._load_warmup_functions())
     shapes = warmup.kernel_shapes(json.loads(FLASH_CONFIG.read_text()), 1, FLASH_CONFIG)
-    kwargs = {"w4a8": False, "decode": "auto", "decode_max_tokens": 32}
+    kwargs = {"w4a8": False, "decode": "auto", "decode_max_tokens": 32, "clamp": ROUTED_EXPERT_CLAMP}
     inspect.signature(groups["moe"]).bind(
         shapes.hidden_size, shapes.intermediate_size, shapes.num_experts, shapes.top_k,
         token_counts=[1, 4], swiglu_limits=shapes.swiglu_limits, **kwargs)

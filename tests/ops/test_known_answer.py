@@ -13,6 +13,7 @@ from vllm_ling.ops.fp8 import block_fp8_dequantize
 from vllm_ling.ops.lm_head import fp8_reference_logits
 from vllm_ling.ops.lm_head.quantize import quantize_fp8_per_token
 from vllm_ling.ops.moe import experts_reference
+from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, SwigluClamp
 
 AMX_CODES = "0x00-0x07 0x80-0x87"  # every e4m3 code with exponent field 0
 
@@ -173,13 +174,14 @@ def test_head_kernels_quantizing_activations_wrongly_fail(fault, seed):
     assert [f.split(" (")[0] for f in r.failing_inputs] == failing, r.message()
 
 
-def _reference_experts(tensors, top_k):
+def _reference_experts(tensors, top_k, clamp=ROUTED_EXPERT_CLAMP):
     return lambda x, w, ids, limit: experts_reference(
         x, tensors["w13_weight"], tensors["w2_weight"], w, ids, limit,
-        w13_scale=tensors["w13_weight_scale"], w2_scale=tensors["w2_weight_scale"])
+        w13_scale=tensors["w13_weight_scale"], w2_scale=tensors["w2_weight_scale"], clamp=clamp)
 
 
 SMALL = dict(hidden=64, intermediate=64, token_counts=(4,))
+MODE_CASE = f"4 tokens (decode-sized), SwiGLU clamp {ka.MOE_MODE_LIMIT:g} after the SiLU"
 
 
 def test_moe_problem_covers_codes_scales_and_the_clamp():
@@ -196,7 +198,44 @@ def test_moe_problem_covers_codes_scales_and_the_clamp():
 
 def test_moe_reference_method_passes():
     r = ka.check_mxfp4_experts(_reference_experts, "reference", "cpu", **SMALL)
-    assert r.passed and r.cases == 2, r.message()
+    assert r.passed and r.cases == 3, r.message()
+
+
+@pytest.mark.parametrize("w4a8", [False, True])
+@pytest.mark.parametrize("sizes", [SMALL, {}], ids=["small (CPU check)", "default (GPU check)"])
+def test_moe_mode_case_answers_differ_between_clamp_modes_by_far_more_than_the_tolerance(w4a8, sizes):
+    """The clamp mode can fail a kernel only on the MOE_MODE_LIMIT cases: there the two modes'
+    answers differ by > 4x the tolerance (W4A8's 5 %; 13x W4A16's 2 %) on every row off regime B
+    (gates above L), while at Ling's own limit 7 they differ by < 0.2 % (why the mode case exists)."""
+    ours = ka.mxfp4_moe_problem(w4a8=w4a8, **sizes)
+    other = ka.mxfp4_moe_problem(w4a8=w4a8, clamp=SwigluClamp.GATE_INPUT, **sizes)
+    mode_cases = 0
+    for a, b in zip(ours.cases, other.cases):
+        rel = (a.reference - b.reference).norm(dim=-1) / a.reference.norm(dim=-1)
+        if a.inputs["swiglu_limit"] == ka.MOE_MODE_LIMIT:
+            mode_cases += 1
+            assert a.label.endswith("after the SiLU") and b.label.endswith("before the SiLU")
+            tokens_on_b = torch.arange(len(rel)) % len(ka.MOE_REGIMES) == 1  # token t is on regime t % 4
+            assert (rel[~tokens_on_b] > 4 * a.rtol).all(), (a.label, rel)
+        else:
+            assert (rel < 2e-3).all(), (a.label, rel)
+    assert mode_cases == len(sizes.get("token_counts", (4, 40)))
+
+
+@pytest.mark.parametrize("w4a8", [False, True])
+def test_moe_method_in_the_pre_silu_mode_fails_the_mode_case_only(w4a8):
+    """A planted wrong mode (vLLM 0.32's clamp before the SiLU) is caught, on exactly the case
+    with gates above the limit, naming the regimes whose gates are there (B's are ~1e-5)."""
+    def pre_silu(tensors, top_k):
+        return lambda x, w, ids, limit: experts_reference(
+            x, tensors["w13_weight"], tensors["w2_weight"], w, ids, limit, fp8_activations=w4a8,
+            w13_scale=tensors["w13_weight_scale"], w2_scale=tensors["w2_weight_scale"],
+            clamp=SwigluClamp.GATE_INPUT)
+
+    r = ka.check_mxfp4_experts(pre_silu, "reference, clamp before the SiLU", "cpu", w4a8=w4a8, **SMALL)
+    assert not r.passed and r.max_error > 5 * r.tolerance, r.message()
+    assert r.failing_inputs == [f"{MODE_CASE}: tokens on experts A (all 16 e2m1 codes, scales ~2^0); C (codes "
+                                "+-0.5 only); D (all codes, gate_up scales ~2^4 (SwiGLU clamp region), down ~2^-22)"]
 
 
 @pytest.mark.parametrize("fault, expected", [
@@ -216,7 +255,7 @@ def test_moe_planted_faults_fail_with_the_exact_message(fault, expected):
     if fault == "scale exponent +1":  # down doubled: exactly 100 % error on every token
         assert r.max_error == pytest.approx(expected, abs=1e-6)
     assert r.failing_inputs == [f"4 tokens (decode-sized), no clamp: {every}",
-                                f"4 tokens (decode-sized), SwiGLU clamp 7: {every}"]
+                                f"4 tokens (decode-sized), SwiGLU clamp 7: {every}", f"{MODE_CASE}: {every}"]
     assert r.message() == (f"moe_mxfp4 [reference]: max relative error {r.max_error:.3g} > tolerance 0.02 on "
                            + "; ".join(r.failing_inputs))
 

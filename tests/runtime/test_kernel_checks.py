@@ -79,7 +79,8 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     assert dense.failing_inputs == ["256 one-hot rows (GEMM-sized): wrong e4m3 codes 0x00-0x07 0x80-0x87 in "
                                     "blocks [0,0] x2^0, [0,1] x2^0 (all-zero), [1,0] x2^-24, [1,1] x2^16"]
     assert [f.split(":")[0] for f in moe.failing_inputs] == ["4 tokens (decode-sized), no clamp",
-                                                            "4 tokens (decode-sized), SwiGLU clamp 7"]
+                                                            "4 tokens (decode-sized), SwiGLU clamp 7",
+                                                            "4 tokens (decode-sized), SwiGLU clamp 1 after the SiLU"]
     assert head.failing_inputs == ["256 one-hot rows (GEMM-sized): wrong e4m3 codes 0x00 0x80 in 256 rows "
                                    "(scales 2^-20..7168)"]
     ok, line = summary(results)
@@ -88,3 +89,26 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     # the loaded layers still compute right: the checks ran on scratch copies
     monkeypatch.undo()
     assert all(r.passed for r in run_kernel_checks(target, draft))
+
+
+def test_vllms_own_moe_method_is_named_unchecked_with_its_other_swiglu_clamp(loaded_tiny_models, monkeypatch):
+    """Issue 43: a routed-expert layer served by vLLM's own MoE method (the upstream composition)
+    has no known-answer runner; its row in the report and the startup table says why its logits
+    differ from ours: vLLM 0.32 clamps the routed SwiGLU gate before the SiLU, vllm-ling after."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    from vllm_ling.runtime.kernel_checks import VLLM_MOE_UNCHECKED, report_section, table_lines
+
+    vllm_config, target, draft = loaded_tiny_models
+    layer = next(m for m in draft.modules() if isinstance(m, RoutedExperts))
+    store = layer._modules if "quant_method" in layer._modules else layer.__dict__  # a module or a plain object
+    with set_current_vllm_config(vllm_config):
+        monkeypatch.setitem(store, "quant_method", UnquantizedFusedMoEMethod(layer.moe_config))
+    section = report_section(target, draft)
+    (row,) = [r for r in section["results"] if r["kernel"] == "vllm:UnquantizedFusedMoEMethod"]
+    assert row["skipped"] == VLLM_MOE_UNCHECKED and section["passed"]
+    assert ("clamp the SwiGLU gate before the SiLU, silu(min(g, L)) * clamp(u, -L, L) (vLLM 0.32); "
+            "vllm-ling clamps after the SiLU, min(silu(g), L) * clamp(u, -L, L)") in row["skipped"]
+    assert f"  moe_mxfp4 [vllm:UnquantizedFusedMoEMethod]: not checked: {VLLM_MOE_UNCHECKED}" in table_lines(section)

@@ -9,6 +9,10 @@ checkpoints load exactly as upstream. The computation is ours:
 - CPU: the plain-PyTorch reference :func:`vllm_ling.ops.moe.experts_reference`,
   logged once.
 
+Both clamp the per-layer SwiGLU limit after the SiLU (``min(silu(g), L) * clamp(u, -L, L)``, as
+Ling was trained), where vLLM 0.32's own MXFP4 methods clamp the gate before it: the mode is the
+selection's ``clamp`` (:class:`vllm_ling.ops.moe.activation.SwigluClamp`).
+
 vLLM's runner does the routing (grouped sigmoid top-k with expert bias), the shared
 expert and ``routed_scaling_factor``; ``apply`` returns the weighted routed sum.
 """
@@ -24,6 +28,7 @@ from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import LingOptions, MoeDecode
 from vllm_ling.ops import moe as moe_ops
+from vllm_ling.ops.moe.activation import VLLM_ROUTED_EXPERT_CLAMP, SwigluClamp
 from vllm_ling.ops.moe.selection import (HummingUnavailable, MoePath, MoeSelection, MoeShape, opt_out_reason,
                                          select_moe)
 from vllm_ling.selection import Platform, record
@@ -66,6 +71,11 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
     @property
     def decode_max_tokens(self) -> int:
         return self.selection.decode_max_tokens
+
+    @property
+    def clamp(self) -> SwigluClamp:
+        """The SwiGLU clamp mode computed: the built humming kernels' own, else the selection's."""
+        return self.humming_experts.clamp if self.humming_experts is not None else self.selection.clamp
 
     @property
     def description(self) -> str:
@@ -133,7 +143,7 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
             return self.humming_experts.forward(x, topk_weights, topk_ids, limit)
         out = moe_ops.experts_reference(
             x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, limit,
-            w13_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale)
+            w13_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale, clamp=self.selection.clamp)
         return out.to(x.dtype)
 
 
@@ -161,9 +171,11 @@ def choose_moe_method(layer, prefix: str, options: LingOptions) -> LingMxfp4MoEM
     return LingMxfp4MoEMethod(config, selection)
 
 
-def served_selection(quant_method) -> tuple[MoePath, bool, MoeDecode, int]:
-    """What a routed-expert layer's method serves: backend and kernel switches, read from the method
-    itself (vLLM's methods: ``MoePath.VLLM``)."""
+def served_selection(quant_method) -> tuple[MoePath, bool, MoeDecode, int, SwigluClamp]:
+    """What a routed-expert layer's method serves: backend, kernel switches and SwiGLU clamp mode,
+    read from the method itself (vLLM's methods: ``MoePath.VLLM``, vLLM 0.32's clamp before the SiLU);
+    the shape of :meth:`MoeSelection.served_key`."""
     if isinstance(quant_method, LingMxfp4MoEMethod):
-        return quant_method.backend, quant_method.w4a8, quant_method.decode, quant_method.decode_max_tokens
-    return MoePath.VLLM, False, MoeDecode.OFF, 0
+        return (quant_method.backend, quant_method.w4a8, quant_method.decode, quant_method.decode_max_tokens,
+                quant_method.clamp)
+    return MoePath.VLLM, False, MoeDecode.OFF, 0, VLLM_ROUTED_EXPERT_CLAMP

@@ -19,8 +19,17 @@ import torch
 
 from vllm_ling.log import one_line
 from vllm_ling.ops.known_answer import KernelCheckResult, check_kda, skipped_result
+from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, VLLM_ROUTED_EXPERT_CLAMP
 
 KDA_CPU_KERNEL = "plain-PyTorch KDA (vllm_ling.ops.kda: chunked prefill, recurrent decode)"
+# vLLM's own MoE method (the upstream composition) also computes the routed SwiGLU clamp
+# differently from ours: the row says so, so a user comparing the two knows why logits differ.
+VLLM_MOE_UNCHECKED = (
+    "vLLM's own MoE method (opted out): no known-answer runner. Its routed experts clamp the SwiGLU gate "
+    f"{VLLM_ROUTED_EXPERT_CLAMP.where}, {VLLM_ROUTED_EXPERT_CLAMP.formula} (vLLM 0.32); vllm-ling clamps "
+    f"{ROUTED_EXPERT_CLAMP.where}, {ROUTED_EXPERT_CLAMP.formula}, as Ling was trained (inclusionAI's SGLang, "
+    "llama.cpp bailingmoe3): logits differ slightly on the layers with a limit "
+    "(README: \"The routed experts' SwiGLU clamp\")")
 
 
 def _modules(target, draft) -> list[tuple[str, torch.nn.Module]]:
@@ -86,7 +95,7 @@ def run_kernel_checks(target, draft) -> list[KernelCheckResult]:
                 key = (qm.backend, qm.w4a8, qm.decode, qm.decode_max_tokens, qm.decode_status)
                 moe.setdefault(key, (qm, m.w13_weight.device))
             else:
-                unchecked[f"vllm:{type(qm).__name__}"] = "vLLM's own MoE method (opted out): no known-answer runner"
+                unchecked[f"vllm:{type(qm).__name__}"] = VLLM_MOE_UNCHECKED
         elif getattr(m, "ling_router_gemv", False):  # vllm-ling's GateLinear on its kernel path
             # the launch shape follows hidden size and expert count: one check per pair
             router.setdefault((m.input_size, m.weight.shape[0], _device(m)), (m, _device(m)))

@@ -198,7 +198,7 @@ def check_moe_layers(target, draft, config, stage: Stage | None = None) -> Check
         sel = recorded(layer, Feature.MOE)
         if sel is None:
             unselected.append(name)
-        elif (path, *switches) != (sel.choice, sel.w4a8, sel.decode, sel.decode_max_tokens):
+        elif (path, *switches) != sel.served_key():
             diverging.append(f"{name} (selected {sel.choice}, serves {label})")
         elif sel != first:
             other.append(f"{name} (selected {sel.choice}: {sel.reason})")

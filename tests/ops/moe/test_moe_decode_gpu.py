@@ -18,7 +18,7 @@ import torch
 
 import moe_cases  # tests/ops/moe/moe_cases.py
 from moe_cases import no_tf32, weights  # noqa: F401  (fixtures)
-from vllm_ling.ops.moe import humming, reference
+from vllm_ling.ops.moe import activation, humming, reference
 from vllm_ling.ops.moe.decode import layouts, packing, shapes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
@@ -89,10 +89,10 @@ def test_humming_experts_route_small_batches_to_the_decode_kernels(weights, mode
         assert _rel(out, _ref(weights, x, w, ids)) < TOL
 
 
-def _ref(weights, x, w, ids, limit=None):
+def _ref(weights, x, w, ids, limit=None, clamp=activation.ROUTED_EXPERT_CLAMP):
     return reference.experts_reference(x, weights["w13_weight"], weights["w2_weight"], w, ids, limit,
                                  w13_scale=weights["w13_weight_scale"],
-                                 w2_scale=weights["w2_weight_scale"])
+                                 w2_scale=weights["w2_weight_scale"], clamp=clamp)
 
 
 def _rel(out, ref):
@@ -142,6 +142,25 @@ def test_clamp_is_honoured(weights, fused):
     assert (ref - unclamped).norm() / ref.norm() > 0.1  # the clamp really bites
     assert _rel(fused(x, w, ids, limit), ref) < TOL
     assert _rel(fused(x, w, ids, None), unclamped) < TOL
+
+
+@pytest.mark.parametrize("clamp", list(activation.SwigluClamp))
+@pytest.mark.parametrize("impl", ["packed_copy", "humming_layout"])
+def test_clamp_mode_is_the_one_built(weights, humming_layer, impl, clamp):
+    """Issue 43: the CLAMP_GATE_OUTPUT define decides the mode; the default build (the one served)
+    clamps after the SiLU. At a limit below most gates (1.0) the two modes differ by > 10x TOL."""
+    assert humming_layer.clamp is activation.ROUTED_EXPERT_CLAMP is activation.SwigluClamp.GATE_OUTPUT
+    if impl == "packed_copy":
+        kernels = layouts.PackedLayoutDecode(**weights, top_k=TOP_K, clamp=clamp)
+    else:
+        layer = humming_layer if clamp is humming_layer.clamp else humming.HummingMxfp4Experts(**weights, clamp=clamp)
+        kernels = layouts.HummingLayoutDecode(layer, TOP_K)
+    other = next(m for m in activation.SwigluClamp if m is not clamp)
+    w, ids = moe_cases.routing("random", 4, 13, DEV, E, TOP_K)
+    x = moe_cases.hidden(4, 14, H, DEV, scale=8.0)
+    ref, ref_other = _ref(weights, x, w, ids, 1.0, clamp), _ref(weights, x, w, ids, 1.0, other)
+    assert (ref - ref_other).norm() / ref.norm() > 10 * TOL
+    assert _rel(kernels(x, w, ids, 1.0), ref) < TOL, (impl, clamp)
 
 
 @pytest.mark.parametrize("impl", ["packed_copy", "humming_layout"])

@@ -97,7 +97,7 @@ def test_w4a8_matches_reference(weights, w4a8, kind, T):
     assert rel_fp32 < TOL_W4A8_FP32, f"{kind} T={T}: rel err vs fp32 ref {rel_fp32:.2e}"
 
 
-@pytest.mark.parametrize("clamp", [activation.CLAMP_GATE_INPUT, activation.CLAMP_GATE_OUTPUT])
+@pytest.mark.parametrize("clamp", list(activation.SwigluClamp))
 def test_clamp_is_honoured(weights, w4a16, clamp):
     limit = 4.0
     experts = w4a16
@@ -114,6 +114,21 @@ def test_clamp_is_honoured(weights, w4a16, clamp):
     # the same layer without a limit must not be clamped
     rel_off = _rel(experts(x, w, ids, None), unclamped)
     assert rel_off < TOL_W4A16
+
+
+@pytest.mark.parametrize("clamp", list(activation.SwigluClamp))
+def test_clamp_mode_is_the_one_built(weights, w4a16, clamp):
+    """Issue 43: at a limit below most gates (1.0) the two modes differ by far more than the
+    tolerance, and humming's activation expression computes the mode it was built with (the
+    served one, after the SiLU, is the fixture's)."""
+    assert w4a16.clamp is activation.ROUTED_EXPERT_CLAMP is activation.SwigluClamp.GATE_OUTPUT
+    experts = w4a16 if clamp is w4a16.clamp else humming.HummingMxfp4Experts(**weights, clamp=clamp)
+    other = next(m for m in activation.SwigluClamp if m is not clamp)
+    w, ids = _routing("random", 16, seed=11)
+    x = _x(16, seed=12, scale=8.0)
+    ref, ref_other = _ref(weights, x, w, ids, 1.0, clamp=clamp), _ref(weights, x, w, ids, 1.0, clamp=other)
+    assert (ref - ref_other).norm() / ref.norm() > 10 * TOL_W4A16  # the mode really decides here
+    assert _rel(experts(x, w, ids, 1.0), ref) < TOL_W4A16, clamp
 
 
 @pytest.mark.parametrize("kind, T", CASES)

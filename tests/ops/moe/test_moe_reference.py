@@ -49,10 +49,11 @@ def _per_token_loop(x, blk, cfg, routed_limit, shared_limit):
             I = h.shape[0] // 2
             gate, up = h[:I].tolist(), h[I:].tolist()
             act = []
-            for gv, uv in zip(gate, up):
+            for gv, uv in zip(gate, up):  # routed experts clamp after the SiLU, as trained (issue 43)
+                a = SILU(gv)
                 if routed_limit:
-                    gv, uv = min(gv, routed_limit), max(min(uv, routed_limit), -routed_limit)
-                act.append(SILU(gv) * uv)
+                    a, uv = min(a, routed_limit), max(min(uv, routed_limit), -routed_limit)
+                act.append(a * uv)
             acc += weight * (w2[e] @ torch.tensor(act, dtype=torch.float64))
         hs = blk["shared_gate_up"].double() @ xt
         S = hs.shape[0] // 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_ling.ops.moe.activation import SwigluClamp
 from vllm_ling.ops.moe.selection import HummingUnavailable, MoePath, MoeShape, select_moe
 from vllm_ling.options import LingOptions, MoeBackend, MoeDecode
 from vllm_ling.selection import Feature, Platform
@@ -18,19 +19,22 @@ def test_cuda_selects_humming_with_the_options_switches():
                      humming_status=RUNS)
     assert (sel.feature, sel.choice) == (Feature.MOE, MoePath.HUMMING)
     assert sel.reason == "CUDA, humming runs (humming-kernels 0.1 on sm_90)"
-    assert sel.kernel_kwargs() == {"w4a8": False, "decode": MoeDecode.COPY, "decode_max_tokens": 8}
+    assert sel.kernel_kwargs() == {"w4a8": False, "decode": MoeDecode.COPY, "decode_max_tokens": 8,
+                                 "clamp": SwigluClamp.GATE_OUTPUT}
 
 
 def test_decode_off_builds_no_decode_kernels():
     sel = select_moe(LingOptions(moe_decode=MoeDecode.OFF, moe_decode_max_tokens=32), Platform.CUDA, LING, "l",
                      humming_status=RUNS)
-    assert sel.kernel_kwargs() == {"w4a8": False, "decode": MoeDecode.OFF, "decode_max_tokens": 0}
+    assert sel.kernel_kwargs() == {"w4a8": False, "decode": MoeDecode.OFF, "decode_max_tokens": 0,
+                                 "clamp": SwigluClamp.GATE_OUTPUT}
 
 
 def test_cpu_selects_the_reference_without_decode_kernels():
     sel = select_moe(LingOptions(), Platform.CPU, LING, "l", humming_status=MISSING)
     assert sel.choice is MoePath.REFERENCE and sel.reason.startswith("CPU platform")
-    assert sel.kernel_kwargs() == {"w4a8": False, "decode": MoeDecode.OFF, "decode_max_tokens": 0}
+    assert sel.kernel_kwargs() == {"w4a8": False, "decode": MoeDecode.OFF, "decode_max_tokens": 0,
+                                 "clamp": SwigluClamp.GATE_OUTPUT}
 
 
 @pytest.mark.parametrize("options, vllm_backend, reason", [
@@ -41,6 +45,7 @@ def test_opt_outs_select_vllm_and_say_which(options, vllm_backend, reason):
     for platform in Platform:
         sel = select_moe(options, platform, LING, "l", vllm_moe_backend=vllm_backend, humming_status=MISSING)
         assert (sel.choice, sel.reason) == (MoePath.VLLM, reason)
+        assert sel.clamp is SwigluClamp.GATE_INPUT  # what vLLM 0.32's own MoE methods compute
 
 
 def test_vllms_own_humming_word_leaves_the_experts_to_us():

@@ -26,13 +26,13 @@ from vllm_ling.ops.known_answer.formats import (DENSE_ROW_RTOL, E4M3_NAN_CODES, 
 from vllm_ling.ops.known_answer.fp8 import (block_fp8_linear_problem, check_fp8_head_kernel,
                                             fp8_head_problem)
 from vllm_ling.ops.known_answer.kda import check_kda, kda_problem
-from vllm_ling.ops.known_answer.mxfp4_moe import (MOE_REGIMES, MOE_SWIGLU_LIMIT, check_mxfp4_experts,
-                                                  mxfp4_moe_problem)
+from vllm_ling.ops.known_answer.mxfp4_moe import (MOE_MODE_LIMIT, MOE_REGIMES, MOE_SWIGLU_LIMIT,
+                                                  check_mxfp4_experts, mxfp4_moe_problem)
 from vllm_ling.ops.known_answer.router import ROUTER_RTOL, check_router_gemv, router_gemv_problem
 from vllm_ling.ops.known_answer.runner import KernelCheckResult, KnownAnswerCase, run_check, skipped_result
 
 __all__ = ["DENSE_ROW_RTOL", "E4M3_NAN_CODES", "E4M3_TABLE", "FINITE_E4M3_CODES",
-           "KernelCheckResult", "KnownAnswerCase", "MOE_REGIMES", "MOE_ROW_RTOL", "MOE_SWIGLU_LIMIT",
+           "KernelCheckResult", "KnownAnswerCase", "MOE_MODE_LIMIT", "MOE_REGIMES", "MOE_ROW_RTOL", "MOE_SWIGLU_LIMIT",
            "MOE_W4A8_ROW_RTOL", "ONE_HOT_RTOL", "ROUTER_RTOL", "amx_e4m3_decode", "block_fp8_linear_problem",
            "bump_e8m0", "check_fp8_head_kernel", "check_kda", "check_mxfp4_experts", "check_router_gemv",
            "code_ranges", "e4m3_value", "fp8_head_problem", "kda_problem", "mxfp4_moe_problem",

@@ -1,5 +1,5 @@
 """MXFP4 routed-experts problem (four scale/code regimes, decode- and GEMM-sized batches,
-the SwiGLU clamp) and the ops-level check of any experts callable."""
+the SwiGLU clamp and its mode) and the ops-level check of any experts callable."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from vllm_ling.ops.known_answer.formats import E2M1_TABLE, MOE_ROW_RTOL, MOE_W4A8_ROW_RTOL, MXFP4_GROUP
 from vllm_ling.ops.known_answer.runner import KernelCheckResult, KnownAnswerCase, run_check
+from vllm_ling.ops.moe.activation import SwigluClamp
 
 
 # Two experts per regime (a token's top-2 stay in one regime, so its output has one scale):
@@ -29,6 +30,15 @@ W4A8_UNJUDGED_REGIMES = ("B",)
 # activations by 2^100 inside FP32 and overflow past ~2^27 (humming's GEMM does not); measured
 # on the H200, benchmarks/results/kernel_checks_h200.md.
 MOE_SWIGLU_LIMIT = 7.0
+# The clamp *mode* (after or before the SiLU) changes a gate above L by at most L * sigmoid(-L):
+# 0.09 % at Ling's 7, 1.8 % at its 4, under the 2 % row tolerance. At L = 1 it is 27 % (silu(1) =
+# 0.73 vs 1) and most gates of regimes A, C and D exceed L: a kernel computing the other mode
+# misses this case by ~27 % per row, 13x the W4A16 tolerance and 5x W4A8's (tests/ops/test_known_answer.py).
+MOE_MODE_LIMIT = 1.0
+# The answers are computed in the form Ling was trained with, written here and not read from
+# what serves (ops.moe.activation.ROUTED_EXPERT_CLAMP): a server whose MoE computes another mode
+# fails its startup check instead of agreeing with itself.
+TRAINED_CLAMP = SwigluClamp.GATE_OUTPUT
 
 
 @dataclasses.dataclass
@@ -72,9 +82,11 @@ def _fp8_per_token(v: torch.Tensor) -> torch.Tensor:
     return (v / scale).clamp(-448, 448).float().to(torch.float8_e4m3fn).double() * scale
 
 
-def _experts_answer(x, w13, w2, weights, ids, limit: float | None, fp8_activations: bool = False) -> torch.Tensor:
+def _experts_answer(x, w13, w2, weights, ids, limit: float | None, fp8_activations: bool = False,
+                    clamp: SwigluClamp = TRAINED_CLAMP) -> torch.Tensor:
     """float64; with ``fp8_activations`` both GEMM inputs are rounded per token to e4m3 as a
-    W4A8 kernel does (the SwiGLU output first to BF16, as the kernel stores it)."""
+    W4A8 kernel does (the SwiGLU output first to BF16, as the kernel stores it). ``clamp``: where
+    the limit bites the gate (written out here, independent of ``ops.moe.activation.swiglu``)."""
     xf = x.double()
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
     inter = w13.shape[1] // 2
@@ -83,9 +95,13 @@ def _experts_answer(x, w13, w2, weights, ids, limit: float | None, fp8_activatio
             e = int(ids[t, j])
             h = w13[e] @ (_fp8_per_token(xf[t]) if fp8_activations else xf[t])
             gate, up = h[:inter], h[inter:]
-            if limit is not None:
-                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-            act = gate * torch.sigmoid(gate) * up
+            if limit is None:
+                act = gate * torch.sigmoid(gate) * up
+            elif clamp is SwigluClamp.GATE_OUTPUT:  # min(silu(g), L) * clamp(u, -L, L)
+                act = (gate * torch.sigmoid(gate)).clamp(max=limit) * up.clamp(-limit, limit)
+            else:  # silu(min(g, L)) * clamp(u, -L, L)
+                gate = gate.clamp(max=limit)
+                act = gate * torch.sigmoid(gate) * up.clamp(-limit, limit)
             if fp8_activations:
                 act = _fp8_per_token(act.to(torch.bfloat16).double())
             out[t] += float(weights[t, j]) * (w2[e] @ act)
@@ -94,11 +110,13 @@ def _experts_answer(x, w13, w2, weights, ids, limit: float | None, fp8_activatio
 
 def mxfp4_moe_problem(hidden: int = 256, intermediate: int = 128, token_counts=(4, 40),
                       swiglu_limit: float = MOE_SWIGLU_LIMIT, w4a8: bool = False,
-                      seed: int = 0) -> Mxfp4MoEProblem:
+                      seed: int = 0, clamp: SwigluClamp = TRAINED_CLAMP) -> Mxfp4MoEProblem:
     """Eight experts in four regimes (``MOE_REGIMES``), top-2 within a regime; for each token
-    count (default one decode-sized and one past the decode kernels' 32) one case without and
-    one with the SwiGLU clamp. Gate/up rows, codes and scales vary so a swapped nibble, row or
-    scale group shows. ``w4a8``: answers for FP8 per-token activations, wider tolerance."""
+    count (default one decode-sized and one past the decode kernels' 32) one case without the
+    SwiGLU clamp, one with it (``swiglu_limit``) and one at ``MOE_MODE_LIMIT``, where the clamp
+    mode decides the answer. Gate/up rows, codes and scales vary so a swapped nibble, row or
+    scale group shows. ``w4a8``: answers for FP8 per-token activations, wider tolerance.
+    ``clamp``: the mode the answers are computed in (the trained one; the other for tests)."""
     row_rtol = MOE_W4A8_ROW_RTOL if w4a8 else MOE_ROW_RTOL
     names = list(MOE_REGIMES)
     E, H, I = 2 * len(names), hidden, intermediate
@@ -128,12 +146,14 @@ def mxfp4_moe_problem(hidden: int = 256, intermediate: int = 128, token_counts=(
         judged = None
         if w4a8:
             judged = torch.tensor([names[int(r)] not in W4A8_UNJUDGED_REGIMES for r in regime])
-        for limit in (None, swiglu_limit):
+        for limit in (None, swiglu_limit, MOE_MODE_LIMIT):
             label = f"{T} tokens ({size}), " + ("no clamp" if limit is None else f"SwiGLU clamp {limit:g}")
+            if limit == MOE_MODE_LIMIT:
+                label += f" {clamp.where}"
             cases.append(KnownAnswerCase(
                 label, {"x": x, "topk_weights": weights, "topk_ids": ids, "swiglu_limit": limit},
-                _experts_answer(x, w13, w2, weights, ids, limit, w4a8), row_rtol, per_row=True, explain=explain,
-                judged_rows=judged))
+                _experts_answer(x, w13, w2, weights, ids, limit, w4a8, clamp), row_rtol, per_row=True,
+                explain=explain, judged_rows=judged))
     return Mxfp4MoEProblem(_pack_low_nibble_first(c13), e13, _pack_low_nibble_first(c2), e2, 2, cases)
 
 

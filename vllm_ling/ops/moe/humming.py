@@ -15,7 +15,7 @@ import torch
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import MoeDecode, option
-from vllm_ling.ops.moe.activation import (ROUTED_EXPERT_CLAMP, check_clamp, effective_limit,
+from vllm_ling.ops.moe.activation import (ROUTED_EXPERT_CLAMP, SwigluClamp, check_clamp, effective_limit,
                                           swiglu_activation_expr)
 from vllm_ling.ops.moe.decode import layouts as decode_layouts
 from vllm_ling.ops.moe.decode.shapes import MAX_GRID_ROWS
@@ -123,7 +123,7 @@ class HummingMxfp4Experts:
         w2_weight_scale: torch.Tensor,
         *,
         w4a8: bool = False,
-        clamp: str = ROUTED_EXPERT_CLAMP,
+        clamp: SwigluClamp | str = ROUTED_EXPERT_CLAMP,
         routing_impl: str = "auto",
         reduce_impl: str = "auto",
         tuning_overrides: dict[str, dict] | None = None,
@@ -134,7 +134,7 @@ class HummingMxfp4Experts:
     ):
         if param_dtype != torch.bfloat16:
             raise ValueError("the humming Ling MoE path supports BF16 activations only")
-        check_clamp(clamp)
+        clamp = check_clamp(clamp)  # benchmarks pass the plain word
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         decode = MoeDecode(decode)  # benchmarks pass the plain word; compare members from here on

@@ -2,8 +2,10 @@
 block, in float32 (the independent reference the kernels are tested against and the CPU
 path of the layer).
 
-Semantics follow vLLM 0.32's Ling model (``model_executor/models/bailing_moe_v3.py``); the
-router is :mod:`vllm_ling.ops.moe.routing`, the SwiGLU clamp :mod:`vllm_ling.ops.moe.activation`.
+Semantics follow vLLM 0.32's Ling model (``model_executor/models/bailing_moe_v3.py``) except the
+routed experts' SwiGLU clamp, which is applied after the SiLU as Ling was trained (vLLM 0.32
+clamps the gate before it; :mod:`vllm_ling.ops.moe.activation`); the router is
+:mod:`vllm_ling.ops.moe.routing`.
 
 Weights use vLLM's MXFP4 MoE layout: ``w13_weight`` uint8 [E, 2I, H/2] (gate rows, then up
 rows), ``w13_weight_scale`` uint8 E8M0 [E, 2I, H/32], ``w2_weight`` uint8 [E, H, I/2],
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 
 from vllm_ling.ops.fp8 import FP8_E4M3_MAX
-from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, SHARED_EXPERT_CLAMP, swiglu
+from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, SHARED_EXPERT_CLAMP, SwigluClamp, swiglu
 from vllm_ling.ops.moe.routing import route
 from vllm_ling.ops.mxfp4 import MXFP4_GROUP_SIZE, mxfp4_dequantize
 
@@ -81,7 +83,7 @@ def experts_reference(
     *,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
-    clamp: str = ROUTED_EXPERT_CLAMP,
+    clamp: SwigluClamp = ROUTED_EXPERT_CLAMP,
     fp8_activations: bool = False,
 ) -> torch.Tensor:
     """Weighted routed-expert sum in float32: sum_k w[t,k] * expert_{id[t,k]}(x[t]).
@@ -113,7 +115,7 @@ def experts_reference(
 
 def shared_expert_reference(x: torch.Tensor, gate_up_weight: torch.Tensor,
                             down_weight: torch.Tensor, swiglu_limit: float | None = None,
-                            clamp: str = SHARED_EXPERT_CLAMP) -> torch.Tensor:
+                            clamp: SwigluClamp = SHARED_EXPERT_CLAMP) -> torch.Tensor:
     """Dense SwiGLU MLP ([2I, H] gate_up, [H, I] down) in float32 -> [T, H]."""
     h = x.float() @ gate_up_weight.float().t()
     return swiglu(h, swiglu_limit, clamp) @ down_weight.float().t()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, VLLM_ROUTED_EXPERT_CLAMP, SwigluClamp
 from vllm_ling.options import Choice, LingOptions, MoeBackend, MoeDecode
 from vllm_ling.selection import Feature, Platform, Selection
 
@@ -40,15 +41,28 @@ class MoeShape:
 
 @dataclasses.dataclass(frozen=True)
 class MoeSelection(Selection):
-    """The backend (``choice``: a :class:`MoePath`) and the humming kernel switches it runs with."""
+    """The backend (``choice``: a :class:`MoePath`), the humming kernel switches it runs with and
+    the SwiGLU clamp mode it computes (ours: after the SiLU; vLLM 0.32's methods: before it)."""
 
     w4a8: bool = False
     decode: MoeDecode = MoeDecode.OFF
     decode_max_tokens: int = 0  # 0 where decode is OFF: no decode kernels to build
+    clamp: SwigluClamp = ROUTED_EXPERT_CLAMP
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.clamp, SwigluClamp):
+            raise TypeError(f"MoeSelection needs a SwigluClamp, got {self.clamp!r}")
 
     def kernel_kwargs(self) -> dict:
         """The switches humming's experts take (the layer's method and warm-up's kernels alike)."""
-        return {"w4a8": self.w4a8, "decode": self.decode, "decode_max_tokens": self.decode_max_tokens}
+        return {"w4a8": self.w4a8, "decode": self.decode, "decode_max_tokens": self.decode_max_tokens,
+                "clamp": self.clamp}
+
+    def served_key(self) -> tuple:
+        """What a layer serving this selection runs: compared with
+        :func:`vllm_ling.layers.moe_method.served_selection` of the layer's method."""
+        return self.choice, self.w4a8, self.decode, self.decode_max_tokens, self.clamp
 
 
 def select_moe(options: LingOptions, platform: Platform, shape: MoeShape, prefix: str,
@@ -62,7 +76,7 @@ def select_moe(options: LingOptions, platform: Platform, shape: MoeShape, prefix
     """
     opted_out = opt_out_reason(options, vllm_moe_backend)
     if opted_out is not None:
-        return MoeSelection(Feature.MOE, MoePath.VLLM, f"opted out: {opted_out}")
+        return MoeSelection(Feature.MOE, MoePath.VLLM, f"opted out: {opted_out}", clamp=VLLM_ROUTED_EXPERT_CLAMP)
     if options.moe_decode is MoeDecode.COPY:
         _refuse_packed_copy(shape, prefix, options.moe_w4a8, platform)
     if platform is Platform.CPU:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP
+from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, SwigluClamp
 from vllm_ling.ops.moe.humming import (DECODE_AUTO, DEFAULT_DECODE_MAX_TOKENS, HummingMxfp4Experts,
                                        HummingUnavailableError, humming_status)
 
@@ -35,7 +35,7 @@ def random_mxfp4_experts(num_experts: int, hidden_size: int, intermediate_size: 
 
 def warmup_kernels(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                    token_counts=(1, 2, 4, 8, 16), w4a8: bool = False,
-                   swiglu_limits=(None,), clamp: str = ROUTED_EXPERT_CLAMP,
+                   swiglu_limits=(None,), clamp: SwigluClamp = ROUTED_EXPERT_CLAMP,
                    decode: str = DECODE_AUTO, decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS,
                    device: int | torch.device | None = None) -> dict:
     """Compile (into the shared JIT cache) every humming kernel the MoE layer needs for

@@ -44,8 +44,9 @@ __device__ __forceinline__ float byte_factor(u32 w, int j) {
   return __int_as_float((int)(__byte_perm(w, 0u, 0x4440u + j) * (1u << 23) + (26u << 23)));
 }
 
-// vLLM's routed-expert SwiGLU with the per-layer clamp: CLAMP_GATE_OUTPUT 0 clamps the gate
-// input (silu(min(g, L)) * clamp(u)), 1 clamps the gate output (min(silu(g), L) * clamp(u))
+// Ling's routed-expert SwiGLU with the per-layer clamp: CLAMP_GATE_OUTPUT 1 clamps the gate
+// output, min(silu(g), L) * clamp(u) (as trained; what vllm-ling serves), 0 the gate input,
+// silu(min(g, L)) * clamp(u) (vLLM 0.32's fused MoE); vllm_ling/ops/moe/activation.py
 __device__ __forceinline__ float swiglu(float g, float u, float limit, int has_limit) {
   if (has_limit) {
     u = fminf(fmaxf(u, -limit), limit);

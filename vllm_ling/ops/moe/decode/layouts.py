@@ -9,7 +9,7 @@ import ctypes
 import torch
 
 from vllm_ling.ops.cuda_jit import compiled_kernel, launch
-from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, clamp_define, effective_limit
+from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, SwigluClamp, check_clamp, clamp_define, effective_limit
 from vllm_ling.ops.moe.decode.packing import TILE_ROWS, check_shapes, pack_down, pack_gate_up
 from vllm_ling.ops.moe.decode.shapes import (HummingDecodeConfig, KernelShape, PackedDecodeConfig,
                                              default_humming_decode_configs)
@@ -87,12 +87,12 @@ class PackedLayoutDecode(_TwoKernelDecode):
 
     def __init__(self, w13_weight: torch.Tensor, w13_weight_scale: torch.Tensor,
                  w2_weight: torch.Tensor, w2_weight_scale: torch.Tensor, *, top_k: int,
-                 clamp: str = ROUTED_EXPERT_CLAMP, config: PackedDecodeConfig | None = None):
+                 clamp: SwigluClamp | str = ROUTED_EXPERT_CLAMP, config: PackedDecodeConfig | None = None):
         if w13_weight.device.type != "cuda":
             raise ValueError(f"expert weights must be on a CUDA device, got {w13_weight.device}")
         E, H, I = check_shapes(w13_weight, w13_weight_scale, w2_weight, w2_weight_scale)
         self.num_experts, self.hidden_size, self.intermediate_size, self.top_k = E, H, I, top_k
-        self.device, self.clamp = w13_weight.device, clamp
+        self.device, self.clamp = w13_weight.device, check_clamp(clamp)
         self.w13, self.s13 = pack_gate_up(w13_weight, w13_weight_scale)
         self.w2, self.s2 = pack_down(w2_weight, w2_weight_scale)
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.w13, self.s13, self.w2, self.s2))
