@@ -66,7 +66,7 @@ e2e=tests/deploy/test_serve_gpu_e2e.py
 full_size=(--logs "$out/logs" --gpu-memory-utilization 0.5 --kv-cache-gib 4
            --vllm-arg=--max-num-batched-tokens --vllm-arg=2048)
 pids=()
-suite_of() { case "$1" in kernels-*) echo "gpu:$1" ;; *) echo "gpu-e2e:$1" ;; esac; }
+suite_of() { case "$1" in kernels-*|moe-clamp) echo "gpu:$1" ;; *) echo "gpu-e2e:$1" ;; esac; }
 tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its short name
   local name=$1 limit=$2
   case "$name" in
@@ -82,6 +82,9 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   kernels-a) part kernels-a "$limit" -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \
     tests/ops/test_known_answer_gpu.py ;;
   kernels-b) part kernels-b "$limit" -m gpu tests/ops/moe tests/ops/lm_head tests/ops/test_humming_jit.py tests/benchmarks ;;
+  # the routed-expert clamp mode (issue 43): the MoE kernels and known answers that tell the modes apart
+  moe-clamp) part moe-clamp "$limit" -m gpu tests/ops/test_known_answer_gpu.py tests/ops/moe \
+    tests/benchmarks/test_decode_standins.py ;;
   demo) (VLLM_DEEP_GEMM_WARMUP=skip timeout "$limit" python3 -m vllm_ling.cli.demo --out "$out/demo" > "$out/demo.log" 2>&1
          echo "demo rc $?" >> "$out/rc.txt") &
         pids+=($!) ;;
@@ -138,6 +141,16 @@ ours|upstream|ours-mtp)
     --json "$OUT/$phase.json" "${full_size[@]}" --startup-timeout "$startup_s" "${wait_for[@]}" > "$out/$phase.txt" 2>&1
   echo "$phase rc $?" >> "$out/rc.txt"
   [ -n "${WITH_TESTS:-}" ] && wait $tiny
+  ;;
+moe-bench)
+  # One MoE layer, decode kernels vs humming's GEMM on an idle GPU: without a limit (comparable to
+  # benchmarks/results/moe_decode_h200.md), and at Ling's limit 4 in each clamp mode (issue 43)
+  for run in "plain::" "limit4-after:--swiglu-limit 4:" "limit4-before:--swiglu-limit 4 --clamp gate_input:"; do
+    IFS=: read -r name flags _ <<< "$run"
+    timeout 200 python3 -m benchmarks.moe_decode --tokens 1,4,16 --variants default --hl-variants default $flags \
+      --out "$OUT/moe-bench-$name.md" > "$out/moe-bench-$name.txt" 2>&1
+    echo "moe-bench-$name rc $?" >> "$out/rc.txt"
+  done
   ;;
 short)
   # One lease's last ten minutes: the tiny end-to-end essentials beside the full-size start, then the
