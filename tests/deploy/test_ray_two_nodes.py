@@ -42,6 +42,9 @@ import pytest
 import requests
 import yaml
 
+from vllm_ling.processes import marked
+from vllm_ling.runtime.supervisor import descendants
+
 from ._tools import CHART_DIR, DOCKER_DIR, VENV_BIN, find_tool, run
 
 pytest.importorskip("vllm")
@@ -85,6 +88,12 @@ def processes_with(marker: str, sessions: tuple[int, ...] = ()) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def server_processes(marker: str, sessions: tuple[int, ...] = ()) -> list[int]:
+    """The vLLM server's processes in our cluster: those carrying a server's marker
+    (vllm_ling.processes: the launcher's children, and through the runtime env its Ray workers)."""
+    return marked(among=processes_with(marker, sessions))
 
 
 def command_of(pid: int) -> str:
@@ -315,6 +324,11 @@ def test_metrics_cover_every_rank(two_nodes):
 
 def test_losing_the_worker_node_fails_loudly(two_nodes):
     """Last in the module: stops the worker node (its ``ray start --block`` and raylet)."""
+    serving = server_processes(two_nodes.marker, (two_nodes.leader.proc.pid,))
+    # the marker reaches the Ray workers too (they are not below the leader's processes), so the
+    # check below sees them
+    assert set(serving) - set(descendants(two_nodes.leader.proc.pid)), \
+        [command_of(p) for p in serving]
     t0 = time.monotonic()
     os.killpg(two_nodes.worker.proc.pid, signal.SIGTERM)
     try:
@@ -327,15 +341,16 @@ def test_losing_the_worker_node_fails_loudly(two_nodes):
     log = two_nodes.leader.log()
     assert f"lost Ray node(s) while serving: {WORKER_IP}" in log, log[-4000:]
     assert health(two_nodes.base) != 200
-    # The server's processes (API server, engine core, Ray workers) are gone with it.
+    # The server's processes (API server, engine core, Ray workers) are gone with it; Ray's own
+    # daemons on the head stay until teardown. Ours by the server marker, never by a word in the
+    # command line (a checkout named vllm-ling puts "vllm" into Ray's own command lines too).
     deadline = time.monotonic() + 30
     while True:
-        left = [command_of(p) for p in processes_with(two_nodes.marker, (two_nodes.leader.proc.pid,))]
-        vllm_left = [c for c in left if "vllm" in c.lower() and "ray/" not in c or "RayWorkerProc" in c]
-        if not vllm_left or time.monotonic() > deadline:
+        left = server_processes(two_nodes.marker, (two_nodes.leader.proc.pid,))
+        if not left or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert not vllm_left, vllm_left
+    assert not left, [command_of(p) for p in left]
 
 
 def test_head_names_the_workers_that_never_joined(tmp_path):

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from vllm_ling.processes import SERVER_MARKER_ENV, new_marker
+
 STARTUP_TIMEOUT_S = 900
 CPU_SERVE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
                   "--max-num-seqs", "4", "--seed", "0"]
@@ -86,6 +88,7 @@ class Server:
     base_url: str
     log_path: Path
     _log: IO | None = field(default=None, repr=False)
+    marker: str = ""  # SERVER_MARKER_ENV of every process of this server (vllm_ling.processes)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -125,6 +128,8 @@ def group_alive(pgid: int, grace: float = 60.0) -> bool:
 def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int, host: str = "127.0.0.1",
                  wait: bool = True, timeout: float = STARTUP_TIMEOUT_S) -> Server:
     """Start ``cmd`` in its own session, logging to ``log_path``; OSError if it cannot start."""
+    marker = new_marker()
+    env = {**env, SERVER_MARKER_ENV: marker}
     log = open(log_path, "wb")  # noqa: SIM115 (closed by Server.stop)
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -132,7 +137,7 @@ def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int,
     except OSError:
         log.close()
         raise
-    server = Server(proc, f"http://{host}:{port}", log_path, log)
+    server = Server(proc, f"http://{host}:{port}", log_path, log, marker)
     if wait:
         wait_healthy(server, timeout)
     return server

@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Callable, Mapping
 
+from vllm_ling.processes import SERVER_MARKER_ENV, new_marker
+
 EXIT_SERVER_DIED = 4  # vLLM exited 0 without a stop request: its engine died (documented in README)
 # After the drain window, vLLM still tears down its engine processes; beyond this we kill.
 TEARDOWN_MARGIN_S = 30.0
@@ -158,6 +160,8 @@ class Supervisor:
         with self._lock:
             if self.stop_signal is not None:
                 return None
+        # every process of this server carries it (a harness that started us may have named it)
+        self.env.setdefault(SERVER_MARKER_ENV, new_marker())
         child = subprocess.Popen(self.argv, env=self.env)
         with self._lock:
             self.child = child
