@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 from vllm_ling.processes import SERVER_MARKER_ENV, new_marker
 
@@ -143,10 +143,17 @@ def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int,
     return server
 
 
-def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S) -> None:
-    """Poll /health; ServerError (with the log tail) if the server exits or times out."""
-    deadline = time.monotonic() + timeout
+def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S,
+                 progress: Callable[[float], None] | None = None, every_s: float = 15.0) -> None:
+    """Poll /health; ServerError (with the log tail) if the server exits or times out.
+    ``progress(seconds waited)`` is called every ``every_s`` seconds while it waits."""
+    start = time.monotonic()
+    deadline = start + timeout
+    next_progress = start + every_s
     while True:
+        if progress is not None and time.monotonic() >= next_progress:
+            progress(time.monotonic() - start)
+            next_progress += every_s
         if server.proc.poll() is not None:
             raise ServerError(f"server exited with code {server.proc.returncode} before it was healthy; "
                               f"last lines of {server.log_path}:\n{log_tail(server.log_path)}")
