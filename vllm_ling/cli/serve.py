@@ -460,9 +460,10 @@ def serve_main(argv: list[str]) -> int:
     supervisor.argv = launcher + plan.argv[1:]
     supervisor.env = {**env, REFUSAL_FILE_ENV: refusal_file, STOP_FILE_ENV: supervisor.stop_file}
     supervisor.shutdown_timeout = float(_flag_value(plan.argv, "--shutdown-timeout", "0"))
+    smoke_refusals: list[str] = []
     try:
         if supervisor.start() is not None and smoke:
-            threading.Thread(target=smoke_check, args=(supervisor, plan.argv, env), daemon=True,
+            threading.Thread(target=smoke_check, args=(supervisor, plan.argv, env, smoke_refusals), daemon=True,
                              name="vllm-ling-smoke").start()
         code = supervisor.run()
     finally:
@@ -471,6 +472,8 @@ def serve_main(argv: list[str]) -> int:
     if refusal is not None and code != 0 and supervisor.stop_signal is None:
         print(f"vllm-ling serve: error: {refusal}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    if code == EXIT_SMOKE_FAILED and smoke_refusals:  # said before vLLM's shutdown log: said last again
+        print(f"vllm-ling serve: error: {smoke_refusals[-1]}", file=sys.stderr, flush=True)
     return code
 
 
@@ -542,13 +545,21 @@ def _flag_value(argv: list[str], flag: str, default: str) -> str:
     return value
 
 
-def smoke_check(supervisor: Supervisor, argv: list[str], env: dict[str, str]) -> None:
+def _served_model(argv: list[str]) -> str:
+    """The MODEL of a ``... vllm serve MODEL ...`` command ("" without one)."""
+    at = argv.index("serve") + 1 if "serve" in argv else len(argv)
+    return argv[at] if at < len(argv) else ""
+
+
+def smoke_check(supervisor: Supervisor, argv: list[str], env: dict[str, str],
+                refusals: list[str] | None = None) -> None:
     """Once vLLM is healthy, run the smoke generation; under strict a failure stops the
-    server (drained like a SIGTERM) and makes the launcher exit EXIT_SMOKE_FAILED."""
+    server (drained like a SIGTERM), is appended to ``refusals`` (the launcher's last line) and
+    makes the launcher exit EXIT_SMOKE_FAILED."""
     import time
     import urllib.request
 
-    from vllm_ling.runtime.smoke import SmokeError, record_in_report, run_smoke
+    from vllm_ling.runtime.smoke import SmokeError, judged, record_in_report, run_smoke
 
     host = _flag_value(argv, "--host", "127.0.0.1")
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -565,13 +576,17 @@ def smoke_check(supervisor: Supervisor, argv: list[str], env: dict[str, str]) ->
         return  # vLLM stopped before it was healthy: the supervisor reports why
     policy = read_option(env, "VLLM_LING_VERIFY")
     try:
-        result = run_smoke(base, _flag_value(argv, "--served-model-name", argv[2] if len(argv) > 2 else ""),
+        result = run_smoke(base, _flag_value(argv, "--served-model-name", _served_model(argv)),
                            env.get("VLLM_API_KEY"), read_option(env, "VLLM_LING_SMOKE_MIN_ACCEPT"))
     except (SmokeError, OSError, ValueError) as exc:
         print(f"vllm-ling serve: smoke check could not run: {exc}", file=sys.stderr, flush=True)
         return
+    result = judged(result, _served_model(argv))
     record_in_report(read_option(env, "VLLM_LING_REPORT_PATH"), result)
-    if result.passed is None:
+    if result.note:
+        print(f"vllm-ling serve: smoke check: accept length {result.accept_length:.2f} over {result.drafts} "
+              f"drafts, as expected here: {result.note}", file=sys.stderr, flush=True)
+    elif result.passed is None:
         print("vllm-ling serve: smoke check: no speculative drafts observed (speculation off)",
               file=sys.stderr, flush=True)
     elif result.passed:
@@ -579,11 +594,15 @@ def smoke_check(supervisor: Supervisor, argv: list[str], env: dict[str, str]) ->
               f"{result.drafts} drafts (threshold {result.threshold})", file=sys.stderr, flush=True)
     else:
         message = (f"smoke check FAILED: accept length {result.accept_length:.2f} over {result.drafts} "
-                   f"drafts is below VLLM_LING_SMOKE_MIN_ACCEPT={result.threshold}: the NEXTN draft "
-                   "does not predict the target (is it sharing the target's head module?)")
+                   f"drafts is below VLLM_LING_SMOKE_MIN_ACCEPT={result.threshold}: the NEXTN draft does "
+                   "not predict the target (a draft that does not share the target's head module, or "
+                   "draft weights that do not belong to these target weights)")
         if policy is VerifyPolicy.STRICT:
             print(f"vllm-ling serve: {message}; stopping the server (VLLM_LING_VERIFY=strict)",
                   file=sys.stderr, flush=True)
+            if refusals is not None:
+                refusals.append(f"{message}. VLLM_LING_VERIFY=warn serves anyway; VLLM_LING_SMOKE=0 "
+                                "skips the check")
             supervisor.stop(EXIT_SMOKE_FAILED)
         else:
             print(f"vllm-ling serve: WARNING: {message}", file=sys.stderr, flush=True)

@@ -138,6 +138,7 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "accept_length": {"type": ["number", "null"]},
                 "threshold": {"type": "number"},
                 "passed": {"type": ["boolean", "null"]},
+                "note": {"type": "string"},
             },
         },
         # Optional: bytes one worker (the reporting rank) holds, each storage once: its weights

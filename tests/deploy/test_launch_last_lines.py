@@ -1,0 +1,112 @@
+"""`vllm-ling serve`'s own behaviour around a server, with vLLM replaced by a stand-in that does
+what vLLM's API server does at the edges the launcher sees (tests/deploy/fake_vllm.py): the smoke
+check's verdict and its last line (issue 46). The real servers' side is in test_entrypoint_server.py
+and test_serve_lifecycle.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_ling.models.names import TINY_WEIGHTS_KEY
+from vllm_ling.runtime.local_server import free_port
+
+FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
+LAUNCH = ("import sys\n"
+          "from vllm_ling.cli import serve\n"
+          "serve.vllm_command = lambda: ['fake-vllm']\n"
+          f"serve.vllm_launcher = lambda program: [sys.executable, {str(FAKE_VLLM)!r}]\n"
+          "sys.exit(serve.serve_main(sys.argv[1:]))\n")
+
+
+class Launch:
+    def __init__(self, tmp_path: Path, model: Path, *argv: str, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.err_path = tmp_path / "launcher.err"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
+        base.update({"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                     "VLLM_LING_REPORT_PATH": str(tmp_path / "report.json"), **(env or {})})
+        self._err = open(self.err_path, "w")  # noqa: SIM115 (closed in wait)
+        self.proc = subprocess.Popen([sys.executable, "-c", LAUNCH, str(model), "--device", "cpu", "--host",
+                                      "127.0.0.1", "--port", str(self.port), *argv], env=base,
+                                     stdout=subprocess.DEVNULL, stderr=self._err, start_new_session=True)
+
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.stderr():
+            assert self.proc.poll() is None, self.stderr()[-3000:]
+            assert time.monotonic() < deadline, self.stderr()[-3000:]
+            time.sleep(0.2)
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self._err.close()
+
+    def last_line(self) -> str:
+        return self.stderr().rstrip("\n").split("\n")[-1]
+
+
+def test_a_random_tiny_checkpoint_serves_with_a_note_instead_of_a_refusal(tmp_path, tiny_checkpoint):
+    """3cb2263 stopped it with exit 3 after the smoke check: 'accept length 1.00 ... (is it
+    sharing the target's head module?)', the wrong reason for random weights."""
+    assert json.loads((tiny_checkpoint / "config.json").read_text())[TINY_WEIGHTS_KEY] == "random"
+    launch = Launch(tmp_path, tiny_checkpoint, env={"FAKE_ACCEPTED": "0"})
+    launch.wait_for("smoke check: accept length 1.00 over 10 drafts, as expected here: ")
+    os.kill(launch.proc.pid, signal.SIGTERM)
+    assert launch.wait() == 0, launch.stderr()[-3000:]
+    err = launch.stderr()
+    assert "is a random-weight tiny checkpoint (vllm-ling make-tiny without --agreeing or --script)" in err
+    assert "FAILED" not in err and "refus" not in err
+
+
+def test_a_failed_smoke_check_is_the_last_line(tmp_path, tiny_checkpoint):
+    """A checkpoint whose draft should be accepted (no random-weights mark) and is not: exit 3, and
+    the reason, with what to do, is the launcher's last line, after vLLM's shutdown output."""
+    unmarked = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, unmarked)
+    config = json.loads((unmarked / "config.json").read_text())
+    del config[TINY_WEIGHTS_KEY]
+    (unmarked / "config.json").write_text(json.dumps(config))
+    launch = Launch(tmp_path, unmarked, env={"FAKE_ACCEPTED": "0"})
+    assert launch.wait() == 3, launch.stderr()[-3000:]
+    assert launch.stderr().rstrip("\n").endswith(
+        "vllm-ling serve: error: smoke check FAILED: accept length 1.00 over 10 drafts is below "
+        "VLLM_LING_SMOKE_MIN_ACCEPT=1.5: the NEXTN draft does not predict the target (a draft that does not "
+        "share the target's head module, or draft weights that do not belong to these target weights). "
+        "VLLM_LING_VERIFY=warn serves anyway; VLLM_LING_SMOKE=0 skips the check"), launch.stderr()[-2000:]
+
+
+def test_make_tiny_marks_how_its_weights_were_made(tmp_path):
+    from vllm_ling.models.tiny_checkpoint import make_tiny
+
+    made = make_tiny(tmp_path / "agree", agreeing=True)
+    assert json.loads((made / "config.json").read_text())[TINY_WEIGHTS_KEY] == "agreeing"
+
+
+def test_the_note_is_for_random_weights_only(tmp_path, tiny_checkpoint):
+    from vllm_ling.runtime.smoke import SmokeResult, judged
+
+    failed = SmokeResult(1.0, 63, 1.5, False)
+    noted = judged(failed, tiny_checkpoint)
+    assert noted.passed is None and "random-weight tiny checkpoint" in noted.note
+    assert noted.as_report()["note"] == noted.note and noted.as_report()["accept_length"] == 1.0
+    (tmp_path / "config.json").write_text(json.dumps({TINY_WEIGHTS_KEY: "agreeing"}))
+    assert judged(failed, tmp_path) == failed  # an agreeing draft must be accepted
+    assert judged(failed, tmp_path / "missing") == failed
+    passed = SmokeResult(4.0, 16, 1.5, True)
+    assert judged(passed, tiny_checkpoint) == passed
