@@ -40,7 +40,12 @@ SEMAPHORE = ("/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserW
 
 def main(argv: list[str]) -> int:
     args = argv[2:]  # serve MODEL
-    unknown = [a for a in args if a.startswith("--") and a.split("=", 1)[0] not in KNOWN]
+    unknown = []  # as argparse names them: an unknown flag with the value after it
+    for i, a in enumerate(args):
+        if a.startswith("--") and a.split("=", 1)[0] not in KNOWN:
+            unknown.append(a)
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                unknown.append(args[i + 1])
     if unknown:
         sys.stderr.write("usage: vllm serve [model_tag] [options]\n"
                          f"vllm serve: error: unrecognized arguments: {' '.join(unknown)}\n")

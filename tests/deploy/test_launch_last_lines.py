@@ -1,7 +1,8 @@
 """`vllm-ling serve`'s own behaviour around a server, with vLLM replaced by a stand-in that does
 what vLLM's API server does at the edges the launcher sees (tests/deploy/fake_vllm.py): the smoke
-check's verdict and its last line (issue 46). The real servers' side is in test_entrypoint_server.py
-and test_serve_lifecycle.py."""
+check's verdict, a clean stop without third-party leak reports, vLLM's refusal of an unknown flag,
+and in each case the launcher's last line on a line of its own (issue 46). The real servers' side is
+in test_entrypoint_server.py and test_serve_lifecycle.py."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def test_a_failed_smoke_check_is_the_last_line(tmp_path, tiny_checkpoint):
     (unmarked / "config.json").write_text(json.dumps(config))
     launch = Launch(tmp_path, unmarked, env={"FAKE_ACCEPTED": "0"})
     assert launch.wait() == 3, launch.stderr()[-3000:]
-    assert launch.stderr().rstrip("\n").endswith(
+    assert launch.last_line() == (
         "vllm-ling serve: error: smoke check FAILED: accept length 1.00 over 10 drafts is below "
         "VLLM_LING_SMOKE_MIN_ACCEPT=1.5: the NEXTN draft does not predict the target (a draft that does not "
         "share the target's head module, or draft weights that do not belong to these target weights). "
@@ -110,3 +111,66 @@ def test_the_note_is_for_random_weights_only(tmp_path, tiny_checkpoint):
     assert judged(failed, tmp_path / "missing") == failed
     passed = SmokeResult(4.0, 16, 1.5, True)
     assert judged(passed, tiny_checkpoint) == passed
+
+
+def test_a_clean_stop_ends_with_our_line_and_no_leak_reports(tmp_path, tiny_checkpoint):
+    """3cb2263 ended every stop with ~30 lines of nanobind's report, its last line glued to ours:
+    'See https://nanobind.readthedocs.io/en/latest/refleaks.htmlvllm-ling serve: vLLM stopped ...'."""
+    launch = Launch(tmp_path, tiny_checkpoint, env={"VLLM_LING_SMOKE": "0"})
+    launch.wait_for("vllm-ling serve: run ")
+    time.sleep(2)  # the stand-in listens
+    os.kill(launch.proc.pid, signal.SIGTERM)
+    assert launch.wait() == 0
+    err = launch.stderr()
+    assert launch.last_line() == "vllm-ling serve: vLLM stopped (exit code 0) after SIGTERM", err[-2000:]
+    assert "nanobind" not in err and "leaked semaphore" not in err, err[-2000:]
+
+
+def test_the_leak_reports_are_kept_at_debug(tmp_path, tiny_checkpoint):
+    launch = Launch(tmp_path, tiny_checkpoint, env={"VLLM_LING_SMOKE": "0", "VLLM_LOGGING_LEVEL": "DEBUG"})
+    launch.wait_for("vllm-ling serve: run ")
+    time.sleep(2)
+    os.kill(launch.proc.pid, signal.SIGTERM)
+    assert launch.wait() == 0
+    err = launch.stderr()
+    assert "nanobind: leaked 514 functions!" in err and "leaked semaphore objects" in err
+    assert "See https://nanobind.readthedocs.io/en/latest/refleaks.html\n" in err  # and ours below it
+    assert launch.last_line() == "vllm-ling serve: vLLM stopped (exit code 0) after SIGTERM"
+
+
+def test_an_unknown_vllm_side_flag_ends_with_what_to_fix(tmp_path, tiny_checkpoint):
+    """3cb2263's last line was `vLLM exited with code 2`, after vLLM's usage text."""
+    launch = Launch(tmp_path, tiny_checkpoint, "--ling-moe-backend", "vllm", env={"VLLM_LING_SMOKE": "0"})
+    assert launch.wait() == 2
+    assert launch.last_line() == (
+        "vllm-ling serve: error: vllm serve refused the command line: unrecognized arguments: "
+        "--ling-moe-backend vllm; --ling-moe-backend: did you mean --moe-backend? "
+        "(`vllm-ling serve --help` lists its own flags; `vllm serve --help` vLLM's)"), launch.stderr()[-2000:]
+
+
+def test_the_relay_drops_only_the_exit_reports(tmp_path):
+    """Unit: the nanobind block (also when another process's line is glued to its last line) and
+    the resource tracker's two lines go; everything else passes, each line ending on a newline."""
+    import io
+
+    from vllm_ling.runtime.supervisor import StderrRelay
+
+    from .fake_vllm import NANOBIND, SEMAPHORE
+
+    text = ("Traceback (most recent call last):\n  File x\nValueError: boom\n" + SEMAPHORE + NANOBIND
+            + "(EngineCore pid=2) INFO shutting down\n - an ordinary dash line\nvllm: error: bad flag")
+    relay = StderrRelay(io.BytesIO(text.encode()))
+    out = io.BytesIO()
+
+    class Err:
+        buffer = out
+
+    real, sys.stderr = sys.stderr, Err()
+    try:
+        relay._run()
+    finally:
+        sys.stderr = real
+    assert out.getvalue().decode() == ("Traceback (most recent call last):\n  File x\nValueError: boom\n"
+                                       "(EngineCore pid=2) INFO shutting down\n - an ordinary dash line\n"
+                                       "vllm: error: bad flag\n")
+    assert relay.last_error == "vllm: error: bad flag" and relay.dropped == 12

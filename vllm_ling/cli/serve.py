@@ -235,12 +235,17 @@ def build_serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _our_flags(parser: argparse.ArgumentParser) -> tuple[set[str], dict[str, str]]:
+    """vllm-ling serve's long flags, and each by its word (``--moe-backend`` as ``MOE_BACKEND``)."""
+    ours = {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    return ours, {f[2:].replace("-", "_").upper(): f for f in ours}
+
+
 def misspelt_flag_notes(unknown: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """Unknown flags that look like ours: an abbreviation of one (argparse would have taken it
     silently) is refused, a close misspelling is warned about, both naming the flag meant, as
     unknown VLLM_LING_* variables are (vllm_ling.options.closest)."""
-    ours = {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
-    by_word = {f[2:].replace("-", "_").upper(): f for f in ours}
+    ours, by_word = _our_flags(parser)
     notes = []
     for arg in unknown:
         flag = arg.split("=", 1)[0]
@@ -474,7 +479,27 @@ def serve_main(argv: list[str]) -> int:
         return EXIT_USAGE
     if code == EXIT_SMOKE_FAILED and smoke_refusals:  # said before vLLM's shutdown log: said last again
         print(f"vllm-ling serve: error: {smoke_refusals[-1]}", file=sys.stderr, flush=True)
+    said = supervisor.relay.last_error if supervisor.relay is not None else None
+    if code == EXIT_USAGE and supervisor.stop_signal is None and said:  # vLLM's parser refused an argument
+        print(f"vllm-ling serve: error: {vllm_usage_refusal(said)}", file=sys.stderr, flush=True)
     return code
+
+
+def vllm_usage_refusal(said: str) -> str:
+    """The launcher's last line when vLLM's own parser refused the command line (exit 2): what it
+    said, and for a flag it does not know the vllm-ling serve flag it most likely meant."""
+    what = said.split("error: ", 1)[-1]
+    text = f"vllm serve refused the command line: {what}"
+    unknown = what.partition("unrecognized arguments: ")[2].split()
+    _, by_word = _our_flags(build_serve_parser())
+    hints = []
+    for flag in (a.split("=", 1)[0] for a in unknown if a.startswith("--")):
+        meant = closest(flag[2:].replace("-", "_").upper(), by_word, cutoff=0.6)
+        if meant:
+            hints.append(f"{flag}: did you mean {meant}?")
+    if hints:
+        text += "; " + "; ".join(hints)
+    return text + " (`vllm-ling serve --help` lists its own flags; `vllm serve --help` vLLM's)"
 
 
 def needs_chat_precheck(argv: list[str], env: Mapping[str, str]) -> bool:

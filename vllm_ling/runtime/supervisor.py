@@ -14,7 +14,9 @@
   up as its child, so the workers of a dead EngineCore do not linger as zombies under PID 1;
 - when vLLM's API server is gone, stops every process still below it (SIGTERM, then SIGKILL
   after ``CLEANUP_GRACE_S``), so no orphan keeps the GPU or the port;
-- kills them all if vLLM has not exited ``TEARDOWN_MARGIN_S`` after the drain timeout.
+- kills them all if vLLM has not exited ``TEARDOWN_MARGIN_S`` after the drain timeout;
+- forwards vLLM's stderr (:class:`StderrRelay`): third-party leak reports at interpreter exit only
+  at ``VLLM_LOGGING_LEVEL=DEBUG``, and our last line always on a line of its own.
 
 vLLM stays in our process group, so whoever stops the group (a terminal's Ctrl-C, a test
 harness's killpg) reaches it even if we are gone; we find its processes through /proc.
@@ -43,6 +45,74 @@ _PR_SET_CHILD_SUBREAPER = 36
 # Set in vLLM's environment: the file the supervisor writes when a stop is requested, before it
 # forwards the signal, so vLLM's processes know the stop is wanted (vllm_ling.runtime.clean_stop).
 STOP_FILE_ENV = "_VLLM_LING_STOP_FILE"
+
+
+class StderrRelay:
+    """Forwards vLLM's stderr to ours, line by line, and ends it on a newline, so the launcher's
+    last line stands on its own. Third-party reports printed at interpreter exit that say nothing
+    about the server (Triton's nanobind reference-leak check, multiprocessing's resource tracker
+    warning about leaked semaphores) are shown only at ``VLLM_LOGGING_LEVEL=DEBUG``. Remembers the
+    last line that reports an error (vLLM's parser's ``error: ...``)."""
+
+    NANOBIND = (b"nanobind: leaked ", b" - leaked ", b" - ... skipped remainder",
+                b"nanobind: this is likely caused by a reference counting issue")
+    NANOBIND_URL = b"See https://nanobind.readthedocs.io/en/latest/refleaks.html"
+    RESOURCE_TRACKER = b"resource_tracker: There appear to be "
+
+    def __init__(self, source, show_exit_noise: bool = False):
+        self.source = source
+        self.show_exit_noise = show_exit_noise
+        self.last_error: str | None = None
+        self.dropped = 0
+        self._in_nanobind = False
+        self._after_tracker = False
+        self.thread = threading.Thread(target=self._run, name="vllm-ling-stderr", daemon=True)
+
+    def start(self) -> "StderrRelay":
+        self.thread.start()
+        return self
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+    def _is_exit_noise(self, line: bytes) -> bool:
+        if line.startswith(self.NANOBIND[0]) or line.startswith(self.NANOBIND[3]):
+            self._in_nanobind = True
+            return True
+        if self._in_nanobind and (line.startswith(self.NANOBIND[1:3]) or line.startswith(self.NANOBIND_URL)):
+            return True
+        self._in_nanobind = False
+        if self.RESOURCE_TRACKER in line and b"leaked" in line:
+            self._after_tracker = True
+            return True
+        after, self._after_tracker = self._after_tracker, False
+        return after and line.lstrip().startswith(b"warnings.warn(")
+
+    def _lines(self):
+        for line in iter(self.source.readline, b""):
+            # nanobind's report ends without a newline: what another process writes next is glued to it
+            while line.startswith(self.NANOBIND_URL) and len(line.rstrip(b"\n")) > len(self.NANOBIND_URL):
+                yield self.NANOBIND_URL + b"\n"
+                line = line[len(self.NANOBIND_URL):]
+            yield line if line.endswith(b"\n") else line + b"\n"
+
+    def _run(self) -> None:
+        out = getattr(sys.stderr, "buffer", None)
+        for line in self._lines():
+            if not self.show_exit_noise and self._is_exit_noise(line):
+                self.dropped += 1
+                continue
+            if b"error: " in line:
+                self.last_error = line.decode(errors="replace").strip()
+            try:
+                if out is not None:
+                    out.write(line)
+                    out.flush()
+                else:
+                    sys.stderr.write(line.decode(errors="replace"))
+                    sys.stderr.flush()
+            except (OSError, ValueError):
+                pass  # our stderr is gone: keep draining the pipe so vLLM never blocks on it
 
 
 def become_subreaper() -> bool:
@@ -107,6 +177,7 @@ class Supervisor:
         self.stop_deadline: float | None = None
         self.override_code: int | None = None  # set by stop(code=...) (the smoke check)
         self.exited = threading.Event()        # vLLM's API server has exited
+        self.relay: StderrRelay | None = None  # vLLM's stderr, forwarded
         self._lock = threading.Lock()
 
     # -------------------------------------------------------------- signals and stopping
@@ -162,7 +233,8 @@ class Supervisor:
                 return None
         # every process of this server carries it (a harness that started us may have named it)
         self.env.setdefault(SERVER_MARKER_ENV, new_marker())
-        child = subprocess.Popen(self.argv, env=self.env)
+        child = subprocess.Popen(self.argv, env=self.env, stderr=subprocess.PIPE)
+        self.relay = StderrRelay(child.stderr, self.env.get("VLLM_LOGGING_LEVEL", "").upper() == "DEBUG").start()
         with self._lock:
             self.child = child
             pending = self.stop_signal
@@ -179,6 +251,8 @@ class Supervisor:
         child.returncode = exit_code_of(status)
         self.exited.set()
         self._clean_up()
+        if self.relay is not None:  # all of vLLM's output before our last words
+            self.relay.join(CLEANUP_GRACE_S)
         return self._final_code(child.returncode)
 
     def _wait_for(self, pid: int) -> int:
