@@ -50,6 +50,10 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("usage: vllm serve [model_tag] [options]\n"
                          f"vllm serve: error: unrecognized arguments: {' '.join(unknown)}\n")
         return 2
+    import resource
+
+    print(f"fake-vllm: open files soft limit {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}", file=sys.stderr,
+          flush=True)
     port = int(args[args.index("--port") + 1])
     accepted = float(os.environ.get("FAKE_ACCEPTED", "0"))
     counts = {"drafts": 0.0, "accepted": 0.0}

@@ -98,6 +98,13 @@ def test_ling3_parsers_on_and_round_trip_checked(server):
     assert report["chat_roundtrip"]["status"] == "passed", report["chat_roundtrip"]
 
 
+def test_every_start_up_warning_is_explained_in_the_readme(server, unexplained_warnings):
+    """What a newcomer sees at start-up: each WARNING is named in README's "Warnings you will see"
+    (3cb2263 explained none of the ulimit, Triton, LD_PRELOAD and num_speculative_tokens ones)."""
+    _, _, tmp, _ = server
+    assert unexplained_warnings((tmp / "server.log").read_text()) == []
+
+
 def test_sigterm_drains_what_it_can_ends_the_rest_and_exits_0(server):
     """Last test of the module (it stops the server): SIGTERM to the launcher alone, as
     Kubernetes or `docker stop` sends it, while two streams run. vLLM drains for

@@ -28,8 +28,15 @@ LAUNCH = ("import sys\n"
           "sys.exit(serve.serve_main(sys.argv[1:]))\n")
 
 
+def _soft_open_files(soft: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
 class Launch:
-    def __init__(self, tmp_path: Path, model: Path, *argv: str, env: dict[str, str] | None = None):
+    def __init__(self, tmp_path: Path, model: Path, *argv: str, env: dict[str, str] | None = None,
+                 open_files: int | None = None):
         self.port = free_port()
         self.err_path = tmp_path / "launcher.err"
         base = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
@@ -38,7 +45,8 @@ class Launch:
         self._err = open(self.err_path, "w")  # noqa: SIM115 (closed in wait)
         self.proc = subprocess.Popen([sys.executable, "-c", LAUNCH, str(model), "--device", "cpu", "--host",
                                       "127.0.0.1", "--port", str(self.port), *argv], env=base,
-                                     stdout=subprocess.DEVNULL, stderr=self._err, start_new_session=True)
+                                     stdout=subprocess.DEVNULL, stderr=self._err, start_new_session=True,
+                                     preexec_fn=None if open_files is None else lambda: _soft_open_files(open_files))
 
     def stderr(self) -> str:
         return self.err_path.read_text()
@@ -174,3 +182,19 @@ def test_the_relay_drops_only_the_exit_reports(tmp_path):
                                        "(EngineCore pid=2) INFO shutting down\n - an ordinary dash line\n"
                                        "vllm: error: bad flag\n")
     assert relay.last_error == "vllm: error: bad flag" and relay.dropped == 12
+
+
+def test_vllm_starts_with_the_open_files_limit_raised(tmp_path, tiny_checkpoint):
+    """vLLM's 'Found ulimit of N and failed to automatically increase' comes when it cannot get 65535
+    open files: the launcher raises the limit before vLLM starts, as far as this machine allows (the
+    hard limit too where the user may), so vLLM inherits it."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    launch = Launch(tmp_path, tiny_checkpoint, env={"VLLM_LING_SMOKE": "0"}, open_files=256)
+    launch.wait_for("fake-vllm: open files soft limit ")
+    os.kill(launch.proc.pid, signal.SIGTERM)
+    assert launch.wait() == 0
+    got = int(launch.stderr().split("fake-vllm: open files soft limit ")[1].split()[0])
+    assert got >= min(65535, hard) and got > 256, got
+

@@ -102,6 +102,13 @@ def test_agreeing_checkpoint_accepts_every_draft(default_server, agreeing_checkp
     assert len(positions) == 3 and all(v == drafts for v in positions.values()), positions
 
 
+def test_every_start_up_warning_of_the_hybrid_server_is_explained(default_server, unexplained_warnings):
+    """The hybrid (KDA + MLA) server's start-up warnings, e.g. vLLM's KV-cache padding layer, are
+    each named in README's "Warnings you will see"."""
+    server, _ = default_server
+    assert unexplained_warnings(server.log()) == []
+
+
 def test_smoke_check_passes_on_the_agreeing_checkpoint(default_server):
     from vllm_ling.runtime.smoke import run_smoke
 

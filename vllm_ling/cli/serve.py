@@ -65,6 +65,31 @@ VLLM_FLAGS_PREFIXING_OURS = ("--api-key",)
 CHAT_PRECHECK_TIMEOUT_S = 600
 
 
+# vLLM's API server asks for this many open files (vllm.utils.system_utils.set_ulimit: one per HTTP
+# connection and pipe) and warns when the hard limit is lower.
+VLLM_OPEN_FILES = 65535
+
+
+def raise_open_files_limit(target: int = VLLM_OPEN_FILES) -> tuple[int, int]:
+    """Raise this process's open-files limit (vLLM inherits it) to ``target``, the hard limit too
+    where this process may (root with CAP_SYS_RESOURCE), else the soft one as far as the hard one
+    allows; the (soft, hard) limits now. Where the hard limit stays below ``target`` vLLM still
+    says 'Found ulimit of N' (README, "Warnings you will see")."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, hard
+    unlimited = hard == resource.RLIM_INFINITY
+    for wanted in ((target, hard if unlimited or hard >= target else target), (hard, hard)):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, wanted)
+            break
+        except (ValueError, OSError):
+            continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
 class LaunchError(Exception):
     """A configuration problem the user must fix; the message names the flag or file."""
 
@@ -462,6 +487,7 @@ def serve_main(argv: list[str]) -> int:
     # ... and the supervisor writes this one on a stop request (a clean stop logs no engine failure)
     fd, supervisor.stop_file = tempfile.mkstemp(prefix="vllm-ling-stop-", suffix=".txt")
     os.close(fd)
+    raise_open_files_limit()  # before vLLM starts: it inherits the limit
     supervisor.argv = launcher + plan.argv[1:]
     supervisor.env = {**env, REFUSAL_FILE_ENV: refusal_file, STOP_FILE_ENV: supervisor.stop_file}
     supervisor.shutdown_timeout = float(_flag_value(plan.argv, "--shutdown-timeout", "0"))
