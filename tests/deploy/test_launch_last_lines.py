@@ -198,3 +198,42 @@ def test_vllm_starts_with_the_open_files_limit_raised(tmp_path, tiny_checkpoint)
     got = int(launch.stderr().split("fake-vllm: open files soft limit ")[1].split()[0])
     assert got >= min(65535, hard) and got > 256, got
 
+
+def _relay(text: str, refused: bool) -> tuple[str, object]:
+    import io
+
+    from vllm_ling.runtime.supervisor import StderrRelay
+
+    relay = StderrRelay(io.BytesIO(text.encode()), refused=lambda: refused)
+    out = io.BytesIO()
+
+    class Err:
+        buffer = out
+
+    real, sys.stderr = sys.stderr, Err()
+    try:
+        relay._run()
+    finally:
+        sys.stderr = real
+    return out.getvalue().decode(), relay
+
+
+ENGINE_CORE_FAILED = ("Process EngineCore:\nTraceback (most recent call last):\n"
+                      '  File "/usr/lib/python3.11/multiprocessing/process.py", line 314, in _bootstrap\n'
+                      "    self.run()\n"
+                      "RuntimeError: Engine core initialization failed. See root cause above.\n"
+                      "\nThe above exception was the direct cause of the following exception:\n\n"
+                      "Traceback (most recent call last):\n  File \"x\", line 1\n"
+                      "pydantic_core.ValidationError: 1 validation error\n  Value error, more\n")
+
+
+def test_after_a_refusal_the_engine_cores_traceback_is_not_shown():
+    """The one multiprocessing traceback ("Process EngineCore:") that preceded the strict refusal on
+    3cb2263: printed by multiprocessing, outside vLLM's loggers, as a consequence of the refusal."""
+    text = "(APIServer pid=1) INFO before\n" + ENGINE_CORE_FAILED + "vllm-ling: error: refused\n"
+    shown, relay = _relay(text, refused=True)
+    assert shown == "(APIServer pid=1) INFO before\nvllm-ling: error: refused\n"
+    kept, _ = _relay(text, refused=False)  # no refusal: a traceback is news, shown whole
+    assert kept == text
+    process_line, _ = _relay("Process list: 3\nnext\n", refused=True)
+    assert process_line == "Process list: 3\nnext\n"

