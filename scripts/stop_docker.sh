@@ -16,10 +16,12 @@ if ! [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(command -v dockerd)" ]; t
   rm -f "$pidfile"; exit 0
 fi
 below=$(ps -o pid= --ppid "$pid" 2>/dev/null | tr -d ' ')
+# running: present and not a zombie (an exited process nobody has reaped yet is gone for us)
+running() { [ -r "/proc/$1/stat" ] && [ "$(sed 's/.*) //' "/proc/$1/stat" | cut -d' ' -f1)" != Z ]; }
 kill -TERM "$pid"
 for _ in $(seq 60); do
   left=
-  for p in $pid $below; do kill -0 "$p" 2>/dev/null && left="$left $p"; done
+  for p in $pid $below; do running "$p" && left="$left $p"; done
   if [ -z "$left" ]; then
     rm -f "$pidfile"
     echo "stopped the Docker engine the tests started (dockerd pid $pid)"
