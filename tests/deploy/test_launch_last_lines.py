@@ -161,7 +161,7 @@ def test_the_relay_drops_only_the_exit_reports(tmp_path):
     the resource tracker's two lines go; everything else passes, each line ending on a newline."""
     import io
 
-    from vllm_ling.runtime.supervisor import StderrRelay
+    from vllm_ling.runtime.stderr_relay import StderrRelay
 
     from .fake_vllm import NANOBIND, SEMAPHORE
 
@@ -202,7 +202,7 @@ def test_vllm_starts_with_the_open_files_limit_raised(tmp_path, tiny_checkpoint)
 def _relay(text: str, refused: bool) -> tuple[str, object]:
     import io
 
-    from vllm_ling.runtime.supervisor import StderrRelay
+    from vllm_ling.runtime.stderr_relay import StderrRelay
 
     relay = StderrRelay(io.BytesIO(text.encode()), refused=lambda: refused)
     out = io.BytesIO()
