@@ -2,7 +2,9 @@
 #   make demo  - install, make the scripted tiny Ling-3.0 checkpoint, serve it with real vLLM + vllm-ling
 #                and the ling3 parsers on localhost, print a chat answer (reasoning, tool call), the
 #                MTP accept length from /metrics and the verification table
-#   make test  - install, then run the whole test suite (what CI runs)
+#   make test  - install, then run the whole test suite (what CI runs); `make tools` first installs
+#                prometheus, docker.io and debootstrap with apt (as root) and helm into the venv
+#                (README "Two commands": what it starts, stops and keeps)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=

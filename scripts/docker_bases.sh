@@ -8,6 +8,7 @@
 # Each is made only when its tag is missing, and the rootfs tarball is kept under
 # /var/cache/vllm-ling: a second run on the same machine only checks the tags.
 # Needs root (debootstrap) and a running engine (scripts/start_docker.sh).
+# `bash scripts/docker_bases.sh remove` removes them (and the tarball) again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${VLLM_LING_DOCKER_CACHE:-/var/cache/vllm-ling}
@@ -20,6 +21,18 @@ CA=${VLLM_LING_HOST_CA:-/etc/ssl/certs/ca-certificates.crt}
 VLLM_VERSION=0.32.0
 HUMMING_VERSION=0.1.17
 RAY_VERSION=2.58.0
+if [ "${1:-}" = remove ]; then
+  # `bash scripts/docker_bases.sh remove`: what `make test` keeps on a machine, gone (the three
+  # images, about 4.5 GB in Docker's data root, and the rootfs tarball); the engine is started for
+  # it when needed and stopped again.
+  started=$(bash scripts/start_docker.sh) || exit 1
+  for image in "$PROMETHEUS_IMAGE" "$CPU_BASE_IMAGE" "$DEBIAN_IMAGE"; do
+    docker image inspect "$image" >/dev/null 2>&1 && docker rmi "$image" >/dev/null && echo "removed $image"
+  done
+  rm -rf "$CACHE" && echo "removed $CACHE"
+  [ -z "$started" ] || bash scripts/stop_docker.sh
+  exit 0
+fi
 mkdir -p "$CACHE"
 # One maker at a time per machine (two checkouts may test at once); the second finds the tags.
 exec 9>"$CACHE/lock"

@@ -42,10 +42,13 @@ export VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0
 # tests decode greedily; vLLM's PyTorch sampler serves them the same.
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # Servers run in their own sessions, which outlive a command stopped at its limit: whatever holds the
-# GPU when a phase begins or ends is from this session's earlier work, and goes.
+# GPU when a phase begins or ends is from this session's earlier work, and goes; so does every
+# process of a server started here (they carry vllm_ling.processes' marker in their environment;
+# a word in a command line would also match whatever runs from a checkout named vllm-ling).
 free_gpu() {
   nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
-  pkill -9 -f "vllm_ling.cli serve|vllm.entrypoints|VLLM::" 2>/dev/null
+  grep -lz '^_VLLM_LING_SERVER=' /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3 | grep -vx "$$" |
+    xargs -r kill -9 2>/dev/null
   sleep 2
 }
 free_gpu

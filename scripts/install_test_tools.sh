@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v prometheus >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
+    echo "installing Debian's prometheus (apt) for tests/runtime/test_prometheus_e2e.py"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
       || echo "WARNING: could not install Debian's prometheus; tests/runtime/test_prometheus_e2e.py will fail" >&2
   else
@@ -15,6 +16,7 @@ if ! command -v prometheus >/dev/null 2>&1; then
 fi
 if ! command -v dockerd >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
+    echo "installing Debian's docker.io and debootstrap (apt) for the container tests"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io debootstrap >/dev/null) \
       || echo "WARNING: could not install docker.io and debootstrap; the container tests will skip" >&2
   else

@@ -1,6 +1,7 @@
 """The package's architecture, enforced: imports run downward only and never in circles.
 
-Layers, lowest first (README "Layout"): base modules (log, versions, options, refusal, selection) -> ops -> models
+Layers, lowest first (README "Layout"): base modules (log, versions, options, refusal, selection,
+processes) -> ops -> models
 -> layers -> runtime -> patches -> plugin -> bench -> cli. A module may import from its own
 layer or any lower one; ``ops`` never imports vLLM (it runs on the GPU box without it).
 Function-level (lazy) imports count too: they are arrows all the same.
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_ling"
-LAYERS = {"log": 0, "versions": 0, "options": 0, "refusal": 0, "selection": 0, "ops": 1, "models": 2, "layers": 3,
-          "runtime": 4, "patches": 5, "plugin": 6, "bench": 7, "cli": 8}
+LAYERS = {"log": 0, "versions": 0, "options": 0, "refusal": 0, "selection": 0, "processes": 0, "ops": 1,
+          "models": 2, "layers": 3, "runtime": 4, "patches": 5, "plugin": 6, "bench": 7, "cli": 8}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -135,7 +136,8 @@ def test_the_checks_catch_an_upward_import_and_a_cycle(tmp_path):
     assert cycles(edges) == [["vllm_ling.ops.a", "vllm_ling.ops.b"]]
 
 
-@pytest.mark.parametrize("layer", sorted(set(LAYERS) - {"log", "versions", "options", "refusal", "selection", "plugin"}))
+@pytest.mark.parametrize("layer", sorted(set(LAYERS) - {"log", "versions", "options", "refusal", "selection", "processes",
+                                                     "plugin"}))
 def test_layer_packages_exist(layer):
     assert (PACKAGE / layer / "__init__.py").exists()
 

@@ -33,3 +33,65 @@ def test_rows_append_under_one_header(tmp_path):
 def test_the_committed_record_has_the_columns():
     with (REPO / "verified.csv").open() as f:
         assert next(csv.reader(f)) == R.COLUMNS
+
+
+def _fake_clone(tmp_path: Path, summary: str) -> Path:
+    """A git checkout holding run_tests.sh, record_verified.py and a committed verified.csv, whose
+    `.venv/bin/python -m pytest` prints ``summary`` (the suite itself is not what is tested)."""
+    import os
+    import subprocess
+    import sys
+
+    clone = tmp_path / "vllm-ling"
+    (clone / "scripts").mkdir(parents=True)
+    for name in ("run_tests.sh", "record_verified.py"):
+        (clone / "scripts" / name).write_text((REPO / "scripts" / name).read_text())
+    (clone / "verified.csv").write_text((REPO / "verified.csv").read_text())
+    venv_bin = clone / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1 $2" = "-m pytest" ]; then echo "=== {summary} ==="; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n')
+    (venv_bin / "python").chmod(0o755)
+    (clone / ".gitignore").write_text(".venv/\n")
+    git = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "clone"]):
+        subprocess.run(["git", *args], cwd=clone, env=git, check=True, capture_output=True)
+    return clone
+
+
+def _run_tests(clone: Path, **env: str):
+    import os
+    import subprocess
+
+    base = {k: v for k, v in os.environ.items() if k not in ("VLLM_LING_RECORD_VERIFIED", "CI")}
+    return subprocess.run(["bash", "scripts/run_tests.sh"], cwd=clone, env={**base, **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_test_run_leaves_the_checkout_clean_unless_a_record_is_asked_for(tmp_path):
+    """Issue 46: `make test` appended a row to the tracked verified.csv on every run."""
+    import subprocess
+
+    clone = _fake_clone(tmp_path, "3 passed in 1.00s")
+    done = _run_tests(clone)
+    assert done.returncode == 0, done.stderr
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
+    assert status == "", status
+    asked = _run_tests(clone, VLLM_LING_RECORD_VERIFIED="1")
+    assert asked.returncode == 0, asked.stderr
+    rows = list(csv.DictReader((clone / "verified.csv").open()))
+    assert rows[-1]["suite"] == "cpu" and rows[-1]["result"] == "3 passed in 1.00s"
+
+
+def test_a_test_run_that_changes_the_checkout_says_so_and_fails_under_ci(tmp_path):
+    clone = _fake_clone(tmp_path, "3 passed in 1.00s")
+    python = clone / ".venv" / "bin" / "python"
+    python.write_text(python.read_text().replace('then echo', 'then echo x > stray.txt; echo'))
+    local = _run_tests(clone)
+    assert local.returncode == 0 and "?? stray.txt" in local.stderr, local.stderr
+    (clone / "stray.txt").unlink()
+    ci = _run_tests(clone, CI="true")
+    assert ci.returncode == 1 and "the test run changed the checkout" in ci.stderr, ci.stderr

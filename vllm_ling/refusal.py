@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from vllm_ling.log import get_logger
+from vllm_ling.processes import SERVER_MARKER_ENV, new_marker
 
 # Set by vllm-ling serve in vLLM's environment; not a VLLM_LING_* setting (nothing to configure).
 REFUSAL_FILE_ENV = "_VLLM_LING_REFUSAL_FILE"
@@ -82,13 +83,17 @@ def recorded() -> str | None:
 def ensure_file() -> None:
     """Under plain ``vllm serve`` nobody named a refusal file: the first vLLM process names one
     before it spawns the others (they inherit it), so a refusal raised in a worker reaches the
-    API server's last line too (:func:`excepthook`); that process removes it at exit. Only in
+    API server's last line too (:func:`excepthook`); that process removes it at exit. It also
+    gives the server its marker (:data:`vllm_ling.processes.SERVER_MARKER_ENV`). Only in
     ``vllm serve``'s own process (not a program that merely registers the plugin, whose servers
     would then share one file)."""
     import multiprocessing
 
-    if os.environ.get(REFUSAL_FILE_ENV) or multiprocessing.parent_process() is not None \
-            or sys.argv[1:2] != ["serve"]:
+    if multiprocessing.parent_process() is not None or sys.argv[1:2] != ["serve"]:
+        return
+    # its processes are known by this marker (vllm_ling.processes; a launcher may have set it)
+    os.environ.setdefault(SERVER_MARKER_ENV, new_marker())
+    if os.environ.get(REFUSAL_FILE_ENV):
         return
     import atexit
     import tempfile

@@ -54,6 +54,8 @@ def last_line(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def engine():
+    """A Docker engine for this module; one it had to start is stopped afterwards
+    (scripts/stop_docker.sh; VLLM_LING_KEEP_DOCKER=1 keeps it), one already running is left alone."""
     result = subprocess.run(["bash", str(REPO / "scripts" / "start_docker.sh")], capture_output=True,
                             text=True, timeout=300)
     if result.returncode != 0:
@@ -61,6 +63,11 @@ def engine():
         if os.environ.get("VLLM_LING_REQUIRE_DOCKER") == "1":
             pytest.fail(reason + " (VLLM_LING_REQUIRE_DOCKER=1)", pytrace=False)
         pytest.skip(reason)
+    yield
+    if result.stdout.startswith("started dockerd"):
+        stopped = subprocess.run(["bash", str(REPO / "scripts" / "stop_docker.sh")], capture_output=True,
+                                 text=True, timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
 
 
 def dangling_images() -> set[str]:

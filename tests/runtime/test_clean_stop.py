@@ -90,3 +90,62 @@ def test_the_plugin_installs_it():
     register()
     for name in (clean_stop.OUTPUT_HANDLER_LOGGER, clean_stop.LAUNCHER_LOGGER):
         assert any(isinstance(f, clean_stop.CleanStopFilter) for f in logging.getLogger(name).filters)
+
+
+def _call(app, method: str, path: str = "/v1/completions") -> tuple[int, dict | None]:
+    """One request through an ASGI app: (status, JSON body or None)."""
+    import asyncio
+    import json
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app({"type": "http", "method": method, "path": path, "headers": []}, receive, send))
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body) if body else None
+
+
+def test_requests_after_a_requested_stop_get_503_with_the_reason(tmp_path, monkeypatch):
+    """Issue 46: a request 1 s after SIGTERM got HTTP 500 'cannot schedule new futures after
+    shutdown' and a traceback; now the API server answers 503 and says why, before vLLM sees it."""
+    async def served(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    stop = tmp_path / "stop"
+    stop.write_text("")
+    monkeypatch.setenv(STOP_FILE_ENV, str(stop))
+    app = clean_stop.RefuseWhileStopping(served, clean_stop.CleanStopFilter())
+    assert _call(app, "POST") == (200, None)  # not stopping: vLLM serves it
+    stop.write_text("SIGTERM")
+    status, body = _call(app, "POST")
+    assert status == 503 and body["error"]["code"] == 503
+    assert body["error"]["message"] == (
+        "the server is stopping (SIGTERM received): requests already running finish, new ones are not "
+        "accepted; retry against another replica or once it is back")
+    assert _call(app, "GET", "/health") == (200, None)  # health and metrics still answer
+    # plain `vllm serve`: vLLM's own shutdown line is the sign
+    monkeypatch.delenv(STOP_FILE_ENV)
+    plain = clean_stop.CleanStopFilter()
+    app = clean_stop.RefuseWhileStopping(served, plain)
+    assert _call(app, "POST")[0] == 200
+    plain.filter(logging.LogRecord(clean_stop.LAUNCHER_LOGGER, logging.INFO, "", 0,
+                                   "[shutdown] API server: shutdown triggered", None, None))
+    assert _call(app, "POST") == (503, {"error": {
+        "message": clean_stop.stopping_message("shutdown triggered"), "type": "ServiceUnavailableError",
+        "param": None, "code": 503}})
+
+
+def test_the_report_plugin_adds_the_middleware():
+    from fastapi import FastAPI
+
+    from vllm_ling.runtime.report_endpoint import make_plugin
+
+    app = FastAPI()
+    make_plugin().attach_router(app)
+    assert any(m.cls is clean_stop.RefuseWhileStopping for m in app.user_middleware)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import requests
 
 from vllm_ling.cli.agent_defaults import LING_PARSER_ARGS
-from vllm_ling.runtime.local_server import SERVE_ARGS, scrape, serve_tiny
+from vllm_ling.runtime.local_server import SERVE_ARGS, scrape, serve_tiny, wait_healthy
 
 PARSER_ARGS = list(LING_PARSER_ARGS)  # what `vllm-ling serve` adds
 TOOLS = [{"type": "function", "function": {
@@ -53,6 +54,35 @@ def _verification(report: dict) -> str:
     return "\n".join(lines)
 
 
+# `make demo` on an idle 2-core CPU machine: the tiny server healthy about 45 s after it starts
+# (README, "Two commands"); it keeps about two cores busy while it starts.
+IDLE_START_S = {"cpu": 45.0, "cuda": 60.0}
+START_CORES = 2.0
+
+
+def start_estimate(device: str, cores: int | None = None, load: float | None = None) -> str:
+    """How long the server's start should take on this machine: the idle 2-core time, stretched by
+    what else keeps these cores busy (the 1-minute load average)."""
+    cores = cores or os.cpu_count() or 1
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+    seconds = IDLE_START_S[device] * max(1.0, (load + START_CORES) / cores)
+    shown = f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} minutes"
+    return f"about {shown} here: {cores} cores, load {load:.1f}"
+
+
+def last_step(log: Path, width: int = 110) -> str:
+    """The server log's last line, without vLLM's prefix (what it is doing now)."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+    if not lines:
+        return "(nothing logged yet)"
+    line = lines[-1].split("] ", 1)[-1].strip()
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-ling demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint dir (default: make the scripted tiny one)")
@@ -75,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the GPU build: CUDA graphs + torch.compile
     print(f"[{time.monotonic() - start:5.0f} s] starting vllm serve {model} {' '.join(PARSER_ARGS)} on {device} "
-          f"(log: {log}; {'2-3 minutes on 2 CPU cores' if device == 'cpu' else 'about a minute'}) ...")
-    server = serve_tiny(model, log, extra_args=PARSER_ARGS, device=device, env={
+          f"(log: {log}; {start_estimate(device)}) ...", flush=True)
+    server = serve_tiny(model, log, extra_args=PARSER_ARGS, device=device, wait=False, env={
         "VLLM_PLUGINS": "vllm_ling,vllm_ling_report", "VLLM_LING_REPORT_PATH": str(report_path)})
     try:
+        wait_healthy(server, progress=lambda waited: print(
+            f"[{time.monotonic() - start:5.0f} s] still starting: {last_step(log)}", flush=True))
         print(f"[{time.monotonic() - start:5.0f} s] server healthy at {server.base_url}\n")
         d0, a0 = _spec_counters(server.base_url)
         r = requests.post(server.base_url + "/v1/chat/completions", timeout=600, json={

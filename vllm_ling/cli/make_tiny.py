@@ -1,5 +1,9 @@
 """``vllm-ling make-tiny DIR``: write a deterministic tiny random-weight Ling-3.0 checkpoint
-in the real ``-fp4`` storage format (see :mod:`vllm_ling.models.tiny_checkpoint`)."""
+in the real ``-fp4`` storage format (see :mod:`vllm_ling.models.tiny_checkpoint`).
+
+Without ``--agreeing`` or ``--script`` the weights are random: it serves, but its NEXTN draft is
+never accepted (the smoke check notes it); the other two make drafts that are (README, "The tiny
+checkpoint")."""
 
 from __future__ import annotations
 
@@ -32,5 +36,8 @@ def main(argv: list[str]) -> int:
         out = make_tiny(args.dir, args.seed, args.config, args.all_mla, args.agreeing, script)
     except ValueError as exc:
         parser.error(f"--script: {exc}")
-    print(f"wrote tiny Ling-3.0 checkpoint to {out}")
+    kind = ("scripted: its greedy chat answer is the script" if script is not None
+            else "agreeing: its NEXTN draft predicts every token" if args.agreeing
+            else "random weights: its NEXTN draft is never accepted (--agreeing or --script for one that is)")
+    print(f"wrote tiny Ling-3.0 checkpoint to {out} ({kind})")
     return 0

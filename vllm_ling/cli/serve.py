@@ -65,6 +65,31 @@ VLLM_FLAGS_PREFIXING_OURS = ("--api-key",)
 CHAT_PRECHECK_TIMEOUT_S = 600
 
 
+# vLLM's API server asks for this many open files (vllm.utils.system_utils.set_ulimit: one per HTTP
+# connection and pipe) and warns when the hard limit is lower.
+VLLM_OPEN_FILES = 65535
+
+
+def raise_open_files_limit(target: int = VLLM_OPEN_FILES) -> tuple[int, int]:
+    """Raise this process's open-files limit (vLLM inherits it) to ``target``, the hard limit too
+    where this process may (root with CAP_SYS_RESOURCE), else the soft one as far as the hard one
+    allows; the (soft, hard) limits now. Where the hard limit stays below ``target`` vLLM still
+    says 'Found ulimit of N' (README, "Warnings you will see")."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, hard
+    unlimited = hard == resource.RLIM_INFINITY
+    for wanted in ((target, hard if unlimited or hard >= target else target), (hard, hard)):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, wanted)
+            break
+        except (ValueError, OSError):
+            continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
 class LaunchError(Exception):
     """A configuration problem the user must fix; the message names the flag or file."""
 
@@ -235,12 +260,17 @@ def build_serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _our_flags(parser: argparse.ArgumentParser) -> tuple[set[str], dict[str, str]]:
+    """vllm-ling serve's long flags, and each by its word (``--moe-backend`` as ``MOE_BACKEND``)."""
+    ours = {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    return ours, {f[2:].replace("-", "_").upper(): f for f in ours}
+
+
 def misspelt_flag_notes(unknown: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """Unknown flags that look like ours: an abbreviation of one (argparse would have taken it
     silently) is refused, a close misspelling is warned about, both naming the flag meant, as
     unknown VLLM_LING_* variables are (vllm_ling.options.closest)."""
-    ours = {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
-    by_word = {f[2:].replace("-", "_").upper(): f for f in ours}
+    ours, by_word = _our_flags(parser)
     notes = []
     for arg in unknown:
         flag = arg.split("=", 1)[0]
@@ -457,12 +487,14 @@ def serve_main(argv: list[str]) -> int:
     # ... and the supervisor writes this one on a stop request (a clean stop logs no engine failure)
     fd, supervisor.stop_file = tempfile.mkstemp(prefix="vllm-ling-stop-", suffix=".txt")
     os.close(fd)
+    raise_open_files_limit()  # before vLLM starts: it inherits the limit
     supervisor.argv = launcher + plan.argv[1:]
     supervisor.env = {**env, REFUSAL_FILE_ENV: refusal_file, STOP_FILE_ENV: supervisor.stop_file}
     supervisor.shutdown_timeout = float(_flag_value(plan.argv, "--shutdown-timeout", "0"))
+    smoke_refusals: list[str] = []
     try:
         if supervisor.start() is not None and smoke:
-            threading.Thread(target=smoke_check, args=(supervisor, plan.argv, env), daemon=True,
+            threading.Thread(target=smoke_check, args=(supervisor, plan.argv, env, smoke_refusals), daemon=True,
                              name="vllm-ling-smoke").start()
         code = supervisor.run()
     finally:
@@ -471,7 +503,29 @@ def serve_main(argv: list[str]) -> int:
     if refusal is not None and code != 0 and supervisor.stop_signal is None:
         print(f"vllm-ling serve: error: {refusal}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    if code == EXIT_SMOKE_FAILED and smoke_refusals:  # said before vLLM's shutdown log: said last again
+        print(f"vllm-ling serve: error: {smoke_refusals[-1]}", file=sys.stderr, flush=True)
+    said = supervisor.relay.last_error if supervisor.relay is not None else None
+    if code == EXIT_USAGE and supervisor.stop_signal is None and said:  # vLLM's parser refused an argument
+        print(f"vllm-ling serve: error: {vllm_usage_refusal(said)}", file=sys.stderr, flush=True)
     return code
+
+
+def vllm_usage_refusal(said: str) -> str:
+    """The launcher's last line when vLLM's own parser refused the command line (exit 2): what it
+    said, and for a flag it does not know the vllm-ling serve flag it most likely meant."""
+    what = said.split("error: ", 1)[-1]
+    text = f"vllm serve refused the command line: {what}"
+    unknown = what.partition("unrecognized arguments: ")[2].split()
+    _, by_word = _our_flags(build_serve_parser())
+    hints = []
+    for flag in (a.split("=", 1)[0] for a in unknown if a.startswith("--")):
+        meant = closest(flag[2:].replace("-", "_").upper(), by_word, cutoff=0.6)
+        if meant:
+            hints.append(f"{flag}: did you mean {meant}?")
+    if hints:
+        text += "; " + "; ".join(hints)
+    return text + " (`vllm-ling serve --help` lists its own flags; `vllm serve --help` vLLM's)"
 
 
 def needs_chat_precheck(argv: list[str], env: Mapping[str, str]) -> bool:
@@ -542,13 +596,21 @@ def _flag_value(argv: list[str], flag: str, default: str) -> str:
     return value
 
 
-def smoke_check(supervisor: Supervisor, argv: list[str], env: dict[str, str]) -> None:
+def _served_model(argv: list[str]) -> str:
+    """The MODEL of a ``... vllm serve MODEL ...`` command ("" without one)."""
+    at = argv.index("serve") + 1 if "serve" in argv else len(argv)
+    return argv[at] if at < len(argv) else ""
+
+
+def smoke_check(supervisor: Supervisor, argv: list[str], env: dict[str, str],
+                refusals: list[str] | None = None) -> None:
     """Once vLLM is healthy, run the smoke generation; under strict a failure stops the
-    server (drained like a SIGTERM) and makes the launcher exit EXIT_SMOKE_FAILED."""
+    server (drained like a SIGTERM), is appended to ``refusals`` (the launcher's last line) and
+    makes the launcher exit EXIT_SMOKE_FAILED."""
     import time
     import urllib.request
 
-    from vllm_ling.runtime.smoke import SmokeError, record_in_report, run_smoke
+    from vllm_ling.runtime.smoke import SmokeError, judged, record_in_report, run_smoke
 
     host = _flag_value(argv, "--host", "127.0.0.1")
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -565,13 +627,17 @@ def smoke_check(supervisor: Supervisor, argv: list[str], env: dict[str, str]) ->
         return  # vLLM stopped before it was healthy: the supervisor reports why
     policy = read_option(env, "VLLM_LING_VERIFY")
     try:
-        result = run_smoke(base, _flag_value(argv, "--served-model-name", argv[2] if len(argv) > 2 else ""),
+        result = run_smoke(base, _flag_value(argv, "--served-model-name", _served_model(argv)),
                            env.get("VLLM_API_KEY"), read_option(env, "VLLM_LING_SMOKE_MIN_ACCEPT"))
     except (SmokeError, OSError, ValueError) as exc:
         print(f"vllm-ling serve: smoke check could not run: {exc}", file=sys.stderr, flush=True)
         return
+    result = judged(result, _served_model(argv))
     record_in_report(read_option(env, "VLLM_LING_REPORT_PATH"), result)
-    if result.passed is None:
+    if result.note:
+        print(f"vllm-ling serve: smoke check: accept length {result.accept_length:.2f} over {result.drafts} "
+              f"drafts, as expected here: {result.note}", file=sys.stderr, flush=True)
+    elif result.passed is None:
         print("vllm-ling serve: smoke check: no speculative drafts observed (speculation off)",
               file=sys.stderr, flush=True)
     elif result.passed:
@@ -579,11 +645,15 @@ def smoke_check(supervisor: Supervisor, argv: list[str], env: dict[str, str]) ->
               f"{result.drafts} drafts (threshold {result.threshold})", file=sys.stderr, flush=True)
     else:
         message = (f"smoke check FAILED: accept length {result.accept_length:.2f} over {result.drafts} "
-                   f"drafts is below VLLM_LING_SMOKE_MIN_ACCEPT={result.threshold}: the NEXTN draft "
-                   "does not predict the target (is it sharing the target's head module?)")
+                   f"drafts is below VLLM_LING_SMOKE_MIN_ACCEPT={result.threshold}: the NEXTN draft does "
+                   "not predict the target (a draft that does not share the target's head module, or "
+                   "draft weights that do not belong to these target weights)")
         if policy is VerifyPolicy.STRICT:
             print(f"vllm-ling serve: {message}; stopping the server (VLLM_LING_VERIFY=strict)",
                   file=sys.stderr, flush=True)
+            if refusals is not None:
+                refusals.append(f"{message}. VLLM_LING_VERIFY=warn serves anyway; VLLM_LING_SMOKE=0 "
+                                "skips the check")
             supervisor.stop(EXIT_SMOKE_FAILED)
         else:
             print(f"vllm-ling serve: WARNING: {message}", file=sys.stderr, flush=True)

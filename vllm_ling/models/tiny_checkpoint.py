@@ -28,6 +28,7 @@ import torch
 from vllm_ling.models.chat_format import MARKERS, ROLE_END, add_markers, chat_template, marker_ids
 from vllm_ling.models.checkpoint_format import (
     BF16, FP8_BLOCK, FP32, MXFP4, TensorSpec, checkpoint_specs)
+from vllm_ling.models.names import TINY_WEIGHTS_KEY
 from vllm_ling.ops.fp8 import block_fp8_quantize
 from vllm_ling.ops.mxfp4 import mxfp4_quantize
 
@@ -194,6 +195,7 @@ def make_tiny(out_dir: str | os.PathLike, seed: int = 0, config_path: str | None
         from vllm_ling.models.agreeing_checkpoint import agreeing_overrides
 
         overrides = agreeing_overrides(config, seed)
+    config[TINY_WEIGHTS_KEY] = "scripted" if script is not None else "agreeing" if agreeing else "random"
     return write_checkpoint(out_dir, config, random_checkpoint_tensors(config, seed, overrides), seed)
 
 

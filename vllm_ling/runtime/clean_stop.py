@@ -17,12 +17,19 @@ record carrying an ``EngineDeadError`` to DEBUG, only while a requested stop is 
   ``vllm serve``, at the default INFO level or below).
 
 An engine that dies by itself (no stop requested) is still logged at ERROR, traceback included.
+
+:class:`RefuseWhileStopping` (an ASGI middleware the report endpoint plugin adds to the API
+server's app) answers every request that arrives once the same stop is known with HTTP 503 and
+the reason: vLLM 0.32 keeps accepting requests while it drains, but its engine client has shut its
+renderer's executor down, so each got HTTP 500 ``cannot schedule new futures after shutdown`` and
+a 41-frame traceback in the log. Requests already running drain as before.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from vllm_ling.runtime.supervisor import STOP_FILE_ENV
 
@@ -44,13 +51,18 @@ class CleanStopFilter(logging.Filter):
         self.stop_seen = False
 
     def stop_requested(self) -> bool:
-        if self.stop_seen:
-            return True
+        return self.stop_reason() is not None
+
+    def stop_reason(self) -> str | None:
+        """Why the server is stopping (``SIGTERM received``, ...), None while it is not."""
         path = os.environ.get(STOP_FILE_ENV)
         try:
-            return bool(path) and os.path.getsize(path) > 0
+            signal_name = Path(path).read_text().strip() if path else ""
         except OSError:
-            return False
+            signal_name = ""
+        if signal_name:
+            return f"{signal_name} received"
+        return "shutdown triggered" if self.stop_seen else None
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == LAUNCHER_LOGGER and str(record.msg).startswith(SHUTDOWN_TRIGGERED):
@@ -76,3 +88,32 @@ def install() -> CleanStopFilter:
         if _filter not in logger.filters:
             logger.addFilter(_filter)
     return _filter
+
+
+def stopping_message(reason: str) -> str:
+    return (f"the server is stopping ({reason}): requests already running finish, new ones are "
+            "not accepted; retry against another replica or once it is back")
+
+
+class RefuseWhileStopping:
+    """ASGI middleware: once a stop is requested, HTTP requests other than GETs (the inference
+    routes) are answered 503 with the reason, in vLLM's error format, without reaching vLLM."""
+
+    def __init__(self, app, stop: CleanStopFilter | None = None) -> None:
+        self.app = app
+        self.stop = stop or install()
+
+    async def __call__(self, scope, receive, send) -> None:
+        reason = (self.stop.stop_reason() if scope.get("type") == "http"
+                  and scope.get("method", "GET") not in ("GET", "HEAD", "OPTIONS") else None)
+        if reason is None:
+            await self.app(scope, receive, send)
+            return
+        import json
+
+        body = json.dumps({"error": {"message": stopping_message(reason), "type": "ServiceUnavailableError",
+                                     "param": None, "code": 503}}).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -16,7 +16,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
+
+from vllm_ling.processes import SERVER_MARKER_ENV, new_marker
 
 STARTUP_TIMEOUT_S = 900
 CPU_SERVE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
@@ -86,6 +88,7 @@ class Server:
     base_url: str
     log_path: Path
     _log: IO | None = field(default=None, repr=False)
+    marker: str = ""  # SERVER_MARKER_ENV of every process of this server (vllm_ling.processes)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -125,6 +128,8 @@ def group_alive(pgid: int, grace: float = 60.0) -> bool:
 def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int, host: str = "127.0.0.1",
                  wait: bool = True, timeout: float = STARTUP_TIMEOUT_S) -> Server:
     """Start ``cmd`` in its own session, logging to ``log_path``; OSError if it cannot start."""
+    marker = new_marker()
+    env = {**env, SERVER_MARKER_ENV: marker}
     log = open(log_path, "wb")  # noqa: SIM115 (closed by Server.stop)
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -132,16 +137,23 @@ def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int,
     except OSError:
         log.close()
         raise
-    server = Server(proc, f"http://{host}:{port}", log_path, log)
+    server = Server(proc, f"http://{host}:{port}", log_path, log, marker)
     if wait:
         wait_healthy(server, timeout)
     return server
 
 
-def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S) -> None:
-    """Poll /health; ServerError (with the log tail) if the server exits or times out."""
-    deadline = time.monotonic() + timeout
+def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S,
+                 progress: Callable[[float], None] | None = None, every_s: float = 15.0) -> None:
+    """Poll /health; ServerError (with the log tail) if the server exits or times out.
+    ``progress(seconds waited)`` is called every ``every_s`` seconds while it waits."""
+    start = time.monotonic()
+    deadline = start + timeout
+    next_progress = start + every_s
     while True:
+        if progress is not None and time.monotonic() >= next_progress:
+            progress(time.monotonic() - start)
+            next_progress += every_s
         if server.proc.poll() is not None:
             raise ServerError(f"server exited with code {server.proc.returncode} before it was healthy; "
                               f"last lines of {server.log_path}:\n{log_tail(server.log_path)}")

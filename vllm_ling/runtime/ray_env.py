@@ -20,6 +20,7 @@ import os
 from typing import Mapping
 
 from vllm_ling.options import OPTIONS, Scope
+from vllm_ling.processes import SERVER_MARKER_ENV
 
 
 def propagated_names() -> tuple[str, ...]:
@@ -27,9 +28,13 @@ def propagated_names() -> tuple[str, ...]:
 
 
 def worker_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Variable -> the launcher's value ("" when unset: the worker then uses the default)."""
+    """Variable -> the launcher's value ("" when unset: the worker then uses the default); and the
+    server's marker, so its Ray workers are known as its processes (vllm_ling.processes)."""
     env = os.environ if env is None else env
-    return {name: env.get(name, "") for name in propagated_names()}
+    values = {name: env.get(name, "") for name in propagated_names()}
+    if env.get(SERVER_MARKER_ENV):
+        values[SERVER_MARKER_ENV] = env[SERVER_MARKER_ENV]
+    return values
 
 
 def attach_to(parallel_config, env: Mapping[str, str] | None = None) -> bool:

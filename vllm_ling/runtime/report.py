@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 
 from vllm_ling.log import get_logger
 from vllm_ling.options import read
+from vllm_ling.processes import SERVER_MARKER_ENV, marker_of, owner_pid
 from vllm_ling.refusal import Refusal
 
 logger = get_logger("metrics")
@@ -137,6 +138,7 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "accept_length": {"type": ["number", "null"]},
                 "threshold": {"type": "number"},
                 "passed": {"type": ["boolean", "null"]},
+                "note": {"type": "string"},
             },
         },
         # Optional: bytes one worker (the reporting rank) holds, each storage once: its weights
@@ -168,7 +170,9 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
 
 
 def _server_start_time() -> float:
-    """Start time of this vLLM server: the oldest of this process and its vLLM ancestors.
+    """Start time of this vLLM server: the oldest of this process and its ancestors that belong to
+    the same server (they carry this process's server marker, or are the process that set it:
+    :mod:`vllm_ling.processes`; never a word in their command line, which a checkout's path can hold).
 
     A report file older than that belongs to an earlier run (a fixed VLLM_LING_REPORT_PATH
     on a volume) and must not be shown as this server's state.
@@ -177,12 +181,13 @@ def _server_start_time() -> float:
         import psutil
     except ImportError:  # psutil comes with vLLM; without it, trust any report
         return 0.0
+    marker = os.environ.get(SERVER_MARKER_ENV)
     try:
         proc = psutil.Process()
         start = proc.create_time()
         for _ in range(4):
             proc = proc.parent()
-            if proc is None or "vllm" not in " ".join(proc.cmdline()).lower():
+            if proc is None or not marker or (marker_of(proc.pid) != marker and proc.pid != owner_pid(marker)):
                 break
             start = min(start, proc.create_time())
         return start

@@ -9,7 +9,9 @@ only when ``VLLM_PLUGINS`` names them, and ``VLLM_PLUGINS`` is then an allow-lis
 (``vllm-ling serve`` sets that for you.) The route answers 200 with the report JSON, or
 503 with ``{"error": ..., "report_path": ...}`` while the workers have not written it yet.
 Its ``init_state`` (API-server process, serving state built) also runs the chat template /
-parser round-trip check (``vllm_ling.runtime.chat_roundtrip``).
+parser round-trip check (``vllm_ling.runtime.chat_roundtrip``), and ``attach_router`` adds the
+middleware that refuses new requests with 503 while a requested stop drains
+(``vllm_ling.runtime.clean_stop``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class ReportEndpointPlugin:
     def attach_router(self, app: FastAPI) -> None:
         app.add_api_route(ROUTE, self.get_report, methods=["GET"],
                           summary="vllm-ling startup verification report")
+        # requests that arrive while a requested stop drains: 503 with the reason, not vLLM's 500
+        from vllm_ling.runtime.clean_stop import RefuseWhileStopping
+
+        app.add_middleware(RefuseWhileStopping)
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         # Created here, in the API-server process, so its staleness cut-off is this server's start.

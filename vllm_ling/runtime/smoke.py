@@ -6,7 +6,9 @@ tokens, and the accept length from the server's own ``vllm:spec_decode_*`` count
 NEXTN draft on the real model accepts well above it; a draft that shares only the head's
 weight tensor sits at 1.0) it fails per ``VLLM_LING_VERIFY``: ``strict`` stops the server,
 ``warn`` logs a WARNING. The result is written into the report's ``smoke`` field.
-Without speculation there is nothing to measure and the check records ``passed: null``.
+Without speculation there is nothing to measure and the check records ``passed: null``; so does a
+random-weight tiny checkpoint (``vllm-ling make-tiny`` without ``--agreeing``/``--script``, marked
+in its config.json), whose draft cannot be accepted: its accept length is recorded with a note.
 No vLLM import (HTTP only).
 """
 
@@ -14,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import urllib.request
+from pathlib import Path
 
+from vllm_ling.models.names import TINY_WEIGHTS_KEY
 from vllm_ling.options import option
 from vllm_ling.runtime.report import update_report
 
@@ -34,10 +39,35 @@ class SmokeResult:
     drafts: int
     threshold: float
     passed: bool | None
+    note: str | None = None  # why the accept length is not judged (passed is then None)
 
     def as_report(self) -> dict:
-        return {"accept_length": self.accept_length, "threshold": self.threshold, "passed": self.passed,
-                "drafts": self.drafts}
+        report = {"accept_length": self.accept_length, "threshold": self.threshold, "passed": self.passed,
+                  "drafts": self.drafts}
+        if self.note:
+            report["note"] = self.note
+        return report
+
+
+def random_draft_note(model: str | os.PathLike) -> str | None:
+    """Why no draft of this checkpoint can be accepted, when its config.json says its weights are
+    random (``vllm-ling make-tiny`` without --agreeing or --script); None otherwise."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get(TINY_WEIGHTS_KEY) != "random":
+        return None
+    return (f"{model} is a random-weight tiny checkpoint (vllm-ling make-tiny without --agreeing or "
+            "--script): its NEXTN draft cannot predict the target, so no draft is accepted; the accept "
+            "length is not judged (make-tiny --agreeing or --script makes drafts that are accepted)")
+
+
+def judged(result: SmokeResult, model: str | os.PathLike) -> SmokeResult:
+    """``result``, or, when it failed on a checkpoint whose drafts cannot be accepted, the same
+    measurement with a note instead of a verdict."""
+    note = random_draft_note(model) if result.passed is False else None
+    return dataclasses.replace(result, passed=None, note=note) if note else result
 
 
 def _get(url: str, headers: dict, timeout: float = 30) -> str:

@@ -14,7 +14,9 @@
   up as its child, so the workers of a dead EngineCore do not linger as zombies under PID 1;
 - when vLLM's API server is gone, stops every process still below it (SIGTERM, then SIGKILL
   after ``CLEANUP_GRACE_S``), so no orphan keeps the GPU or the port;
-- kills them all if vLLM has not exited ``TEARDOWN_MARGIN_S`` after the drain timeout.
+- kills them all if vLLM has not exited ``TEARDOWN_MARGIN_S`` after the drain timeout;
+- forwards vLLM's stderr (:mod:`vllm_ling.runtime.stderr_relay`): third-party leak reports at
+  interpreter exit only at ``VLLM_LOGGING_LEVEL=DEBUG``, and our last line on a line of its own.
 
 vLLM stays in our process group, so whoever stops the group (a terminal's Ctrl-C, a test
 harness's killpg) reaches it even if we are gone; we find its processes through /proc.
@@ -32,6 +34,10 @@ import sys
 import threading
 import time
 from typing import Callable, Mapping
+
+from vllm_ling.processes import SERVER_MARKER_ENV, new_marker
+from vllm_ling.refusal import REFUSAL_FILE_ENV
+from vllm_ling.runtime.stderr_relay import StderrRelay, non_empty
 
 EXIT_SERVER_DIED = 4  # vLLM exited 0 without a stop request: its engine died (documented in README)
 # After the drain window, vLLM still tears down its engine processes; beyond this we kill.
@@ -105,6 +111,7 @@ class Supervisor:
         self.stop_deadline: float | None = None
         self.override_code: int | None = None  # set by stop(code=...) (the smoke check)
         self.exited = threading.Event()        # vLLM's API server has exited
+        self.relay: StderrRelay | None = None  # vLLM's stderr, forwarded
         self._lock = threading.Lock()
 
     # -------------------------------------------------------------- signals and stopping
@@ -158,7 +165,11 @@ class Supervisor:
         with self._lock:
             if self.stop_signal is not None:
                 return None
-        child = subprocess.Popen(self.argv, env=self.env)
+        # every process of this server carries it (a harness that started us may have named it)
+        self.env.setdefault(SERVER_MARKER_ENV, new_marker())
+        child = subprocess.Popen(self.argv, env=self.env, stderr=subprocess.PIPE)
+        self.relay = StderrRelay(child.stderr, self.env.get("VLLM_LOGGING_LEVEL", "").upper() == "DEBUG",
+                                 refused=lambda: non_empty(self.env.get(REFUSAL_FILE_ENV))).start()
         with self._lock:
             self.child = child
             pending = self.stop_signal
@@ -175,6 +186,8 @@ class Supervisor:
         child.returncode = exit_code_of(status)
         self.exited.set()
         self._clean_up()
+        if self.relay is not None:  # all of vLLM's output before our last words
+            self.relay.join(CLEANUP_GRACE_S)
         return self._final_code(child.returncode)
 
     def _wait_for(self, pid: int) -> int:
