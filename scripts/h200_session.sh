@@ -146,8 +146,12 @@ ours|upstream|ours-mtp)
   [ -n "${WITH_TESTS:-}" ] && wait $tiny
   ;;
 moe-bench)
-  # One MoE layer, decode kernels vs humming's GEMM on an idle GPU: without a limit (comparable to
-  # benchmarks/results/moe_decode_h200.md), and at Ling's limit 4 in each clamp mode (issue 43)
+  # Issue 43 on an idle GPU: the clamp-mode kernel tests, then one MoE layer, decode kernels vs humming's
+  # GEMM, without a limit (comparable to benchmarks/results/moe_decode_h200.md) and at Ling's limit 4
+  # in each clamp mode
+  tiny_test moe-clamp 300
+  wait "${pids[@]}"
+  record gpu:moe-clamp "$out/moe-clamp.log"
   for run in "plain::" "limit4-after:--swiglu-limit 4:" "limit4-before:--swiglu-limit 4 --clamp gate_input:"; do
     IFS=: read -r name flags _ <<< "$run"
     timeout 200 python3 -m benchmarks.moe_decode --tokens 1,4,16 --variants default --hl-variants default $flags \
