@@ -1,7 +1,7 @@
 """The package's architecture, enforced: imports run downward only and never in circles.
 
 Layers, lowest first (README "Layout"): base modules (log, versions, options, refusal, selection) -> ops -> models
--> layers -> runtime -> patches -> plugin -> bench -> cli. A module may import from its own
+-> layers -> runtime -> patches -> plugin -> launcher -> bench -> cli. A module may import from its own
 layer or any lower one; ``ops`` never imports vLLM (it runs on the GPU box without it).
 Function-level (lazy) imports count too: they are arrows all the same.
 """
@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_ling"
 LAYERS = {"log": 0, "versions": 0, "options": 0, "refusal": 0, "selection": 0, "ops": 1, "models": 2, "layers": 3,
-          "runtime": 4, "patches": 5, "plugin": 6, "bench": 7, "cli": 8}
+          "runtime": 4, "patches": 5, "plugin": 6, "launcher": 7, "bench": 8, "cli": 9}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:

@@ -411,6 +411,10 @@ def closest_known(name: str) -> str | None:
 # been given, so the API server, the engine core and each worker do not repeat them. Not a
 # VLLM_* name: vLLM's own environment check ignores it.
 UNKNOWN_WARNED_MARKER = "_VLLM_LING_UNKNOWN_ENV_WARNED"
+# Set by vllm-ling serve in vLLM's environment: the file its supervisor (vllm_ling.launcher.supervisor)
+# writes when a stop is requested, before it forwards the signal, so vLLM's processes know the stop
+# is wanted (vllm_ling.runtime.clean_stop). Both sides read the name from here.
+STOP_FILE_ENV = "_VLLM_LING_STOP_FILE"
 
 
 def unknown_variables(env: Mapping[str, str]) -> list[str]:

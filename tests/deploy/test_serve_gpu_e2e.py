@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from vllm_ling.runtime.local_server import free_port, group_alive, scrape, start_server
+from vllm_ling.launcher.local_server import free_port, group_alive, scrape, start_server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -227,7 +227,7 @@ def test_each_opt_out_alone_serves_verified_and_turns_off_only_its_optimization(
     strict verification, answers the expected greedy tokens, and its report has exactly that
     switch's optimizations off."""
     from vllm_ling.options import upstream_composition
-    from vllm_ling.runtime.local_server import wait_healthy
+    from vllm_ling.launcher.local_server import wait_healthy
 
     switches = upstream_composition()
     assert set(switches) == set(SWITCHED_OFF), "an opt-out switch without its expectation here"

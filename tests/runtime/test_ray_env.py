@@ -32,7 +32,7 @@ def test_every_variable_read_in_vllm_processes_is_propagated_or_node_local():
     scopes = {opt.name: opt.scope for opt in o.OPTIONS}
     read = names_read_in_vllm_processes() & set(scopes)
     launcher_only = {n for n in read if scopes[n] is o.Scope.LAUNCHER}
-    # runtime/local_server.py, smoke.py and memory_guard.py run in the launcher, not in vLLM's processes
+    # launcher/local_server.py, smoke.py and memory_guard.py run in the launcher, not in vLLM's processes
     assert launcher_only <= {"VLLM_LING_SMOKE", "VLLM_LING_SMOKE_MIN_ACCEPT", "VLLM_LING_MODEL",
                              "VLLM_LING_PORT", "VLLM_LING_DEVICE", "VLLM_LING_MEMORY_AVAILABLE_GB"}, launcher_only
     propagated = set(ray_env.propagated_names())

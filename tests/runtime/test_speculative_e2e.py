@@ -11,7 +11,7 @@ import re
 import pytest
 import requests
 
-from vllm_ling.runtime.local_server import group_alive, scrape, serve_cpu
+from vllm_ling.launcher.local_server import group_alive, scrape, serve_cpu
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -103,7 +103,7 @@ def test_agreeing_checkpoint_accepts_every_draft(default_server, agreeing_checkp
 
 
 def test_smoke_check_passes_on_the_agreeing_checkpoint(default_server):
-    from vllm_ling.runtime.smoke import run_smoke
+    from vllm_ling.launcher.smoke import run_smoke
 
     server, _ = default_server
     result = run_smoke(server.base_url, "tiny")
@@ -158,7 +158,7 @@ def test_trap_is_refused_at_startup_in_strict_mode(agreeing_checkpoint, tmp_path
     import sys
 
     from vllm_ling.cli.serve import EXIT_USAGE
-    from vllm_ling.runtime.local_server import cpu_env, free_port
+    from vllm_ling.launcher.local_server import cpu_env, free_port
 
     env = cpu_env({"VLLM_LING_PORT": str(free_port()), "VLLM_LING_HOST": "127.0.0.1", "VLLM_LING_SMOKE": "0",
                    "VLLM_LING_NEGATIVE_CONTROL": "weight_only_head", "XDG_CACHE_HOME": str(tmp_path / "cache")})
@@ -204,7 +204,7 @@ def test_trap_collapses_acceptance_when_only_warned(agreeing_checkpoint, tmp_pat
         report = json.loads((tmp_path / "report.json").read_text())
         assert report["passed"] is False and report["optimizations"]["mtp"]["active"] is False
         assert "verification check draft_shares_target_modules FAILED" in server.log()
-        from vllm_ling.runtime.smoke import run_smoke
+        from vllm_ling.launcher.smoke import run_smoke
 
         smoke = run_smoke(server.base_url, "tiny")  # the startup smoke check's measurement
         assert smoke.passed is False and smoke.accept_length < 1.2

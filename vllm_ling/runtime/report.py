@@ -3,7 +3,7 @@
 Workers write it once after load (:mod:`vllm_ling.runtime.verification`) and add their
 memory and startup facts after warm-up (:mod:`vllm_ling.runtime.startup_facts`), the API server
 adds the chat round-trip check (:mod:`vllm_ling.runtime.chat_roundtrip`), ``vllm-ling
-serve`` merges the smoke result into it (:mod:`vllm_ling.runtime.smoke`), and the stat
+serve`` merges the smoke result into it (:mod:`vllm_ling.launcher.smoke`), and the stat
 logger and ``GET /vllm_ling/report`` read it. Every write goes through :func:`write_report`
 or :func:`update_report`: a private (0600) temporary file in the target directory, then an
 atomic rename, so a reader never sees half a report.

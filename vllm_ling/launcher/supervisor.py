@@ -38,9 +38,6 @@ EXIT_SERVER_DIED = 4  # vLLM exited 0 without a stop request: its engine died (d
 TEARDOWN_MARGIN_S = 30.0
 CLEANUP_GRACE_S = 5.0
 _PR_SET_CHILD_SUBREAPER = 36
-# Set in vLLM's environment: the file the supervisor writes when a stop is requested, before it
-# forwards the signal, so vLLM's processes know the stop is wanted (vllm_ling.runtime.clean_stop).
-STOP_FILE_ENV = "_VLLM_LING_STOP_FILE"
 
 
 def become_subreaper() -> bool:
@@ -95,7 +92,7 @@ class Supervisor:
                  log: Callable[[str], None] | None = None,
                  teardown_margin: float = TEARDOWN_MARGIN_S, stop_file: str | None = None):
         self.argv = argv
-        self.stop_file = stop_file  # written on a stop request (STOP_FILE_ENV in vLLM's environment)
+        self.stop_file = stop_file  # written on a stop request (STOP_FILE_ENV of vllm_ling.options in vLLM's env)
         self.env = dict(env)
         self.shutdown_timeout = shutdown_timeout
         self.teardown_margin = teardown_margin
