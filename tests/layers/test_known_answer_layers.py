@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 import math
 
+import known_answer_faults as faults  # tests/known_answer_faults.py
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from vllm_ling.ops import known_answer as ka  # noqa: E402
 
 AMX_CODES = "0x00-0x07 0x80-0x87"
 # What vLLM-CPU's kernel selection and vllm-ling's path decision both read (not /proc/cpuinfo,
@@ -35,7 +35,7 @@ def _amx_defect_method_class():
         def process_weights_after_loading(self, layer):
             bn, bk = self.weight_block_size
             scale = layer.weight_scale_inv.data.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-            replace_parameter(layer, "weight", (ka.amx_e4m3_decode(layer.weight.data) * scale).to(layer.orig_dtype))
+            replace_parameter(layer, "weight", (faults.amx_e4m3_decode(layer.weight.data) * scale).to(layer.orig_dtype))
             del layer.weight_scale_inv
 
     return AmxDefectLinearMethod
@@ -119,7 +119,7 @@ def _force_amx(monkeypatch, amx: bool) -> str:
     hardware path is left alone. AMX forced on a CPU without it: vLLM selects its AMX kernel
     (CPUFp8BlockScaledMMKernel) as it would there, and its two ops, which would execute AMX
     instructions, are replaced by an emulation of their e4m3 decode defect
-    (ka.amx_e4m3_decode), so the check sees what the real kernel computes (a test on AMX
+    (faults.amx_e4m3_decode), so the check sees what the real kernel computes (a test on AMX
     hardware runs the real ops and checks they fail the same way)."""
     if amx == HAS_AMX:
         return "real"
@@ -132,7 +132,7 @@ def _force_amx(monkeypatch, amx: bool) -> str:
         params = self._get_layer_params(layer)
         bn, bk = self.weight_group_shape
         scale = params.weight_scale_inv.data.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-        layer.amx_emulated_weight = (ka.amx_e4m3_decode(params.weight.data) * scale).to(torch.bfloat16)
+        layer.amx_emulated_weight = (faults.amx_e4m3_decode(params.weight.data) * scale).to(torch.bfloat16)
 
     def apply_weights(self, layer, x, bias=None, **kwargs):
         return torch.nn.functional.linear(x, layer.amx_emulated_weight, bias)

@@ -4,12 +4,11 @@ max error when a serving kernel computes wrong numbers (planted faults)."""
 
 from __future__ import annotations
 
+import known_answer_faults as faults  # tests/known_answer_faults.py
 import pytest
 import torch
 
 pytest.importorskip("vllm")
-
-from vllm_ling.ops import known_answer as ka  # noqa: E402
 
 MOE_REF = "plain-PyTorch MXFP4 reference (CPU platform)"
 
@@ -46,12 +45,12 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     def amx_defect(self, layer):  # only scratch layers are processed after loading
         bn, bk = self.weight_block_size
         s = layer.weight_scale_inv.data.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-        replace_parameter(layer, "weight", (ka.amx_e4m3_decode(layer.weight.data) * s).to(layer.orig_dtype))
+        replace_parameter(layer, "weight", (faults.amx_e4m3_decode(layer.weight.data) * s).to(layer.orig_dtype))
 
     original_apply = LingMxfp4MoEMethod.apply
 
     def nibbles_swapped(self, layer, x, *args):
-        swapped = type("L", (), {**vars(layer), "w13_weight": ka.swap_nibbles(layer.w13_weight)})
+        swapped = type("L", (), {**vars(layer), "w13_weight": faults.swap_nibbles(layer.w13_weight)})
         return original_apply(self, swapped, x, *args)
 
     original_logits = fp8_lm_head.head_ops.fp8_head_logits
@@ -59,7 +58,7 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     def zero_code_fault(x, state):
         import dataclasses
 
-        return original_logits(x, dataclasses.replace(state, weight=ka.plant_zero_code_fault(state.weight)))
+        return original_logits(x, dataclasses.replace(state, weight=faults.plant_zero_code_fault(state.weight)))
 
     from vllm_ling.layers import kda_cpu
 

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import types
 
+import known_answer_faults as faults  # tests/known_answer_faults.py
 import pytest
 import torch
 
@@ -364,13 +365,12 @@ def test_a_wrong_kernel_refuses_to_serve_naming_kernel_inputs_and_max_error(load
     import dataclasses as dc
 
     from vllm_ling.layers import fp8_lm_head
-    from vllm_ling.ops import known_answer as ka
     from vllm_ling.runtime.kernel_checks import EXPECTED, FIX
     from vllm_ling.runtime.verification import LingVerificationError, enforce_policy
 
     original = fp8_lm_head.head_ops.fp8_head_logits
     monkeypatch.setattr(fp8_lm_head.head_ops, "fp8_head_logits", lambda x, state: original(
-        x, dc.replace(state, weight=ka.plant_zero_code_fault(state.weight))))
+        x, dc.replace(state, weight=faults.plant_zero_code_fault(state.weight))))
     report = _report(loaded_tiny_models)
     assert not report["passed"] and not report["kernel_checks"]["passed"]
     failure = ("fp8_head [torch]: max relative error 32 > tolerance 0.00781 on 256 one-hot rows (GEMM-sized): "
