@@ -72,10 +72,12 @@ class DenseFp8(Choice):
 
 
 class Bf16Gemv(Choice):
-    LING = "ling"  # vllm-ling's small GEMV for the checkpoint's unquantized BF16 linears at <= 8 tokens (CUDA)
+    LING = "ling"  # vllm-ling's small GEMV for the checkpoint's unquantized BF16 linears at decode sizes (CUDA)
     VLLM = "vllm"  # opt out: vLLM's GEMM always
+
+
 class RouterGemv(Choice):
-    LING = "ling"  # vllm-ling's router GEMV kernel for Ling's fp32 MoE gates at <= 16 tokens (CUDA)
+    LING = "ling"  # vllm-ling's router GEMV kernel for Ling's fp32 MoE gates at decode sizes (CUDA)
     VLLM = "vllm"  # opt out: vLLM's GateLinear path always
 
 
@@ -102,9 +104,16 @@ class Scope(Choice):
 # The MoE decode kernels launch one grid row per (token, top-k slot): tokens x top_k (<= 8) must
 # stay within CUDA's grid rows (ops/moe/decode/shapes.MAX_GRID_ROWS).
 MOE_DECODE_MAX_TOKENS_LIMIT = 4096
-# The CUDA W8A16 dense decode kernel's rows (four MMA groups of 8: ops/dense_fp8/decode_kernel.py,
-# which reads it from here so that the option's text can state it).
+# The kernels' row limits, here so that the options' texts state them (this module imports no
+# kernel); each kernel reads its own from here.
+# The CUDA W8A16 dense decode kernel's rows (four MMA groups of 8: ops/dense_fp8/decode_kernel.py).
 DENSE_FP8_DECODE_MAX_ROWS = 32
+# The small GEMV's tokens (ops/small_gemv/kernel.py; the router gates take all of them): measured up
+# to here (benchmarks/results/small_gemv_h200.md); the kernel before staging lost to cuBLAS at 32.
+SMALL_GEMV_MAX_ROWS = 16
+# The checkpoint's 32-row BF16 linears on the small GEMV: cuBLAS is close from 16 rows
+# (small_gemv_h200.md's Reading says why 8 stays).
+BF16_GEMV_MAX_ROWS = 8
 # The DGX Spark study's MTP verify cost at batch 1, in normal decode steps (4 positions): the
 # default collapse threshold and the point runtime/spec_policy.py scales its cost curve to.
 STUDY_VERIFY_COST_BATCH1 = 2.26
@@ -152,6 +161,13 @@ class Option:
     @property
     def flag(self) -> str:
         return "--" + self.short.replace("_", "-")
+
+    @property
+    def opt_out_setting(self) -> str:
+        """``NAME=value`` that gives vLLM's own path, as every message names it."""
+        if self.opt_out is None:
+            raise ValueError(f"{self.name} has no opt-out")
+        return f"{self.name}={self.opt_out}"
 
     def shown_default(self) -> str:
         if self.default_text is not None:
@@ -255,11 +271,12 @@ OPTIONS: tuple[Option, ...] = (
            serve_flag=True, compile_factor=True, opt_out="0", warmup_flag=True),
     Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
            "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
-           "small GEMV for batches of at most 8 tokens on CUDA (vLLM's GEMM above; an error where it cannot "
+           f"small GEMV for batches of at most {BF16_GEMV_MAX_ROWS} tokens on CUDA (vLLM's GEMM above; an error where it cannot "
            "run); `vllm` opts out (one WARNING, reported). The CPU path is unchanged",
            choices=Bf16Gemv, serve_flag=True, compile_factor=True, opt_out="vllm", warmup_flag=True),
     Option("VLLM_LING_ROUTER_GEMV", "choice", RouterGemv.LING,
-           "`ling`: fp32 MoE router gates (Ling's) run vllm-ling's one-launch GEMV for batches of at most 16 "
+           "`ling`: fp32 MoE router gates (Ling's) run vllm-ling's one-launch GEMV for batches of at most "
+           f"{SMALL_GEMV_MAX_ROWS} "
            "tokens on CUDA (vLLM's GateLinear path above; an error where it cannot run); `vllm` opts out (one "
            "WARNING, reported). The CPU path is unchanged",
            choices=RouterGemv, serve_flag=True, compile_factor=True, opt_out="vllm", warmup_flag=True),
@@ -391,6 +408,11 @@ def read(name: str, env: Mapping[str, str] | None = None) -> Any:
     return opt.parse(raw)
 
 
+def opt_out_setting(name: str) -> str:
+    """``NAME=value``: the opt-out of one switch, from the table (never retyped)."""
+    return BY_NAME[name].opt_out_setting
+
+
 def known_env_vars() -> set[str]:
     return set(BY_NAME)
 
@@ -462,7 +484,8 @@ def warmup_options() -> tuple[Option, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class LingOptions:
-    """The plugin's switches as one value, read from the environment in every vLLM process."""
+    """The plugin's switches as one value, read from the environment in every vLLM process:
+    :meth:`current` (parsed once; everything in the process asks it)."""
 
     moe_backend: MoeBackend = BY_NAME["VLLM_LING_MOE_BACKEND"].default
     moe_w4a8: bool = BY_NAME["VLLM_LING_MOE_W4A8"].default
@@ -480,4 +503,23 @@ class LingOptions:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "LingOptions":
-        return cls(**{f.name: read(PREFIX + f.name.upper(), env) for f in dataclasses.fields(cls)})
+        """Parse ``env`` (default: this process's environment); :meth:`current` for the process's."""
+        return cls(**{f.name: read(cls.variable(f.name), env) for f in dataclasses.fields(cls)})
+
+    @staticmethod
+    def variable(field: str) -> str:
+        return PREFIX + field.upper()
+
+    @classmethod
+    def current(cls) -> "LingOptions":
+        """This process's switches, parsed once: the same value for every caller (the quant config,
+        the layers, the patches, the verification), parsed again only where the environment's values
+        of these variables changed (a test's monkeypatch)."""
+        global _current
+        raw = tuple(os.environ.get(cls.variable(f.name)) for f in dataclasses.fields(cls))
+        if _current is None or _current[0] != raw:
+            _current = (raw, cls.from_env())
+        return _current[1]
+
+
+_current: tuple[tuple[str | None, ...], LingOptions] | None = None

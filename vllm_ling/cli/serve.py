@@ -42,7 +42,8 @@ from vllm_ling.cli.agent_defaults import parser_args
 from vllm_ling.models.checkpoint_check import INDEX_FILE, CheckpointFormatError, unreadable_paths
 from vllm_ling.options import (CPU_MOE_BACKEND_REFUSAL, LING3_PARSER, PREFIX, SPARK_MEMORY_FRACTION,
                                STOP_FILE_ENV, UNKNOWN_WARNED_MARKER, LingOptionError, MoeBackend, Option, Scope,
-                               VerifyPolicy, closest, option, read, serve_options, unknown_variables)
+                               VerifyPolicy, closest, opt_out_setting, option, read, serve_options,
+                               unknown_variables)
 from vllm_ling.refusal import REFUSAL_FILE_ENV, take
 from vllm_ling.launcher.local_server import plugin_names
 from vllm_ling.runtime.report import ReportPathError, check_report_path, default_report_path
@@ -324,7 +325,7 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
     explicit = {o.short for o in serve_options()
                 if getattr(args, o.short) is not None or env.get(o.name, "") != ""}
     if device == "cpu" and _parsed(values, "moe_backend") is MoeBackend.VLLM:
-        source = "--moe-backend vllm" if args.moe_backend is not None else "VLLM_LING_MOE_BACKEND=vllm"
+        source = "--moe-backend vllm" if args.moe_backend is not None else opt_out_setting("VLLM_LING_MOE_BACKEND")
         raise LaunchError(CPU_MOE_BACKEND_REFUSAL.format(what=source))
 
     if values["served_model_name"] is None:

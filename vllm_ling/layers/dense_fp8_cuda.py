@@ -30,9 +30,9 @@ from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.dense_fp8.decode_kernel import MAX_ROWS as DECODE_MAX_ROWS
 from vllm_ling.ops.dense_fp8.tuned_configs import w8a16_max_rows
-from vllm_ling.ops.dense_fp8.selection import (DenseFp8Kernel, DenseFp8Unavailable, DenseShape, select_dense_fp8,
-                                               unaligned_shards)
-from vllm_ling.options import DenseFp8, LingOptions
+from vllm_ling.ops.dense_fp8.selection import (OPTION, DenseFp8Kernel, DenseFp8Unavailable, DenseShape,
+                                               select_dense_fp8, unaligned_shards)
+from vllm_ling.options import DenseFp8, LingOptions, opt_out_setting
 from vllm_ling.selection import Platform, record
 
 __all__ = ["DenseFp8Unavailable", "LingBlockFp8LinearMethod", "LingW8A16Fp8LinearMethod", "choose_dense_fp8_method",
@@ -76,7 +76,7 @@ def refuse_nan_codes(weight: torch.Tensor, prefix: str) -> None:
     count = int(((weight.view(torch.uint8) & 0x7F) == 0x7F).sum())
     if count:
         raise ValueError(f"{prefix}.weight holds {count} e4m3 NaN codes (0x7F/0xFF): the checkpoint is corrupt; "
-                         "re-export it (or serve with VLLM_LING_DENSE_FP8=vllm to see NaN outputs instead)")
+                         f"re-export it (or serve with {opt_out_setting(OPTION)} to see NaN outputs instead)")
 
 
 E8M0_UPCAST = "float32 (upcast from E8M0)"
@@ -200,8 +200,8 @@ def choose_dense_fp8_method(quant_config, layer, prefix: str, output_partition_s
         return LingW8A16Fp8LinearMethod(quant_config, prefix)
     if options.dense_fp8 is DenseFp8.VLLM:
         log_once(logger, logging.WARNING, "dense-fp8-opt-out",
-                 "Dense block-FP8 W8A16 kernel is OFF by explicit choice (VLLM_LING_DENSE_FP8=vllm): vLLM "
-                 "selects the dense FP8 linear kernel; the startup report marks dense_fp8_decode inactive.")
+                 "Dense block-FP8 W8A16 kernel is OFF by explicit choice (%s): vLLM selects the dense FP8 "
+                 "linear kernel; the startup report marks dense_fp8_decode inactive.", opt_out_setting(OPTION))
     else:
         log_once(logger, logging.WARNING, f"dense-fp8-unaligned-{prefix}",
                  "%s keeps vLLM's block-FP8 kernel: %s.", prefix, selection.reason)

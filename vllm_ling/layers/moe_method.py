@@ -22,10 +22,10 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import LingOptions, MoeDecode
+from vllm_ling.options import LingOptions, MoeDecode, opt_out_setting
 from vllm_ling.ops import moe as moe_ops
-from vllm_ling.ops.moe.selection import (HummingUnavailable, MoePath, MoeSelection, MoeShape, opt_out_reason,
-                                         select_moe)
+from vllm_ling.ops.moe.humming import HummingUnavailable
+from vllm_ling.ops.moe.selection import MoePath, MoeSelection, MoeShape, opt_out_reason, select_moe
 from vllm_ling.selection import Platform, record
 
 logger = get_logger("moe")
@@ -120,7 +120,7 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
             raise HummingUnavailable(
                 f"humming could not prepare the MXFP4 experts of {getattr(layer, 'layer_name', layer)}: "
                 f"{exc}. Fix the humming install/GPU, or opt out explicitly with "
-                f"VLLM_LING_MOE_BACKEND=vllm{hint}") from exc
+                f"{opt_out_setting('VLLM_LING_MOE_BACKEND')}{hint}") from exc
         # humming holds its own transformed copy; drop the checkpoint-layout tensors.
         for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"):
             getattr(layer, name).data = torch.empty(0, dtype=torch.uint8,

@@ -52,9 +52,7 @@ class LingFp8Config(Fp8Config):
 
     @property
     def options(self) -> LingOptions:
-        if getattr(self, "_options", None) is None:
-            self._options = LingOptions.from_env()
-        return self._options
+        return LingOptions.current()
 
     def _skipped(self, prefix: str) -> bool:
         return is_layer_skipped(prefix=prefix, ignored_layers=self.ignored_layers,

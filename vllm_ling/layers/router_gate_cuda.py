@@ -31,9 +31,9 @@ import torch
 from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import LingOptions, RouterGemv
+from vllm_ling.options import LingOptions, RouterGemv, opt_out_setting
 from vllm_ling.ops.small_gemv import router as router_ops
-from vllm_ling.ops.small_gemv.selection import (NOT_A_GEMV_GATE, ROUTER_OPT_OUT, GateFacts, GemvPath,
+from vllm_ling.ops.small_gemv.selection import (NOT_A_GEMV_GATE, ROUTER_OPTION, GateFacts, GemvPath,
                                                 RouterGemvUnavailable, select_router_gemv)
 from vllm_ling.selection import Platform, Selection, record
 
@@ -43,7 +43,6 @@ IN_TREE_NAME = "GateLinear"
 KERNEL_LABEL = f"vllm-ling router GEMV (<= {router_ops.MAX_ROWS} tokens)"
 _DESCRIPTION = (f"MoE router gates (CUDA): {KERNEL_LABEL}, GateLinear's path above, for the fp32 gates GateLinear "
                 "runs as cast + F.linear")
-OPT_OUT = ROUTER_OPT_OUT
 __all__ = ["GateFacts", "RouterGemvUnavailable", "decide", "register_cuda_router_gate", "router_gate_class"]
 
 
@@ -60,7 +59,7 @@ def decide(facts: GateFacts, options: LingOptions, device: torch.device | str | 
     elif options.router_gemv is RouterGemv.VLLM:
         log_once(logger, logging.WARNING, "router-gemv-opt-out",
                  "Router GEMV is OFF by explicit choice (%s): MoE gates run vLLM's GateLinear path; the startup "
-                 "report marks router_gemv inactive.", OPT_OUT)
+                 "report marks router_gemv inactive.", opt_out_setting(ROUTER_OPTION))
     elif reason.startswith(NOT_A_GEMV_GATE):
         log_once(logger, logging.INFO, f"router-gemv-kind-{reason}",
                  "%s and similar gates keep vLLM's GateLinear path: %s.", facts.prefix, reason)
@@ -119,7 +118,7 @@ def router_gate_class():
             super().__init__(*args, **kwargs)
             device = self.weight.device if self.weight.device.type == "cuda" else None
             self.ling_router_key = register_gate(self, self.prefix)
-            self._select(decide(self.gate_facts(), LingOptions.from_env(), device))
+            self._select(decide(self.gate_facts(), LingOptions.current(), device))
 
         def _select(self, selection: Selection) -> None:
             """Record the selection and dispatch by it (``ling_router_gemv_reason``: None where the

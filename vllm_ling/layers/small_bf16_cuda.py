@@ -24,14 +24,13 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.small_gemv.kernel import BF16_MAX_ROWS as SMALL_BF16_MAX_ROWS
-from vllm_ling.ops.small_gemv.selection import BF16_OPT_OUT, Bf16GemvUnavailable, GemvPath, select_bf16_gemv
-from vllm_ling.options import LingOptions
+from vllm_ling.ops.small_gemv.selection import BF16_OPTION, Bf16GemvUnavailable, GemvPath, select_bf16_gemv
+from vllm_ling.options import LingOptions, opt_out_setting
 from vllm_ling.selection import Platform, record
 
 logger = get_logger("quant.small_bf16")
 
 SMALL_BF16_MAX_N = 512    # output rows per rank: the sizes measured (a GEMM library wins on wide weights)
-OPT_OUT_HINT = BF16_OPT_OUT
 __all__ = ["Bf16GemvUnavailable", "LingSmallBf16LinearMethod", "choose_small_bf16_method", "kernel_problems",
            "served_path"]
 
@@ -112,7 +111,7 @@ def choose_small_bf16_method(layer, prefix: str, options: LingOptions,
     if selection.choice is GemvPath.VLLM:
         log_once(logger, logging.WARNING, "small-gemv-opt-out-bf16",
                  "Small GEMV for BF16 linears is OFF by explicit choice (%s): vLLM's GEMM serves the checkpoint's "
-                 "unquantized linears; the startup report marks small_bf16_decode inactive.", OPT_OUT_HINT)
+                 "unquantized linears; the startup report marks small_bf16_decode inactive.", opt_out_setting(BF16_OPTION))
         return None
     log_once(logger, logging.INFO, "small-bf16-on",
              "Unquantized BF16 linears: vllm-ling small GEMV for <= %d tokens, vLLM's GEMM above.", SMALL_BF16_MAX_ROWS)

@@ -20,6 +20,9 @@ from typing import Iterable, Iterator
 
 import torch
 
+from vllm_ling.options import opt_out_setting
+
+OPTION = "VLLM_LING_KDA_MERGED_PROJ"
 MERGED_NAME = "qkvfg_proj"
 MEMBERS = ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj")  # shard index = position
 _MEMBER_NAME = re.compile(r"^(?P<layer>.+)\.(?P<proj>[qkvfg]_proj)\.(?P<param>[A-Za-z0-9_]+)$")
@@ -64,7 +67,7 @@ class MergedInProjRouter:
                 raise UnroutedCheckpointTensor(
                     f"checkpoint tensor {name!r} belongs to merged KDA layer {layer} but no parameter takes it "
                     f"(the layer holds {sorted(n[len(layer) + 1:] for n in self.params if n.startswith(layer + '.'))}); "
-                    "it would be dropped. Fix the checkpoint, or serve with VLLM_LING_KDA_MERGED_PROJ=0")
+                    f"it would be dropped. Fix the checkpoint, or serve with {opt_out_setting(OPTION)}")
 
     def _merged_layer_of(self, name: str) -> str | None:
         layer = name.rpartition(".")[0]
@@ -81,7 +84,7 @@ class MergedInProjRouter:
             raise UnroutedCheckpointTensor(
                 f"checkpoint tensor {name!r}: the merged KDA in-projection {layer}.{MERGED_NAME} has no "
                 f"parameter {param_name!r} (it has {sorted(n for n, _ in self.layers[layer].named_parameters())}); "
-                "it would be dropped. Fix the checkpoint, or serve with VLLM_LING_KDA_MERGED_PROJ=0")
+                f"it would be dropped. Fix the checkpoint, or serve with {opt_out_setting(OPTION)}")
         param.weight_loader(param, tensor, shard)
         self.loaded.add(target)
         module = self.layers[layer]

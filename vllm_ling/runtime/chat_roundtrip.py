@@ -255,7 +255,7 @@ def check_at_startup(state, args) -> RoundtripResult | None:
     from vllm_ling.options import LingOptions, VerifyPolicy
 
     logger = get_logger("chat_roundtrip")
-    options = LingOptions.from_env()
+    options = LingOptions.current()
     if options.verify is VerifyPolicy.OFF:
         log_once(logger, logging.WARNING, "roundtrip-off",
                  "Chat template / parser round-trip check is OFF (VLLM_LING_VERIFY=off).")

@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from vllm_ling.options import opt_out_setting
+
 CHECK_NAME = "kda_in_proj"
-OPT_OUT = "VLLM_LING_KDA_MERGED_PROJ=0"
+OPT_OUT = opt_out_setting("VLLM_LING_KDA_MERGED_PROJ")
 
 
 @dataclasses.dataclass

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from vllm_ling.log import one_line
+from vllm_ling.options import opt_out_setting
 from vllm_ling.ops.known_answer import KernelCheckResult, check_kda, skipped_result
 
 KDA_CPU_KERNEL = "plain-PyTorch KDA (vllm_ling.ops.kda: chunked prefill, recurrent decode)"
@@ -122,8 +123,9 @@ def summary(results: list[KernelCheckResult]) -> tuple[bool, str]:
 CHECK_NAME = "kernel_known_answers"
 EXPECTED = "every serving kernel matches its known answers"
 FIX = ("a kernel computes wrong numbers on this machine (named above with the inputs that failed): force "
-       "another kernel where one exists (VLLM_LING_LM_HEAD_KERNEL, VLLM_LING_MOE_DECODE=off, "
-       "VLLM_LING_ROUTER_GEMV=vllm), install the tested versions, or serve anyway with VLLM_LING_VERIFY=warn")
+       f"another kernel where one exists (VLLM_LING_LM_HEAD_KERNEL, {opt_out_setting('VLLM_LING_MOE_DECODE')}, "
+       f"{opt_out_setting('VLLM_LING_ROUTER_GEMV')}), install the tested versions, or serve anyway with "
+       "VLLM_LING_VERIFY=warn")
 
 
 def report_section(target, draft) -> dict[str, Any]:

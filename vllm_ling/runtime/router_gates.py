@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from vllm_ling.options import opt_out_setting
+
 CHECK_NAME = "router_gates"
-OPT_OUT = "VLLM_LING_ROUTER_GEMV=vllm"
+OPT_OUT = opt_out_setting("VLLM_LING_ROUTER_GEMV")
 
 
 @dataclasses.dataclass

@@ -53,7 +53,7 @@ from vllm_ling.refusal import Refusal
 from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
 from vllm_ling.ops.moe.selection import MoePath, MoeSelection
 from vllm_ling.ops.small_gemv.selection import GemvPath
-from vllm_ling.options import LingOptions, MoeDecode, VerifyPolicy, plugin_options, read
+from vllm_ling.options import LingOptions, MoeDecode, VerifyPolicy, opt_out_setting, plugin_options, read
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
 from vllm_ling.runtime.spec_policy import VLLM_MTP_METHOD, Speculation
 from vllm_ling.selection import Feature, Selection, recorded
@@ -214,7 +214,7 @@ def check_moe_layers(target, draft, config, stage: Stage | None = None) -> Check
     return Check("moe_layers", ok,
                  f"{expected_count} x {choice} ({moe_layers} target MoE + {nextn} NEXTN{where}), as selected",
                  actual, f"install humming-kernels {TESTED_HUMMING_VERSION} on an sm_75+ GPU, or opt out with "
-                 "VLLM_LING_MOE_BACKEND=vllm; a layer serving other than its selection is a defect: report it")
+                 f"{opt_out_setting('VLLM_LING_MOE_BACKEND')}; a layer serving other than its selection is a defect: report it")
 
 
 def moe_decode_summary(target, draft) -> tuple[bool, str]:
@@ -290,7 +290,7 @@ def check_dense_fp8(found) -> Check:
     ok = not diverging and not unselected
     expected = (f"each of {len(found)} block-FP8 dense linears on its recorded kernel ("
                 + (", ".join(f"{v} x {k}" for k, v in sorted(selected.items())) or "none recorded") + ")")
-    fix = ("see the WARNING naming the layers vLLM's processing changed, or set VLLM_LING_DENSE_FP8=vllm; a layer "
+    fix = (f"see the WARNING naming the layers vLLM's processing changed, or set {opt_out_setting('VLLM_LING_DENSE_FP8')}; a layer "
            "serving other than its selection is a defect: report it")
     if serving:
         name, layer = serving[0]
@@ -304,7 +304,7 @@ def check_dense_fp8(found) -> Check:
             logger.debug("dense_fp8_layers: known answer on %s raised", name, exc_info=True)
             return Check("dense_fp8_layers", False, expected, actual +
                          f"; known answer on {name} raised {one_line(exc)} (W8A16 kernel vs vLLM's "
-                         f"{above})", f"vLLM's {above} cannot run this layer: set VLLM_LING_DENSE_FP8=vllm to "
+                         f"{above})", f"vLLM's {above} cannot run this layer: set {opt_out_setting('VLLM_LING_DENSE_FP8')} to "
                          "see whether vLLM's kernel serves it alone, or report the kernel")
         ok = ok and rel < DENSE_FP8_MAX_REL_DIFF
         actual += (f"; known answer on {name}: relative L2 difference to vLLM's kernel {rel:.3g} "
@@ -366,11 +366,11 @@ def check_small_bf16(found) -> Check:
     for what, names in (("not the recorded selection", diverging), ("no selection recorded", unselected)):
         if names:
             actual += f"; {what}: {names[:3]}"
-    fix = ("see the WARNING naming the layers the small GEMV cannot hold, or set VLLM_LING_BF16_GEMV=vllm; a "
+    fix = (f"see the WARNING naming the layers the small GEMV cannot hold, or set {opt_out_setting('VLLM_LING_BF16_GEMV')}; a "
            "layer serving other than its selection is a defect: report it")
     if not small_bf16_selected(found):
         return Check("small_bf16_layers", not diverging and not unselected,
-                     "vLLM's GEMM on every unquantized linear, as selected (CPU platform or VLLM_LING_BF16_GEMV=vllm)",
+                     f"vLLM's GEMM on every unquantized linear, as selected (CPU platform or {opt_out_setting('VLLM_LING_BF16_GEMV')})",
                      actual, fix)
     ok = bool(layers) and not diverging and not unselected
     if serving:
@@ -421,14 +421,14 @@ def check_head(target, exp: Expectations, stage: Stage | None = None) -> Check:
               and rows * cols <= nbytes < 1.1 * rows * cols
               and selection is not None and getattr(qm, "kernel", None) is selection.choice)
     else:
-        expected = "BF16 head (VLLM_LING_FP8_HEAD=0)"
+        expected = f"BF16 head ({opt_out_setting('VLLM_LING_FP8_HEAD')})"
         ok = not isinstance(qm, Fp8LmHeadMethod) and w.dtype != torch.float8_e4m3fn
     kernel = getattr(qm, "kernel", None)
     actual = f"{type(qm).__name__}, {str(w.dtype).replace('torch.', '')}, {nbytes} bytes" + (
         f", kernel {kernel}" if kernel else "") + ("" if selection is not None or not exp.fp8_head
                                                     else ", no kernel selection recorded")
     return Check("lm_head", ok, expected, actual,
-                 "the ling_fp8 quantization was not selected: do not pass --quantization, or set VLLM_LING_FP8_HEAD=0")
+                 f"the ling_fp8 quantization was not selected: do not pass --quantization, or set {opt_out_setting('VLLM_LING_FP8_HEAD')}")
 
 
 def _vocab_rows(module: torch.nn.Module) -> int:
@@ -499,7 +499,7 @@ def check_speculative(exp: Expectations, options: LingOptions) -> Check:
     elif options.mtp and exp.spec_method is None:  # nothing recorded: P5 did not run for this target
         expected, ok = f"{VLLM_MTP_METHOD} (VLLM_LING_MTP=1; no speculative selection recorded)", False
     else:
-        expected = "as configured by the user" if exp.spec_method else "off (VLLM_LING_MTP=0)"
+        expected = "as configured by the user" if exp.spec_method else f"off ({opt_out_setting('VLLM_LING_MTP')})"
         ok = True
     actual = f"{exp.spec_method}, {exp.num_speculative_tokens} tokens" if exp.spec_method else "off"
     return Check("speculative_config", ok, expected, actual,
@@ -798,7 +798,7 @@ def verify_once(target, vllm_config, runner: str | None = None) -> dict[str, Any
     _done = True
     from vllm_ling.models import loaded
 
-    options = LingOptions.from_env()
+    options = LingOptions.current()
     draft = loaded.get("draft") if vllm_config.speculative_config is not None else None
     apply_negative_control(target, draft)
     if options.verify is VerifyPolicy.OFF:

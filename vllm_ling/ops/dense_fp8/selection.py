@@ -13,10 +13,10 @@ import dataclasses
 from typing import Callable
 
 from vllm_ling.ops.fp8 import QUANT_BLOCK
-from vllm_ling.options import Choice, DenseFp8, LingOptions
+from vllm_ling.options import Choice, DenseFp8, LingOptions, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Selection
 
-OPT_OUT_HINT = "VLLM_LING_DENSE_FP8=vllm"
+OPTION = "VLLM_LING_DENSE_FP8"
 
 
 class DenseFp8Kernel(Choice):
@@ -66,11 +66,11 @@ def select_dense_fp8(options: LingOptions, platform: Platform, shape: DenseShape
         kernel, reason = cpu_kernel()
         return Selection(Feature.DENSE_FP8, kernel, reason)
     if options.dense_fp8 is DenseFp8.VLLM:
-        return Selection(Feature.DENSE_FP8, DenseFp8Kernel.VLLM, f"opted out: {OPT_OUT_HINT}")
+        return Selection(Feature.DENSE_FP8, DenseFp8Kernel.VLLM, f"opted out: {opt_out_setting(OPTION)}")
     block = list(weight_block_size or [])
     if block != [QUANT_BLOCK, QUANT_BLOCK]:
         raise DenseFp8Unavailable(f"{prefix}: the W8A16 kernel reads 128x128 block scales, the checkpoint has "
-                                  f"{block}; opt out with {OPT_OUT_HINT}")
+                                  f"{block}; opt out with {opt_out_setting(OPTION)}")
     if unavailable_reason is None:
         import vllm_ling.ops.dense_fp8 as dense_ops
 
@@ -79,7 +79,7 @@ def select_dense_fp8(options: LingOptions, platform: Platform, shape: DenseShape
         why = unavailable_reason()
     if why:
         raise DenseFp8Unavailable(f"dense block-FP8 W8A16 kernel cannot run for {prefix}: {why}; opt out with "
-                                  f"{OPT_OUT_HINT}")
+                                  f"{opt_out_setting(OPTION)}")
     problems = unaligned_shards(shape.output_partition_sizes, shape.input_size)
     if problems:
         return Selection(Feature.DENSE_FP8, DenseFp8Kernel.VLLM, "the W8A16 kernel cannot index it: " + "; ".join(problems))

