@@ -75,7 +75,7 @@ def test_warmup_flags_come_from_the_table():
     assert {opt.name for opt in o.warmup_options()} == {
         "VLLM_LING_MOE_BACKEND", "VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_DECODE_MAX_TOKENS",
         "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8", "VLLM_LING_ROUTER_GEMV", "VLLM_LING_BF16_GEMV",
-        "VLLM_LING_KDA_MERGED_PROJ", "VLLM_LING_TENSOR_PARALLEL_SIZE", "VLLM_LING_WARMUP_TOKEN_COUNTS",
+        "VLLM_LING_KDA_MERGED_IN_PROJ", "VLLM_LING_TENSOR_PARALLEL_SIZE", "VLLM_LING_WARMUP_TOKEN_COUNTS",
         "VLLM_LING_WARMUP_ROW_COUNTS", "VLLM_LING_HUMMING_CACHE"}
     dests = {action.dest for action in build_warmup_parser()._actions}
     assert {opt.short for opt in o.warmup_options()} <= dests
@@ -143,3 +143,13 @@ def test_the_moe_decode_token_limit_fits_the_decode_kernels_grid():
 
     top_k = 8  # Ling-3.0-flash's num_experts_per_tok
     assert o.MOE_DECODE_MAX_TOKENS_LIMIT * top_k <= MAX_GRID_ROWS
+
+
+def test_a_renamed_variable_is_still_read_for_one_release_with_a_warning():
+    new, old = "VLLM_LING_KDA_MERGED_IN_PROJ", "VLLM_LING_KDA_MERGED_PROJ"
+    assert o.RENAMED == {old: new}
+    assert o.read(new, {old: "0"}) is False  # the old name still opts out
+    assert o.read(new, {old: "0", new: "1"}) is True  # the new name wins
+    assert o.LingOptions.from_env({old: "0"}).kda_merged_in_proj is False
+    assert o.unknown_variables({old: "0"}) == [
+        f"{old} is renamed {new}: it is still read until the next release; set {new} instead"]

@@ -152,6 +152,7 @@ class Option:
     default_text: str | None = None  # when the default is computed elsewhere
     compile_factor: bool = False
     opt_out: str | None = None  # the value that gives vLLM's own path (the upstream composition)
+    former_name: str | None = None  # renamed: the old name is still read (with a WARNING) for one release
 
     @property
     def short(self) -> str:
@@ -265,10 +266,12 @@ OPTIONS: tuple[Option, ...] = (
            "vLLM's kernel above; an error where it cannot run); `vllm` opts out (one WARNING, reported). "
            "The CPU path is unchanged",
            choices=DenseFp8, serve_flag=True, compile_factor=True, opt_out="vllm", warmup_flag=True),
-    Option("VLLM_LING_KDA_MERGED_PROJ", "bool", True,
+    Option("VLLM_LING_KDA_MERGED_IN_PROJ", "bool", True,
            "`1`: each KDA layer runs its q, k, v, f and g projections (same input) as one column-parallel "
-           "block-FP8 linear, one launch; `0`: vLLM's three linears (one WARNING, reported)",
-           serve_flag=True, compile_factor=True, opt_out="0", warmup_flag=True),
+           "block-FP8 linear, one launch; `0`: vLLM's three linears (one WARNING, reported). Formerly "
+           "`VLLM_LING_KDA_MERGED_PROJ` (still read, with a WARNING, until the next release)",
+           serve_flag=True, compile_factor=True, opt_out="0", warmup_flag=True,
+           former_name="VLLM_LING_KDA_MERGED_PROJ"),
     Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
            "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
            f"small GEMV for batches of at most {BF16_GEMV_MAX_ROWS} tokens on CUDA (vLLM's GEMM above; an error where it cannot "
@@ -388,6 +391,7 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+RENAMED: dict[str, str] = {o.former_name: o.name for o in OPTIONS if o.former_name}  # old name -> new
 _DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -398,7 +402,10 @@ def option(name: str) -> Option:
 def read(name: str, env: Mapping[str, str] | None = None) -> Any:
     """The typed value of one variable (its default when unset or empty)."""
     opt = BY_NAME[name]
-    raw = (os.environ if env is None else env).get(name)
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    if (raw is None or raw.strip() == "") and opt.former_name:
+        raw = env.get(opt.former_name)
     if raw is None or raw.strip() == "":
         return opt.default
     if name == "VLLM_LING_DEVICE":
@@ -414,7 +421,7 @@ def opt_out_setting(name: str) -> str:
 
 
 def known_env_vars() -> set[str]:
-    return set(BY_NAME)
+    return set(BY_NAME) | set(RENAMED)
 
 
 def closest(word: str, candidates: Mapping[str, str], cutoff: float = 0.7) -> str | None:
@@ -442,8 +449,9 @@ STOP_FILE_ENV = "_VLLM_LING_STOP_FILE"
 def unknown_variables(env: Mapping[str, str]) -> list[str]:
     """One message per undeclared ``VLLM_LING_*`` variable in ``env``, naming the closest
     declared one when there is a likely match."""
-    messages = []
-    for name in sorted(k for k in env if k.startswith(PREFIX) and k not in BY_NAME):
+    messages = [f"{old} is renamed {new}: it is still read until the next release; set {new} instead"
+                for old, new in sorted(RENAMED.items()) if old in env]
+    for name in sorted(k for k in env if k.startswith(PREFIX) and k not in BY_NAME and k not in RENAMED):
         close = closest_known(name)
         hint = f"; did you mean {close}?" if close else ""
         messages.append(f"{name} is not a vllm-ling variable and is ignored{hint} "
@@ -493,7 +501,7 @@ class LingOptions:
     moe_decode_max_tokens: int = BY_NAME["VLLM_LING_MOE_DECODE_MAX_TOKENS"].default
     fp8_head: bool = BY_NAME["VLLM_LING_FP8_HEAD"].default
     dense_fp8: DenseFp8 = BY_NAME["VLLM_LING_DENSE_FP8"].default
-    kda_merged_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_PROJ"].default
+    kda_merged_in_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_IN_PROJ"].default
     bf16_gemv: Bf16Gemv = BY_NAME["VLLM_LING_BF16_GEMV"].default
     router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
@@ -516,7 +524,8 @@ class LingOptions:
         the layers, the patches, the verification), parsed again only where the environment's values
         of these variables changed (a test's monkeypatch)."""
         global _current
-        raw = tuple(os.environ.get(cls.variable(f.name)) for f in dataclasses.fields(cls))
+        raw = tuple(os.environ.get(n) for f in dataclasses.fields(cls)
+                    for n in (cls.variable(f.name), BY_NAME[cls.variable(f.name)].former_name) if n)
         if _current is None or _current[0] != raw:
             _current = (raw, cls.from_env())
         return _current[1]

@@ -214,7 +214,7 @@ SWITCHED_OFF = {
     "VLLM_LING_MOE_BACKEND": {"moe_humming", "moe_decode_kernels"},
     "VLLM_LING_MOE_DECODE": {"moe_decode_kernels"},
     "VLLM_LING_DENSE_FP8": {"dense_fp8_decode"},
-    "VLLM_LING_KDA_MERGED_PROJ": {"kda_merged_in_proj"},
+    "VLLM_LING_KDA_MERGED_IN_PROJ": {"kda_merged_in_proj"},
     "VLLM_LING_BF16_GEMV": {"small_bf16_decode"},
     "VLLM_LING_ROUTER_GEMV": {"router_gemv"},
     "VLLM_LING_FP8_HEAD": {"fp8_head"},

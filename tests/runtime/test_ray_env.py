@@ -38,7 +38,9 @@ def test_every_variable_read_in_vllm_processes_is_propagated_or_node_local():
     propagated = set(ray_env.propagated_names())
     for name in read - launcher_only:
         assert name in propagated or scopes[name] is o.Scope.NODE, name
-    assert {opt.name for opt in o.OPTIONS if opt.scope in (o.Scope.PLUGIN, o.Scope.TEST)} == propagated
+    # a renamed variable's former name travels too while it is still read
+    assert {n for opt in o.OPTIONS if opt.scope in (o.Scope.PLUGIN, o.Scope.TEST)
+            for n in (opt.name, opt.former_name) if n} == propagated
 
 
 def test_worker_env_is_the_launchers_value_or_empty_for_the_default():

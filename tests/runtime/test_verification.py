@@ -538,7 +538,7 @@ def test_kda_merge_is_reported_from_the_loaded_layers(loaded_tiny_models):
     # the dense block-FP8 method every other linear got (CPU: chosen by a known-answer check)
     method = type(target.model.layers[0].self_attn.o_proj.quant_method).__name__
     report = _report(loaded_tiny_models)
-    check = _check(report, "kda_in_proj")
+    check = _check(report, "kda_merged_in_proj")
     assert check["passed"], check
     assert check["actual"] == f"5 of 5 KDA layers run one qkvfg_proj linear (5120x256 = 5 x 1024 rows; {method})"
     assert report["optimizations"]["kda_merged_in_proj"] == {"requested": True, "active": True,
@@ -546,9 +546,9 @@ def test_kda_merge_is_reported_from_the_loaded_layers(loaded_tiny_models):
 
 
 def test_kda_merge_opted_out_but_merged_fails(loaded_tiny_models):
-    report = _report(loaded_tiny_models, {"kda_merged_proj": False})
-    check = _check(report, "kda_in_proj")
-    assert not check["passed"] and check["expected"].endswith("(VLLM_LING_KDA_MERGED_PROJ=0)")
+    report = _report(loaded_tiny_models, {"kda_merged_in_proj": False})
+    check = _check(report, "kda_merged_in_proj")
+    assert not check["passed"] and check["expected"].endswith("(VLLM_LING_KDA_MERGED_IN_PROJ=0)")
     assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
     assert "opted out" in report["optimizations"]["kda_merged_in_proj"]["detail"]
 
@@ -558,7 +558,7 @@ def test_kda_merge_with_a_shard_the_checkpoint_did_not_fill_is_named(loaded_tiny
     linear = target.model.layers[2].self_attn.qkvfg_proj
     with swapped(linear, "ling_loaded_shards", linear.ling_loaded_shards - {("weight", "f_proj")}):
         report = _report(loaded_tiny_models)
-    check = _check(report, "kda_in_proj")
+    check = _check(report, "kda_merged_in_proj")
     assert not check["passed"] and check["actual"].startswith("4 of 5 KDA layers")
     assert "model.layers.2.self_attn (weight.f_proj)" in check["actual"]
     assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
@@ -570,7 +570,7 @@ def test_unmerged_kda_layers_pass_with_their_reason_but_are_not_active(loaded_ti
     why = "the projections differ in precision (BF16: f_proj)"
     with swapped(layer, "ling_in_proj_merged", False), swapped(layer, "ling_in_proj_reason", why):
         report = _report(loaded_tiny_models)
-    check = _check(report, "kda_in_proj")
+    check = _check(report, "kda_merged_in_proj")
     assert check["passed"] and check["actual"].endswith(f"; 1 unmerged: {why}")
     assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
 

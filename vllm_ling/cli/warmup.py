@@ -225,7 +225,7 @@ def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
     config = read_model_config(model_dir)
     try:
         dense_shapes = tuple(distinct_decode_shapes(config, tensor_parallel_size=tp,
-                                                    kda_merged_in_proj=options.kda_merged_proj))
+                                                    kda_merged_in_proj=options.kda_merged_in_proj))
     except (KeyError, ValueError):  # not the -fp4 layout (e.g. a BF16 checkpoint): nothing block-FP8
         dense_shapes = ()
     plan = WarmupPlan(

@@ -1,10 +1,10 @@
 """Startup verification of the merged KDA in-projection: what the loaded KDA layers of this rank
-hold, read from the modules (:mod:`vllm_ling.layers.kda_merged_proj`), and the report's
+hold, read from the modules (:mod:`vllm_ling.layers.kda_merged_in_proj`), and the report's
 ``kda_merged_in_proj`` optimization entry.
 
 A merged layer counts only if its ``qkvfg_proj`` has five shards of ``heads * head_dim / tp``
 rows, vLLM's ``qkv_proj``/``f_proj``/``g_proj`` are gone, and every parameter that received
-checkpoint shards received all five (recorded by the loader, :mod:`vllm_ling.models.kda_in_proj`).
+checkpoint shards received all five (recorded by the loader, :mod:`vllm_ling.models.kda_merged_in_proj_loading`).
 A layer the merge refuses for a checkpoint property passes with its reason, but the optimization
 is active only where every KDA layer of this rank runs merged.
 """
@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from vllm_ling.models.kda_merged_in_proj import OPTION
 from vllm_ling.options import opt_out_setting
 
-CHECK_NAME = "kda_in_proj"
-OPT_OUT = opt_out_setting("VLLM_LING_KDA_MERGED_PROJ")
+CHECK_NAME = "kda_merged_in_proj"
+OPT_OUT = opt_out_setting(OPTION)
 
 
 @dataclasses.dataclass
@@ -37,7 +38,8 @@ class KdaInProjState:
 def kda_in_proj_state(target) -> KdaInProjState:
     from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
 
-    from vllm_ling.models.kda_in_proj import MEMBERS, MERGED_NAME, missing_shards
+    from vllm_ling.models.kda_merged_in_proj import MEMBERS, MERGED_NAME
+    from vllm_ling.models.kda_merged_in_proj_loading import missing_shards
 
     layers = [(n, m) for n, m in target.named_modules() if isinstance(m, BailingMoeV3KimiDeltaAttention)]
     merged, malformed, foreign, unmerged = [], [], [], {}

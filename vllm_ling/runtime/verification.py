@@ -87,7 +87,7 @@ class Expectations:
     spec_method: str | None
     num_speculative_tokens: int
     speculation: Selection | None  # what patch P5 selected and recorded (None: it did not decide)
-    kda_merged_proj: bool = False  # each KDA layer's q, k, v, f, g projections are one linear
+    kda_merged_in_proj: bool = False  # each KDA layer's q, k, v, f, g projections are one linear
 
     @property
     def mtp(self) -> bool:
@@ -106,7 +106,7 @@ class Expectations:
                    spec_method=getattr(spec, "method", None),
                    num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0),
                    speculation=recorded_speculation(vllm_config.model_config.hf_config),
-                   kda_merged_proj=options.kda_merged_proj)
+                   kda_merged_in_proj=options.kda_merged_in_proj)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,7 +553,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
               guarded("dense_fp8_layers", lambda: check_dense_fp8(dense_linears)),
               guarded("small_bf16_layers", lambda: check_small_bf16(bf16_linears)),
               guarded(kda_in_proj.CHECK_NAME, lambda: Check(kda_in_proj.CHECK_NAME, *kda_in_proj.check_kda_in_proj(
-                  kda_state, exp.kda_merged_proj, config, stage.start, stage.end))),
+                  kda_state, exp.kda_merged_in_proj, config, stage.start, stage.end))),
               guarded(router_gates.CHECK_NAME, lambda: Check(
                   router_gates.CHECK_NAME, *router_gates.check_router_gates(gates, exp.platform))),
               guarded("speculative_config", lambda: check_speculative(exp, options)),
@@ -596,7 +596,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
             "router_gemv": router_gates.optimization_entry(gates, by_name[router_gates.CHECK_NAME].passed,
                                                            exp.platform, known),
             "kda_merged_in_proj": kda_in_proj.optimization_entry(
-                kda_state, by_name[kda_in_proj.CHECK_NAME].passed, exp.kda_merged_proj,
+                kda_state, by_name[kda_in_proj.CHECK_NAME].passed, exp.kda_merged_in_proj,
                 by_name[kda_in_proj.CHECK_NAME].actual),
             "mtp": {"requested": exp.mtp, "active": mtp_active, "detail": _mtp_detail(exp, by_name)},
         },

@@ -37,7 +37,7 @@ if not torch.cuda.is_available() or unavailable_reason() is not None:
     pytest.skip(f"needs a CUDA GPU the kernel runs on ({unavailable_reason()})", allow_module_level=True)
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "vllm_ling", "data", "ling3_flash_fp4_config.json")
-# with and without the KDA in-projection merge (VLLM_LING_KDA_MERGED_PROJ): the server runs either
+# with and without the KDA in-projection merge (VLLM_LING_KDA_MERGED_IN_PROJ): the server runs either
 SHAPES = sorted({s for merged in (True, False)
                  for s in distinct_decode_shapes(json.load(open(CONFIG)), kda_merged_in_proj=merged)},
                 key=lambda s: (-s[0] * s[1], s))

@@ -9,7 +9,7 @@ block-FP8 method that serves any other linear (vllm-ling's W8A16 kernel on CUDA,
 path on CPU, or vLLM's method when ``VLLM_LING_DENSE_FP8=vllm``) serves it unchanged, and the
 block scales concatenate like the rows because every shard is a whole number of 128-row blocks
 (vLLM's own ``qkv_proj`` already requires that of q and k; the merge adds nothing). Loading is
-:mod:`vllm_ling.models.kda_in_proj`. ``VLLM_LING_KDA_MERGED_PROJ=0`` keeps vLLM's three linears.
+:mod:`vllm_ling.models.kda_merged_in_proj_loading`. ``VLLM_LING_KDA_MERGED_IN_PROJ=0`` keeps vLLM's three linears.
 
 A layer is left unmerged, with one WARNING, where the members differ in precision or vLLM builds
 ``qkvb_proj`` (b_proj quantized, not the Ling-3.0-flash-fp4 layout: its 32-row shard would sit
@@ -31,20 +31,19 @@ import torch
 
 from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.models.kda_in_proj import MEMBERS, MERGED_NAME
-from vllm_ling.options import read
+from vllm_ling.models.kda_merged_in_proj import MEMBERS, MERGED_NAME, OPTION
+from vllm_ling.options import LingOptions, opt_out_setting
 
 logger = get_logger("kda")
 
 IN_TREE_NAME = "BailingMoeV3KimiDeltaAttention"
-OPTION = "VLLM_LING_KDA_MERGED_PROJ"
 MERGED_DESCRIPTION = f"one {MERGED_NAME} linear = [{', '.join(MEMBERS)}] per KDA layer"
 
 
 def refusal(layer: torch.nn.Module, quant_config, prefix: str) -> str | None:
     """Why this layer keeps vLLM's three linears (None: it merges)."""
-    if not read(OPTION):
-        return f"{OPTION}=0"
+    if not LingOptions.current().kda_merged_in_proj:
+        return opt_out_setting(OPTION)
     if not layer.separate_b_proj:
         return ("vLLM stacks q, k, v, b into qkvb_proj (b_proj is not left in BF16 by modules_to_not_convert); "
                 "the merge needs b_proj separate, as in Ling-3.0-flash-fp4")
@@ -142,5 +141,6 @@ def register_merged_kda() -> list[str]:
 
     if current_platform.is_cpu():
         return []
-    what = MERGED_DESCRIPTION if read(OPTION) else f"vLLM's three in-projection linears ({OPTION}=0)"
+    what = (MERGED_DESCRIPTION if LingOptions.current().kda_merged_in_proj
+            else f"vLLM's three in-projection linears ({opt_out_setting(OPTION)})")
     return install_out_of_tree(IN_TREE_NAME, vllm_merged_class(), f"KDA: {what} (vLLM's kernels)")

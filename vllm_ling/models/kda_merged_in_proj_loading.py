@@ -1,5 +1,5 @@
-"""The merged KDA in-projection's checkpoint mapping: one column-parallel linear per KDA layer
-holding the q, k, v, f and g projections (all read the layer's input), in this order.
+"""The merged KDA in-projection's checkpoint mapping (:mod:`vllm_ling.models.kda_merged_in_proj`:
+one column-parallel linear per KDA layer holding the q, k, v, f and g projections, in this order).
 
 The checkpoint keeps ``q_proj``/``k_proj``/``v_proj``/``f_proj``/``g_proj`` (+ ``weight_scale_inv``).
 vLLM 0.32's ``BailingMoeV3ForCausalLM.load_weights`` maps q/k/v through its stacked mappings into
@@ -20,11 +20,9 @@ from typing import Iterable, Iterator
 
 import torch
 
+from vllm_ling.models.kda_merged_in_proj import MEMBERS, MERGED_NAME, OPTION
 from vllm_ling.options import opt_out_setting
 
-OPTION = "VLLM_LING_KDA_MERGED_PROJ"
-MERGED_NAME = "qkvfg_proj"
-MEMBERS = ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj")  # shard index = position
 _MEMBER_NAME = re.compile(r"^(?P<layer>.+)\.(?P<proj>[qkvfg]_proj)\.(?P<param>[A-Za-z0-9_]+)$")
 
 
