@@ -145,3 +145,11 @@ def test_measured_results_live_in_benchmarks_results():
     benchmarks = PACKAGE.parent / "benchmarks"
     stray = sorted(p.name for p in benchmarks.glob("*.md") if p.name != "README.md")
     assert stray == [], f"move these to benchmarks/results/: {stray}"
+
+
+def test_the_ptx_global_loads_have_one_home():
+    """Every CUDA source of the package reads its streamed weights through ops/ptx_loads.cuh (each
+    launcher prepends it); no kernel file carries its own copy of the load."""
+    copies = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.cu*")
+                    if "ld.global" in p.read_text())
+    assert copies == ["ops/ptx_loads.cuh"]

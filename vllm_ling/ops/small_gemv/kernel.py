@@ -19,7 +19,7 @@ from importlib import resources
 
 import torch
 
-from vllm_ling.options import BF16_GEMV_MAX_ROWS as BF16_MAX_ROWS  # Ling's BF16 linears (measured: why there)
+from vllm_ling.options import BF16_GEMV_MAX_ROWS as BF16_MAX_ROWS  # noqa: F401 (Ling's BF16 linears; measured: why there)
 from vllm_ling.options import SMALL_GEMV_MAX_ROWS as MAX_ROWS  # the kernel's tokens (measured: why there)
 
 KERNEL_NAME = "ling_small_gemv"
@@ -91,10 +91,12 @@ def _kernel_text() -> str:
 
 
 def source(k: int, weight_dtype: torch.dtype, out_dtype: torch.dtype, warps: int, tokens_per_pass: int) -> str:
-    """The CUDA text handed to NVRTC: the shape as ``#define`` lines, then the kernel."""
+    """The CUDA text handed to NVRTC: the shape as ``#define`` lines, the shared loads, then the kernel."""
+    from vllm_ling.ops.cuda_jit import ptx_loads
+
     defines = dict(K_=k, WARPS=warps, TB=tokens_per_pass, XS_T=staged_tokens(k), W_BF16=_WEIGHT_DTYPES[weight_dtype],
                    OUT_BF16=_OUT_DTYPES[out_dtype])
-    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _kernel_text()
+    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + ptx_loads() + _kernel_text()
 
 
 _COMPILED: dict[tuple, object] = {}
