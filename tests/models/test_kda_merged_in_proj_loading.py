@@ -42,11 +42,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_every_projection_lands_in_its_own_shard(loaded_tiny_models, checkpoint_tensors):
+    from vllm_ling.models.kda_merged_in_proj import KdaInProj
+    from vllm_ling.selection import Feature, recorded
+
     _, target, _ = loaded_tiny_models
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for i in KDA_LAYERS:
         layer = target.model.layers[i].self_attn
-        assert type(layer).__name__ == "CpuBailingMoeV3KimiDeltaAttention" and layer.ling_in_proj_merged
+        assert type(layer).__name__ == "CpuBailingMoeV3KimiDeltaAttention"
+        assert recorded(layer, Feature.KDA_MERGED_IN_PROJ).choice is KdaInProj.MERGED
         assert layer.qkvfg_proj.output_partition_sizes == [1024] * 5
         with torch.no_grad():
             parts = layer.qkvfg_proj(x)[0].split(1024, dim=-1)

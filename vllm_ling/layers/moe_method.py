@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
@@ -26,7 +27,8 @@ from vllm_ling.options import LingOptions, MoeDecode, opt_out_setting
 from vllm_ling.ops import moe as moe_ops
 from vllm_ling.ops.moe.humming import HummingUnavailable
 from vllm_ling.ops.moe.selection import MoePath, MoeSelection, MoeShape, opt_out_reason, select_moe
-from vllm_ling.selection import Platform, record
+from vllm_ling.selection import Feature, Platform, Reader, Served, record
+from vllm_ling.versions import TESTED_HUMMING_VERSION
 
 logger = get_logger("moe")
 
@@ -35,7 +37,7 @@ BACKEND_DESCRIPTIONS = {
     HUMMING: "humming MXFP4 indexed GEMM (W4A16)",
     REFERENCE: "plain-PyTorch MXFP4 reference (CPU platform)",
 }
-__all__ = ["HummingUnavailable", "LingMxfp4MoEMethod", "choose_moe_method", "served_selection"]
+__all__ = ["READER", "HummingUnavailable", "LingMxfp4MoEMethod", "choose_moe_method", "served"]
 
 
 class LingMxfp4MoEMethod(Mxfp4MoEMethod):
@@ -161,9 +163,24 @@ def choose_moe_method(layer, prefix: str, options: LingOptions) -> LingMxfp4MoEM
     return LingMxfp4MoEMethod(config, selection)
 
 
-def served_selection(quant_method) -> tuple[MoePath, bool, MoeDecode, int]:
-    """What a routed-expert layer's method serves: backend and kernel switches, read from the method
-    itself (vLLM's methods: ``MoePath.VLLM``)."""
-    if isinstance(quant_method, LingMxfp4MoEMethod):
-        return quant_method.backend, quant_method.w4a8, quant_method.decode, quant_method.decode_max_tokens
-    return MoePath.VLLM, False, MoeDecode.OFF, 0
+def served(layer) -> Served:
+    """What a routed-expert layer serves: backend and kernel switches, read from its method (vLLM's
+    methods: ``MoePath.VLLM``, named by their class)."""
+    qm = layer.quant_method
+    if isinstance(qm, LingMxfp4MoEMethod):
+        return Served.of(qm.backend, qm.w4a8, qm.decode, qm.decode_max_tokens)
+    return Served.of(MoePath.VLLM, False, MoeDecode.OFF, 0, label=f"vllm:{type(qm).__name__}")
+
+
+def expected_layers(config, stage, draft_here: bool) -> int:
+    """vLLM's BailingMoeV3 builds an MoE block for layer_id >= first_k_dense_replace; each NEXTN
+    layer of the draft has one too."""
+    moe = sum(1 for i in range(stage.start, stage.end) if i >= config.first_k_dense_replace)
+    return moe + (config.num_nextn_predict_layers if draft_here else 0)
+
+
+READER = Reader(
+    Feature.MOE, "moe_layers", "routed-expert layers", lambda m: isinstance(m, RoutedExperts), served,
+    f"install humming-kernels {TESTED_HUMMING_VERSION} on an sm_75+ GPU, or opt out with "
+    f"{opt_out_setting('VLLM_LING_MOE_BACKEND')}; a layer serving other than its selection is a defect: report it",
+    expected=expected_layers, uniform=True, optimization="moe_humming", optimizing=frozenset({MoePath.HUMMING}))

@@ -13,7 +13,7 @@ def register_layers() -> list[str]:
     # one KDA replacement per platform: CPU's (plain PyTorch, merged in-projection) or vLLM's
     # kernels with the merged in-projection
     done += register_cpu_kda() or register_merged_kda()
-    from vllm_ling.layers.router_gate_cuda import register_cuda_router_gate
+    from vllm_ling.layers.router_gate_cuda import register_router_gate
 
-    done += register_cuda_router_gate()
+    done += register_router_gate()
     return done

@@ -21,6 +21,7 @@ from typing import Any
 from vllm_ling.models.checkpoint_format import FP8_BLOCK, checkpoint_specs, is_kda_layer, is_not_converted
 from vllm_ling.models.kda_merged_in_proj import MEMBERS as KDA_MERGED_MEMBERS
 from vllm_ling.models.kda_merged_in_proj import MERGED_NAME as KDA_MERGED_NAME
+from vllm_ling.models.kda_merged_in_proj import KdaInProj, select_kda_merged_in_proj
 from vllm_ling.options import LingOptions
 
 _MERGES = {  # checkpoint projection -> vLLM module it is stacked into (suffix match)
@@ -67,12 +68,12 @@ def _vllm_module(module: str, layer: int, kda_layer: bool, b_proj_separate: bool
     return local, proj
 
 
-def _kda_merges(config: dict[str, Any], layer: int, skip: list[str]) -> bool:
-    """Whether vllm-ling's KDA layer merges its in-projections (vllm_ling.layers.kda_merged_in_proj's
-    rule): b_proj BF16 (else vLLM builds qkvb_proj) and the five members all block-FP8."""
+def _kda_merges(layer: int, skip: list[str]) -> bool:
+    """Whether vllm-ling's KDA layer merges its in-projections: the layer's own selector asked with
+    the facts the checkpoint gives (b_proj BF16, else vLLM builds qkvb_proj; which members are BF16)."""
     attention = f"model.layers.{layer}.attention"
-    return (is_not_converted(f"{attention}.b_proj", skip)
-            and not any(is_not_converted(f"{attention}.{m}", skip) for m in KDA_MERGED_MEMBERS))
+    bf16 = tuple(m for m in KDA_MERGED_MEMBERS if is_not_converted(f"{attention}.{m}", skip))
+    return select_kda_merged_in_proj(True, is_not_converted(f"{attention}.b_proj", skip), bf16).choice is KdaInProj.MERGED
 
 
 def dense_fp8_linears(config: dict[str, Any], include_mtp: bool = True,
@@ -94,7 +95,7 @@ def dense_fp8_linears(config: dict[str, Any], include_mtp: bool = True,
         kda = layer < n_layers and is_kda_layer(layer, config)
         b_separate = is_not_converted(f"model.layers.{layer}.attention.b_proj", skip)
         vllm_name, proj = _vllm_module(module, layer, kda, b_separate,
-                                       kda and kda_merged_in_proj and _kda_merges(config, layer, skip))
+                                       kda and kda_merged_in_proj and _kda_merges(layer, skip))
         entry = merged.setdefault((layer, vllm_name), {"n": 0, "k": spec.shape[1], "members": [],
                                                        "cls": spec.tensor_class})
         entry["n"] += spec.shape[0]

@@ -75,7 +75,7 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 },
             },
         },
-        # Known-answer kernel checks (vllm_ling.runtime.kernel_checks.report_section).
+        # Known-answer kernel checks (vllm_ling.runtime.verification.known_answers.report_section).
         "kernel_checks": {
             "type": "object",
             "required": ["passed", "summary", "seconds", "results", "dense_fp8"],
@@ -105,7 +105,7 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "dense_fp8": {"type": "object", "required": ["kernels", "path_choice"]},
             },
         },
-        # One entry per rank of the server (vllm_ling.runtime.verification.rank_entry).
+        # One entry per rank of the server (vllm_ling.runtime.verification.ranks.rank_entry).
         "ranks": {
             "type": "array",
             "minItems": 1,

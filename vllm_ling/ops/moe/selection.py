@@ -43,6 +43,9 @@ class MoeSelection(Selection):
     decode: MoeDecode = MoeDecode.OFF
     decode_max_tokens: int = 0  # 0 where decode is OFF: no decode kernels to build
 
+    def served_as(self) -> tuple:
+        return (self.choice, self.w4a8, self.decode, self.decode_max_tokens)
+
     def kernel_kwargs(self) -> dict:
         """The switches humming's experts take (the layer's method and warm-up's kernels alike)."""
         return {"w4a8": self.w4a8, "decode": self.decode, "decode_max_tokens": self.decode_max_tokens}

@@ -113,3 +113,12 @@ def select_bf16_gemv(options: LingOptions, platform: Platform, prefix: str,
         raise Bf16GemvUnavailable(f"the small GEMV cannot run for {prefix}: {why}; opt out with "
                                   f"{opt_out_setting(BF16_OPTION)}")
     return Selection(Feature.BF16_GEMV, GemvPath.LING, "CUDA, the small GEMV runs")
+
+
+def bf16_gemv_after_load(selected: Selection, problems: list[str]) -> Selection:
+    """The final selection of a linear the small GEMV was selected for, once its weight is loaded:
+    unchanged, or vLLM's GEMM where the kernel cannot hold the weight (an explicit fallback)."""
+    if selected.choice is not GemvPath.LING or not problems:
+        return selected
+    return Selection(Feature.BF16_GEMV, GemvPath.VLLM, "the small GEMV cannot hold it: " + "; ".join(problems),
+                     fallback_from=GemvPath.LING)

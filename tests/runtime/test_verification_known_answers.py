@@ -1,6 +1,6 @@
 """Startup known-answer checks on the loaded tiny models: they find the kernels that really
-serve (from the attached quant methods), pass on them, and fail naming kernel, inputs and
-max error when a serving kernel computes wrong numbers (planted faults)."""
+serve (from the census: the attached quant methods), pass on them, and fail naming kernel, inputs
+and max error when a serving kernel computes wrong numbers (planted faults)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,21 @@ pytest.importorskip("vllm")
 MOE_REF = "plain-PyTorch MXFP4 reference (CPU platform)"
 
 
+def _census(models):
+    from vllm_ling.layers.readers import readers
+    from vllm_ling.runtime.verification.census import take_census
+
+    _, target, draft = models
+    return take_census(target, draft, readers())
+
+
 def test_checks_find_and_pass_every_serving_kernel(loaded_tiny_models):
-    from vllm_ling.runtime.kernel_checks import KDA_CPU_KERNEL, dense_fp8_kernels, run_kernel_checks, summary
+    from vllm_ling.runtime.verification.known_answers import (KDA_CPU_KERNEL, dense_fp8_kernels, run_kernel_checks,
+                                                              summary)
 
     _, target, draft = loaded_tiny_models
-    results = run_kernel_checks(target, draft)
+    census = _census(loaded_tiny_models)
+    results = run_kernel_checks(census)
     assert [(r.name, r.kernel, r.passed) for r in results] == [
         ("dense_fp8", "CpuBlockFp8LinearMethod", True), ("moe_mxfp4", MOE_REF, True),
         ("fp8_head", "torch", True), ("kda", KDA_CPU_KERNEL, True)], [r.message() for r in results]
@@ -28,7 +38,7 @@ def test_checks_find_and_pass_every_serving_kernel(loaded_tiny_models):
 
     n = sum(1 for model in (target, draft) for m in model.modules()
             if isinstance(m, LinearBase) and hasattr(m, "weight_block_size") and m.weight_block_size)
-    assert dense_fp8_kernels(target, draft) == {"CpuBlockFp8LinearMethod": n} and n > 0
+    assert dense_fp8_kernels(census) == {"CpuBlockFp8LinearMethod": n} and n > 0
 
 
 def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeypatch):
@@ -40,7 +50,7 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     from vllm_ling.layers import fp8_lm_head
     from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
     from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
-    from vllm_ling.runtime.kernel_checks import run_kernel_checks, summary
+    from vllm_ling.runtime.verification.known_answers import run_kernel_checks, summary
 
     def amx_defect(self, layer):  # only scratch layers are processed after loading
         bn, bk = self.weight_block_size
@@ -70,8 +80,7 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     monkeypatch.setattr(CpuBlockFp8LinearMethod, "process_weights_after_loading", amx_defect)
     monkeypatch.setattr(LingMxfp4MoEMethod, "apply", nibbles_swapped)
     monkeypatch.setattr(fp8_lm_head.head_ops, "fp8_head_logits", zero_code_fault)
-    _, target, draft = loaded_tiny_models
-    results = run_kernel_checks(target, draft)
+    results = run_kernel_checks(_census(loaded_tiny_models))
     assert [r.passed for r in results] == [False, False, False, False]
     dense, moe, head, kda = results
     assert kda.failing_inputs == ["1 decode token per sequence (from the prefill's states): 2 of 2 outputs"]
@@ -86,4 +95,4 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     assert line.startswith("dense_fp8 [CpuBlockFp8LinearMethod]: max relative error 32 > tolerance 0.00781 on ")
     # the loaded layers still compute right: the checks ran on scratch copies
     monkeypatch.undo()
-    assert all(r.passed for r in run_kernel_checks(target, draft))
+    assert all(r.passed for r in run_kernel_checks(_census(loaded_tiny_models)))
