@@ -569,6 +569,13 @@ def test_group_verdict_needs_every_rank():
     assert merged["optimizations"]["fp8_head"]["detail"].endswith("inactive on rank(s) 1 (10.0.0.2)")
     assert [r["rank"] for r in merged["ranks"]] == [0, 1]
 
+    # a pipeline stage without the head does not make the last stage's FP8 head inactive
+    merged = report()
+    first_stage = rank(0, True)
+    first_stage["optimizations"]["fp8_head"] = {"requested": False, "active": False, "on_stage": False}
+    merge_ranks(merged, [first_stage, rank(1, True)])
+    assert merged["passed"] and merged["optimizations"]["fp8_head"]["active"] is True
+
     merged = report()
     agree = merge_ranks(merged, [rank(0, True, fp8_head="0"), rank(1, True, fp8_head="1")])
     assert not agree.passed and merged["passed"] is False
@@ -632,7 +639,7 @@ def test_speculation_selector():
     assert (sel.choice, sel.reason) == (Speculation.DEFAULT_MTP, "vllm-ling default: mtp, 2 tokens")
 
 
-def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_models):
+def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_models, monkeypatch):
     from vllm.model_executor.models.utils import PPMissingLayer
 
     from vllm_ling.layers.readers import readers
@@ -664,6 +671,15 @@ def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_model
         assert not last.passed and "0 LM heads where the stage has 1" in last.actual
     assert check_draft_sharing(target, None, spec, Stage(0, 2, 0, n // 2)).passed
     assert not check_draft_sharing(target, None, spec, Stage(1, 2, n // 2, n)).passed  # MTP needs the draft there
+    # the first stage's report: its FP8 head entry says the head is elsewhere, so the group's verdict
+    # (ranks.merge_ranks) leaves it out instead of calling the last stage's head inactive
+    from vllm_ling.runtime.verification import assembly, build_report
+
+    monkeypatch.setattr(assembly, "pipeline_stage", lambda model, layers: Stage(0, 2, 0, n // 2))
+    with swapped(target, "lm_head", PPMissingLayer()):
+        report = build_report(target, None, vllm_config, LingOptions(), Speculative(None, 0, _speculation("OFF_PIPELINE")))
+    assert report["optimizations"]["fp8_head"] == {"requested": False, "active": False,
+                                                  "detail": "no LM heads on this pipeline stage", "on_stage": False}
 
 
 def test_kda_merge_is_reported_from_the_loaded_layers(loaded_tiny_models):

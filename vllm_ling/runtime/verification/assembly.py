@@ -74,7 +74,8 @@ def build_report(target, draft, vllm_config, options: LingOptions, spec: Specula
     checks = [guarded("model_classes", lambda: check_model_classes(target, draft, spec, stage)), *rows.values(),
               sharing, guarded(SPECULATIVE, lambda: check_speculative(spec, options)),
               guarded("versions", lambda: check_versions(platform)), known_answers.check(known)]
-    optimizations = {r.optimization: entry(r, census, rows[r.check], known) for r in readers if r.optimization}
+    optimizations = {r.optimization: entry(r, census, rows[r.check], known, r.expected(config, stage, draft is not None)
+                                           if r.expected is not None else None) for r in readers if r.optimization}
     optimizations["moe_decode_kernels"] = moe_decode_entry(census)
     optimizations["mtp"] = mtp_entry(spec, sharing)
     return {

@@ -23,8 +23,14 @@ def known_answers_passed(known: dict[str, Any], name: str) -> bool | None:
     return all(r["passed"] for r in runs) if runs else None
 
 
-def entry(reader: Reader, census: Census, row: Check, known: dict[str, Any]) -> dict[str, Any]:
+def entry(reader: Reader, census: Census, row: Check, known: dict[str, Any], stage_has: int | None = None
+          ) -> dict[str, Any]:
+    """``stage_has``: how many modules of the feature this pipeline stage holds, where the reader
+    knows; none (the head on an earlier stage) gives an entry the group's verdict leaves out."""
     entries = census.of(reader.feature)
+    if stage_has == 0 and not entries:
+        return {"requested": False, "active": False, "detail": f"no {reader.what} on this pipeline stage",
+                "on_stage": False}
     ours = reader.optimizing
     if not any(e.recorded and (e.recorded.choice in ours or e.recorded.fallback_from in ours) for e in entries):
         why = counts(e.recorded.reason if e.recorded else "no selection recorded" for e in entries)

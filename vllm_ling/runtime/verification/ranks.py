@@ -39,7 +39,8 @@ def rank_entry(report: dict[str, Any]) -> dict[str, Any]:
         rank = tp_rank = pp_rank = 0
     return {"rank": rank, "tp_rank": tp_rank, "pp_rank": pp_rank, "node_ip": _node_address(),
             "pid": os.getpid(), "passed": report["passed"], "head_dtype": report["head_dtype"],
-            "optimizations": {n: {"requested": e["requested"], "active": e["active"]}
+            "optimizations": {n: {"requested": e["requested"], "active": e["active"],
+                                  **({"on_stage": False} if e.get("on_stage") is False else {})}
                               for n, e in report["optimizations"].items()},
             "checks": report["checks"],
             # the switches as this process saw them (propagation: vllm_ling/runtime/ray_env.py)
@@ -75,14 +76,16 @@ def check_ranks_agree(ranks: list[dict[str, Any]]) -> Check:
 
 
 def merge_ranks(report: dict[str, Any], ranks: list[dict[str, Any]]) -> Check:
-    """The group's verdict in ``report``: passed and active only where true on every rank, and
-    the ranks' settings agree. Returns the agreement check."""
+    """The group's verdict in ``report``: passed and active only where true on every rank that holds
+    the feature (a pipeline stage without the head says so), and the ranks' settings agree. Returns
+    the agreement check."""
     agree = check_ranks_agree(ranks)
     report["ranks"] = ranks
     report["checks"] = report["checks"] + [dataclasses.asdict(agree)]
     report["passed"] = all(r["passed"] for r in ranks) and agree.passed
     for name, entry in report["optimizations"].items():
-        off = [r for r in ranks if not r["optimizations"].get(name, {}).get("active", False)]
+        off = [r for r in ranks if not r["optimizations"].get(name, {}).get("active", False)
+               and r["optimizations"].get(name, {}).get("on_stage", True)]
         if entry["active"] and off:
             entry["active"] = False
             entry["detail"] += "; inactive on rank(s) " + ", ".join(
