@@ -8,7 +8,7 @@ MLA, MoE, head). A step of T tokens is one sequence's verify window of T positio
 32K-token context (what ``vllm-ling plan`` counts). Two compositions, same weights, same run:
 
 - ``vllm-ling``: dense FP8 linears through ``vllm_ling.ops.dense_fp8`` (W8A16; each KDA layer's
-  q, k, v, f, g as one 20480 x 2560 launch, as ``vllm_ling.layers.kda_merged_proj`` serves them), routed experts
+  q, k, v, f, g as one 20480 x 2560 launch, as ``vllm_ling.layers.kda_merged_in_proj`` serves them), routed experts
   through the MoE decode kernels on humming's weights (``HummingMxfp4Experts`` default), the
   FP8 head (``vllm_ling.ops.lm_head``, kernel chosen per arch), the router GEMV
   (``vllm_ling.ops.small_gemv.router``);

@@ -3,7 +3,7 @@ kernels (the CUDA decode kernel up to 32 rows, the Triton kernel as its fallback
 upstream-equivalent W8A8 path and BF16 cuBLAS, every shape, 1..32 rows.
 
 Shapes: every dense block-FP8 linear vLLM 0.32 builds for the full config (merged as vLLM
-merges them, KDA q|k|v|f|g as one linear while VLLM_LING_KDA_MERGED_PROJ is on; TP=1; target and NEXTN
+merges them, KDA q|k|v|f|g as one linear while VLLM_LING_KDA_MERGED_IN_PROJ is on; TP=1; target and NEXTN
 layers), from ``vllm_ling.models.dense_linears``. For each
 shape and row count: CUDA-graph median time per call with the weights rotated over more than
 the L2 (each call in the graph reads another copy), bytes moved, the fraction of the device

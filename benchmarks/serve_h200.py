@@ -114,7 +114,7 @@ def parse_startup(log: str) -> dict[str, float | None]:
 
 
 def metric_sum(base: str, prefix: str) -> float:
-    from vllm_ling.runtime.local_server import scrape
+    from vllm_ling.launcher.local_server import scrape
 
     return sum(v for k, v in scrape(base).items() if k.startswith(prefix))
 
@@ -248,7 +248,7 @@ def profile_windows(base: str, trace_dir: Path, out_dir: Path, prefills: list[in
 
 def run(args) -> int:
     from vllm_ling.options import upstream_composition
-    from vllm_ling.runtime.local_server import ServerError, free_port, log_tail, start_server
+    from vllm_ling.launcher.local_server import ServerError, free_port, log_tail, start_server
 
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)

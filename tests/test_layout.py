@@ -1,8 +1,7 @@
 """The package's architecture, enforced: imports run downward only and never in circles.
 
 Layers, lowest first (README "Layout"): base modules (log, versions, options, refusal, selection,
-processes) -> ops -> models
--> layers -> runtime -> patches -> plugin -> bench -> cli. A module may import from its own
+processes) -> ops -> models -> layers -> runtime -> patches -> plugin -> launcher -> bench -> cli. A module may import from its own
 layer or any lower one; ``ops`` never imports vLLM (it runs on the GPU box without it).
 Function-level (lazy) imports count too: they are arrows all the same.
 """
@@ -16,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_ling"
 LAYERS = {"log": 0, "versions": 0, "options": 0, "refusal": 0, "selection": 0, "processes": 0, "ops": 1,
-          "models": 2, "layers": 3, "runtime": 4, "patches": 5, "plugin": 6, "bench": 7, "cli": 8}
+          "models": 2, "layers": 3, "runtime": 4, "patches": 5, "plugin": 6, "launcher": 7, "bench": 8, "cli": 9}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -147,3 +146,11 @@ def test_measured_results_live_in_benchmarks_results():
     benchmarks = PACKAGE.parent / "benchmarks"
     stray = sorted(p.name for p in benchmarks.glob("*.md") if p.name != "README.md")
     assert stray == [], f"move these to benchmarks/results/: {stray}"
+
+
+def test_the_ptx_global_loads_have_one_home():
+    """Every CUDA source of the package reads its streamed weights through ops/ptx_loads.cuh (each
+    launcher prepends it); no kernel file carries its own copy of the load."""
+    copies = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.cu*")
+                    if "ld.global" in p.read_text())
+    assert copies == ["ops/ptx_loads.cuh"]

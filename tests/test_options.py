@@ -75,7 +75,7 @@ def test_warmup_flags_come_from_the_table():
     assert {opt.name for opt in o.warmup_options()} == {
         "VLLM_LING_MOE_BACKEND", "VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_DECODE_MAX_TOKENS",
         "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8", "VLLM_LING_ROUTER_GEMV", "VLLM_LING_BF16_GEMV",
-        "VLLM_LING_KDA_MERGED_PROJ", "VLLM_LING_TENSOR_PARALLEL_SIZE", "VLLM_LING_WARMUP_TOKEN_COUNTS",
+        "VLLM_LING_KDA_MERGED_IN_PROJ", "VLLM_LING_TENSOR_PARALLEL_SIZE", "VLLM_LING_WARMUP_TOKEN_COUNTS",
         "VLLM_LING_WARMUP_ROW_COUNTS", "VLLM_LING_HUMMING_CACHE"}
     dests = {action.dest for action in build_warmup_parser()._actions}
     assert {opt.short for opt in o.warmup_options()} <= dests
@@ -86,6 +86,49 @@ def test_the_dense_fp8_option_states_the_decode_kernels_row_limit():
     from vllm_ling.ops.dense_fp8 import decode_kernel
 
     assert f"at most {decode_kernel.MAX_ROWS} tokens" in o.option("VLLM_LING_DENSE_FP8").help
+
+
+@pytest.mark.parametrize("name,kernel_limit", [("VLLM_LING_BF16_GEMV", "BF16_MAX_ROWS"),
+                                               ("VLLM_LING_ROUTER_GEMV", "MAX_ROWS")])
+def test_the_small_gemv_options_state_the_kernels_row_limits(name, kernel_limit):
+    from vllm_ling.ops.small_gemv import kernel
+
+    assert f"at most {getattr(kernel, kernel_limit)} tokens" in o.option(name).help
+
+
+def test_opt_out_settings_come_from_the_table():
+    assert o.opt_out_setting("VLLM_LING_DENSE_FP8") == "VLLM_LING_DENSE_FP8=vllm"
+    assert o.opt_out_setting("VLLM_LING_FP8_HEAD") == "VLLM_LING_FP8_HEAD=0"
+    with pytest.raises(ValueError, match="VLLM_LING_PORT has no opt-out"):
+        o.opt_out_setting("VLLM_LING_PORT")
+
+
+def test_no_opt_out_setting_is_retyped_in_the_package():
+    """An opt-out (``VLLM_LING_X=<its opt_out value>``) in a string the code builds comes from
+    :func:`opt_out_setting`; docstrings and comments may name it."""
+    import ast
+
+    settings = {opt.opt_out_setting for opt in o.OPTIONS if opt.opt_out is not None}
+    package = Path(o.__file__).parent
+    bad = []
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                bad += [f"{path.relative_to(package)}:{node.lineno} {s}" for s in settings
+                        if re.search(re.escape(s) + r"(?![\w])", node.value)]
+    assert bad == [], "use vllm_ling.options.opt_out_setting: " + "; ".join(bad)
+
+
+def test_options_are_parsed_once_per_process(monkeypatch):
+    monkeypatch.delenv("VLLM_LING_FP8_HEAD", raising=False)
+    first = o.LingOptions.current()
+    assert o.LingOptions.current() is first  # one parse, every caller the same value
+    monkeypatch.setenv("VLLM_LING_FP8_HEAD", "0")
+    assert o.LingOptions.current().fp8_head is False  # parsed again only when the environment changed
 
 
 def test_the_break_even_default_is_the_point_the_cost_model_is_scaled_to():
@@ -100,3 +143,13 @@ def test_the_moe_decode_token_limit_fits_the_decode_kernels_grid():
 
     top_k = 8  # Ling-3.0-flash's num_experts_per_tok
     assert o.MOE_DECODE_MAX_TOKENS_LIMIT * top_k <= MAX_GRID_ROWS
+
+
+def test_a_renamed_variable_is_still_read_for_one_release_with_a_warning():
+    new, old = "VLLM_LING_KDA_MERGED_IN_PROJ", "VLLM_LING_KDA_MERGED_PROJ"
+    assert o.RENAMED == {old: new}
+    assert o.read(new, {old: "0"}) is False  # the old name still opts out
+    assert o.read(new, {old: "0", new: "1"}) is True  # the new name wins
+    assert o.LingOptions.from_env({old: "0"}).kda_merged_in_proj is False
+    assert o.unknown_variables({old: "0"}) == [
+        f"{old} is renamed {new}: it is still read until the next release; set {new} instead"]

@@ -63,9 +63,9 @@ def test_a_marker_names_its_owner():
 def test_the_supervisor_and_the_local_servers_mark_their_server(tmp_path, monkeypatch):
     """vllm-ling serve's supervisor and the local test/demo servers put a marker into the
     environment of the process they start (a harness's marker is kept by the supervisor)."""
-    from vllm_ling.runtime import supervisor as module
-    from vllm_ling.runtime.local_server import start_server
-    from vllm_ling.runtime.supervisor import Supervisor
+    from vllm_ling.launcher import supervisor as module
+    from vllm_ling.launcher.local_server import start_server
+    from vllm_ling.launcher.supervisor import Supervisor
 
     # not in this test process: a subreaper's orphans would become its zombies, and the handlers
     # would take pytest's SIGINT

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from vllm_ling import refusal
-from vllm_ling.runtime.verification import LingVerificationError
+from vllm_ling.runtime.verification.policy import LingVerificationError
 
 
 @pytest.fixture

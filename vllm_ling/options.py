@@ -72,10 +72,12 @@ class DenseFp8(Choice):
 
 
 class Bf16Gemv(Choice):
-    LING = "ling"  # vllm-ling's small GEMV for the checkpoint's unquantized BF16 linears at <= 8 tokens (CUDA)
+    LING = "ling"  # vllm-ling's small GEMV for the checkpoint's unquantized BF16 linears at decode sizes (CUDA)
     VLLM = "vllm"  # opt out: vLLM's GEMM always
+
+
 class RouterGemv(Choice):
-    LING = "ling"  # vllm-ling's router GEMV kernel for Ling's fp32 MoE gates at <= 16 tokens (CUDA)
+    LING = "ling"  # vllm-ling's router GEMV kernel for Ling's fp32 MoE gates at decode sizes (CUDA)
     VLLM = "vllm"  # opt out: vLLM's GateLinear path always
 
 
@@ -102,9 +104,16 @@ class Scope(Choice):
 # The MoE decode kernels launch one grid row per (token, top-k slot): tokens x top_k (<= 8) must
 # stay within CUDA's grid rows (ops/moe/decode/shapes.MAX_GRID_ROWS).
 MOE_DECODE_MAX_TOKENS_LIMIT = 4096
-# The CUDA W8A16 dense decode kernel's rows (four MMA groups of 8: ops/dense_fp8/decode_kernel.py,
-# which reads it from here so that the option's text can state it).
+# The kernels' row limits, here so that the options' texts state them (this module imports no
+# kernel); each kernel reads its own from here.
+# The CUDA W8A16 dense decode kernel's rows (four MMA groups of 8: ops/dense_fp8/decode_kernel.py).
 DENSE_FP8_DECODE_MAX_ROWS = 32
+# The small GEMV's tokens (ops/small_gemv/kernel.py; the router gates take all of them): measured up
+# to here (benchmarks/results/small_gemv_h200.md); the kernel before staging lost to cuBLAS at 32.
+SMALL_GEMV_MAX_ROWS = 16
+# The checkpoint's 32-row BF16 linears on the small GEMV: cuBLAS is close from 16 rows
+# (small_gemv_h200.md's Reading says why 8 stays).
+BF16_GEMV_MAX_ROWS = 8
 # The DGX Spark study's MTP verify cost at batch 1, in normal decode steps (4 positions): the
 # default collapse threshold and the point runtime/spec_policy.py scales its cost curve to.
 STUDY_VERIFY_COST_BATCH1 = 2.26
@@ -143,6 +152,7 @@ class Option:
     default_text: str | None = None  # when the default is computed elsewhere
     compile_factor: bool = False
     opt_out: str | None = None  # the value that gives vLLM's own path (the upstream composition)
+    former_name: str | None = None  # renamed: the old name is still read (with a WARNING) for one release
 
     @property
     def short(self) -> str:
@@ -152,6 +162,13 @@ class Option:
     @property
     def flag(self) -> str:
         return "--" + self.short.replace("_", "-")
+
+    @property
+    def opt_out_setting(self) -> str:
+        """``NAME=value`` that gives vLLM's own path, as every message names it."""
+        if self.opt_out is None:
+            raise ValueError(f"{self.name} has no opt-out")
+        return f"{self.name}={self.opt_out}"
 
     def shown_default(self) -> str:
         if self.default_text is not None:
@@ -249,17 +266,20 @@ OPTIONS: tuple[Option, ...] = (
            "vLLM's kernel above; an error where it cannot run); `vllm` opts out (one WARNING, reported). "
            "The CPU path is unchanged",
            choices=DenseFp8, serve_flag=True, compile_factor=True, opt_out="vllm", warmup_flag=True),
-    Option("VLLM_LING_KDA_MERGED_PROJ", "bool", True,
+    Option("VLLM_LING_KDA_MERGED_IN_PROJ", "bool", True,
            "`1`: each KDA layer runs its q, k, v, f and g projections (same input) as one column-parallel "
-           "block-FP8 linear, one launch; `0`: vLLM's three linears (one WARNING, reported)",
-           serve_flag=True, compile_factor=True, opt_out="0", warmup_flag=True),
+           "block-FP8 linear, one launch; `0`: vLLM's three linears (one WARNING, reported). Formerly "
+           "`VLLM_LING_KDA_MERGED_PROJ` (still read, with a WARNING, until the next release)",
+           serve_flag=True, compile_factor=True, opt_out="0", warmup_flag=True,
+           former_name="VLLM_LING_KDA_MERGED_PROJ"),
     Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
            "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
-           "small GEMV for batches of at most 8 tokens on CUDA (vLLM's GEMM above; an error where it cannot "
+           f"small GEMV for batches of at most {BF16_GEMV_MAX_ROWS} tokens on CUDA (vLLM's GEMM above; an error where it cannot "
            "run); `vllm` opts out (one WARNING, reported). The CPU path is unchanged",
            choices=Bf16Gemv, serve_flag=True, compile_factor=True, opt_out="vllm", warmup_flag=True),
     Option("VLLM_LING_ROUTER_GEMV", "choice", RouterGemv.LING,
-           "`ling`: fp32 MoE router gates (Ling's) run vllm-ling's one-launch GEMV for batches of at most 16 "
+           "`ling`: fp32 MoE router gates (Ling's) run vllm-ling's one-launch GEMV for batches of at most "
+           f"{SMALL_GEMV_MAX_ROWS} "
            "tokens on CUDA (vLLM's GateLinear path above; an error where it cannot run); `vllm` opts out (one "
            "WARNING, reported). The CPU path is unchanged",
            choices=RouterGemv, serve_flag=True, compile_factor=True, opt_out="vllm", warmup_flag=True),
@@ -371,6 +391,7 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+RENAMED: dict[str, str] = {o.former_name: o.name for o in OPTIONS if o.former_name}  # old name -> new
 _DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -381,7 +402,10 @@ def option(name: str) -> Option:
 def read(name: str, env: Mapping[str, str] | None = None) -> Any:
     """The typed value of one variable (its default when unset or empty)."""
     opt = BY_NAME[name]
-    raw = (os.environ if env is None else env).get(name)
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    if (raw is None or raw.strip() == "") and opt.former_name:
+        raw = env.get(opt.former_name)
     if raw is None or raw.strip() == "":
         return opt.default
     if name == "VLLM_LING_DEVICE":
@@ -391,8 +415,13 @@ def read(name: str, env: Mapping[str, str] | None = None) -> Any:
     return opt.parse(raw)
 
 
+def opt_out_setting(name: str) -> str:
+    """``NAME=value``: the opt-out of one switch, from the table (never retyped)."""
+    return BY_NAME[name].opt_out_setting
+
+
 def known_env_vars() -> set[str]:
-    return set(BY_NAME)
+    return set(BY_NAME) | set(RENAMED)
 
 
 def closest(word: str, candidates: Mapping[str, str], cutoff: float = 0.7) -> str | None:
@@ -411,13 +440,18 @@ def closest_known(name: str) -> str | None:
 # been given, so the API server, the engine core and each worker do not repeat them. Not a
 # VLLM_* name: vLLM's own environment check ignores it.
 UNKNOWN_WARNED_MARKER = "_VLLM_LING_UNKNOWN_ENV_WARNED"
+# Set by vllm-ling serve in vLLM's environment: the file its supervisor (vllm_ling.launcher.supervisor)
+# writes when a stop is requested, before it forwards the signal, so vLLM's processes know the stop
+# is wanted (vllm_ling.runtime.clean_stop). Both sides read the name from here.
+STOP_FILE_ENV = "_VLLM_LING_STOP_FILE"
 
 
 def unknown_variables(env: Mapping[str, str]) -> list[str]:
     """One message per undeclared ``VLLM_LING_*`` variable in ``env``, naming the closest
     declared one when there is a likely match."""
-    messages = []
-    for name in sorted(k for k in env if k.startswith(PREFIX) and k not in BY_NAME):
+    messages = [f"{old} is renamed {new}: it is still read until the next release; set {new} instead"
+                for old, new in sorted(RENAMED.items()) if old in env]
+    for name in sorted(k for k in env if k.startswith(PREFIX) and k not in BY_NAME and k not in RENAMED):
         close = closest_known(name)
         hint = f"; did you mean {close}?" if close else ""
         messages.append(f"{name} is not a vllm-ling variable and is ignored{hint} "
@@ -458,7 +492,8 @@ def warmup_options() -> tuple[Option, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class LingOptions:
-    """The plugin's switches as one value, read from the environment in every vLLM process."""
+    """The plugin's switches as one value, read from the environment in every vLLM process:
+    :meth:`current` (parsed once; everything in the process asks it)."""
 
     moe_backend: MoeBackend = BY_NAME["VLLM_LING_MOE_BACKEND"].default
     moe_w4a8: bool = BY_NAME["VLLM_LING_MOE_W4A8"].default
@@ -466,7 +501,7 @@ class LingOptions:
     moe_decode_max_tokens: int = BY_NAME["VLLM_LING_MOE_DECODE_MAX_TOKENS"].default
     fp8_head: bool = BY_NAME["VLLM_LING_FP8_HEAD"].default
     dense_fp8: DenseFp8 = BY_NAME["VLLM_LING_DENSE_FP8"].default
-    kda_merged_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_PROJ"].default
+    kda_merged_in_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_IN_PROJ"].default
     bf16_gemv: Bf16Gemv = BY_NAME["VLLM_LING_BF16_GEMV"].default
     router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
@@ -476,4 +511,24 @@ class LingOptions:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "LingOptions":
-        return cls(**{f.name: read(PREFIX + f.name.upper(), env) for f in dataclasses.fields(cls)})
+        """Parse ``env`` (default: this process's environment); :meth:`current` for the process's."""
+        return cls(**{f.name: read(cls.variable(f.name), env) for f in dataclasses.fields(cls)})
+
+    @staticmethod
+    def variable(field: str) -> str:
+        return PREFIX + field.upper()
+
+    @classmethod
+    def current(cls) -> "LingOptions":
+        """This process's switches, parsed once: the same value for every caller (the quant config,
+        the layers, the patches, the verification), parsed again only where the environment's values
+        of these variables changed (a test's monkeypatch)."""
+        global _current
+        raw = tuple(os.environ.get(n) for f in dataclasses.fields(cls)
+                    for n in (cls.variable(f.name), BY_NAME[cls.variable(f.name)].former_name) if n)
+        if _current is None or _current[0] != raw:
+            _current = (raw, cls.from_env())
+        return _current[1]
+
+
+_current: tuple[tuple[str | None, ...], LingOptions] | None = None

@@ -1,16 +1,20 @@
-"""What serves each feature, decided once: the :class:`Selection` a feature's selector returns.
+"""What serves each feature, decided once and read back: :class:`Selection` and :class:`Reader`.
 
 Each feature has one selector beside it (``ops/<feature>/selection.py``, or where its policy
-lives): options + platform + layer shape -> the enum value that serves and why. The quant config
-builds the layer's method from that value and records it on the layer (:func:`record`); warm-up
-compiles for the same value; the startup verification reads the recorded value back
-(:func:`recorded`) and proves the layer runs *that*, instead of deriving the choice a second time.
+lives): options + platform + layer shape -> the enum value that serves and why. The module that
+serves the feature records the answer on itself (:func:`record`): the quant config or the layer
+when it is built, and the layer again where a decision after loading changes what serves (an
+explicit fallback, :attr:`Selection.fallback_from`). Warm-up compiles for the same value. The
+startup verification reads every recorded value back (:func:`recorded`) and proves, through the
+feature's :class:`Reader` (beside the layer, listed in :mod:`vllm_ling.layers.readers`), that
+the module serves *that*, instead of deriving the choice a second time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any, Callable
 
 from vllm_ling.options import Choice
 
@@ -18,12 +22,14 @@ SELECTIONS_ATTR = "vllm_ling_selections"  # on a module: {Feature: Selection}
 
 
 class Feature(Choice):
-    MOE = "moe"                  # routed-expert backend and decode mode
-    DENSE_FP8 = "dense_fp8"      # block-FP8 dense linears
-    BF16_GEMV = "bf16_gemv"      # the checkpoint's unquantized BF16 linears
-    ROUTER_GEMV = "router_gemv"  # the MoE router gates
-    HEAD_KERNEL = "head_kernel"  # the FP8 LM head's kernel
-    SPECULATIVE = "speculative"  # the speculative method
+    MOE = "moe"                                  # routed-expert backend and decode mode
+    DENSE_FP8 = "dense_fp8"                      # block-FP8 dense linears
+    BF16_GEMV = "bf16_gemv"                      # the checkpoint's unquantized BF16 linears
+    ROUTER_GEMV = "router_gemv"                  # the MoE router gates
+    FP8_HEAD = "fp8_head"                        # the LM head quantized to FP8, or the checkpoint's
+    HEAD_KERNEL = "head_kernel"                  # the FP8 LM head's kernel
+    KDA_MERGED_IN_PROJ = "kda_merged_in_proj"    # each KDA layer's q, k, v, f, g as one linear
+    SPECULATIVE = "speculative"                  # the speculative method
 
 
 class Platform(Choice):
@@ -36,11 +42,17 @@ class Selection:
     feature: Feature
     choice: enum.Enum
     reason: str
+    fallback_from: enum.Enum | None = None  # what the option asked for, where a later decision serves ``choice``
 
     def __post_init__(self) -> None:
         # enums end to end: a bare string here would compare equal to a typo-free enum by luck only
         if not isinstance(self.feature, Feature) or not isinstance(self.choice, enum.Enum):
             raise TypeError(f"Selection needs a Feature and an enum choice, got {self.feature!r}, {self.choice!r}")
+
+    def served_as(self) -> tuple:
+        """What a module serving this selection shows (its :class:`Reader` reads the same tuple):
+        the choice, and in subclasses the switches it runs with."""
+        return (self.choice,)
 
 
 def record(module, selection: Selection) -> Selection:
@@ -53,3 +65,46 @@ def record(module, selection: Selection) -> Selection:
 def recorded(module, feature: Feature) -> Selection | None:
     """The selection recorded on ``module`` for ``feature`` (None: nothing selected it)."""
     return getattr(module, SELECTIONS_ATTR, {}).get(feature)
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What one module serves, read from its method and loaded state: ``(choice, *switches)`` as
+    :meth:`Selection.served_as` gives it (``choice`` None: nothing of the feature's choices), and
+    how the report names it."""
+
+    key: tuple
+    label: str
+
+    @classmethod
+    def of(cls, choice: enum.Enum | None, *switches, label: str | None = None) -> "Served":
+        return cls((choice, *switches), label if label is not None else str(choice))
+
+
+@dataclasses.dataclass(frozen=True)
+class Reader:
+    """How the startup verification reads one feature back from the modules that serve it.
+
+    ``applies(module)``: the module is one that serves the feature (a vLLM class: every instance
+    must carry a recorded selection); ``served(module)``: what it serves. ``check`` is the report
+    row that proves it (features may share one), ``what`` names the modules (plural). Optional:
+    ``expected(hf_config, stage, draft_here)``, how many such modules this pipeline stage holds;
+    ``uniform``, every module must record the same selection; ``optimization``, the report's
+    optimizations entry (and metric label) with the ``optimizing`` choices that are it, requested
+    where a module selected one (or fell back from one), active where the check passed and every
+    module (``needs_all``) or one serves one, and the known-answer results named ``known_answers``
+    passed.
+    """
+
+    feature: Feature
+    check: str
+    what: str
+    applies: Callable[[Any], bool]
+    served: Callable[[Any], Served]
+    fix: str
+    expected: Callable[[Any, Any, bool], int] | None = None
+    uniform: bool = False
+    optimization: str | None = None
+    optimizing: frozenset = frozenset()
+    needs_all: bool = True
+    known_answers: str | None = None

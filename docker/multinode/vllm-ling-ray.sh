@@ -6,7 +6,7 @@
 #       --wait seconds: exit 2 naming the --workers addresses that never joined), then runs
 #       `vllm-ling serve ... --distributed-executor-backend ray` and watches the nodes: a node
 #       lost while serving stops the server and exits 1 naming the node
-#       (python3 -m vllm_ling.runtime.ray_cluster does both).
+#       (python3 -m vllm_ling.launcher.ray_cluster does both).
 #   vllm-ling-ray worker --head HOST[:PORT]
 #       joins the head and blocks (the container lives as long as the Ray node).
 #
@@ -73,9 +73,9 @@ case "$role" in
       --include-dashboard=false --disable-usage-stats
     # The waiter and the server's watcher are Ray drivers of this cluster.
     export RAY_ADDRESS="${VLLM_HOST_IP:-127.0.0.1}:${port}"
-    python3 -m vllm_ling.runtime.ray_cluster wait --nodes "$nodes" --timeout "$wait_s" --workers "$workers" \
+    python3 -m vllm_ling.launcher.ray_cluster wait --nodes "$nodes" --timeout "$wait_s" --workers "$workers" \
       || exit 2
-    exec python3 -m vllm_ling.runtime.ray_cluster serve -- \
+    exec python3 -m vllm_ling.launcher.ray_cluster serve -- \
       vllm-ling serve "$@" --distributed-executor-backend ray
     ;;
   worker)

@@ -189,7 +189,7 @@ def test_facts_from_metrics():
 
 
 def test_facts_from_report_read_the_known_answer_section():
-    """The verification report's kernel_checks section (runtime/kernel_checks): per kernel and
+    """The verification report's kernel_checks section (runtime/verification/known_answers): per kernel and
     implementation, skipped checks left out."""
     from vllm_ling.bench.server_facts import facts_from_report
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from vllm_ling.cli.demo import IDLE_START_S, last_step, start_estimate
-from vllm_ling.runtime.local_server import free_port, start_server, wait_healthy
+from vllm_ling.launcher.local_server import free_port, start_server, wait_healthy
 
 
 def test_the_estimate_follows_the_cores_and_what_else_runs_on_them():

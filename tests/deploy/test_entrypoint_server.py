@@ -22,7 +22,7 @@ DRAIN_S = 10
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     pytest.importorskip("vllm")
-    from vllm_ling.runtime.local_server import cpu_env, free_port, group_alive, start_server
+    from vllm_ling.launcher.local_server import cpu_env, free_port, group_alive, start_server
 
     tmp = tmp_path_factory.mktemp("entrypoint")
     model = tmp / "tiny"
@@ -122,7 +122,7 @@ def test_sigterm_drains_what_it_can_ends_the_rest_and_exits_0(server):
     import signal
     import threading
 
-    from vllm_ling.runtime.supervisor import TEARDOWN_MARGIN_S, descendants
+    from vllm_ling.launcher.supervisor import TEARDOWN_MARGIN_S, descendants
 
     base, key, tmp, running = server
     streams: dict[str, list[str]] = {"long": [], "short": []}

@@ -220,7 +220,7 @@ def test_pdb_only_for_several_replicas_and_covering_every_pod_of_a_group(rendere
 def test_grace_period_and_prestop_follow_the_shutdown_timeout(rendered):
     """terminationGracePeriodSeconds = preStop pause + vLLM's drain + the launcher's 30 s
     teardown allowance; the server gets the drain time as VLLM_LING_SHUTDOWN_TIMEOUT."""
-    from vllm_ling.runtime.supervisor import TEARDOWN_MARGIN_S
+    from vllm_ling.launcher.supervisor import TEARDOWN_MARGIN_S
 
     for combination, drain in (("single-default", 30), ("single-3-replicas-pinned", 120),
                                ("multinode-tcp", 30)):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from vllm_ling.models.names import TINY_WEIGHTS_KEY
-from vllm_ling.runtime.local_server import free_port
+from vllm_ling.launcher.local_server import free_port
 
 FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
 LAUNCH = ("import sys\n"
@@ -108,7 +108,7 @@ def test_make_tiny_marks_how_its_weights_were_made(tmp_path):
 
 
 def test_the_note_is_for_random_weights_only(tmp_path, tiny_checkpoint):
-    from vllm_ling.runtime.smoke import SmokeResult, judged
+    from vllm_ling.launcher.smoke import SmokeResult, judged
 
     failed = SmokeResult(1.0, 63, 1.5, False)
     noted = judged(failed, tiny_checkpoint)
@@ -161,7 +161,7 @@ def test_the_relay_drops_only_the_exit_reports(tmp_path):
     the resource tracker's two lines go; everything else passes, each line ending on a newline."""
     import io
 
-    from vllm_ling.runtime.stderr_relay import StderrRelay
+    from vllm_ling.launcher.stderr_relay import StderrRelay
 
     from .fake_vllm import NANOBIND, SEMAPHORE
 
@@ -202,7 +202,7 @@ def test_vllm_starts_with_the_open_files_limit_raised(tmp_path, tiny_checkpoint)
 def _relay(text: str, refused: bool) -> tuple[str, object]:
     import io
 
-    from vllm_ling.runtime.stderr_relay import StderrRelay
+    from vllm_ling.launcher.stderr_relay import StderrRelay
 
     relay = StderrRelay(io.BytesIO(text.encode()), refused=lambda: refused)
     out = io.BytesIO()

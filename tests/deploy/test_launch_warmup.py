@@ -154,7 +154,7 @@ def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypat
                         lambda: [("moe", fake_moe), ("lm_head", fake_head), ("dense_fp8", fake_dense),
                                  ("router", fake_router)])
     monkeypatch.setattr(launch, "cuda_available", lambda: True)
-    monkeypatch.delenv("VLLM_LING_KDA_MERGED_PROJ", raising=False)  # the default: merged
+    monkeypatch.delenv("VLLM_LING_KDA_MERGED_IN_PROJ", raising=False)  # the default: merged
     for var in ("VLLM_LING_HUMMING_CACHE", "HUMMING_CACHE_DIR", "HUMMING_TMP_DIR"):
         # warmup exports these for the kernels; setenv makes pytest restore them afterwards.
         monkeypatch.setenv(var, str(tmp_path / "overridden"))
@@ -215,7 +215,7 @@ COMBINATIONS = [
     {"VLLM_LING_MOE_DECODE": "copy", "VLLM_LING_MOE_DECODE_MAX_TOKENS": "8"},
     {"VLLM_LING_MOE_W4A8": "1", "VLLM_LING_MOE_DECODE": "off", "VLLM_LING_FP8_HEAD": "0"},
     {"VLLM_LING_MOE_BACKEND": "vllm", "VLLM_LING_DENSE_FP8": "vllm", "VLLM_LING_ROUTER_GEMV": "vllm"},
-    {"VLLM_LING_KDA_MERGED_PROJ": "0"},
+    {"VLLM_LING_KDA_MERGED_IN_PROJ": "0"},
 ]
 
 
@@ -231,7 +231,7 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
 
     for name in list(env) + ["VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_BACKEND",
                              "VLLM_LING_MOE_DECODE_MAX_TOKENS", "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8",
-                             "VLLM_LING_ROUTER_GEMV", "VLLM_LING_KDA_MERGED_PROJ"]:
+                             "VLLM_LING_ROUTER_GEMV", "VLLM_LING_KDA_MERGED_IN_PROJ"]:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -257,8 +257,8 @@ def test_warmup_compiles_what_the_server_runs(tmp_path, monkeypatch, env):
     # the dense FP8 group follows the server's switch, on every decode shape of the model
     assert plan.dense == (options.dense_fp8 is DenseFp8.LING) and len(plan.dense_shapes) == 9
     # the KDA shapes follow the same switch as the server's KDA layer: one merged 20480 x 2560, or three
-    assert ((20480, 2560) in plan.dense_shapes) == options.kda_merged_proj
-    assert ((4096, 2560) in plan.dense_shapes) != options.kda_merged_proj
+    assert ((20480, 2560) in plan.dense_shapes) == options.kda_merged_in_proj
+    assert ((4096, 2560) in plan.dense_shapes) != options.kda_merged_in_proj
     # the router group follows the server's decision for Ling's gate (kernel available: pretend GPU)
     from vllm_ling.layers import router_gate_cuda
     from vllm_ling.ops.small_gemv import router as router_ops

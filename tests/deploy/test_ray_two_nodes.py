@@ -43,7 +43,7 @@ import requests
 import yaml
 
 from vllm_ling.processes import marked
-from vllm_ling.runtime.supervisor import descendants
+from vllm_ling.launcher.supervisor import descendants
 
 from ._tools import CHART_DIR, DOCKER_DIR, VENV_BIN, find_tool, run
 
@@ -318,7 +318,7 @@ def test_every_rank_verified_on_its_own_node(two_nodes):
 
 
 def test_metrics_cover_every_rank(two_nodes):
-    from vllm_ling.runtime.local_server import scrape
+    from vllm_ling.launcher.local_server import scrape
 
     metrics = scrape(two_nodes.base)
     ranks = {k: v for k, v in metrics.items() if k.startswith("vllm_ling:rank_verification_passed")}

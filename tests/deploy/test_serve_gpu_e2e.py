@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from vllm_ling.runtime.local_server import free_port, group_alive, scrape, start_server
+from vllm_ling.launcher.local_server import free_port, group_alive, scrape, start_server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -214,7 +214,7 @@ SWITCHED_OFF = {
     "VLLM_LING_MOE_BACKEND": {"moe_humming", "moe_decode_kernels"},
     "VLLM_LING_MOE_DECODE": {"moe_decode_kernels"},
     "VLLM_LING_DENSE_FP8": {"dense_fp8_decode"},
-    "VLLM_LING_KDA_MERGED_PROJ": {"kda_merged_in_proj"},
+    "VLLM_LING_KDA_MERGED_IN_PROJ": {"kda_merged_in_proj"},
     "VLLM_LING_BF16_GEMV": {"small_bf16_decode"},
     "VLLM_LING_ROUTER_GEMV": {"router_gemv"},
     "VLLM_LING_FP8_HEAD": {"fp8_head"},
@@ -227,7 +227,7 @@ def test_each_opt_out_alone_serves_verified_and_turns_off_only_its_optimization(
     strict verification, answers the expected greedy tokens, and its report has exactly that
     switch's optimizations off."""
     from vllm_ling.options import upstream_composition
-    from vllm_ling.runtime.local_server import wait_healthy
+    from vllm_ling.launcher.local_server import wait_healthy
 
     switches = upstream_composition()
     assert set(switches) == set(SWITCHED_OFF), "an opt-out switch without its expectation here"

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 def test_engine_death_under_load_exits_non_zero_and_leaves_nothing(tmp_path):
     pytest.importorskip("vllm")
     from vllm_ling.cli.serve import EXIT_SERVER_DIED
-    from vllm_ling.runtime.local_server import cpu_env, free_port, start_server
-    from vllm_ling.runtime.supervisor import descendants
+    from vllm_ling.launcher.local_server import cpu_env, free_port, start_server
+    from vllm_ling.launcher.supervisor import descendants
 
     model = tmp_path / "tiny"
     made = subprocess.run([sys.executable, "-m", "vllm_ling.cli.main", "make-tiny", str(model),

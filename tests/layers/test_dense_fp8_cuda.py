@@ -170,16 +170,39 @@ def test_checkpoint_with_e4m3_nan_codes_is_refused_naming_the_layer(monkeypatch)
             _method().process_weights_after_loading(layer)
 
 
-def test_the_decode_kernel_in_use_is_named_in_the_label_with_the_fallbacks_reason(monkeypatch):
-    from vllm_ling.layers.known_answer import dense_kernel_label
-    from vllm_ling.ops.dense_fp8 import linear
+def test_each_layer_records_and_serves_its_decode_kernel_per_row_count(monkeypatch):
+    """After loading, a layer resolves one launch config per decode row count (on CUDA: the decode
+    kernel or, where the tuned table or the JIT says so, Triton), records the kernels for decode and
+    prefill sizes, and its op hands the W8A16 launcher exactly the config of the row count; the
+    known-answer label names the recorded decode kernels. (The configs stand in for a GPU's.)"""
+    from vllm.model_executor import utils as vllm_utils
 
-    method = _method()
-    monkeypatch.setattr(linear, "decode_kernel_unavailable_reason", lambda: None)
-    assert dense_kernel_label(method).endswith("; decode: CUDA W8A16 kernel")
-    monkeypatch.setattr(linear, "decode_kernel_unavailable_reason", lambda: "ImportError: no module named humming")
-    assert dense_kernel_label(method).endswith(
-        "; decode: Triton W8A16 kernel (CUDA decode kernel unavailable: ImportError: no module named humming)")
+    import vllm_ling.ops.dense_fp8 as ops
+    from vllm_ling.layers.dense_fp8_path import served
+    from vllm_ling.layers.known_answer import dense_kernel_label
+    from vllm_ling.ops.dense_fp8.decode_kernel import DecodeConfig
+    from vllm_ling.ops.dense_fp8.tuned_configs import W8A16Config
+
+    cuda, triton = DecodeConfig(ksplit=4), W8A16Config(block_n=16, k_steps=1, num_warps=4, num_stages=3)
+    plan = (3, (cuda, cuda, triton))  # as an sm_90 table: the decode kernel at 1-2 rows, Triton at 3
+    monkeypatch.setattr(vllm_utils, "is_weights_pre_processed", lambda: False)
+    monkeypatch.setattr(D.Fp8LinearMethod, "process_weights_after_loading", lambda self, lyr: None)
+    monkeypatch.setattr(D, "decode_plan", lambda weight: plan)
+    method, layer = _method(), _loaded_layer()
+    method.fp8_linear = CutlassLikeKernel()
+    method.process_weights_after_loading(layer)
+    selection = recorded(layer, Feature.DENSE_FP8)
+    assert (selection.choice, selection.max_rows, selection.prefill) == (DenseFp8Kernel.W8A16, 3, "CutlassLikeKernel")
+    assert selection.decode == "CUDA W8A16 decode at 1-2 rows, Triton W8A16 (fp32 FMA) at 3 rows"
+    layer.quant_method = method
+    assert served(layer).key == selection.served_as()  # read back from what the op dispatches by
+    assert dense_kernel_label(method, layer).endswith("; decode: " + selection.decode)
+    seen = []
+    monkeypatch.setattr(ops, "w8a16_linear", lambda x, w, s, config=None: seen.append(config) or x.new_zeros(
+        x.shape[0], w.shape[0]))
+    for rows in (1, 3):
+        D.LingW8A16Fp8LinearMethod.apply_w8a16(layer, torch.zeros(rows, 256, dtype=torch.bfloat16))
+    assert seen == [cuda, triton]  # what it recorded is what it launches
 
 
 def test_w8a16_row_limit_per_shape_and_architecture():

@@ -9,7 +9,7 @@ loop in tests/ops/test_kda.py. float32 comparisons use 2e-4 (float32 chunked vs
 recurrent over <= 40 tokens agrees to ~1e-5; a wrong state hand-over gives errors of
 order 1e-1); bfloat16 continuity uses 3e-2 (bf16 output rounding).
 
-The merged in-projection (vllm_ling.layers.kda_merged_proj) is checked against vLLM's three
+The merged in-projection (vllm_ling.layers.kda_merged_in_proj) is checked against vLLM's three
 linears on the same block-FP8 weights: the CPU layer through real metadata, the vLLM-kernel
 layer (every other platform) with stand-ins for its Triton kernels; both to 1e-5 in fp32.
 """
@@ -335,7 +335,7 @@ def test_profile_run_without_metadata_is_a_no_op(vllm_config):
     assert not bool(layer.kv_cache[1].any())
 
 
-# ---- the merged in-projection (vllm_ling.layers.kda_merged_proj) against vLLM's three linears
+# ---- the merged in-projection (vllm_ling.layers.kda_merged_in_proj) against vLLM's three linears
 
 def fp8_quant_config():
     """Ling's block-FP8 config as the model sets it up: b_proj left in BF16 (suffix match)."""
@@ -355,6 +355,21 @@ def _seeded(name: str, seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(name.encode()))
 
 
+def _selection(layer):
+    from vllm_ling.selection import Feature, recorded
+
+    return recorded(layer, Feature.KDA_MERGED_IN_PROJ)
+
+
+def _merged(layer) -> bool:
+    """Whether the layer recorded the merge; it holds the merged linear its forward takes exactly then."""
+    from vllm_ling.models.kda_merged_in_proj import KdaInProj
+
+    merged = _selection(layer).choice is KdaInProj.MERGED
+    assert merged is hasattr(layer, "qkvfg_proj"), _selection(layer)
+    return merged
+
+
 def build_fp8_layer(config, merged: bool, monkeypatch, seed=0, num_spec=0, cls=None, bind_cache=True):
     """A KDA layer with block-FP8 projections (merged or vLLM's three), every parameter drawn
     from a generator keyed by its name, so two layers built with the same seed hold the same
@@ -362,10 +377,10 @@ def build_fp8_layer(config, merged: bool, monkeypatch, seed=0, num_spec=0, cls=N
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
 
-    from vllm_ling.models.kda_in_proj import MEMBERS
+    from vllm_ling.models.kda_merged_in_proj import MEMBERS
     from vllm_ling.ops.fp8 import block_fp8_quantize
 
-    monkeypatch.setenv("VLLM_LING_KDA_MERGED_PROJ", "1" if merged else "0")
+    monkeypatch.setenv("VLLM_LING_KDA_MERGED_IN_PROJ", "1" if merged else "0")
     hf = types.SimpleNamespace(hidden_size=HIDDEN, head_dim=HEAD_DIM, num_attention_heads=HEADS,
                                short_conv_kernel_size=CONV, kda_safe_gate=True,
                                kda_lower_bound=-5.0, no_kda_lora=True, rms_norm_eps=1e-6)
@@ -374,8 +389,8 @@ def build_fp8_layer(config, merged: bool, monkeypatch, seed=0, num_spec=0, cls=N
             hf, fp8_quant_config(), 0, prefix=f"model.layers.{next(_prefix_ids)}.attention",
             model_config=types.SimpleNamespace(dtype=torch.float32), cache_config=config.cache_config,
             num_speculative_tokens=num_spec)
-    monkeypatch.delenv("VLLM_LING_KDA_MERGED_PROJ")
-    assert layer.ling_in_proj_merged is merged
+    monkeypatch.delenv("VLLM_LING_KDA_MERGED_IN_PROJ")
+    assert _merged(layer) is merged
 
     def quantized(name, rows, cols):
         return block_fp8_quantize(torch.randn(rows, cols, generator=_seeded(name, seed)) * cols ** -0.5)
@@ -453,7 +468,7 @@ def test_merged_layer_computes_what_vllms_three_linears_compute(vllm_config, mon
 def test_opt_out_and_qkvb_keep_vllms_linears_with_one_warning(vllm_config, monkeypatch, caplog):
     import logging
 
-    from vllm_ling.layers.kda_merged_proj import refusal
+    from vllm_ling.models.kda_merged_in_proj import KdaInProj, select_kda_merged_in_proj
 
     logging.getLogger("vllm.ling").addHandler(caplog.handler)
     try:
@@ -461,19 +476,19 @@ def test_opt_out_and_qkvb_keep_vllms_linears_with_one_warning(vllm_config, monke
             plain = build_fp8_layer(vllm_config, False, monkeypatch)
     finally:
         logging.getLogger("vllm.ling").removeHandler(caplog.handler)
-    assert plain.ling_in_proj_reason == "VLLM_LING_KDA_MERGED_PROJ=0"
+    assert _selection(plain).reason == "opted out (VLLM_LING_KDA_MERGED_IN_PROJ=0)"
     assert plain.qkv_proj.output_partition_sizes == [HEADS * HEAD_DIM] * 3 and plain.f_proj is not None
     assert not hasattr(plain, "qkvfg_proj")
     # the WARNING is logged once per process and reason (an earlier test may have logged it)
     assert len([r for r in caplog.records if "NOT merged" in r.getMessage()]) <= 1
     # b_proj in FP8: vLLM builds qkvb_proj, the merge refuses and says why
     qkvb = build_layer(vllm_config, seed=1)  # quant_config None: vLLM's qkvb_proj form
-    assert not qkvb.ling_in_proj_merged and "qkvb_proj" in qkvb.ling_in_proj_reason
+    assert not _merged(qkvb) and "qkvb_proj" in _selection(qkvb).reason
+    assert _selection(qkvb).fallback_from is KdaInProj.MERGED  # asked for, refused for the checkpoint: reported
     # members of different precision
-    config = fp8_quant_config()
-    config.ignored_layers = ["b_proj", "f_proj"]
-    assert "differ in precision (BF16: f_proj)" in refusal(types.SimpleNamespace(separate_b_proj=True), config,
-                                                           "model.layers.0.self_attn")
+    differ = select_kda_merged_in_proj(True, True, ("f_proj",))
+    assert differ.choice is KdaInProj.VLLM and "differ in precision (BF16: f_proj)" in differ.reason
+    assert select_kda_merged_in_proj(True, True, ()).choice is KdaInProj.MERGED
 
 
 # ---- the same merge with vLLM's own computation (the layer every non-CPU platform gets)
@@ -486,7 +501,7 @@ def test_vllm_kernel_layer_feeds_vllms_computation_the_same_parts(vllm_config, m
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.models import bailing_moe_v3
 
-    from vllm_ling.layers.kda_merged_proj import vllm_merged_class
+    from vllm_ling.layers.kda_merged_in_proj import vllm_merged_class
     from vllm_ling.ops import kda as kda_ops
 
     def gate_standin(g, A, head_k_dim, g_bias=None, lower_bound=None, **_):
@@ -504,7 +519,7 @@ def test_vllm_kernel_layer_feeds_vllms_computation_the_same_parts(vllm_config, m
     monkeypatch.setattr(cls, "_forward", core_standin)
     merged, plain = (build_fp8_layer(vllm_config, m, monkeypatch, seed=5, cls=cls, bind_cache=False)
                      for m in (True, False))
-    assert type(merged) is cls and merged.ling_in_proj_merged and not plain.ling_in_proj_merged
+    assert type(merged) is cls and _merged(merged) and not _merged(plain)
     outs = []
     for layer in (merged, plain):
         x = hidden_states(5, 50)
@@ -520,7 +535,7 @@ def test_register_merged_kda_off_cpu(vllm_config, monkeypatch):
     from vllm.model_executor.custom_op import op_registry_oot
 
     from vllm_ling.layers.kda_cpu import register_cpu_kda
-    from vllm_ling.layers.kda_merged_proj import register_merged_kda, vllm_merged_class
+    from vllm_ling.layers.kda_merged_in_proj import register_merged_kda, vllm_merged_class
 
     assert register_merged_kda() == []  # on CPU the CPU layer carries the merge
     monkeypatch.delitem(op_registry_oot, "BailingMoeV3KimiDeltaAttention")

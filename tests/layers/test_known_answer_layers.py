@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 import math
 
+import known_answer_faults as faults  # tests/known_answer_faults.py
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from vllm_ling.ops import known_answer as ka  # noqa: E402
 
 AMX_CODES = "0x00-0x07 0x80-0x87"
 # What vLLM-CPU's kernel selection and vllm-ling's path decision both read (not /proc/cpuinfo,
@@ -35,7 +35,7 @@ def _amx_defect_method_class():
         def process_weights_after_loading(self, layer):
             bn, bk = self.weight_block_size
             scale = layer.weight_scale_inv.data.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-            replace_parameter(layer, "weight", (ka.amx_e4m3_decode(layer.weight.data) * scale).to(layer.orig_dtype))
+            replace_parameter(layer, "weight", (faults.amx_e4m3_decode(layer.weight.data) * scale).to(layer.orig_dtype))
             del layer.weight_scale_inv
 
     return AmxDefectLinearMethod
@@ -119,7 +119,7 @@ def _force_amx(monkeypatch, amx: bool) -> str:
     hardware path is left alone. AMX forced on a CPU without it: vLLM selects its AMX kernel
     (CPUFp8BlockScaledMMKernel) as it would there, and its two ops, which would execute AMX
     instructions, are replaced by an emulation of their e4m3 decode defect
-    (ka.amx_e4m3_decode), so the check sees what the real kernel computes (a test on AMX
+    (faults.amx_e4m3_decode), so the check sees what the real kernel computes (a test on AMX
     hardware runs the real ops and checks they fail the same way)."""
     if amx == HAS_AMX:
         return "real"
@@ -132,7 +132,7 @@ def _force_amx(monkeypatch, amx: bool) -> str:
         params = self._get_layer_params(layer)
         bn, bk = self.weight_group_shape
         scale = params.weight_scale_inv.data.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-        layer.amx_emulated_weight = (ka.amx_e4m3_decode(params.weight.data) * scale).to(torch.bfloat16)
+        layer.amx_emulated_weight = (faults.amx_e4m3_decode(params.weight.data) * scale).to(torch.bfloat16)
 
     def apply_weights(self, layer, x, bias=None, **kwargs):
         return torch.nn.functional.linear(x, layer.amx_emulated_weight, bias)
@@ -183,11 +183,16 @@ def test_vllms_cpu_kernel_is_caught_or_refused(loaded_tiny_models, monkeypatch, 
 
 def test_the_served_path_is_the_one_this_cpu_takes(loaded_tiny_models):
     """The session's loaded models chose on this CPU's real hardware: dequantized either way,
-    after the AMX kernel failed its known answers (AMX) or without running it (no AMX)."""
+    after the AMX kernel failed its known answers (AMX) or without running it (no AMX); each
+    linear records the choice (no process-wide guess)."""
     from vllm_ling.layers import dense_fp8_path
+    from vllm_ling.selection import Feature, recorded
 
-    path = dense_fp8_path.last_choice()
+    vllm_config, target, _ = loaded_tiny_models
+    path = vllm_config.quant_config._ling_cpu_dense_fp8_path  # decided once per quant config
     assert path is not None and path.kernel == dense_fp8_path.DEQUANTIZED
+    selection = recorded(target.model.layers[0].mlp.gate_up_proj, Feature.DENSE_FP8)
+    assert (selection.choice, selection.reason) == (path.kernel, path.reason)
     if HAS_AMX:
         assert not path.check.passed and "vLLM's AMX kernel failed its known-answer check" in path.reason
     else:
@@ -213,12 +218,12 @@ def test_ling_fp8_decides_on_vllms_real_method_and_serves_dequantized(loaded_tin
 
     vllm_config, target, _ = loaded_tiny_models
     how = _force_amx(monkeypatch, amx)
-    monkeypatch.setattr(dense_fp8_path, "_chosen", None)
+    monkeypatch.setattr(vllm_config.quant_config, "_ling_cpu_dense_fp8_path", None)
     layer = target.model.layers[0].mlp.gate_up_proj
     _keep_recorded_selections(monkeypatch, layer)
     with set_current_vllm_config(vllm_config):
         method = vllm_config.quant_config.get_quant_method(layer, "model.layers.0.mlp.gate_up_proj")
-    path = dense_fp8_path.last_choice()
+    path = vllm_config.quant_config._ling_cpu_dense_fp8_path
     assert type(method) is CpuBlockFp8LinearMethod and path.kernel == dense_fp8_path.DEQUANTIZED, how
     if amx:
         assert path.check.kernel.startswith("Fp8LinearMethod/CPUFp8"), how
@@ -247,7 +252,7 @@ def test_ling_fp8_serves_vllms_amx_kernel_only_if_it_passes(loaded_tiny_models, 
         checked.append(type(method).__name__)
         return real_check(stand_in, *args, **kwargs)
 
-    monkeypatch.setattr(dense_fp8_path, "_chosen", None)
+    monkeypatch.setattr(vllm_config.quant_config, "_ling_cpu_dense_fp8_path", None)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(known_answer, "check_dense_fp8_method", check)
     layer = target.model.layers[0].mlp.gate_up_proj
@@ -255,14 +260,14 @@ def test_ling_fp8_serves_vllms_amx_kernel_only_if_it_passes(loaded_tiny_models, 
     with set_current_vllm_config(vllm_config):
         first = vllm_config.quant_config.get_quant_method(layer, "model.layers.0.mlp.gate_up_proj")
         second = vllm_config.quant_config.get_quant_method(layer, "model.layers.0.mlp.down_proj")
-    assert checked == ["Fp8LinearMethod"]  # vLLM's own method is what gets checked, once per process
+    assert checked == ["Fp8LinearMethod"]  # vLLM's own method is what gets checked, once per quant config
     expected = Fp8LinearMethod if vllm_kernel_correct else CpuBlockFp8LinearMethod
     assert type(first) is expected and type(second) is expected
-    assert dense_fp8_path.last_choice().kernel == (dense_fp8_path.VLLM_AMX if vllm_kernel_correct
-                                                   else dense_fp8_path.DEQUANTIZED)
     from vllm_ling.selection import Feature, recorded
 
-    assert recorded(layer, Feature.DENSE_FP8).choice is dense_fp8_path.last_choice().kernel  # what it serves
+    # the layer records what it serves
+    assert recorded(layer, Feature.DENSE_FP8).choice is (dense_fp8_path.VLLM_AMX if vllm_kernel_correct
+                                                         else dense_fp8_path.DEQUANTIZED)
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])

@@ -240,13 +240,15 @@ def test_choosing_records_the_selection_on_the_layer(loaded_tiny_models):
 def test_the_served_clamp_is_after_the_silu_and_a_planted_pre_silu_method_fails_its_known_answers(
         loaded_tiny_models):
     """Issue 43. The loaded layers record, and their methods serve, the clamp after the SiLU (what
-    verification compares: ``served_selection`` against the recorded ``served_key``); the startup
+    verification compares: ``served`` against the recorded ``served_as``); the startup
     known-answer check passes on the served method and catches the same method forced to vLLM 0.32's
     clamp before the SiLU on exactly the case whose gates exceed the limit."""
     import dataclasses
 
     from vllm_ling.layers.known_answer import check_moe_method
-    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod, served_selection
+    import types
+
+    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod, served
     from vllm_ling.ops import known_answer as ka
     from vllm_ling.ops.moe.activation import SwigluClamp
     from vllm_ling.selection import Feature, recorded
@@ -255,11 +257,11 @@ def test_the_served_clamp_is_after_the_silu_and_a_planted_pre_silu_method_fails_
     layer = target.model.layers[2].mlp.experts.routed_experts
     method, selection = layer.quant_method, recorded(layer, Feature.MOE)
     assert selection.clamp is SwigluClamp.GATE_OUTPUT and method.clamp is SwigluClamp.GATE_OUTPUT
-    assert served_selection(method) == selection.served_key()
+    assert served(layer).key == selection.served_as()
     assert check_moe_method(method).passed
 
     planted = LingMxfp4MoEMethod(layer.moe_config, dataclasses.replace(selection, clamp=SwigluClamp.GATE_INPUT))
-    assert served_selection(planted) != selection.served_key()  # verification's moe_layers check sees it
+    assert served(types.SimpleNamespace(quant_method=planted)).key != selection.served_as()  # the census sees it
     r = check_moe_method(planted)
     assert not r.passed and r.max_error > 5 * r.tolerance, r.message()
     assert [f.split(":")[0] for f in r.failing_inputs] == [

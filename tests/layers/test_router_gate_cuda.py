@@ -17,6 +17,7 @@ from vllm_ling.layers import router_gate_cuda as R  # noqa: E402
 from vllm_ling.ops.small_gemv import router as router_ops  # noqa: E402
 from vllm_ling.ops.small_gemv.selection import GemvPath  # noqa: E402
 from vllm_ling.options import LingOptionError, LingOptions, RouterGemv  # noqa: E402
+from vllm_ling.selection import Platform  # noqa: E402
 
 LING = dict(prefix="model.layers.5.mlp.gate", num_experts=512, hidden_size=2560, weight_dtype=torch.float32,
             has_bias=False, unquantized=True, out_dtype=torch.float32)
@@ -129,8 +130,10 @@ def test_gate_names_stay_unique_and_follow_the_prefix():
 # ---- the subclass, built for real (vLLM's layers read the tensor-parallel group)
 
 @pytest.fixture
-def tp1(loaded_tiny_models):
-    """Model-parallel groups of one rank, set up by the session's loaded tiny models."""
+def tp1(loaded_tiny_models, monkeypatch):
+    """Model-parallel groups of one rank, set up by the session's loaded tiny models; gates built
+    as on CUDA (the platform whose selection can be the kernel)."""
+    monkeypatch.setattr(R, "serving_platform", lambda: Platform.CUDA)
 
 
 def _gate(hidden=256, experts=16, **kwargs):
@@ -224,34 +227,45 @@ def test_unavailable_kernel_refuses_the_gate_at_construction(tp1, monkeypatch):
     assert recorded(gate, Feature.ROUTER_GEMV).choice is GemvPath.VLLM  # the gate records what it serves
 
 
-def test_registered_on_cuda_only(tp1, monkeypatch, records):
+def test_registered_on_every_platform(tp1, monkeypatch, records):
+    """Every platform gets the subclass (each gate records its selection; on CPU GateLinear's path),
+    CUDA's line names the kernel; idempotent; another plugin's replacement is left in place."""
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
     from vllm.platforms import current_platform
 
-    assert R.register_cuda_router_gate() == [] and "GateLinear" not in op_registry_oot
-    assert type(GateLinear(256, 16, out_dtype=torch.float32, params_dtype=torch.float32)) is GateLinear
+    present = op_registry_oot.pop("GateLinear", None)  # the session's own registration
     try:
+        assert type(GateLinear(256, 16, out_dtype=torch.float32, params_dtype=torch.float32)) is GateLinear
+        assert R.register_router_gate() == [R._CPU_DESCRIPTION]  # this suite runs on the CPU platform
+        op_registry_oot.pop("GateLinear")
         with monkeypatch.context() as m:
             m.setattr(current_platform, "is_cuda", lambda: True)
-            assert R.register_cuda_router_gate() == [R._DESCRIPTION]
-            assert R.register_cuda_router_gate() == [R._DESCRIPTION]  # idempotent
+            assert R.register_router_gate() == [R._DESCRIPTION]
+            assert R.register_router_gate() == [R._DESCRIPTION]  # idempotent
         monkeypatch.setattr(router_ops, "unavailable_reason", lambda device=None: None)
         built = GateLinear(256, 16, out_dtype=torch.float32, params_dtype=torch.float32, prefix="x.gate")
         assert type(built) is R.router_gate_class() and isinstance(built, GateLinear) and built.ling_router_gemv
-    finally:
-        op_registry_oot.pop("GateLinear", None)
-
-    foreign = type("OtherGateLinear", (GateLinear,), {})
-    op_registry_oot["GateLinear"] = foreign
-    try:
-        with monkeypatch.context() as m:
-            m.setattr(current_platform, "is_cuda", lambda: True)
-            assert R.register_cuda_router_gate() == []
+        foreign = type("OtherGateLinear", (GateLinear,), {})
+        op_registry_oot["GateLinear"] = foreign
+        assert R.register_router_gate() == []
         assert op_registry_oot["GateLinear"] is foreign
         assert any("NOT used" in w for w in _warnings(records))
     finally:
         op_registry_oot.pop("GateLinear", None)
+        if present is not None:
+            op_registry_oot["GateLinear"] = present
+
+
+def test_a_cpu_gate_records_gatelinears_path_and_serves_it(loaded_tiny_models):
+    from vllm_ling.selection import Feature, recorded
+
+    _, target, _ = loaded_tiny_models
+    gate = target.model.layers[2].mlp.gate
+    selection = recorded(gate, Feature.ROUTER_GEMV)
+    assert type(gate) is R.router_gate_class() and not gate.ling_router_gemv
+    assert (selection.choice, selection.reason) == (GemvPath.VLLM, "the CPU platform: vLLM's GateLinear path")
+    assert R.served(gate).key == selection.served_as()
 
 
 def test_logits_dtype_set_after_construction(tp1, kernel_runs, kernel_calls):

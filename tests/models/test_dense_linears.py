@@ -66,9 +66,9 @@ def test_kda_merge_follows_the_option_and_the_layers_rule(monkeypatch):
         d.weight_bytes for n, d in _by_module().items() if n in ("self_attn.qkv_proj", "self_attn.f_proj",
                                                                   "self_attn.g_proj") and 0 in d.layers)
     # default: the server's option
-    monkeypatch.setenv("VLLM_LING_KDA_MERGED_PROJ", "0")
+    monkeypatch.setenv("VLLM_LING_KDA_MERGED_IN_PROJ", "0")
     assert (4096, 2560) in distinct_decode_shapes(FULL) and (20480, 2560) not in distinct_decode_shapes(FULL)
-    monkeypatch.delenv("VLLM_LING_KDA_MERGED_PROJ")
+    monkeypatch.delenv("VLLM_LING_KDA_MERGED_IN_PROJ")
     assert (20480, 2560) in distinct_decode_shapes(FULL)
     # layers the KDA layer refuses to merge keep vLLM's linears: b_proj FP8 (vLLM's qkvb_proj) ...
     cfg = json.loads(json.dumps(FULL))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import known_answer_faults as faults  # tests/known_answer_faults.py
 import pytest
 import torch
 
@@ -60,7 +61,7 @@ def _scales(p):
 
 def test_amx_defect_emulation_fails_with_the_exact_message():
     p = _dense_problem()
-    r = ka.run_check("dense_fp8", "amx", p.cases, _dense_forward(ka.amx_e4m3_decode(p.weight) * _scales(p)))
+    r = ka.run_check("dense_fp8", "amx", p.cases, _dense_forward(faults.amx_e4m3_decode(p.weight) * _scales(p)))
     assert not r.passed
     # 0x00 at block scale 1 reads 2^-7 where 0 is expected: error / (0 + 2^-12) = 32.
     assert r.max_error == 32.0 and r.tolerance == ka.ONE_HOT_RTOL
@@ -95,11 +96,11 @@ def test_a_raising_kernel_fails_naming_the_exception():
 
 def test_head_torch_kernel_passes_and_a_zero_code_fault_fails():
     assert ka.check_fp8_head_kernel("torch", "cpu").passed
-    r = ka.check_fp8_head_kernel("torch", "cpu", plant=ka.plant_head_zero_code_fault)
+    r = ka.check_fp8_head_kernel("torch", "cpu", plant=faults.plant_head_zero_code_fault)
     assert not r.passed and r.max_error == 32.0
     assert r.failing_inputs == ["256 one-hot rows (GEMM-sized): wrong e4m3 codes 0x00 0x80 in 256 rows "
                                 "(scales 2^-20..7168)"]
-    r = ka.check_fp8_head_kernel("torch", "cpu", plant=ka.plant_head_scale_fault)
+    r = ka.check_fp8_head_kernel("torch", "cpu", plant=faults.plant_head_scale_fault)
     assert not r.passed and r.max_error == pytest.approx(1.0, rel=1e-6)
     assert [f.split(":")[0] for f in r.failing_inputs] == ["256 one-hot rows (GEMM-sized)", "1 random row (decode-sized)"]
 
@@ -135,7 +136,7 @@ def test_head_check_holds_scaled_mm_to_the_dense_tolerance(monkeypatch):
     monkeypatch.setattr(head_module, "kernel_unavailable_reason", lambda kernel, device: None)
     r = ka.check_fp8_head_kernel("scaled_mm", "cpu")
     assert r.passed and r.max_error <= ka.DENSE_ROW_RTOL / 4, r.message()
-    r = ka.check_fp8_head_kernel("scaled_mm", "cpu", plant=ka.plant_head_scale_fault)
+    r = ka.check_fp8_head_kernel("scaled_mm", "cpu", plant=faults.plant_head_scale_fault)
     assert not r.passed and r.max_error == pytest.approx(1.0, rel=1e-2), r.message()
     assert [f.split(" (")[0] for f in r.failing_inputs] == ["256 one-hot rows", "1 random row"]
 
@@ -244,9 +245,9 @@ def test_moe_method_in_the_pre_silu_mode_fails_the_mode_case_only(w4a8):
 ])
 def test_moe_planted_faults_fail_with_the_exact_message(fault, expected):
     if fault == "swapped nibbles":
-        plant = lambda t: {**t, "w13_weight": ka.swap_nibbles(t["w13_weight"])}  # noqa: E731
+        plant = lambda t: {**t, "w13_weight": faults.swap_nibbles(t["w13_weight"])}  # noqa: E731
     else:
-        plant = lambda t: {**t, "w2_weight_scale": ka.bump_e8m0(t["w2_weight_scale"])}  # noqa: E731
+        plant = lambda t: {**t, "w2_weight_scale": faults.bump_e8m0(t["w2_weight_scale"])}  # noqa: E731
     r = ka.check_mxfp4_experts(_reference_experts, "reference", "cpu", plant=plant, **SMALL)
     assert not r.passed and r.max_error > 0.5
     every = ("tokens on experts A (all 16 e2m1 codes, scales ~2^0); B (all codes, gate_up scales ~2^-20, "

@@ -5,6 +5,7 @@ code 0, swapped nibble order, scale exponent off by one, the SwiGLU clamp before
 
 from __future__ import annotations
 
+import known_answer_faults as faults  # tests/known_answer_faults.py
 import pytest
 import torch
 
@@ -55,7 +56,7 @@ def test_head_kernel_passes_its_known_answers(kernel):
 
 @pytest.mark.parametrize("kernel", HEAD_KERNELS)
 def test_head_kernel_reading_zero_as_2_pow_minus_7_fails(kernel):
-    r = _head(kernel, ka.plant_head_zero_code_fault)
+    r = _head(kernel, faults.plant_head_zero_code_fault)
     assert not r.passed
     assert r.failing_inputs == ["256 one-hot rows (GEMM-sized): wrong e4m3 codes 0x00 0x80 in 256 rows "
                                 "(scales 2^-20..7168)"], r.message()
@@ -63,7 +64,7 @@ def test_head_kernel_reading_zero_as_2_pow_minus_7_fails(kernel):
 
 @pytest.mark.parametrize("kernel", HEAD_KERNELS)
 def test_head_kernel_with_scale_off_by_one_exponent_fails(kernel):
-    r = _head(kernel, ka.plant_head_scale_fault)
+    r = _head(kernel, faults.plant_head_scale_fault)
     assert not r.passed and r.max_error == pytest.approx(1.0, rel=2e-2), r.message()
     assert [f.split(":")[0] for f in r.failing_inputs] == ["256 one-hot rows (GEMM-sized)",
                                                            "1 random row (decode-sized)"]
@@ -97,9 +98,9 @@ def test_humming_moe_passes_its_known_answers(decode):
 @pytest.mark.parametrize("fault", ["swapped nibbles", "scale exponent +1"])
 def test_humming_moe_planted_faults_fail_naming_every_case(decode, fault):
     if fault == "swapped nibbles":
-        plant = lambda t: {**t, "w13_weight": ka.swap_nibbles(t["w13_weight"])}  # noqa: E731
+        plant = lambda t: {**t, "w13_weight": faults.swap_nibbles(t["w13_weight"])}  # noqa: E731
     else:
-        plant = lambda t: {**t, "w2_weight_scale": ka.bump_e8m0(t["w2_weight_scale"])}  # noqa: E731
+        plant = lambda t: {**t, "w2_weight_scale": faults.bump_e8m0(t["w2_weight_scale"])}  # noqa: E731
     r = ka.check_mxfp4_experts(_humming_builder(decode), f"humming decode={decode}", DEV, plant=plant)
     assert not r.passed and r.max_error > 0.5, r.message()
     assert r.failing_inputs == [f"{case}: {ALL_REGIMES}" for case in MOE_CASES], r.message()

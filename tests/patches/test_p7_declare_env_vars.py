@@ -71,7 +71,7 @@ def test_compile_cache_key_follows_kernel_switches_only(without_p7, monkeypatch)
         if "/" in value:  # paths: not persisted in the cache's key file either
             assert value not in repr(key()), f"{name}'s value is written into the cache key"
     for name, value in (("VLLM_LING_DENSE_FP8", "vllm"), ("VLLM_LING_MOE_DECODE", "off"),
-                        ("VLLM_LING_KDA_MERGED_PROJ", "0"), ("VLLM_LING_FP8_HEAD", "0")):
+                        ("VLLM_LING_KDA_MERGED_IN_PROJ", "0"), ("VLLM_LING_FP8_HEAD", "0")):
         monkeypatch.setenv(name, value)
         assert key() != base, f"{name} does not change vLLM's compile cache key"
         base = key()

@@ -75,7 +75,7 @@ def test_strict_refuses_and_warn_records(vllm_setup, tmp_path, monkeypatch):
     import json
 
     from vllm_ling.runtime.chat_roundtrip import check_at_startup
-    from vllm_ling.runtime.verification import LingVerificationError
+    from vllm_ling.runtime.verification.policy import LingVerificationError
 
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"passed": True, "checks": [{"name": "lm_head", "passed": True}]}))

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from vllm_ling.runtime import clean_stop
-from vllm_ling.runtime.supervisor import STOP_FILE_ENV
+from vllm_ling.options import STOP_FILE_ENV
 
 pytest.importorskip("vllm")
 

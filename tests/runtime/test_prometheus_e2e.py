@@ -44,7 +44,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_ling.cli.agent_defaults import LING_PARSER_ARGS
-from vllm_ling.runtime.local_server import scrape
+from vllm_ling.launcher.local_server import scrape
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +132,7 @@ def server(tmp_path_factory):
     verification (its report drives the optimization gauges)."""
     from vllm_ling.models.scripted_checkpoint import EXAMPLE_SCRIPT
     from vllm_ling.models.tiny_checkpoint import make_tiny
-    from vllm_ling.runtime.local_server import group_alive, serve_cpu
+    from vllm_ling.launcher.local_server import group_alive, serve_cpu
 
     work = tmp_path_factory.mktemp("tiny_server")
     checkpoint = make_tiny(work / "tiny_scripted", seed=0, script=EXAMPLE_SCRIPT)

@@ -32,13 +32,15 @@ def test_every_variable_read_in_vllm_processes_is_propagated_or_node_local():
     scopes = {opt.name: opt.scope for opt in o.OPTIONS}
     read = names_read_in_vllm_processes() & set(scopes)
     launcher_only = {n for n in read if scopes[n] is o.Scope.LAUNCHER}
-    # runtime/local_server.py, smoke.py and memory_guard.py run in the launcher, not in vLLM's processes
+    # launcher/local_server.py, smoke.py and memory_guard.py run in the launcher, not in vLLM's processes
     assert launcher_only <= {"VLLM_LING_SMOKE", "VLLM_LING_SMOKE_MIN_ACCEPT", "VLLM_LING_MODEL",
                              "VLLM_LING_PORT", "VLLM_LING_DEVICE", "VLLM_LING_MEMORY_AVAILABLE_GB"}, launcher_only
     propagated = set(ray_env.propagated_names())
     for name in read - launcher_only:
         assert name in propagated or scopes[name] is o.Scope.NODE, name
-    assert {opt.name for opt in o.OPTIONS if opt.scope in (o.Scope.PLUGIN, o.Scope.TEST)} == propagated
+    # a renamed variable's former name travels too while it is still read
+    assert {n for opt in o.OPTIONS if opt.scope in (o.Scope.PLUGIN, o.Scope.TEST)
+            for n in (opt.name, opt.former_name) if n} == propagated
 
 
 def test_worker_env_is_the_launchers_value_or_empty_for_the_default():

@@ -13,6 +13,7 @@ import random
 import time
 from types import SimpleNamespace
 
+import known_answer_faults as faults  # tests/known_answer_faults.py
 import pytest
 from prometheus_client import REGISTRY
 from vllm.v1.metrics.loggers import StatLoggerBase, load_stat_logger_plugin_factories
@@ -349,7 +350,7 @@ def test_kernel_check_metric_per_checked_kernel(make_logger, tmp_path):
     from vllm_ling.ops import known_answer as ka
 
     ok = ka.check_fp8_head_kernel("torch", "cpu")
-    bad = ka.check_fp8_head_kernel("torch", "cpu", plant=ka.plant_head_zero_code_fault)
+    bad = ka.check_fp8_head_kernel("torch", "cpu", plant=faults.plant_head_zero_code_fault)
     bad.name = "fp8_head_planted"
     skipped = ka.skipped_result("moe_mxfp4", "vllm:SomeMethod", "no runner")
     report = sample_report(kernel_checks={

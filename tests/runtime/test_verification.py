@@ -1,5 +1,7 @@
-"""Startup verification checks on real layers, for the CPU and the CUDA expectations,
-and each purposely broken setup with its exact message, in strict and warn modes."""
+"""Startup verification on the loaded tiny models: it reads the selection each module recorded and
+proves the module serves it. Every feature's planted divergence (a module recording one choice and
+serving another) fails its row, named; each other purposely broken setup with its exact message,
+in strict and warn modes."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import dataclasses
 import logging
 import types
 
+import known_answer_faults as faults  # tests/known_answer_faults.py
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
 from vllm_ling.options import LingOptions, MoeDecode  # noqa: E402
+from vllm_ling.selection import Feature, Selection  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -31,15 +35,30 @@ def swapped(obj, name, value):
         store[name] = old
 
 
-def _report(models, exp_changes=None, options=None):
-    from vllm_ling.runtime.verification import Expectations, build_report
+def _report(models, spec_changes=None, options=None, platform=None):
+    from vllm_ling.runtime.verification import build_report
+    from vllm_ling.runtime.verification.speculative import Speculative
 
     vllm_config, target, draft = models
-    options = options or LingOptions()
-    exp = Expectations.from_runtime(vllm_config, options)
-    if exp_changes:
-        exp = dataclasses.replace(exp, **exp_changes)
-    return build_report(target, draft, vllm_config, options, exp)
+    spec = Speculative.in_force(vllm_config)
+    if spec_changes:
+        spec = dataclasses.replace(spec, **spec_changes)
+    return build_report(target, draft, vllm_config, options or LingOptions(), spec, platform)
+
+
+def _census(models):
+    from vllm_ling.layers.readers import readers
+    from vllm_ling.runtime.verification.census import take_census
+
+    _, target, draft = models
+    return take_census(target, draft, readers())
+
+
+def _plant(monkeypatch, module, selection):
+    """``module`` records ``selection`` (restored after the test), whatever it serves."""
+    from vllm_ling.selection import SELECTIONS_ATTR
+
+    monkeypatch.setattr(module, SELECTIONS_ATTR, {**getattr(module, SELECTIONS_ATTR, {}), selection.feature: selection})
 
 
 def _speculation(name):
@@ -63,17 +82,130 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
 
     report = _report(loaded_tiny_models)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+    assert [c["name"] for c in report["checks"]] == [
+        "model_classes", "moe_layers", "lm_head", "dense_fp8_layers", "small_bf16_layers", "kda_merged_in_proj",
+        "router_gates", "draft_shares_target_modules", "speculative_config", "versions", "kernel_known_answers"]
     assert _check(report, "moe_layers")["actual"] == "5 x reference"
-    assert _check(report, "lm_head")["actual"].startswith("Fp8LmHeadMethod, float8_e4m3fn, 524288 bytes")
-    assert report["optimizations"]["moe_humming"] == {"requested": False, "active": False,
-                                                      "detail": "5 x reference"}
+    assert _check(report, "moe_layers")["expected"] == (
+        "5 routed-expert layers, each serving the selection recorded on it (5 x reference)")
+    assert _check(report, "lm_head")["actual"] == "1 x Fp8LmHeadMethod, float8_e4m3fn, 524288 bytes; 1 x torch"
+    assert report["optimizations"]["moe_humming"] == {
+        "requested": False, "active": False, "detail": "not selected: 5 x CPU platform: no humming, the plain-PyTorch reference"}
     assert report["optimizations"]["moe_decode_kernels"] == {
         "requested": False, "active": False, "detail": "needs the humming MoE backend on CUDA"}
+    assert report["optimizations"]["fp8_head"]["active"] is True
     assert any("plain-PyTorch MXFP4 reference" in n for n in report["notes"])
     assert report["optimizations"]["dense_fp8_decode"]["requested"] is False
-    assert _check(report, "dense_fp8_layers")["passed"]
+    assert report["optimizations"]["router_gemv"] == {
+        "requested": False, "active": False, "detail": "not selected: 5 x the CPU platform: vLLM's GateLinear path"}
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(report, REPORT_JSON_SCHEMA)
+
+
+def test_the_census_reads_every_served_module_once(loaded_tiny_models):
+    """One pass over target and draft: every feature's modules with their records; the draft's
+    shared head is the target's module, counted once under the target's name."""
+    census = _census(loaded_tiny_models)
+    count = {f: len(census.of(f)) for f in Feature if f is not Feature.SPECULATIVE}
+    assert count == {Feature.MOE: 5, Feature.DENSE_FP8: 33, Feature.BF16_GEMV: 7, Feature.ROUTER_GEMV: 5,
+                     Feature.FP8_HEAD: 1, Feature.HEAD_KERNEL: 1, Feature.KDA_MERGED_IN_PROJ: 5}
+    assert [e.name for e in census.of(Feature.FP8_HEAD)] == ["target.lm_head"]
+    assert all(e.recorded is not None and e.served.key == e.recorded.served_as() for e in census.entries)
+
+
+# ---- planted divergences: one per feature, each a module recording one choice and serving another
+
+def _first(models, feature):
+    return _census(models).of(feature)[0]
+
+
+def _plant_moe(models, monkeypatch):
+    for e in _census(models).of(Feature.MOE):
+        _plant(monkeypatch, e.module, _humming_selection())
+    return "moe_layers", ("not the recorded selection: ['target.model.layers.2.mlp.experts.routed_experts "
+                          "(selected humming, serves reference)'")
+
+
+def _plant_dense(models, monkeypatch):
+    from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel, DenseFp8Selection
+
+    e = _first(models, Feature.DENSE_FP8)
+    _plant(monkeypatch, e.module, DenseFp8Selection(Feature.DENSE_FP8, DenseFp8Kernel.W8A16, "CUDA, the W8A16 kernel "
+                                                    "runs", max_rows=32, prefill="CutlassFp8BlockScaledMMKernel"))
+    return "dense_fp8_layers", f"not the recorded selection: ['{e.name} (selected w8a16, serves dequantized)']"
+
+
+def _plant_bf16(models, monkeypatch):
+    from vllm_ling.ops.small_gemv.selection import GemvPath
+
+    e = _first(models, Feature.BF16_GEMV)
+    _plant(monkeypatch, e.module, Selection(Feature.BF16_GEMV, GemvPath.LING, "CUDA, the small GEMV runs"))
+    return "small_bf16_layers", f"not the recorded selection: ['{e.name} (selected ling, serves vllm)']"
+
+
+def _plant_router(models, monkeypatch):
+    from vllm_ling.ops.small_gemv.selection import GemvPath
+
+    e = _first(models, Feature.ROUTER_GEMV)
+    _plant(monkeypatch, e.module, Selection(Feature.ROUTER_GEMV, GemvPath.LING, "CUDA, the router GEMV holds this gate"))
+    return "router_gates", f"not the recorded selection: ['{e.name} (selected ling, serves vllm)']"
+
+
+def _plant_fp8_head(models, monkeypatch):
+    from vllm_ling.ops.lm_head.selection import Fp8Head
+
+    _, target, _ = models
+    _plant(monkeypatch, target.lm_head, Selection(Feature.FP8_HEAD, Fp8Head.VLLM, "opted out (VLLM_LING_FP8_HEAD=0)"))
+    return "lm_head", ("not the recorded selection: ['target.lm_head (selected vllm, serves Fp8LmHeadMethod, "
+                       "float8_e4m3fn, 524288 bytes)']")
+
+
+def _plant_head_kernel(models, monkeypatch):
+    from vllm_ling.options import HeadKernel
+
+    _, target, _ = models
+    _plant(monkeypatch, target.lm_head, Selection(Feature.HEAD_KERNEL, HeadKernel.HUMMING, "sm_90 measured"))
+    return "lm_head", "not the recorded selection: ['target.lm_head (selected humming, serves torch)']"
+
+
+def _plant_kda(models, monkeypatch):
+    from vllm_ling.models.kda_merged_in_proj import KdaInProj
+
+    e = _first(models, Feature.KDA_MERGED_IN_PROJ)
+    _plant(monkeypatch, e.module, Selection(Feature.KDA_MERGED_IN_PROJ, KdaInProj.VLLM,
+                                            "opted out (VLLM_LING_KDA_MERGED_IN_PROJ=0)"))
+    return "kda_merged_in_proj", f"not the recorded selection: ['{e.name} (selected vllm, serves one qkvfg_proj linear"
+
+
+def _plant_speculative(models, monkeypatch):
+    monkeypatch.setattr(models[0].model_config.hf_config, "vllm_ling_speculation",
+                        {"choice": "off", "reason": "VLLM_LING_MTP=0"})  # P5 recorded off; MTP serves
+    return "speculative_config", "mtp, 3 tokens"
+
+
+PLANTED = {Feature.MOE: _plant_moe, Feature.DENSE_FP8: _plant_dense, Feature.BF16_GEMV: _plant_bf16,
+           Feature.ROUTER_GEMV: _plant_router, Feature.FP8_HEAD: _plant_fp8_head,
+           Feature.HEAD_KERNEL: _plant_head_kernel, Feature.KDA_MERGED_IN_PROJ: _plant_kda,
+           Feature.SPECULATIVE: _plant_speculative}
+
+
+def test_every_feature_has_a_planted_divergence():
+    assert set(PLANTED) == set(Feature)
+
+
+@pytest.mark.parametrize("feature", list(PLANTED), ids=str)
+def test_a_module_serving_other_than_it_recorded_fails_its_row_named(loaded_tiny_models, monkeypatch, feature):
+    from vllm_ling.runtime.verification import LingVerificationError, enforce_policy
+
+    assert _report(loaded_tiny_models)["passed"]  # the control: as loaded, every module serves its record
+    row, says = PLANTED[feature](loaded_tiny_models, monkeypatch)
+    report = _report(loaded_tiny_models)
+    check = _check(report, row)
+    assert not check["passed"] and not report["passed"]
+    assert says in check["actual"], check["actual"]
+    assert [c["name"] for c in report["checks"] if not c["passed"]] == [row]
+    with pytest.raises(LingVerificationError, match=f"startup verification failed \\({row}: "):
+        enforce_policy(report, "strict")
 
 
 @contextlib.contextmanager
@@ -81,7 +213,7 @@ def moe_selected(models, selection):
     """Every routed-expert layer records ``selection`` (as the quant config would have)."""
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
-    from vllm_ling.selection import SELECTIONS_ATTR, Feature
+    from vllm_ling.selection import SELECTIONS_ATTR
 
     _, target, draft = models
     with contextlib.ExitStack() as stack:
@@ -94,37 +226,26 @@ def moe_selected(models, selection):
 
 def _humming_selection():
     from vllm_ling.ops.moe.selection import MoePath, MoeSelection
-    from vllm_ling.selection import Feature
 
     return MoeSelection(Feature.MOE, MoePath.HUMMING, "CUDA, humming runs", decode=MoeDecode.AUTO, decode_max_tokens=32)
 
 
-def test_a_layer_serving_other_than_its_selection_fails(loaded_tiny_models):
-    """The planted divergence: the layers record humming while their methods serve the reference;
-    verification reads the recorded selection and fails naming the layers. Once the methods serve
-    the recorded selection, it passes."""
+def test_moe_layers_serving_humming_as_recorded_pass(loaded_tiny_models):
+    """Once the methods serve the recorded selection, the row passes and humming is requested."""
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
     from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
 
     humming = _humming_selection()
-    with moe_selected(loaded_tiny_models, humming):
+    _, target, draft = loaded_tiny_models
+    with moe_selected(loaded_tiny_models, humming), contextlib.ExitStack() as stack:
+        for model in (target, draft):
+            for _, m in model.named_modules():
+                if isinstance(m, RoutedExperts):
+                    stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(m.moe_config, humming)))
         report = _report(loaded_tiny_models)
-        check = _check(report, "moe_layers")
-        assert not check["passed"] and not report["passed"]
-        assert check["expected"] == "5 x humming (4 target MoE + 1 NEXTN), as selected"
-        assert check["actual"].startswith(
-            "5 x reference; not the recorded selection: ['target.model.layers.2.mlp.experts.routed_experts "
-            "(selected humming, serves reference)'")
-        assert report["moe_backend"] == "humming" and report["optimizations"]["moe_humming"]["requested"]
-        assert not report["optimizations"]["moe_humming"]["active"]
-        _, target, draft = loaded_tiny_models
-        with contextlib.ExitStack() as stack:
-            for model in (target, draft):
-                for _, m in model.named_modules():
-                    if isinstance(m, RoutedExperts):
-                        stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(m.moe_config, humming)))
-            assert _check(_report(loaded_tiny_models), "moe_layers")["passed"]
+    assert _check(report, "moe_layers")["passed"] and report["moe_backend"] == "humming"
+    assert report["optimizations"]["moe_humming"] == {"requested": True, "active": True, "detail": "5 x humming"}
 
 
 def test_a_layer_with_other_kernel_switches_than_selected_fails(loaded_tiny_models):
@@ -146,7 +267,8 @@ def test_a_layer_with_other_kernel_switches_than_selected_fails(loaded_tiny_mode
                         m.moe_config, off if m is layer else humming)))
         check = _check(_report(loaded_tiny_models), "moe_layers")
     assert not check["passed"]
-    assert "not the recorded selection: ['target.model.layers.2.mlp.experts.routed_experts" in check["actual"]
+    assert ("not the recorded selection: ['target.model.layers.2.mlp.experts.routed_experts (selected humming "
+            "(False, auto, 32), serves humming (False, off, 0))']") in check["actual"]
 
 
 def test_a_layer_without_a_recorded_selection_fails(loaded_tiny_models):
@@ -162,28 +284,21 @@ def test_a_layer_without_a_recorded_selection_fails(loaded_tiny_models):
     assert check["actual"] == "5 x reference; no selection recorded: ['draft.model.layers.6.mlp.experts.routed_experts']"
 
 
-def test_a_dense_linear_serving_other_than_its_selection_fails(loaded_tiny_models):
-    """The planted divergence for dense FP8: the linears record the CUDA W8A16 kernel while the
-    CPU-loaded model serves them dequantized; verification fails, counting and naming them."""
-    from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
-    from vllm_ling.runtime.verification import _block_fp8_linears
-    from vllm_ling.selection import SELECTIONS_ATTR, Feature, Selection
+def test_dense_linears_recording_w8a16_while_dequantized_fail_and_are_counted(loaded_tiny_models, monkeypatch):
+    """The planted divergence on every dense linear: counted and named, requested, not active."""
+    from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel, DenseFp8Selection
 
-    _, target, draft = loaded_tiny_models
-    found = _block_fp8_linears(target, draft)
-    assert found and all(sel.choice is DenseFp8Kernel.DEQUANTIZED and served is DenseFp8Kernel.DEQUANTIZED
-                         for _, _, sel, served in found)
-    assert _check(_report(loaded_tiny_models), "dense_fp8_layers")["passed"]
-    w8a16 = Selection(Feature.DENSE_FP8, DenseFp8Kernel.W8A16, "CUDA, the W8A16 kernel runs")
-    with contextlib.ExitStack() as stack:
-        for _, m, _, _ in found:
-            stack.enter_context(swapped(m, SELECTIONS_ATTR, {Feature.DENSE_FP8: w8a16}))
-        report = _report(loaded_tiny_models)
+    found = _census(loaded_tiny_models).of(Feature.DENSE_FP8)
+    assert found and all(e.recorded.choice is DenseFp8Kernel.DEQUANTIZED for e in found)
+    w8a16 = DenseFp8Selection(Feature.DENSE_FP8, DenseFp8Kernel.W8A16, "CUDA, the W8A16 kernel runs", max_rows=32)
+    for e in found:
+        _plant(monkeypatch, e.module, w8a16)
+    report = _report(loaded_tiny_models)
     check = _check(report, "dense_fp8_layers")
-    assert not check["passed"] and check["expected"].startswith(f"each of {len(found)} block-FP8 dense linears on "
-                                                                f"its recorded kernel ({len(found)} x w8a16)")
-    assert check["actual"].startswith(f"0 of {len(found)} block-FP8 dense linears on the W8A16 kernel; not the "
-                                      f"recorded selection: ['{found[0][0]} (selected w8a16, serves dequantized)'")
+    assert not check["passed"] and check["expected"] == (
+        f"{len(found)} block-FP8 dense linears, each serving the selection recorded on it ({len(found)} x w8a16)")
+    assert check["actual"].startswith(f"{len(found)} x dequantized; not the recorded selection: "
+                                      f"['{found[0].name} (selected w8a16, serves dequantized)'")
     assert report["optimizations"]["dense_fp8_decode"] == {"requested": True, "active": False,
                                                             "detail": check["actual"]}
 
@@ -201,10 +316,11 @@ def test_non_humming_moe_layer_is_named(loaded_tiny_models):
         check = _check(_report(loaded_tiny_models), "moe_layers")
     assert not check["passed"]
     assert check["actual"] == ("4 x reference, 1 x vllm:UnquantizedFusedMoEMethod; not the recorded selection: "
-                               "['draft.model.layers.6.mlp.experts.routed_experts (selected reference, serves vllm:UnquantizedFusedMoEMethod)']")
+                               "['draft.model.layers.6.mlp.experts.routed_experts (selected reference, serves "
+                               "vllm:UnquantizedFusedMoEMethod)']")
 
 
-def test_bf16_head_fails_the_fp8_head_check(loaded_tiny_models):
+def test_bf16_head_fails_the_fp8_head_it_recorded(loaded_tiny_models):
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     _, target, _ = loaded_tiny_models
@@ -213,28 +329,22 @@ def test_bf16_head_fails_the_fp8_head_check(loaded_tiny_models):
             swapped(target.lm_head, "weight", bf16):
         report = _report(loaded_tiny_models)
     check = _check(report, "lm_head")
-    assert not check["passed"] and check["actual"] == "UnquantizedEmbeddingMethod, bfloat16, 1048576 bytes"
+    assert not check["passed"]
+    assert ("['target.lm_head (selected fp8, serves UnquantizedEmbeddingMethod, bfloat16, 1048576 bytes)']"
+            in check["actual"])
     assert report["optimizations"]["fp8_head"]["active"] is False
 
 
-def test_a_head_serving_another_kernel_than_selected_fails(loaded_tiny_models):
-    """The planted divergence for the head: the head records humming while its prepared state is
-    the CPU's torch path; and a head without a recorded selection fails too."""
+def test_a_head_without_a_kernel_selection_fails(loaded_tiny_models):
     from vllm_ling.options import HeadKernel
-    from vllm_ling.selection import SELECTIONS_ATTR, Feature, Selection, recorded
+    from vllm_ling.selection import SELECTIONS_ATTR, recorded
 
     _, target, _ = loaded_tiny_models
     assert recorded(target.lm_head, Feature.HEAD_KERNEL).choice is HeadKernel.TORCH  # as loaded on CPU
-    assert _check(_report(loaded_tiny_models), "lm_head")["expected"].endswith(
-        "kernel torch as selected (no CUDA device (cpu): chunked fp32 dequantize path, for correctness only)")
-    humming = Selection(Feature.HEAD_KERNEL, HeadKernel.HUMMING, "sm_90 measured")
-    with swapped(target.lm_head, SELECTIONS_ATTR, {Feature.HEAD_KERNEL: humming}):
+    fp8_only = {Feature.FP8_HEAD: recorded(target.lm_head, Feature.FP8_HEAD)}
+    with swapped(target.lm_head, SELECTIONS_ATTR, fp8_only):
         check = _check(_report(loaded_tiny_models), "lm_head")
-    assert not check["passed"] and check["expected"].endswith("kernel humming as selected (sm_90 measured)")
-    assert check["actual"].endswith(", kernel torch")
-    with swapped(target.lm_head, SELECTIONS_ATTR, {}):
-        check = _check(_report(loaded_tiny_models), "lm_head")
-    assert not check["passed"] and check["actual"].endswith("kernel torch, no kernel selection recorded")
+    assert not check["passed"] and check["actual"].endswith("; no selection recorded: ['target.lm_head']")
 
 
 def test_duplicated_draft_head_is_caught(loaded_tiny_models):
@@ -263,25 +373,39 @@ def test_a_gpu_heads_repacked_weight_is_no_duplicate_vocabulary_tensor(loaded_ti
 def test_a_check_that_raises_is_that_checks_failure_and_strict_refuses_in_one_line(loaded_tiny_models, monkeypatch):
     # an exception inside a check (e.g. vLLM's kernel raising in a known answer) fails that check,
     # named; the report is still built and strict refuses with the message, not a traceback
-    from vllm_ling.runtime import verification as V
+    from vllm_ling.runtime.verification import assembly
+    from vllm_ling.runtime.verification.policy import LingVerificationError, enforce_policy
 
     def broken(*args, **kwargs):
         raise RuntimeError("dispatch_scaled_mm: scale_b must be float32")
 
-    monkeypatch.setattr(V, "check_dense_fp8", broken)
+    monkeypatch.setattr(assembly, "check_draft_sharing", broken)
     report = _report(loaded_tiny_models)
-    check = _check(report, "dense_fp8_layers")
+    check = _check(report, "draft_shares_target_modules")
     assert not check["passed"] and report["passed"] is False
     assert check["actual"] == "the check raised RuntimeError: dispatch_scaled_mm: scale_b must be float32"
-    assert all(c["passed"] for c in report["checks"] if c["name"] != "dense_fp8_layers")
-    with pytest.raises(V.LingVerificationError, match="dense_fp8_layers: expected the check completes") as err:
-        V.enforce_policy(report, "strict")
+    assert all(c["passed"] for c in report["checks"] if c["name"] != "draft_shares_target_modules")
+    with pytest.raises(LingVerificationError, match="draft_shares_target_modules: expected the check completes") as err:
+        enforce_policy(report, "strict")
     assert "\n" not in str(err.value)
+
+
+def test_a_reader_that_raises_fails_its_row_naming_the_module(loaded_tiny_models, monkeypatch):
+    from vllm_ling.layers import moe_method
+
+    def broken(layer):
+        raise RuntimeError("no such attribute")
+
+    monkeypatch.setattr(moe_method, "READER", dataclasses.replace(moe_method.READER, served=broken))
+    check = _check(_report(loaded_tiny_models), "moe_layers")
+    assert not check["passed"]
+    assert ("target.model.layers.2.mlp.experts.routed_experts (selected reference, serves reading it raised "
+            "RuntimeError: no such attribute)") in check["actual"]
 
 
 def test_a_multi_line_exception_becomes_one_line():
     # seen on the H200: FlashInfer's JIT build put its ninja output into the exception's message
-    from vllm_ling.runtime.verification import one_line
+    from vllm_ling.log import one_line
 
     exc = RuntimeError("ninja: Entering directory `/root/.cache/x'\n[1/9] g++ ...\n\n[2/9] nvcc ...\n"
                        "ninja: build stopped: interrupted by user.")
@@ -291,7 +415,7 @@ def test_a_multi_line_exception_becomes_one_line():
 
 
 def test_wrong_speculative_config_is_caught(loaded_tiny_models):
-    check = _check(_report(loaded_tiny_models, {"num_speculative_tokens": 2, "speculation": _speculation("DEFAULT_MTP")}),
+    check = _check(_report(loaded_tiny_models, {"num_speculative_tokens": 2, "selection": _speculation("DEFAULT_MTP")}),
                    "speculative_config")
     assert not check["passed"]
     assert (check["expected"], check["actual"]) == ("mtp, 3 tokens (vllm-ling default)", "mtp, 2 tokens")
@@ -300,7 +424,7 @@ def test_wrong_speculative_config_is_caught(loaded_tiny_models):
 def test_strict_raises_with_every_failed_check_and_its_fix(loaded_tiny_models):
     from vllm_ling.runtime.verification import LingVerificationError, enforce_policy
 
-    report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "speculation": _speculation("DEFAULT_MTP")})
+    report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "selection": _speculation("DEFAULT_MTP")})
     with pytest.raises(LingVerificationError) as err:
         enforce_policy(report, "strict")
     assert str(err.value) == (
@@ -313,13 +437,13 @@ def test_warn_logs_each_failed_check_and_off_is_silent(loaded_tiny_models, caplo
     from vllm_ling.runtime.verification import enforce_policy
 
     with moe_selected(loaded_tiny_models, _humming_selection()):
-        report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "speculation": _speculation("DEFAULT_MTP")})
+        report = _report(loaded_tiny_models, {"num_speculative_tokens": 2, "selection": _speculation("DEFAULT_MTP")})
     with caplog.at_level(logging.WARNING, logger="vllm.ling"):
         enforce_policy(report, "warn")
         enforce_policy(report, "off")
     failed = [r.getMessage() for r in caplog.records if "FAILED" in r.getMessage()]
     assert len(failed) == 2
-    assert failed[0].startswith("verification check moe_layers FAILED: expected 5 x humming")
+    assert failed[0].startswith("verification check moe_layers FAILED: expected 5 routed-expert layers")
     assert failed[1].startswith("verification check speculative_config FAILED")
 
 
@@ -336,8 +460,8 @@ def test_report_file_is_written_atomically(tmp_path, loaded_tiny_models):
 
 
 def test_report_table_and_notes_state_the_kernels_read_from_the_layers(loaded_tiny_models):
-    from vllm_ling.runtime.kernel_checks import KDA_CPU_KERNEL
     from vllm_ling.runtime.verification import format_table
+    from vllm_ling.runtime.verification.known_answers import KDA_CPU_KERNEL
 
     report = _report(loaded_tiny_models)
     check = _check(report, "kernel_known_answers")
@@ -352,6 +476,8 @@ def test_report_table_and_notes_state_the_kernels_read_from_the_layers(loaded_ti
         "serving kernels: dense_fp8: CpuBlockFp8LinearMethod; moe_mxfp4: plain-PyTorch MXFP4 reference "
         f"(CPU platform); fp8_head: torch; kda: {KDA_CPU_KERNEL}; dense block-FP8 linears: "
         f"{n_dense} x CpuBlockFp8LinearMethod")
+    # the dense path every linear recorded (no process-wide guess): one choice and reason here
+    assert known["dense_fp8"]["path_choice"]["kernel"] == "dequantized"
     table = format_table(report)
     assert f"known-answer kernel checks ({known['seconds']:.2f} s):" in table
     assert "  dense_fp8 [CpuBlockFp8LinearMethod]: ok, max rel. error " in table
@@ -364,18 +490,18 @@ def test_a_wrong_kernel_refuses_to_serve_naming_kernel_inputs_and_max_error(load
     import dataclasses as dc
 
     from vllm_ling.layers import fp8_lm_head
-    from vllm_ling.ops import known_answer as ka
-    from vllm_ling.runtime.kernel_checks import EXPECTED, FIX
     from vllm_ling.runtime.verification import LingVerificationError, enforce_policy
+    from vllm_ling.runtime.verification.known_answers import EXPECTED, FIX
 
     original = fp8_lm_head.head_ops.fp8_head_logits
     monkeypatch.setattr(fp8_lm_head.head_ops, "fp8_head_logits", lambda x, state: original(
-        x, dc.replace(state, weight=ka.plant_zero_code_fault(state.weight))))
+        x, dc.replace(state, weight=faults.plant_zero_code_fault(state.weight))))
     report = _report(loaded_tiny_models)
     assert not report["passed"] and not report["kernel_checks"]["passed"]
     failure = ("fp8_head [torch]: max relative error 32 > tolerance 0.00781 on 256 one-hot rows (GEMM-sized): "
                "wrong e4m3 codes 0x00 0x80 in 256 rows (scales 2^-20..7168)")
     assert _check(report, "kernel_known_answers")["actual"] == failure
+    assert report["optimizations"]["fp8_head"]["active"] is False  # its kernel's known answers failed
     with pytest.raises(LingVerificationError) as err:
         enforce_policy(report, "strict")
     assert str(err.value) == (
@@ -388,20 +514,20 @@ def test_a_wrong_kernel_refuses_to_serve_naming_kernel_inputs_and_max_error(load
 
 
 def test_policy_off_runs_no_kernel_check(loaded_tiny_models, monkeypatch):
-    from vllm_ling.runtime import kernel_checks, verification
+    from vllm_ling.runtime.verification import known_answers, once
 
     def must_not_run(*args):
         raise AssertionError("VLLM_LING_VERIFY=off must skip the known-answer checks")
 
     vllm_config, target, _ = loaded_tiny_models
-    monkeypatch.setattr(kernel_checks, "report_section", must_not_run)
-    monkeypatch.setattr(verification, "_done", False)
+    monkeypatch.setattr(known_answers, "report_section", must_not_run)
+    monkeypatch.setattr(once, "_done", False)
     monkeypatch.setenv("VLLM_LING_VERIFY", "off")
-    assert verification.verify_once(target, vllm_config) is None
+    assert once.verify_once(target, vllm_config) is None
 
 
 def test_weights_bytes_counts_each_storage_once():
-    from vllm_ling.runtime.verification import weights_bytes
+    from vllm_ling.runtime.verification.assembly import weights_bytes
 
     target = torch.nn.Linear(8, 4, dtype=torch.bfloat16)  # 32 + 4 bf16 values
     target.register_buffer("scale", torch.ones(3, dtype=torch.float32))
@@ -425,7 +551,7 @@ def test_group_verdict_needs_every_rank():
     """An optimization active on rank 0 but not on a remote rank is inactive for the server,
     one failed rank fails the group (what the metrics show), and so do settings that differ
     between ranks although each rank passed against its own (a stale node-local value)."""
-    from vllm_ling.runtime.verification import merge_ranks
+    from vllm_ling.runtime.verification.ranks import merge_ranks
 
     def rank(i, ok, fp8_head="1"):
         return {"rank": i, "node_ip": f"10.0.0.{i + 1}", "passed": ok,
@@ -443,6 +569,13 @@ def test_group_verdict_needs_every_rank():
     assert merged["optimizations"]["fp8_head"]["detail"].endswith("inactive on rank(s) 1 (10.0.0.2)")
     assert [r["rank"] for r in merged["ranks"]] == [0, 1]
 
+    # a pipeline stage without the head does not make the last stage's FP8 head inactive
+    merged = report()
+    first_stage = rank(0, True)
+    first_stage["optimizations"]["fp8_head"] = {"requested": False, "active": False, "on_stage": False}
+    merge_ranks(merged, [first_stage, rank(1, True)])
+    assert merged["passed"] and merged["optimizations"]["fp8_head"]["active"] is True
+
     merged = report()
     agree = merge_ranks(merged, [rank(0, True, fp8_head="0"), rank(1, True, fp8_head="1")])
     assert not agree.passed and merged["passed"] is False
@@ -453,40 +586,40 @@ def test_group_verdict_needs_every_rank():
 def test_user_chosen_ngram_passes_with_mtp_not_requested(loaded_tiny_models):
     """--speculative-config '{"method": "ngram"}': no Ling draft is loaded, and that is what
     was asked for; the report says MTP is not requested instead of blaming the plugin."""
-    from vllm_ling.runtime.verification import Expectations, build_report
+    from vllm_ling.runtime.verification import build_report
+    from vllm_ling.runtime.verification.speculative import Speculative
 
     vllm_config, target, _ = loaded_tiny_models
-    options = LingOptions()
-    exp = dataclasses.replace(Expectations.from_runtime(vllm_config, options), spec_method="ngram",
-                              num_speculative_tokens=2, speculation=_speculation("USER"))
-    report = build_report(target, None, vllm_config, options, exp)
+    spec = Speculative("ngram", 2, _speculation("USER"))
+    report = build_report(target, None, vllm_config, LingOptions(), spec)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert report["optimizations"]["mtp"] == {
         "requested": False, "active": False, "detail": "not requested: --speculative-config method ngram"}
     assert _check(report, "speculative_config")["expected"] == "as configured by the user"
     assert _check(report, "model_classes")["passed"]  # not "the plugin did not register its classes"
+    assert _check(report, "moe_layers")["expected"].startswith("4 routed-expert layers")  # no NEXTN draft here
 
 
 def test_checkpoint_without_nextn_layers_reports_mtp_not_requested(loaded_tiny_models):
-    vllm_config, target, _ = loaded_tiny_models
-    from vllm_ling.runtime.verification import Expectations, build_report
+    from vllm_ling.runtime.verification import build_report
+    from vllm_ling.runtime.verification.speculative import Speculative
 
-    exp = dataclasses.replace(Expectations.from_runtime(vllm_config, LingOptions()), spec_method=None,
-                              num_speculative_tokens=0, speculation=_speculation("OFF_NO_NEXTN"))
-    report = build_report(target, None, vllm_config, LingOptions(), exp)
+    vllm_config, target, _ = loaded_tiny_models
+    spec = Speculative(None, 0, _speculation("OFF_NO_NEXTN"))
+    report = build_report(target, None, vllm_config, LingOptions(), spec)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert report["optimizations"]["mtp"]["requested"] is False
     assert "num_nextn_predict_layers=0" in report["optimizations"]["mtp"]["detail"]
     # Without the mark, missing speculation under VLLM_LING_MTP=1 is still a failure.
-    exp = dataclasses.replace(exp, speculation=_speculation("DEFAULT_MTP"))
-    assert not _check(build_report(target, None, vllm_config, LingOptions(), exp), "speculative_config")["passed"]
+    spec = dataclasses.replace(spec, selection=_speculation("DEFAULT_MTP"))
+    assert not _check(build_report(target, None, vllm_config, LingOptions(), spec), "speculative_config")["passed"]
 
 
 def test_a_speculative_config_other_than_selected_fails(loaded_tiny_models):
-    """The planted divergence for speculation: P5 recorded 'off' (VLLM_LING_MTP=0) while MTP serves."""
+    """P5 recorded 'off' (VLLM_LING_MTP=0) while MTP serves."""
     off = _speculation("OFF")
-    check = _check(_report(loaded_tiny_models, {"spec_method": "mtp", "num_speculative_tokens": 3,
-                                                "speculation": off}), "speculative_config")
+    check = _check(_report(loaded_tiny_models, {"method": "mtp", "num_speculative_tokens": 3, "selection": off}),
+                   "speculative_config")
     assert not check["passed"] and (check["expected"], check["actual"]) == ("off (VLLM_LING_MTP=0)", "mtp, 3 tokens")
     vllm_config, _, _ = loaded_tiny_models
     from vllm_ling.runtime.spec_policy import Speculation, recorded_speculation
@@ -506,31 +639,47 @@ def test_speculation_selector():
     assert (sel.choice, sel.reason) == (Speculation.DEFAULT_MTP, "vllm-ling default: mtp, 2 tokens")
 
 
-def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_models):
+def test_pipeline_stages_check_their_own_layers_head_and_draft(loaded_tiny_models, monkeypatch):
     from vllm.model_executor.models.utils import PPMissingLayer
 
-    from vllm_ling.runtime.verification import (Expectations, Stage, check_draft_sharing, check_head,
-                                                check_moe_layers)
+    from vllm_ling.layers.readers import readers
+    from vllm_ling.runtime.verification.census import take_census
+    from vllm_ling.runtime.verification.draft_sharing import check_draft_sharing
+    from vllm_ling.runtime.verification.recorded import check_recorded
+    from vllm_ling.runtime.verification.speculative import Speculative
+    from vllm_ling.runtime.verification.stage import Stage
 
     vllm_config, target, draft = loaded_tiny_models
-    exp = Expectations.from_runtime(vllm_config, LingOptions())
+    spec = Speculative.in_force(vllm_config)
     config = vllm_config.model_config.hf_config
     n = config.num_hidden_layers
-    whole = check_moe_layers(target, draft, config, Stage(0, 1, 0, n))
+
+    def rows(stage, with_draft):
+        return check_recorded(take_census(target, draft if with_draft else None, readers()), readers(), config,
+                              stage, with_draft)
+
+    whole = rows(Stage(0, 1, 0, n), True)["moe_layers"]
     assert whole.passed and "pipeline" not in whole.expected
     # the full model measured against a later stage's range: the stage's count is expected
-    later = check_moe_layers(target, None, config, Stage(1, 2, n // 2, n))
+    later = rows(Stage(1, 2, n // 2, n), False)["moe_layers"]
     stage_moe = sum(1 for i in range(n // 2, n) if i >= config.first_k_dense_replace)
-    assert not later.passed
-    assert later.expected == f"{stage_moe} x reference ({stage_moe} target MoE + 0 NEXTN on pipeline stage 1 of 2 " \
-                             f"(layers {n // 2}..{n - 1})), as selected"
+    assert not later.passed and later.actual.endswith(f"; 4 routed-expert layers where the stage has {stage_moe}")
+    assert later.expected.endswith(f"on pipeline stage 1 of 2 (layers {n // 2}..{n - 1})")
     with swapped(target, "lm_head", PPMissingLayer()):
-        first = check_head(target, exp, Stage(0, 2, 0, n // 2))
-        assert first.passed and first.expected.startswith("no head on pipeline stage 0 of 2")
-        last = check_head(target, exp, Stage(1, 2, n // 2, n))  # the last stage must have it
-        assert not last.passed and last.actual == "PPMissingLayer (no head here)"
-    assert check_draft_sharing(target, None, exp, Stage(0, 2, 0, n // 2)).passed
-    assert not check_draft_sharing(target, None, exp, Stage(1, 2, n // 2, n)).passed  # MTP needs the draft there
+        assert rows(Stage(0, 2, 0, n // 2), False)["lm_head"].passed  # the first stage has no head
+        last = rows(Stage(1, 2, n // 2, n), False)["lm_head"]  # the last stage must have it
+        assert not last.passed and "0 LM heads where the stage has 1" in last.actual
+    assert check_draft_sharing(target, None, spec, Stage(0, 2, 0, n // 2)).passed
+    assert not check_draft_sharing(target, None, spec, Stage(1, 2, n // 2, n)).passed  # MTP needs the draft there
+    # the first stage's report: its FP8 head entry says the head is elsewhere, so the group's verdict
+    # (ranks.merge_ranks) leaves it out instead of calling the last stage's head inactive
+    from vllm_ling.runtime.verification import assembly, build_report
+
+    monkeypatch.setattr(assembly, "pipeline_stage", lambda model, layers: Stage(0, 2, 0, n // 2))
+    with swapped(target, "lm_head", PPMissingLayer()):
+        report = build_report(target, None, vllm_config, LingOptions(), Speculative(None, 0, _speculation("OFF_PIPELINE")))
+    assert report["optimizations"]["fp8_head"] == {"requested": False, "active": False,
+                                                  "detail": "no LM heads on this pipeline stage", "on_stage": False}
 
 
 def test_kda_merge_is_reported_from_the_loaded_layers(loaded_tiny_models):
@@ -538,19 +687,23 @@ def test_kda_merge_is_reported_from_the_loaded_layers(loaded_tiny_models):
     # the dense block-FP8 method every other linear got (CPU: chosen by a known-answer check)
     method = type(target.model.layers[0].self_attn.o_proj.quant_method).__name__
     report = _report(loaded_tiny_models)
-    check = _check(report, "kda_in_proj")
+    check = _check(report, "kda_merged_in_proj")
     assert check["passed"], check
-    assert check["actual"] == f"5 of 5 KDA layers run one qkvfg_proj linear (5120x256 = 5 x 1024 rows; {method})"
+    assert check["actual"] == f"5 x one qkvfg_proj linear (5120x256 = 5 x 1024 rows; {method})"
     assert report["optimizations"]["kda_merged_in_proj"] == {"requested": True, "active": True,
                                                              "detail": check["actual"]}
 
 
-def test_kda_merge_opted_out_but_merged_fails(loaded_tiny_models):
-    report = _report(loaded_tiny_models, {"kda_merged_proj": False})
-    check = _check(report, "kda_in_proj")
-    assert not check["passed"] and check["expected"].endswith("(VLLM_LING_KDA_MERGED_PROJ=0)")
+def test_a_kda_layer_recording_the_merge_but_running_vllms_linears_fails(loaded_tiny_models):
+    _, target, _ = loaded_tiny_models
+    layer = target.model.layers[1].self_attn
+    with swapped(layer, "qkvfg_proj", None):  # its forward takes vLLM's linears where it holds no merge
+        report = _report(loaded_tiny_models)
+    check = _check(report, "kda_merged_in_proj")
+    assert not check["passed"]
+    assert ("not the recorded selection: [\"target.model.layers.1.self_attn (selected merged, serves vLLM's "
+            "in-projection linears)\"]") in check["actual"]
     assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
-    assert "opted out" in report["optimizations"]["kda_merged_in_proj"]["detail"]
 
 
 def test_kda_merge_with_a_shard_the_checkpoint_did_not_fill_is_named(loaded_tiny_models):
@@ -558,71 +711,95 @@ def test_kda_merge_with_a_shard_the_checkpoint_did_not_fill_is_named(loaded_tiny
     linear = target.model.layers[2].self_attn.qkvfg_proj
     with swapped(linear, "ling_loaded_shards", linear.ling_loaded_shards - {("weight", "f_proj")}):
         report = _report(loaded_tiny_models)
-    check = _check(report, "kda_in_proj")
-    assert not check["passed"] and check["actual"].startswith("4 of 5 KDA layers")
-    assert "model.layers.2.self_attn (weight.f_proj)" in check["actual"]
+    check = _check(report, "kda_merged_in_proj")
+    assert not check["passed"]
+    assert ("target.model.layers.2.self_attn (selected merged, serves a malformed qkvfg_proj (weight.f_proj))"
+            in check["actual"])
     assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
 
 
-def test_unmerged_kda_layers_pass_with_their_reason_but_are_not_active(loaded_tiny_models):
+def test_unmerged_kda_layers_pass_with_their_reason_but_are_not_active(loaded_tiny_models, monkeypatch):
+    """A layer the merge refused for a checkpoint property records vLLM's linears as a fallback and
+    serves them: the row passes naming the reason; the optimization is inactive."""
+    from vllm_ling.models.kda_merged_in_proj import select_kda_merged_in_proj
+
     _, target, _ = loaded_tiny_models
     layer = target.model.layers[1].self_attn
-    why = "the projections differ in precision (BF16: f_proj)"
-    with swapped(layer, "ling_in_proj_merged", False), swapped(layer, "ling_in_proj_reason", why):
+    refused = select_kda_merged_in_proj(True, True, ("f_proj",))
+    _plant(monkeypatch, layer, refused)
+    with swapped(layer, "qkvfg_proj", None):
         report = _report(loaded_tiny_models)
-    check = _check(report, "kda_in_proj")
-    assert check["passed"] and check["actual"].endswith(f"; 1 unmerged: {why}")
+    check = _check(report, "kda_merged_in_proj")
+    assert check["passed"], check["actual"]
+    assert check["actual"].endswith("; 1 x fell back from merged: the projections differ in precision (BF16: f_proj)")
+    assert report["optimizations"]["kda_merged_in_proj"]["requested"] is True
     assert report["optimizations"]["kda_merged_in_proj"]["active"] is False
 
 
-def _bf16_gemv_selected(layer):
+def _bf16_gemv_selected(layer, fallback_reason=None):
     from vllm_ling.ops.small_gemv.selection import GemvPath
-    from vllm_ling.selection import Feature, Selection, record
+    from vllm_ling.selection import record
 
-    record(layer, Selection(Feature.BF16_GEMV, GemvPath.LING, "CUDA, the small GEMV runs"))
+    selection = Selection(Feature.BF16_GEMV, GemvPath.LING, "CUDA, the small GEMV runs")
+    if fallback_reason:
+        selection = Selection(Feature.BF16_GEMV, GemvPath.VLLM, fallback_reason, fallback_from=GemvPath.LING)
+    record(layer, selection)
     return layer
 
 
-def test_requested_small_gemv_needs_the_unquantized_linears_on_it(loaded_tiny_models):
-    # the planted divergence: the CPU-loaded model keeps vLLM's GEMM for b_proj / g_proj while their
-    # recorded selection says the small GEMV; verification fails and says what it found. As
-    # loaded (CPU: vLLM's GEMM selected) it passes and reports inactive
-    from vllm_ling.runtime.verification import _small_bf16_layers
-    from vllm_ling.selection import SELECTIONS_ATTR
+def _with_planted_linears(monkeypatch, planted):
+    """The census also finds ``planted`` (name, module) pairs (stand-ins for CUDA-served linears)."""
+    from vllm_ling.runtime.verification import assembly, census
 
-    _, target, draft = loaded_tiny_models
-    layers = _small_bf16_layers(target, draft)[0]
+    real = census.take_census
+
+    def take(target, draft, readers):
+        found = real(target, draft, readers)
+        more = [census.Entry(name, m, r, census.recorded(m, r.feature), r.served(m))
+                for name, m in planted for r in readers if r.feature is Feature.BF16_GEMV]
+        return census.Census(tuple(more) + found.entries)
+
+    monkeypatch.setattr(assembly, "take_census", take)
+
+
+def test_requested_small_gemv_needs_the_unquantized_linears_on_it(loaded_tiny_models, monkeypatch):
+    # every unquantized linear records the small GEMV while the CPU-loaded model serves vLLM's GEMM:
+    # verification fails and says what it found; as loaded (CPU: vLLM's GEMM) it passes, inactive
+    layers = _census(loaded_tiny_models).of(Feature.BF16_GEMV)
     assert layers
-    with contextlib.ExitStack() as stack:
-        for _, m in layers:
-            stack.enter_context(swapped(m, SELECTIONS_ATTR, {}))
-            _bf16_gemv_selected(m)
-        report = _report(loaded_tiny_models)
+    for e in layers:
+        _plant(monkeypatch, e.module, Selection(Feature.BF16_GEMV, _ling(), "CUDA, the small GEMV runs"))
+    report = _report(loaded_tiny_models)
     check = _check(report, "small_bf16_layers")
-    assert not check["passed"] and check["actual"].startswith(f"0 of {len(layers)} unquantized linears on the "
-                                                              "small GEMV; not the recorded selection: [")
+    assert not check["passed"] and check["actual"].startswith(f"{len(layers)} x vllm; not the recorded selection: [")
     assert "(selected ling, serves vllm)" in check["actual"]
     assert report["optimizations"]["small_bf16_decode"] == {"requested": True, "active": False,
                                                              "detail": check["actual"]}
+    monkeypatch.undo()
     report = _report(loaded_tiny_models)
     assert _check(report, "small_bf16_layers")["passed"]
     assert report["optimizations"]["small_bf16_decode"]["requested"] is False
 
 
+def _ling():
+    from vllm_ling.ops.small_gemv.selection import GemvPath
+
+    return GemvPath.LING
+
+
 def test_small_gemv_fallback_is_reported_not_fatal(loaded_tiny_models, monkeypatch):
-    # e.g. --dtype float16: every unquantized linear is on vllm-ling's method but the small GEMV
-    # holds none (one WARNING each at load); the check passes, the optimization is inactive, named
+    # e.g. --dtype float16: the small GEMV holds no unquantized linear (one WARNING each at load,
+    # each recording its fallback to vLLM's GEMM); the check passes, the optimization is requested
+    # and inactive, named
     from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
-    from vllm_ling.runtime import verification as V
 
     layer = _bf16_gemv_selected(types.SimpleNamespace(
-        quant_method=object.__new__(LingSmallBf16LinearMethod), ling_small_gemv=None,
-        ling_small_gemv_reason="weight dtype torch.float16 is not BF16"))
-    planted = [("target.model.layers.0.self_attn.b_proj", layer)]
-    monkeypatch.setattr(V, "_small_bf16_layers", lambda target, draft: (planted, planted, []))
+        quant_method=object.__new__(LingSmallBf16LinearMethod), ling_small_gemv=None),
+        fallback_reason="the small GEMV cannot hold it: weight dtype torch.float16 is not BF16")
+    _with_planted_linears(monkeypatch, [("target.model.layers.0.self_attn.b_proj", layer)])
     report = _report(loaded_tiny_models)
     check = _check(report, "small_bf16_layers")
-    assert check["passed"] and "0 of 1" in check["actual"] and "float16 is not BF16" in check["actual"]
+    assert check["passed"] and "fell back from ling: the small GEMV cannot hold it" in check["actual"]
     entry = report["optimizations"]["small_bf16_decode"]
     assert entry["requested"] and not entry["active"] and "float16" in entry["detail"]
 
@@ -637,7 +814,6 @@ def test_small_gemv_known_answer_runs_every_launch_shape(loaded_tiny_models, mon
 
     from vllm_ling.layers.small_bf16_cuda import LingSmallBf16LinearMethod
     from vllm_ling.ops.small_gemv.kernel import BF16_MAX_ROWS, launch_row_counts
-    from vllm_ling.runtime import verification as V
 
     weight = torch.randn((32, 256), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     layer = _bf16_gemv_selected(types.SimpleNamespace(quant_method=object.__new__(LingSmallBf16LinearMethod),
@@ -651,9 +827,9 @@ def test_small_gemv_known_answer_runs_every_launch_shape(loaded_tiny_models, mon
 
     monkeypatch.setattr(LingSmallBf16LinearMethod, "apply_small_gemv", staticmethod(kernel))
     monkeypatch.setattr(UnquantizedLinearMethod, "apply", lambda self, layer, x, bias=None: F.linear(x, layer.weight))
-    planted = [("target.model.layers.0.self_attn.b_proj", layer)]
-    monkeypatch.setattr(V, "_small_bf16_layers", lambda target, draft: (planted, planted, planted))
+    _with_planted_linears(monkeypatch, [("target.model.layers.0.self_attn.b_proj", layer)])
     report = _report(loaded_tiny_models)
     check = _check(report, "small_bf16_layers")
     assert tuple(seen) == launch_row_counts(32, BF16_MAX_ROWS)
     assert check["passed"] is (wrong_from_rows is None), check["actual"]
+    assert "known answer on target.model.layers.0.self_attn.b_proj" in check["actual"]

@@ -26,8 +26,8 @@ from vllm_ling.log import get_logger
 from vllm_ling.bench.arguments import bench_command
 from vllm_ling.bench.client import ServerError
 from vllm_ling.bench.runner import BenchConfig, BenchError, run_benchmark
-from vllm_ling.runtime.local_server import ServerError as ServerStartError
-from vllm_ling.runtime.local_server import free_port, http_get, start_server, wait_healthy
+from vllm_ling.launcher.local_server import ServerError as ServerStartError
+from vllm_ling.launcher.local_server import free_port, http_get, start_server, wait_healthy
 
 logger = get_logger("bench")
 
@@ -113,7 +113,7 @@ def run_one(settings: AblationSettings, cfg: AblationConfig, out: Path) -> dict[
     argv = server_argv(settings, cfg, port)
     env = {**os.environ, **cfg.env}
     if "VLLM_PLUGINS" not in env:  # vLLM loads the report endpoint only when VLLM_PLUGINS names it
-        from vllm_ling.runtime.local_server import plugin_names
+        from vllm_ling.launcher.local_server import plugin_names
 
         env["VLLM_PLUGINS"] = ",".join(plugin_names())
     print(f"ablation {cfg.name}: starting {' '.join(f'{k}={v}' for k, v in cfg.env.items())} "

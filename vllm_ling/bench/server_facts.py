@@ -88,7 +88,7 @@ def facts_from_report(report: dict[str, Any]) -> dict[str, Any]:
         out["kernel_checks"] = {k.get("kernel", k.get("name")): k.get("passed") for k in kernel_checks
                                 if isinstance(k, dict)}
     elif isinstance(kernel_checks, dict) and isinstance(kernel_checks.get("results"), list):
-        # the verification report's section (runtime/kernel_checks.report_section)
+        # the verification report's section (runtime/verification/known_answers.report_section)
         out["kernel_checks"] = {f"{r.get('name')}[{r.get('kernel')}]": r.get("passed")
                                 for r in kernel_checks["results"] if isinstance(r, dict) and not r.get("skipped")}
     for section in ("startup", "memory"):

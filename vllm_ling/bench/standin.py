@@ -332,7 +332,7 @@ def running_standin(*args: str, env: dict[str, str] | None = None, host: str = "
     import tempfile  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    from vllm_ling.runtime.local_server import free_port, start_server  # noqa: PLC0415
+    from vllm_ling.launcher.local_server import free_port, start_server  # noqa: PLC0415
 
     port = free_port(host)
     with tempfile.TemporaryDirectory(prefix="standin-") as tmp:

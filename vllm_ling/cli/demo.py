@@ -28,7 +28,7 @@ from pathlib import Path
 import requests
 
 from vllm_ling.cli.agent_defaults import LING_PARSER_ARGS
-from vllm_ling.runtime.local_server import SERVE_ARGS, scrape, serve_tiny, wait_healthy
+from vllm_ling.launcher.local_server import SERVE_ARGS, scrape, serve_tiny, wait_healthy
 
 PARSER_ARGS = list(LING_PARSER_ARGS)  # what `vllm-ling serve` adds
 TOOLS = [{"type": "function", "function": {

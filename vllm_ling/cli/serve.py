@@ -3,7 +3,7 @@
 ``vllm-ling serve [MODEL] [options] [-- extra vllm serve args]`` builds a ``vllm serve``
 command with defaults that suit one DGX Spark (GB10, 128 GB unified memory), checks what can
 be checked before any weight loads (model directory, report path, API key, memory), and runs
-vLLM as its child under :mod:`vllm_ling.runtime.supervisor`: SIGTERM/SIGINT are forwarded
+vLLM as its child under :mod:`vllm_ling.launcher.supervisor`: SIGTERM/SIGINT are forwarded
 from the moment it starts and vLLM drains for ``--shutdown-timeout`` seconds; the exit code
 is vLLM's after a requested stop, ``EXIT_SERVER_DIED`` (4) when vLLM stops by itself (its
 engine died), ``EXIT_SMOKE_FAILED`` (3) when the strict smoke check stopped it, and
@@ -41,12 +41,13 @@ from typing import Callable, Mapping
 from vllm_ling.cli.agent_defaults import parser_args
 from vllm_ling.models.checkpoint_check import INDEX_FILE, CheckpointFormatError, unreadable_paths
 from vllm_ling.options import (CPU_MOE_BACKEND_REFUSAL, LING3_PARSER, PREFIX, SPARK_MEMORY_FRACTION,
-                               UNKNOWN_WARNED_MARKER, LingOptionError, MoeBackend, Option, Scope,
-                               VerifyPolicy, closest, option, read, serve_options, unknown_variables)
+                               STOP_FILE_ENV, UNKNOWN_WARNED_MARKER, LingOptionError, MoeBackend, Option, Scope,
+                               VerifyPolicy, closest, opt_out_setting, option, read, serve_options,
+                               unknown_variables)
 from vllm_ling.refusal import REFUSAL_FILE_ENV, take
-from vllm_ling.runtime.local_server import plugin_names
+from vllm_ling.launcher.local_server import plugin_names
 from vllm_ling.runtime.report import ReportPathError, check_report_path, default_report_path
-from vllm_ling.runtime.supervisor import EXIT_SERVER_DIED, STOP_FILE_ENV, Supervisor  # noqa: F401 (exit code of serve)
+from vllm_ling.launcher.supervisor import EXIT_SERVER_DIED, Supervisor  # noqa: F401 (exit code of serve)
 
 ENV_PREFIX = PREFIX
 DEFAULT_MODEL = option("VLLM_LING_MODEL").default
@@ -291,7 +292,7 @@ def memory_guard_notes(model_dir: Path, config: dict, device: str, values: dict[
                        env: Mapping[str, str]) -> list[str]:
     """Run the memory guard (policy: VLLM_LING_VERIFY); LaunchError when it refuses."""
     from vllm_ling.options import MoeDecode
-    from vllm_ling.runtime import memory_guard as mg
+    from vllm_ling.launcher import memory_guard as mg
 
     policy = read_option(env, "VLLM_LING_VERIFY")
     if policy is VerifyPolicy.OFF:
@@ -354,7 +355,7 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
     explicit = {o.short for o in serve_options()
                 if getattr(args, o.short) is not None or env.get(o.name, "") != ""}
     if device == "cpu" and _parsed(values, "moe_backend") is MoeBackend.VLLM:
-        source = "--moe-backend vllm" if args.moe_backend is not None else "VLLM_LING_MOE_BACKEND=vllm"
+        source = "--moe-backend vllm" if args.moe_backend is not None else opt_out_setting("VLLM_LING_MOE_BACKEND")
         raise LaunchError(CPU_MOE_BACKEND_REFUSAL.format(what=source))
 
     if values["served_model_name"] is None:
@@ -610,7 +611,7 @@ def smoke_check(supervisor: Supervisor, argv: list[str], env: dict[str, str],
     import time
     import urllib.request
 
-    from vllm_ling.runtime.smoke import SmokeError, judged, record_in_report, run_smoke
+    from vllm_ling.launcher.smoke import SmokeError, judged, record_in_report, run_smoke
 
     host = _flag_value(argv, "--host", "127.0.0.1")
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host

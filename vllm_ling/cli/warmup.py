@@ -26,8 +26,9 @@ from typing import Mapping
 from vllm_ling.cli.serve import (DEFAULT_MODEL, EXIT_USAGE, LaunchError, check_model_dir, read_model_config,
                                  read_option, resolve_device, resolve_model)
 from vllm_ling.models.dense_linears import distinct_decode_shapes
-from vllm_ling.ops.moe.selection import HummingUnavailable, MoePath, MoeSelection, MoeShape, select_moe
-from vllm_ling.options import LingOptionError, LingOptions, warmup_options
+from vllm_ling.ops.moe.humming import HummingUnavailable
+from vllm_ling.ops.moe.selection import MoePath, MoeSelection, MoeShape, select_moe
+from vllm_ling.options import LingOptionError, LingOptions, opt_out_setting, warmup_options
 from vllm_ling.selection import Platform, Selection
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
@@ -184,7 +185,7 @@ class WarmupPlan:
         decode = f"decode {sel.decode}" + (f" (<= {sel.decode_max_tokens} tokens)" if sel.decode_max_tokens else "")
         moe = (f"MoE {'W4A8' if sel.w4a8 else 'W4A16'}, {decode}" if self.moe
                else f"MoE skipped ({sel.reason}: vLLM's backend serves)")
-        head = "FP8 LM head" if self.head else "LM head skipped (VLLM_LING_FP8_HEAD=0: BF16 head)"
+        head = "FP8 LM head" if self.head else f"LM head skipped ({opt_out_setting('VLLM_LING_FP8_HEAD')}: BF16 head)"
         dense = (f"dense FP8 W8A16 on {len(self.dense_w8a16_shapes)} weight shapes" if self.dense else
                  "dense FP8 skipped (" + (f"{self.dense_selections()[0][1].reason}: vLLM's kernel serves"
                                           if self.dense_shapes else "no block-FP8 dense linears") + ")")
@@ -224,7 +225,7 @@ def plan_warmup(args: argparse.Namespace, env: Mapping[str, str]) -> WarmupPlan:
     config = read_model_config(model_dir)
     try:
         dense_shapes = tuple(distinct_decode_shapes(config, tensor_parallel_size=tp,
-                                                    kda_merged_in_proj=options.kda_merged_proj))
+                                                    kda_merged_in_proj=options.kda_merged_in_proj))
     except (KeyError, ValueError):  # not the -fp4 layout (e.g. a BF16 checkpoint): nothing block-FP8
         dense_shapes = ()
     plan = WarmupPlan(

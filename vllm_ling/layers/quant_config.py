@@ -52,9 +52,7 @@ class LingFp8Config(Fp8Config):
 
     @property
     def options(self) -> LingOptions:
-        if getattr(self, "_options", None) is None:
-            self._options = LingOptions.from_env()
-        return self._options
+        return LingOptions.current()
 
     def _skipped(self, prefix: str) -> bool:
         return is_layer_skipped(prefix=prefix, ignored_layers=self.ignored_layers,
@@ -97,10 +95,13 @@ class LingFp8Config(Fp8Config):
                 return method
         elif isinstance(layer, LinearBase) and self._skipped(prefix):
             record(layer, select_bf16_gemv(self.options, Platform.CPU, prefix))  # vLLM's GEMM, said on the layer
-        if isinstance(layer, ParallelLMHead) and self.options.fp8_head:
-            from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
+        if isinstance(layer, ParallelLMHead):
+            from vllm_ling.ops.lm_head.selection import Fp8Head, select_fp8_head
 
-            return Fp8LmHeadMethod()
+            if record(layer, select_fp8_head(self.options)).choice is Fp8Head.FP8:
+                from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
+
+                return Fp8LmHeadMethod()
         if isinstance(layer, RoutedExperts) and self.store_dtype == "mxfp4" \
                 and not self._skipped(prefix):
             from vllm_ling.layers.moe_method import choose_moe_method

@@ -8,12 +8,12 @@ def register_layers() -> list[str]:
 
     done: list[str] = register_ling_quant_config()
     from vllm_ling.layers.kda_cpu import register_cpu_kda
-    from vllm_ling.layers.kda_merged_proj import register_merged_kda
+    from vllm_ling.layers.kda_merged_in_proj import register_merged_kda
 
     # one KDA replacement per platform: CPU's (plain PyTorch, merged in-projection) or vLLM's
     # kernels with the merged in-projection
     done += register_cpu_kda() or register_merged_kda()
-    from vllm_ling.layers.router_gate_cuda import register_cuda_router_gate
+    from vllm_ling.layers.router_gate_cuda import register_router_gate
 
-    done += register_cuda_router_gate()
+    done += register_router_gate()
     return done

@@ -16,9 +16,10 @@ choice by row count happens inside one custom op (``vllm_ling::router_logits``, 
 name as vLLM's own layer ops do), never as a Python branch on the traced batch size.
 
 Installed through vLLM's out-of-tree layer mechanism (``PluggableLayer.register_oot``, keyed by
-the in-tree class name), on the CUDA platform only: :func:`register_cuda_router_gate`. The
-startup verification finds the gates on the loaded model and runs the kernel on known answers
-(``runtime/verification.py``, ``runtime/kernel_checks.py``).
+the in-tree class name), on every platform (:func:`register_router_gate`): each gate records its
+selection, which on the CPU platform is GateLinear's path (the kernel is CUDA's), unchanged. The
+startup verification reads each gate back (:data:`READER`) and runs the kernel on known answers
+(``runtime/verification/``).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ import torch
 from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import LingOptions, RouterGemv
+from vllm_ling.options import LingOptions, RouterGemv, opt_out_setting
 from vllm_ling.ops.small_gemv import router as router_ops
-from vllm_ling.ops.small_gemv.selection import (NOT_A_GEMV_GATE, ROUTER_OPT_OUT, GateFacts, GemvPath,
+from vllm_ling.ops.small_gemv.selection import (NOT_A_GEMV_GATE, ROUTER_OPTION, GateFacts, GemvPath,
                                                 RouterGemvUnavailable, select_router_gemv)
-from vllm_ling.selection import Platform, Selection, record
+from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record
 
 logger = get_logger("router")
 
@@ -43,24 +44,29 @@ IN_TREE_NAME = "GateLinear"
 KERNEL_LABEL = f"vllm-ling router GEMV (<= {router_ops.MAX_ROWS} tokens)"
 _DESCRIPTION = (f"MoE router gates (CUDA): {KERNEL_LABEL}, GateLinear's path above, for the fp32 gates GateLinear "
                 "runs as cast + F.linear")
-OPT_OUT = ROUTER_OPT_OUT
-__all__ = ["GateFacts", "RouterGemvUnavailable", "decide", "register_cuda_router_gate", "router_gate_class"]
+_CPU_DESCRIPTION = "MoE router gates (CPU): GateLinear's path, recorded per gate"
+__all__ = ["READER", "GateFacts", "RouterGemvUnavailable", "decide", "register_router_gate", "router_gate_class",
+           "served"]
 
 
-def decide(facts: GateFacts, options: LingOptions, device: torch.device | str | None = None) -> Selection:
+def decide(facts: GateFacts, options: LingOptions, device: torch.device | str | None = None,
+           platform: Platform = Platform.CUDA) -> Selection:
     """The gate's selection (:func:`~vllm_ling.ops.small_gemv.selection.select_router_gemv`), said
     once: opted out, one WARNING; not a gate the kernel is for (quantized, bias, not fp32 weights and
-    logits), once at INFO; a gate of that kind the kernel cannot hold, one WARNING per reason.
+    logits), once at INFO; a gate of that kind the kernel cannot hold, one WARNING per reason; the
+    CPU platform says nothing (GateLinear's path, as without vllm-ling).
     Raises :class:`RouterGemvUnavailable` where the kernel holds the gate and cannot run here."""
-    selection = select_router_gemv(options, Platform.CUDA, facts,
+    selection = select_router_gemv(options, platform, facts,
                                    unavailable_reason=lambda: router_ops.unavailable_reason(device))
     reason = selection.reason
-    if selection.choice is GemvPath.LING:
+    if platform is Platform.CPU:
+        pass
+    elif selection.choice is GemvPath.LING:
         log_once(logger, logging.INFO, "router-gemv-on", "MoE router gates: %s.", KERNEL_LABEL)
     elif options.router_gemv is RouterGemv.VLLM:
         log_once(logger, logging.WARNING, "router-gemv-opt-out",
                  "Router GEMV is OFF by explicit choice (%s): MoE gates run vLLM's GateLinear path; the startup "
-                 "report marks router_gemv inactive.", OPT_OUT)
+                 "report marks router_gemv inactive.", opt_out_setting(ROUTER_OPTION))
     elif reason.startswith(NOT_A_GEMV_GATE):
         log_once(logger, logging.INFO, f"router-gemv-kind-{reason}",
                  "%s and similar gates keep vLLM's GateLinear path: %s.", facts.prefix, reason)
@@ -70,6 +76,12 @@ def decide(facts: GateFacts, options: LingOptions, device: torch.device | str | 
                  "them (the startup check router_gates reports it).", facts.prefix, facts.num_experts,
                  facts.hidden_size, reason)
     return selection
+
+
+def serving_platform() -> Platform:
+    from vllm.platforms import current_platform
+
+    return Platform.CPU if current_platform.is_cpu() else Platform.CUDA
 
 
 _GATES = LayersByName()  # op name -> gate (layers/op_layers.py: why names are prefixes)
@@ -119,7 +131,8 @@ def router_gate_class():
             super().__init__(*args, **kwargs)
             device = self.weight.device if self.weight.device.type == "cuda" else None
             self.ling_router_key = register_gate(self, self.prefix)
-            self._select(decide(self.gate_facts(), LingOptions.from_env(), device))
+            self.ling_platform = serving_platform()
+            self._select(decide(self.gate_facts(), LingOptions.current(), device, self.ling_platform))
 
         def _select(self, selection: Selection) -> None:
             """Record the selection and dispatch by it (``ling_router_gemv_reason``: None where the
@@ -142,7 +155,8 @@ def router_gate_class():
         def set_out_dtype(self, out_dtype: torch.dtype) -> None:
             super().set_out_dtype(out_dtype)
             if self.ling_router_gemv_reason is None and out_dtype != torch.float32:
-                self._select(decide(self.gate_facts(), LingOptions(router_gemv=RouterGemv.LING)))
+                self._select(decide(self.gate_facts(), LingOptions(router_gemv=RouterGemv.LING),
+                                    platform=self.ling_platform))
 
         def vllm_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
             """GateLinear's own forward (every tier), logits only."""
@@ -159,22 +173,35 @@ def router_gate_class():
     return LingGateLinear
 
 
-def served_path(gate) -> GemvPath | None:
-    """What a gate serves at decode sizes, read from its dispatch state (None: vLLM's own class)."""
+def served(gate) -> Served:
+    """What a gate serves at decode sizes, read from its dispatch state (vLLM's own class: nothing of
+    vllm-ling's, named)."""
     if not hasattr(gate, "ling_router_gemv_reason"):
-        return None
-    return GemvPath.LING if gate.ling_router_gemv else GemvPath.VLLM
+        return Served.of(None, label="vLLM's GateLinear class")
+    return Served.of(GemvPath.LING if gate.ling_router_gemv else GemvPath.VLLM)
 
 
-def register_cuda_router_gate() -> list[str]:
-    """Install :class:`LingGateLinear` for every ``GateLinear`` when vLLM runs on CUDA.
+def _is_gate(module) -> bool:
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    return isinstance(module, GateLinear)
+
+
+READER = Reader(
+    Feature.ROUTER_GEMV, "router_gates", "MoE router gates", _is_gate, served,
+    f"another plugin replaced vLLM's GateLinear (see the WARNING naming it), or opt out with "
+    f"{opt_out_setting(ROUTER_OPTION)}; a gate serving other than its selection is a defect: report it",
+    optimization="router_gemv", optimizing=frozenset({GemvPath.LING}), known_answers="router_gemv")
+
+
+def register_router_gate() -> list[str]:
+    """Install :class:`LingGateLinear` for every ``GateLinear`` (every platform: each gate records its
+    selection; only CUDA's can be the router GEMV).
 
     Idempotent (vLLM loads plugins in every process, sometimes twice). Returns what was
-    registered, for the plugin's single INFO line; empty on other platforms, where vLLM's
-    GateLinear is built untouched.
+    registered, for the plugin's single INFO line.
     """
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cuda():
-        return []
-    return install_out_of_tree(IN_TREE_NAME, router_gate_class(), _DESCRIPTION)
+    return install_out_of_tree(IN_TREE_NAME, router_gate_class(),
+                               _DESCRIPTION if current_platform.is_cuda() else _CPU_DESCRIPTION)

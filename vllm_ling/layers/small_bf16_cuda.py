@@ -10,8 +10,8 @@ tokens); up to that many tokens it runs :func:`vllm_ling.ops.small_gemv.small_ge
 whose weight load overlaps the previous kernel. As for the dense FP8 method, the row-count choice
 happens inside one custom op (``vllm_ling::small_bf16_linear``, the layer found by name), never
 as a Python branch on vLLM's traced batch size. A layer the kernel cannot hold keeps vLLM's GEMM
-with one WARNING; the startup verification checks the served layers against vLLM's GEMM
-(``runtime/verification.py``).
+with one WARNING, recording that fallback; the startup verification reads each layer back
+(:data:`READER`) and checks the served layers against vLLM's GEMM (``runtime/verification/``).
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm_ling.layers.op_layers import LayersByName
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.ops.small_gemv.kernel import BF16_MAX_ROWS as SMALL_BF16_MAX_ROWS
-from vllm_ling.ops.small_gemv.selection import BF16_OPT_OUT, Bf16GemvUnavailable, GemvPath, select_bf16_gemv
-from vllm_ling.options import LingOptions
-from vllm_ling.selection import Platform, record
+from vllm_ling.ops.small_gemv.selection import (BF16_OPTION, Bf16GemvUnavailable, GemvPath, bf16_gemv_after_load,
+                                                select_bf16_gemv)
+from vllm_ling.options import LingOptions, opt_out_setting
+from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record, recorded
 
 logger = get_logger("quant.small_bf16")
 
 SMALL_BF16_MAX_N = 512    # output rows per rank: the sizes measured (a GEMM library wins on wide weights)
-OPT_OUT_HINT = BF16_OPT_OUT
-__all__ = ["Bf16GemvUnavailable", "LingSmallBf16LinearMethod", "choose_small_bf16_method", "kernel_problems",
-           "served_path"]
+__all__ = ["READER", "Bf16GemvUnavailable", "LingSmallBf16LinearMethod", "choose_small_bf16_method",
+           "kernel_problems", "served"]
 
 _LAYERS = LayersByName()  # op name -> layer (layers/op_layers.py: why names are prefixes)
 
@@ -82,6 +82,8 @@ class LingSmallBf16LinearMethod(UnquantizedLinearMethod):
         problems = kernel_problems(layer.weight.data)
         layer.ling_small_gemv = None if problems else layer.weight.data
         layer.ling_small_gemv_reason = "; ".join(problems) or None
+        selected = recorded(layer, Feature.BF16_GEMV) or Selection(Feature.BF16_GEMV, GemvPath.LING, "scratch layer")
+        record(layer, bf16_gemv_after_load(selected, problems))
         if problems:
             log_once(logger, logging.WARNING, f"small-bf16-off-{layer.ling_small_gemv_reason}",
                      "BF16 linear %s keeps vLLM's GEMM (the small GEMV cannot hold it: %s); the startup check "
@@ -112,14 +114,36 @@ def choose_small_bf16_method(layer, prefix: str, options: LingOptions,
     if selection.choice is GemvPath.VLLM:
         log_once(logger, logging.WARNING, "small-gemv-opt-out-bf16",
                  "Small GEMV for BF16 linears is OFF by explicit choice (%s): vLLM's GEMM serves the checkpoint's "
-                 "unquantized linears; the startup report marks small_bf16_decode inactive.", OPT_OUT_HINT)
+                 "unquantized linears; the startup report marks small_bf16_decode inactive.", opt_out_setting(BF16_OPTION))
         return None
     log_once(logger, logging.INFO, "small-bf16-on",
              "Unquantized BF16 linears: vllm-ling small GEMV for <= %d tokens, vLLM's GEMM above.", SMALL_BF16_MAX_ROWS)
     return LingSmallBf16LinearMethod(prefix)
 
 
-def served_path(layer) -> GemvPath:
-    """What an unquantized linear's method is: vllm-ling's (the small GEMV serving the loaded weights
-    it holds, vLLM's GEMM for one it cannot, reported) or vLLM's."""
-    return GemvPath.LING if isinstance(getattr(layer, "quant_method", None), LingSmallBf16LinearMethod) else GemvPath.VLLM
+def _is_unquantized(layer) -> bool:
+    """A linear the checkpoint leaves unquantized: built with the quant config, which gave it vLLM's
+    unquantized method or ours (the ones built without one, e.g. the KDA conv weights and the router
+    gate, are not the checkpoint's to quantize); or one with a selection recorded."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return isinstance(layer, LinearBase) and (recorded(layer, Feature.BF16_GEMV) is not None or (
+        getattr(layer, "quant_config", None) is not None
+        and isinstance(getattr(layer, "quant_method", None), UnquantizedLinearMethod)
+        and isinstance(getattr(layer, "weight", None), torch.Tensor)))
+
+
+def served(layer) -> Served:
+    """What an unquantized linear serves at decode sizes, read from its method and the weight its op
+    dispatches by: the small GEMV, or vLLM's GEMM (vLLM's method, or ours on a weight it cannot hold)."""
+    if isinstance(getattr(layer, "quant_method", None), LingSmallBf16LinearMethod) \
+            and getattr(layer, "ling_small_gemv", None) is not None:
+        return Served.of(GemvPath.LING)
+    return Served.of(GemvPath.VLLM)
+
+
+READER = Reader(
+    Feature.BF16_GEMV, "small_bf16_layers", "unquantized linears", _is_unquantized, served,
+    f"see the WARNING naming the layers the small GEMV cannot hold, or set {opt_out_setting(BF16_OPTION)}; a "
+    "layer serving other than its selection is a defect: report it",
+    optimization="small_bf16_decode", optimizing=frozenset({GemvPath.LING}), needs_all=False)

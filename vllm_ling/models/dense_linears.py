@@ -5,7 +5,7 @@ Derived from the checkpoint's tensors (:mod:`checkpoint_format`) and the merges 
 is left in BF16 by ``modules_to_not_convert``, else ``qkvb_proj`` = q, k, v, b;
 ``gate_up_proj`` = gate, up; the MTP layer's ``eh_proj`` is a ``ReplicatedLinear``), plus
 vllm-ling's merge of each KDA layer's q, k, v, f, g into ``qkvfg_proj`` when
-``VLLM_LING_KDA_MERGED_PROJ`` is on (:mod:`kda_in_proj`; only where b_proj stays BF16 and all
+``VLLM_LING_KDA_MERGED_IN_PROJ`` is on (:mod:`kda_merged_in_proj`; only where b_proj stays BF16 and all
 five are block-FP8, as the layer decides). Each
 entry is one weight shape [N, K] with the layers that use it; these are the GEMMs the dense
 FP8 decode kernels must cover. ``kv_b_proj`` is listed with ``decode=False``: vLLM's MLA
@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_ling.models.checkpoint_format import FP8_BLOCK, checkpoint_specs, is_kda_layer, is_not_converted
-from vllm_ling.models.kda_in_proj import MEMBERS as KDA_MERGED_MEMBERS
-from vllm_ling.models.kda_in_proj import MERGED_NAME as KDA_MERGED_NAME
-from vllm_ling.options import read
+from vllm_ling.models.kda_merged_in_proj import MEMBERS as KDA_MERGED_MEMBERS
+from vllm_ling.models.kda_merged_in_proj import MERGED_NAME as KDA_MERGED_NAME
+from vllm_ling.models.kda_merged_in_proj import KdaInProj, select_kda_merged_in_proj
+from vllm_ling.options import LingOptions
 
 _MERGES = {  # checkpoint projection -> vLLM module it is stacked into (suffix match)
     "gate_proj": "gate_up_proj",
@@ -67,21 +68,21 @@ def _vllm_module(module: str, layer: int, kda_layer: bool, b_proj_separate: bool
     return local, proj
 
 
-def _kda_merges(config: dict[str, Any], layer: int, skip: list[str]) -> bool:
-    """Whether vllm-ling's KDA layer merges its in-projections (vllm_ling.layers.kda_merged_proj's
-    rule): b_proj BF16 (else vLLM builds qkvb_proj) and the five members all block-FP8."""
+def _kda_merges(layer: int, skip: list[str]) -> bool:
+    """Whether vllm-ling's KDA layer merges its in-projections: the layer's own selector asked with
+    the facts the checkpoint gives (b_proj BF16, else vLLM builds qkvb_proj; which members are BF16)."""
     attention = f"model.layers.{layer}.attention"
-    return (is_not_converted(f"{attention}.b_proj", skip)
-            and not any(is_not_converted(f"{attention}.{m}", skip) for m in KDA_MERGED_MEMBERS))
+    bf16 = tuple(m for m in KDA_MERGED_MEMBERS if is_not_converted(f"{attention}.{m}", skip))
+    return select_kda_merged_in_proj(True, is_not_converted(f"{attention}.b_proj", skip), bf16).choice is KdaInProj.MERGED
 
 
 def dense_fp8_linears(config: dict[str, Any], include_mtp: bool = True,
                       kda_merged_in_proj: bool | None = None) -> list[DenseLinear]:
     """Every dense block-FP8 linear shape with the layers that use it (target, then NEXTN).
     ``kda_merged_in_proj``: whether KDA layers merge q, k, v, f, g (default: the
-    ``VLLM_LING_KDA_MERGED_PROJ`` option, as the server reads it)."""
+    ``VLLM_LING_KDA_MERGED_IN_PROJ`` option, as the server reads it)."""
     if kda_merged_in_proj is None:
-        kda_merged_in_proj = bool(read("VLLM_LING_KDA_MERGED_PROJ"))
+        kda_merged_in_proj = LingOptions.current().kda_merged_in_proj
     n_layers = config["num_hidden_layers"]
     skip = (config.get("quantization_config") or {}).get("modules_to_not_convert") or []
     merged: dict[tuple[int, str], dict] = {}
@@ -94,7 +95,7 @@ def dense_fp8_linears(config: dict[str, Any], include_mtp: bool = True,
         kda = layer < n_layers and is_kda_layer(layer, config)
         b_separate = is_not_converted(f"model.layers.{layer}.attention.b_proj", skip)
         vllm_name, proj = _vllm_module(module, layer, kda, b_separate,
-                                       kda and kda_merged_in_proj and _kda_merges(config, layer, skip))
+                                       kda and kda_merged_in_proj and _kda_merges(layer, skip))
         entry = merged.setdefault((layer, vllm_name), {"n": 0, "k": spec.shape[1], "members": [],
                                                        "cls": spec.tensor_class})
         entry["n"] += spec.shape[0]

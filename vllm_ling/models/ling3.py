@@ -13,7 +13,8 @@ from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3ForCausalLM
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models import loaded
-from vllm_ling.models.kda_in_proj import MEMBERS, MERGED_NAME, MergedInProjRouter
+from vllm_ling.models.kda_merged_in_proj import MEMBERS, MERGED_NAME
+from vllm_ling.models.kda_merged_in_proj_loading import MergedInProjRouter
 
 logger = get_logger("models")
 
@@ -42,7 +43,7 @@ def check_local_checkpoint(vllm_config: VllmConfig, include_mtp: bool) -> None:
 class LingForCausalLM(BailingMoeV3ForCausalLM):
     """The Ling-3.0 target as registered by vllm-ling."""
 
-    # vLLM's merges plus the KDA in-projection (vllm_ling.layers.kda_merged_proj): the quant
+    # vLLM's merges plus the KDA in-projection (vllm_ling.layers.kda_merged_in_proj): the quant
     # config reads this to decide a merged linear's precision from its members'
     packed_modules_mapping = {**BailingMoeV3ForCausalLM.packed_modules_mapping, MERGED_NAME: list(MEMBERS)}
 
@@ -53,7 +54,7 @@ class LingForCausalLM(BailingMoeV3ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """vLLM's loader, with the merged KDA layers' q/k/v/f/g routed into their shards
-        (:mod:`vllm_ling.models.kda_in_proj`)."""
+        (:mod:`vllm_ling.models.kda_merged_in_proj_loading`)."""
         router = MergedInProjRouter(self)
         if not router.layers:
             return super().load_weights(weights)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from importlib import resources
 from typing import ClassVar
 
 import torch
@@ -31,6 +32,13 @@ def cuda_capability(device: torch.device | str | None) -> tuple[int, int] | str:
     if device.type != "cuda":
         return f"device {device} is not CUDA"
     return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
+def ptx_loads() -> str:
+    """The global-load helpers every kernel of this package shares (``ptx_loads.cuh``): each
+    kernel's source puts them after its ``#define`` lines."""
+    return resources.files(__package__).joinpath("ptx_loads.cuh").read_bytes().decode()
 
 
 _KERNEL_BASE: list[type] = []

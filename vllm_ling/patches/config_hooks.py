@@ -24,7 +24,7 @@ from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigC
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.configuration import check_architectures
 from vllm_ling.models.names import LING_MODEL_TYPE, TARGET_ARCH
-from vllm_ling.options import LingOptions
+from vllm_ling.options import LingOptions, opt_out_setting
 from vllm_ling.refusal import Refusal
 from vllm_ling.runtime import ray_env
 from vllm_ling.runtime.spec_policy import speculative_schedule
@@ -57,14 +57,14 @@ def check_head_conflicts(options: LingOptions, hf_config, speculative: Any = Non
         raise LingConfigError(
             "The FP8 LM head (VLLM_LING_FP8_HEAD=1, the default) and an fp32 head "
             "(--hf-overrides '{\"head_dtype\": \"float32\"}') are mutually exclusive. "
-            "Drop head_dtype from --hf-overrides, or set VLLM_LING_FP8_HEAD=0 to keep a "
+            f"Drop head_dtype from --hf-overrides, or set {opt_out_setting('VLLM_LING_FP8_HEAD')} to keep a "
             "full-precision head.")
     if options.fp8_head and isinstance(speculative, dict) and "draft_lm_head_quantization" in speculative:
         raise LingConfigError(
             "The FP8 LM head (VLLM_LING_FP8_HEAD=1, the default) and "
             "--speculative-config draft_lm_head_quantization are mutually exclusive: with "
             "the FP8 head the MTP draft already shares the target's quantized head module. "
-            "Remove draft_lm_head_quantization, or set VLLM_LING_FP8_HEAD=0.")
+            f"Remove draft_lm_head_quantization, or set {opt_out_setting('VLLM_LING_FP8_HEAD')}.")
 
 
 def check_cpu_moe_backend(options: LingOptions, kernel_moe_backend: str | None) -> None:
@@ -77,7 +77,7 @@ def check_cpu_moe_backend(options: LingOptions, kernel_moe_backend: str | None) 
     why = opt_out_reason(options, kernel_moe_backend)  # the MoE selector's own opt-out rule
     if why is None:
         return
-    what = ("VLLM_LING_MOE_BACKEND=vllm (--moe-backend vllm)" if options.moe_backend is MoeBackend.VLLM
+    what = (f"{opt_out_setting('VLLM_LING_MOE_BACKEND')} (--moe-backend vllm)" if options.moe_backend is MoeBackend.VLLM
             else f"vLLM's {why} (opts out of vllm-ling's MoE)")
     raise LingConfigError(CPU_MOE_BACKEND_REFUSAL.format(what=what))
 
@@ -104,7 +104,7 @@ class LingConfigHook:
         # shards against config.json in the launching process, before any engine process starts
         # (the model's constructor checks again where only a worker sees the directory)
         check_local_checkpoint(vllm_config, include_mtp=False)
-        options = LingOptions.from_env()
+        options = LingOptions.current()
         check_head_conflicts(options, model_config.hf_config)
         if current_platform.is_cpu():
             check_cpu_moe_backend(options, getattr(vllm_config.kernel_config, "moe_backend", None))

@@ -53,7 +53,7 @@ def _user_draft_method(engine_args) -> str | None:
 
 
 def apply() -> None:
-    from vllm_ling.options import LingOptions
+    from vllm_ling.options import LingOptions, opt_out_setting
     from vllm_ling.patches.config_hooks import (LingConfigError, check_head_conflicts, check_mtp_needs_nextn_layers,
                                                 default_speculative_config, is_ling_target)
     from vllm_ling.runtime.spec_policy import (PP_NO_DRAFT_REASON, Speculation, record_speculation,
@@ -64,7 +64,7 @@ def apply() -> None:
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
         if is_ling_target(target_model_config):
-            options = LingOptions.from_env()
+            options = LingOptions.current()
             check_head_conflicts(options, target_model_config.hf_config, self.speculative_config)
             user_gave = _user_gave_speculation(self)
             nextn = getattr(target_model_config.hf_config, "num_nextn_predict_layers", 0) or 0
@@ -90,15 +90,17 @@ def apply() -> None:
                 log_once(logger, logging.WARNING, "no-nextn",
                          "NEXTN MTP speculation is off: %s/config.json has num_nextn_predict_layers=0 "
                          "(no draft layer to speculate with). Reported as not requested; "
-                         "VLLM_LING_MTP=0 says so explicitly.", target_model_config.model)
+                         "%s says so explicitly.", target_model_config.model, opt_out_setting("VLLM_LING_MTP"))
             elif selection.choice is Speculation.DEFAULT_MTP:
                 self.speculative_config = default_speculative_config(
                     options, hf_config, getattr(self, "max_num_seqs", None))
                 log_once(logger, logging.INFO, "default-mtp",
-                         "Ling default speculative decoding: %s (VLLM_LING_MTP=0 turns it off; "
-                         "--speculative-config overrides it).", self.speculative_config)
+                         "Ling default speculative decoding: %s (%s turns it off; "
+                         "--speculative-config overrides it).", self.speculative_config,
+                         opt_out_setting("VLLM_LING_MTP"))
             elif selection.choice is Speculation.OFF:
-                log_once(logger, logging.INFO, "mtp-off", "NEXTN MTP speculation is off (VLLM_LING_MTP=0).")
+                log_once(logger, logging.INFO, "mtp-off", "NEXTN MTP speculation is off (%s).",
+                         opt_out_setting("VLLM_LING_MTP"))
         return original(self, target_model_config, target_parallel_config)
 
     create_speculative_config.__wrapped__ = original

@@ -35,9 +35,10 @@ def _not_a_compile_factor() -> None:
 
 def _getter(name: str):
     """What ``vllm.envs`` (and so vLLM's compile cache key) reads for option ``name``."""
-    from vllm_ling.options import BY_NAME
+    from vllm_ling.options import BY_NAME, RENAMED
 
-    return functools.partial(os.environ.get, name) if BY_NAME[name].compile_factor else _not_a_compile_factor
+    option = BY_NAME[RENAMED.get(name, name)]  # a former name hashes like the option it names
+    return functools.partial(os.environ.get, name) if option.compile_factor else _not_a_compile_factor
 
 
 def is_applied() -> bool:

@@ -24,7 +24,7 @@ import dataclasses
 import json
 from typing import Any
 
-from vllm_ling.runtime.verification import LingVerificationError
+from vllm_ling.runtime.verification.policy import LingVerificationError
 
 PASSED, FAILED, OFF = "passed", "failed", "off by request"
 CHECK_NAME = "chat_roundtrip"
@@ -55,7 +55,7 @@ class RoundtripResult:
         return self.status != FAILED
 
     def as_check(self) -> dict[str, Any]:
-        """The report's check row (``verification.Check`` fields)."""
+        """The report's check row (``verification.checks.Check`` fields)."""
         return {"name": CHECK_NAME, "passed": self.passed,
                 "expected": "reasoning and get_weather(city=Paris, days=3) parsed back as rendered",
                 "actual": f"{self.status}: {self.detail}", "fix": self.fix}
@@ -255,7 +255,7 @@ def check_at_startup(state, args) -> RoundtripResult | None:
     from vllm_ling.options import LingOptions, VerifyPolicy
 
     logger = get_logger("chat_roundtrip")
-    options = LingOptions.from_env()
+    options = LingOptions.current()
     if options.verify is VerifyPolicy.OFF:
         log_once(logger, logging.WARNING, "roundtrip-off",
                  "Chat template / parser round-trip check is OFF (VLLM_LING_VERIFY=off).")

@@ -31,7 +31,7 @@ import logging
 import os
 from pathlib import Path
 
-from vllm_ling.runtime.supervisor import STOP_FILE_ENV
+from vllm_ling.options import STOP_FILE_ENV
 
 OUTPUT_HANDLER_LOGGER = "vllm.v1.engine.async_llm"
 LAUNCHER_LOGGER = "vllm.entrypoints.launchers.launcher"

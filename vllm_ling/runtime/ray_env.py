@@ -24,7 +24,7 @@ from vllm_ling.processes import SERVER_MARKER_ENV
 
 
 def propagated_names() -> tuple[str, ...]:
-    return tuple(o.name for o in OPTIONS if o.scope in (Scope.PLUGIN, Scope.TEST))
+    return tuple(n for o in OPTIONS if o.scope in (Scope.PLUGIN, Scope.TEST) for n in (o.name, o.former_name) if n)
 
 
 def worker_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

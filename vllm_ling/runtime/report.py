@@ -3,7 +3,7 @@
 Workers write it once after load (:mod:`vllm_ling.runtime.verification`) and add their
 memory and startup facts after warm-up (:mod:`vllm_ling.runtime.startup_facts`), the API server
 adds the chat round-trip check (:mod:`vllm_ling.runtime.chat_roundtrip`), ``vllm-ling
-serve`` merges the smoke result into it (:mod:`vllm_ling.runtime.smoke`), and the stat
+serve`` merges the smoke result into it (:mod:`vllm_ling.launcher.smoke`), and the stat
 logger and ``GET /vllm_ling/report`` read it. Every write goes through :func:`write_report`
 or :func:`update_report`: a private (0600) temporary file in the target directory, then an
 atomic rename, so a reader never sees half a report.
@@ -76,7 +76,7 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 },
             },
         },
-        # Known-answer kernel checks (vllm_ling.runtime.kernel_checks.report_section).
+        # Known-answer kernel checks (vllm_ling.runtime.verification.known_answers.report_section).
         "kernel_checks": {
             "type": "object",
             "required": ["passed", "summary", "seconds", "results", "dense_fp8"],
@@ -106,7 +106,7 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "dense_fp8": {"type": "object", "required": ["kernels", "path_choice"]},
             },
         },
-        # One entry per rank of the server (vllm_ling.runtime.verification.rank_entry).
+        # One entry per rank of the server (vllm_ling.runtime.verification.ranks.rank_entry).
         "ranks": {
             "type": "array",
             "minItems": 1,

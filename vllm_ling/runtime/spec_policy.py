@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_ling.models.cost_model import build_plan, mtp_model, totals
-from vllm_ling.options import STUDY_VERIFY_COST_BATCH1, Choice, LingOptions
+from vllm_ling.options import STUDY_VERIFY_COST_BATCH1, Choice, LingOptions, opt_out_setting
 from vllm_ling.selection import Feature, Selection
 
 STUDY_ACCEPT_LENGTH_GSM8K = 2.68
@@ -112,7 +112,7 @@ def select_speculation(options: LingOptions, user_gave: bool, nextn_layers: int,
     if user_gave:
         return sel(Speculation.USER, "the user's --speculative-config")
     if not options.mtp:
-        return sel(Speculation.OFF, "VLLM_LING_MTP=0")
+        return sel(Speculation.OFF, opt_out_setting("VLLM_LING_MTP"))
     if pipeline_parallel_size > 1:
         return sel(Speculation.OFF_PIPELINE, "pipeline parallelism: vLLM 0.32 runs no draft model there")
     if nextn_layers == 0:

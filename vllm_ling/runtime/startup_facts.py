@@ -76,7 +76,7 @@ def record_after_warmup(worker) -> dict[str, Any]:
         report["startup"] = startup
         report.setdefault("memory", {})["kv_cache_bytes"] = kv_bytes
 
-    path = LingOptions.from_env().report_path
+    path = LingOptions.current().report_path
     if is_reporting_rank() and path and not update_report(path, merge):
         logger.info("vllm-ling startup facts are in the log only: no verification report at %s "
                     "(VLLM_LING_VERIFY=off?).", path)

@@ -74,7 +74,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/* Seconds a stopping pod gets: preStop pause + vLLM's drain (--shutdown-timeout) + the
-30 s vllm-ling serve allows vLLM's teardown after it (runtime/supervisor.py TEARDOWN_MARGIN_S). */}}
+30 s vllm-ling serve allows vLLM's teardown after it (launcher/supervisor.py TEARDOWN_MARGIN_S). */}}
 {{- define "vllm-ling.terminationGracePeriodSeconds" -}}
 {{- add (int .Values.serving.preStopSleepSeconds) (int .Values.serving.shutdownTimeout) 30 -}}
 {{- end -}}

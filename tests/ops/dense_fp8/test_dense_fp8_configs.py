@@ -16,7 +16,7 @@ from vllm_ling.ops.dense_fp8 import tuned_configs as T
 from vllm_ling.ops.fp8 import block_fp8_quantize
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "vllm_ling", "data", "ling3_flash_fp4_config.json")
-# with and without the KDA in-projection merge (VLLM_LING_KDA_MERGED_PROJ): the server runs either
+# with and without the KDA in-projection merge (VLLM_LING_KDA_MERGED_IN_PROJ): the server runs either
 SHAPES = sorted({s for merged in (True, False)
                  for s in distinct_decode_shapes(json.load(open(CONFIG)), kda_merged_in_proj=merged)})
 ARCHS = [(9, 0), (10, 0), (12, 1), (8, 9)]

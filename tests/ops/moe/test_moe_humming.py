@@ -20,5 +20,5 @@ def test_humming_experts_refuses_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this check is for machines without CUDA")
     t = warmup.random_mxfp4_experts(4, 64, 32, device="cpu")
-    with pytest.raises(humming.HummingUnavailableError):
+    with pytest.raises(humming.HummingUnavailable):
         humming.HummingMxfp4Experts(**t)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_ling.ops.moe.activation import SwigluClamp
-from vllm_ling.ops.moe.selection import HummingUnavailable, MoePath, MoeShape, select_moe
+from vllm_ling.ops.moe.humming import HummingUnavailable
+from vllm_ling.ops.moe.selection import MoePath, MoeShape, select_moe
 from vllm_ling.options import LingOptions, MoeBackend, MoeDecode
 from vllm_ling.selection import Feature, Platform
 

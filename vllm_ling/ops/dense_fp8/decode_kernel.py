@@ -91,10 +91,13 @@ def _kernel_text() -> str:
 
 
 def source(config: DecodeConfig, k: int, rows: int) -> str:
-    """The CUDA text handed to NVRTC: the launch shape as ``#define`` lines, then the kernel."""
+    """The CUDA text handed to NVRTC: the launch shape as ``#define`` lines, the shared loads, then
+    the kernel."""
+    from vllm_ling.ops.cuda_jit import ptx_loads
+
     defines = dict(WARPS_N=config.warps_n, KSPLIT=config.ksplit, STEPS=config.steps(k), TG=row_groups(rows),
                    MINB=config.min_blocks)
-    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _kernel_text()
+    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + ptx_loads() + _kernel_text()
 
 
 _COMPILED: dict[tuple, object] = {}

@@ -83,16 +83,6 @@ def _decode_unavailable(capability: tuple[int, int]) -> str | None:
     return decode_kernel_unavailable_reason() or ("needs sm_80+" if capability < (8, 0) else None)
 
 
-def decode_kernel_status(device: torch.device | str | None = None) -> str:
-    """Which kernel serves decode-sized batches here, for the startup report and metrics: the CUDA
-    decode kernel, or the Triton kernel alone with the reason (the explicit fallback)."""
-    reason = decode_kernel_unavailable_reason()
-    if reason is None and torch.cuda.is_available():
-        reason = _decode_unavailable(device_facts(torch.device(device or "cuda"))[0])
-    return ("decode: CUDA W8A16 kernel" if reason is None
-            else f"decode: Triton W8A16 kernel (CUDA decode kernel unavailable: {reason})")
-
-
 def _decode_config(n: int, k: int, rows: int, capability: tuple[int, int], sm_count: int) -> D.DecodeConfig | None:
     if rows > D.MAX_ROWS:
         return None
@@ -129,6 +119,27 @@ def kernel_name(config: W8A16Config | D.DecodeConfig) -> str:
     """The kernel a config runs, for reports."""
     return "CUDA W8A16 decode" if isinstance(config, D.DecodeConfig) else \
         f"Triton W8A16 ({'tensor cores' if config.use_dot else 'fp32 FMA'})"
+
+
+def layer_launch_configs(n: int, k: int, max_rows: int, device: torch.device) -> tuple:
+    """The config for each row count 1..``max_rows`` of an [n, k] weight on ``device``: what a
+    layer serves its decode-sized batches with (it hands them to :func:`w8a16_linear`), resolved
+    once after loading (the WARNING where the decode kernel cannot run comes from here)."""
+    capability, sm_count = device_facts(device)
+    return tuple(launch_config(n, k, rows, capability, sm_count) for rows in range(1, max_rows + 1))
+
+
+def describe_kernels(configs) -> str:
+    """The kernels of per-row-count ``configs`` (:func:`layer_launch_configs`), one entry per run
+    of row counts: ``CUDA W8A16 decode at 1-16 rows, Triton W8A16 (tensor cores) at 17-32 rows``."""
+    runs: list[list] = []
+    for rows, config in enumerate(configs, start=1):
+        name = kernel_name(config)
+        if runs and runs[-1][0] == name:
+            runs[-1][2] = rows
+        else:
+            runs.append([name, rows, rows])
+    return ", ".join(f"{name} at {lo}-{hi} rows" if hi > lo else f"{name} at {lo} rows" for name, lo, hi in runs)
 
 
 def _prefetch_split(config: W8A16Config, k: int) -> tuple[int, int]:

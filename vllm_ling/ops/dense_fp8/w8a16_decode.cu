@@ -26,13 +26,6 @@ typedef unsigned short u16;
 #define K_ (64 * KSPLIT * STEPS)
 #define THREADS (32 * WARPS_N * KSPLIT)
 
-__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-
 // bytes (b0, b2) of q as a BF16 pair of w * 2**-120
 __device__ __forceinline__ u32 e4m3_pair_even(u32 q) {
   return ((q << 8) & 0x80008000u) | ((q << 4) & 0x07F007F0u);
@@ -76,8 +69,8 @@ __device__ __forceinline__ void load_tile(uint4 (&wr)[STEPS][2], float (&sc)[STE
   const float* srow = scale + (long long)(n0 / 128) * scale_stride;
 #pragma unroll
   for (int s = 0; s < STEPS; ++s) {
-    wr[s][0] = ld_weights(row_lo + 4 * s);
-    wr[s][1] = ld_weights(row_hi + 4 * s);
+    wr[s][0] = ld_stream(row_lo + 4 * s);
+    wr[s][1] = ld_stream(row_hi + 4 * s);
     sc[s] = srow[(ks * STEPS + s) >> 1] * 72057594037927936.f;  // * 2**56
   }
 }

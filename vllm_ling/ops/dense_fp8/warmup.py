@@ -20,7 +20,9 @@ import torch
 from vllm_ling.ops.dense_fp8 import decode_kernel as D
 from vllm_ling.ops.dense_fp8.linear import device_facts, kernel_name, launch_config, w8a16_linear
 from vllm_ling.ops.dense_fp8.reference import output_errors
+from vllm_ling.ops.dense_fp8.selection import OPTION
 from vllm_ling.ops.fp8 import block_fp8_quantize
+from vllm_ling.options import opt_out_setting
 
 
 def _kernel_key(config, rows: int) -> tuple:
@@ -36,7 +38,7 @@ def check_outputs(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scal
         worst = float(err.nan_to_num(float("inf")).max())
         raise RuntimeError(f"dense FP8 warmup: wrong outputs for {what}: {int(bad.sum())} of {bad.numel()} outside "
                            f"2^-8 |ref| + 2^-14 |x|.|w| of the float64 reference (largest error {worst:.3g}); "
-                           "do not serve with this kernel (VLLM_LING_DENSE_FP8=vllm runs vLLM's)")
+                           f"do not serve with this kernel ({opt_out_setting(OPTION)} runs vLLM's)")
 
 
 def warmup_kernels(shapes: list[tuple[int, int]], max_rows: int = D.MAX_ROWS,

@@ -1,4 +1,4 @@
-"""Known-answer inputs for kernel checks, their independent answers, and fault injectors.
+"""Known-answer inputs for kernel checks and their independent answers.
 
 No vLLM import (runs on the GPU machine). Each ``*_problem`` builder returns small
 deterministic weights covering a format's edge cases plus input cases with the answer
@@ -12,14 +12,11 @@ decodes a code, a nibble or a scale exponent wrongly cannot agree with it by sha
 - :mod:`.fp8`: dense block-FP8 linear and FP8 LM-head problems, the head-kernel check;
 - :mod:`.mxfp4_moe`: the MXFP4 routed-experts problem and the experts check;
 - :mod:`.kda`: the KDA prefill/decode problem and check;
-- :mod:`.router`: the MoE router GEMV problem and check;
-- :mod:`.faults`: fault injectors and the emulation of vLLM-CPU's AMX e4m3 defect, so tests
-  prove each check fails.
+- :mod:`.router`: the MoE router GEMV problem and check.
+
+The fault injectors that prove each check can fail are the tests' (``tests/known_answer_faults.py``).
 """
 
-from vllm_ling.ops.known_answer.faults import (amx_e4m3_decode, bump_e8m0, plant_head_scale_fault,
-                                               plant_head_zero_code_fault, plant_zero_code_fault,
-                                               swap_nibbles)
 from vllm_ling.ops.known_answer.formats import (DENSE_ROW_RTOL, E4M3_NAN_CODES, E4M3_TABLE,
                                                 FINITE_E4M3_CODES, MOE_ROW_RTOL, MOE_W4A8_ROW_RTOL,
                                                 ONE_HOT_RTOL, code_ranges, e4m3_value)
@@ -33,8 +30,7 @@ from vllm_ling.ops.known_answer.runner import KernelCheckResult, KnownAnswerCase
 
 __all__ = ["DENSE_ROW_RTOL", "E4M3_NAN_CODES", "E4M3_TABLE", "FINITE_E4M3_CODES",
            "KernelCheckResult", "KnownAnswerCase", "MOE_MODE_LIMIT", "MOE_REGIMES", "MOE_ROW_RTOL", "MOE_SWIGLU_LIMIT",
-           "MOE_W4A8_ROW_RTOL", "ONE_HOT_RTOL", "ROUTER_RTOL", "amx_e4m3_decode", "block_fp8_linear_problem",
-           "bump_e8m0", "check_fp8_head_kernel", "check_kda", "check_mxfp4_experts", "check_router_gemv",
+           "MOE_W4A8_ROW_RTOL", "ONE_HOT_RTOL", "ROUTER_RTOL", "block_fp8_linear_problem",
+           "check_fp8_head_kernel", "check_kda", "check_mxfp4_experts", "check_router_gemv",
            "code_ranges", "e4m3_value", "fp8_head_problem", "kda_problem", "mxfp4_moe_problem",
-           "plant_head_scale_fault", "plant_head_zero_code_fault", "plant_zero_code_fault", "router_gemv_problem",
-           "run_check", "skipped_result", "swap_nibbles"]
+           "router_gemv_problem", "run_check", "skipped_result"]

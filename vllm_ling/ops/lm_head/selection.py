@@ -1,8 +1,9 @@
-"""Which FP8 LM-head kernel runs: per GPU architecture from ``HEAD_KERNEL_BY_ARCH``, or forced
-with ``VLLM_LING_LM_HEAD_KERNEL``; a forced or chosen kernel that cannot run is an error or a
-WARNING naming the reason, never a silent switch. :func:`select_head_kernel` is the one place it is
-decided: the head method records its answer on the head, warm-up compiles it, and the startup
-verification proves the head's prepared kernel is the recorded one."""
+"""Whether the LM head is quantized to FP8 (:func:`select_fp8_head`) and which FP8 kernel runs it
+(:func:`select_head_kernel`): per GPU architecture from ``HEAD_KERNEL_BY_ARCH``, or forced with
+``VLLM_LING_LM_HEAD_KERNEL``; a forced or chosen kernel that cannot run is an error or a WARNING
+naming the reason, never a silent switch. Each is the one place its choice is decided: the quant
+config and the head method record the answers on the head, warm-up compiles the kernel, and the
+startup verification proves the head serves what it recorded."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import logging
 import torch
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import HeadKernel, read
+from vllm_ling.options import Choice, HeadKernel, LingOptions, opt_out_setting, read
 from vllm_ling.ops.lm_head.triton_kernel import triton_available
 from vllm_ling.selection import Feature, Selection
 from vllm_ling.versions import TESTED_HUMMING_VERSION
@@ -39,6 +40,19 @@ HEAD_KERNEL_BY_ARCH: dict[tuple[int, int], tuple[tuple[HeadKernel, ...], str]] =
 # (FP8 conversion needs sm_89+), then _scaled_mm (row-wise FP8 needs sm_89+).
 _UNMEASURED_ORDER = (HUMMING, TRITON, SCALED_MM)
 _MIN_CAPABILITY = {HUMMING: (8, 0), TRITON: (8, 9), SCALED_MM: (8, 9)}
+
+
+class Fp8Head(Choice):
+    """What holds the LM head's weight (the report's ``head_dtype`` says its dtype)."""
+
+    FP8 = "fp8"    # vllm-ling's per-row FP8 head (Fp8LmHeadMethod)
+    VLLM = "vllm"  # opted out: vLLM's method on the checkpoint's head
+
+
+def select_fp8_head(options: LingOptions) -> Selection:
+    if options.fp8_head:
+        return Selection(Feature.FP8_HEAD, Fp8Head.FP8, "vllm-ling's per-row FP8 head (VLLM_LING_FP8_HEAD=1)")
+    return Selection(Feature.FP8_HEAD, Fp8Head.VLLM, f"opted out ({opt_out_setting('VLLM_LING_FP8_HEAD')})")
 
 
 def _module_available(name: str) -> bool:

@@ -18,11 +18,11 @@ The names below are what the layers and the CLI use (``from vllm_ling.ops import
 from vllm_ling.ops.moe.activation import layer_swiglu_limit
 from vllm_ling.ops.moe.humming import (DECODE_AUTO, DECODE_COPY, DECODE_MODES, DECODE_OFF,
                                        DEFAULT_DECODE_MAX_TOKENS, HummingMxfp4Experts,
-                                       HummingUnavailableError, humming_status)
+                                       HummingUnavailable, humming_status)
 from vllm_ling.ops.moe.reference import LingMoEConfig, experts_reference, moe_block_reference
 from vllm_ling.ops.moe.warmup import random_mxfp4_experts, warmup_kernels
 
 __all__ = ["DECODE_AUTO", "DECODE_COPY", "DECODE_MODES", "DECODE_OFF", "DEFAULT_DECODE_MAX_TOKENS",
-           "HummingMxfp4Experts", "HummingUnavailableError", "LingMoEConfig", "experts_reference",
+           "HummingMxfp4Experts", "HummingUnavailable", "LingMoEConfig", "experts_reference",
            "humming_status", "layer_swiglu_limit", "moe_block_reference", "random_mxfp4_experts",
            "warmup_kernels"]

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import MoeDecode, option
+from vllm_ling.options import MoeDecode, opt_out_setting, option
 from vllm_ling.ops.moe.activation import (ROUTED_EXPERT_CLAMP, SwigluClamp, check_clamp, effective_limit,
                                           swiglu_activation_expr)
 from vllm_ling.ops.moe.decode import layouts as decode_layouts
@@ -33,8 +33,9 @@ DECODE_MODES = tuple(m.value for m in MoeDecode)
 DEFAULT_DECODE_MAX_TOKENS = option("VLLM_LING_MOE_DECODE_MAX_TOKENS").default
 
 
-class HummingUnavailableError(RuntimeError):
-    """humming cannot run here (not installed, no CUDA, GPU too old, bad dtype)."""
+class HummingUnavailable(RuntimeError):
+    """Humming cannot run here (not installed, no CUDA, GPU too old, bad dtype), or an explicit
+    request of it cannot (raised before any weight loads where the selector finds out)."""
 
 
 def humming_status(w4a8: bool = False, device: int | torch.device | None = None) -> tuple[bool, str]:
@@ -75,7 +76,7 @@ def _import_humming():
         from humming.transform import prepare_and_transform_humming_tensors
         from humming.tune import get_heuristics_config
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise HummingUnavailableError(f"cannot import humming-kernels: {exc}") from exc
+        raise HummingUnavailable(f"cannot import humming-kernels: {exc}") from exc
     return dict(humming_forward=humming_forward, may_process_input=may_process_input,
                 HummingInputSchema=HummingInputSchema, HummingWeightSchema=HummingWeightSchema,
                 prepare=prepare_and_transform_humming_tensors,
@@ -147,9 +148,9 @@ class HummingMxfp4Experts:
         device = w13_weight.device
         ok, reason = humming_status(w4a8=w4a8, device=device if device.type == "cuda" else None)
         if not ok:
-            raise HummingUnavailableError(reason)
+            raise HummingUnavailable(reason)
         if device.type != "cuda":
-            raise HummingUnavailableError(f"expert weights must be on a CUDA device, got {device}")
+            raise HummingUnavailable(f"expert weights must be on a CUDA device, got {device}")
         for name, t in (("w13_weight", w13_weight), ("w13_weight_scale", w13_weight_scale),
                         ("w2_weight", w2_weight), ("w2_weight_scale", w2_weight_scale)):
             if t.dtype not in (torch.uint8, torch.float8_e8m0fnu) or t.dim() != 3:
@@ -215,7 +216,7 @@ class HummingMxfp4Experts:
         if decode is DECODE_AUTO:
             self.decoder = self._humming_layout_decoder(top_k)
         if decode is DECODE_OFF:
-            self.decode_status = "off (VLLM_LING_MOE_DECODE=off): humming's GEMM at every batch size"
+            self.decode_status = f"off ({opt_out_setting('VLLM_LING_MOE_DECODE')}): humming's GEMM at every batch size"
         elif self.decoder is not None:
             self.decode_status = (f"{'packed copy' if decode is DECODE_COPY else 'humming layout'}, "
                                   f"<= {decode_max_tokens} tokens")

@@ -12,7 +12,8 @@ import dataclasses
 from typing import Callable
 
 from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, VLLM_ROUTED_EXPERT_CLAMP, SwigluClamp
-from vllm_ling.options import Choice, LingOptions, MoeBackend, MoeDecode
+from vllm_ling.ops.moe.humming import HummingUnavailable
+from vllm_ling.options import Choice, LingOptions, MoeBackend, MoeDecode, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Selection
 
 # vLLM's --moe-backend words that leave the routed experts to vllm-ling ("humming" is vLLM's own
@@ -27,10 +28,6 @@ class MoePath(Choice):
     HUMMING = "humming"
     REFERENCE = "reference"  # plain PyTorch, CPU platform only
     VLLM = "vllm"            # opted out: vLLM's own MXFP4 backend
-
-
-class HummingUnavailable(RuntimeError):
-    """Humming was requested (the default) but cannot run here (raised before any weight loads)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +51,15 @@ class MoeSelection(Selection):
         if not isinstance(self.clamp, SwigluClamp):
             raise TypeError(f"MoeSelection needs a SwigluClamp, got {self.clamp!r}")
 
+    def served_as(self) -> tuple:
+        """What a layer serving this selection runs: compared with
+        :func:`vllm_ling.layers.moe_method.served` of the layer."""
+        return (self.choice, self.w4a8, self.decode, self.decode_max_tokens, self.clamp)
+
     def kernel_kwargs(self) -> dict:
         """The switches humming's experts take (the layer's method and warm-up's kernels alike)."""
         return {"w4a8": self.w4a8, "decode": self.decode, "decode_max_tokens": self.decode_max_tokens,
                 "clamp": self.clamp}
-
-    def served_key(self) -> tuple:
-        """What a layer serving this selection runs: compared with
-        :func:`vllm_ling.layers.moe_method.served_selection` of the layer's method."""
-        return self.choice, self.w4a8, self.decode, self.decode_max_tokens, self.clamp
 
 
 def select_moe(options: LingOptions, platform: Platform, shape: MoeShape, prefix: str,
@@ -95,7 +92,7 @@ def select_moe(options: LingOptions, platform: Platform, shape: MoeShape, prefix
             f"Humming MXFP4 MoE cannot run for {prefix}: {why}. Install humming-kernels "
             "(it comes with vllm==0.32.0) on an sm_75+ GPU" + (", or set VLLM_LING_MOE_W4A8=0 (W4A8 "
             "needs sm_89+)" if options.moe_w4a8 else "") + ", or opt out explicitly with "
-            "VLLM_LING_MOE_BACKEND=vllm (or vLLM's --moe-backend).")
+            f"{opt_out_setting('VLLM_LING_MOE_BACKEND')} (or vLLM's --moe-backend).")
     decode = options.moe_decode
     return MoeSelection(Feature.MOE, MoePath.HUMMING, f"CUDA, humming runs ({why})" if why else "CUDA, humming runs",
                         w4a8=options.moe_w4a8, decode=decode,
@@ -106,7 +103,7 @@ def opt_out_reason(options: LingOptions, vllm_moe_backend: str | None) -> str | 
     """Which explicit choice hands the routed experts to vLLM's MXFP4 backends (None: they are
     ours). Also what the CPU config hook refuses before loading (vLLM-CPU has no such backend)."""
     if options.moe_backend is MoeBackend.VLLM:
-        return "VLLM_LING_MOE_BACKEND=vllm"
+        return opt_out_setting("VLLM_LING_MOE_BACKEND")
     vllm_backend = vllm_moe_backend or "auto"
     if vllm_backend not in VLLM_BACKENDS_LEAVING_US_IN_CHARGE:
         return f"--moe-backend {vllm_backend}"

@@ -9,7 +9,7 @@ import torch
 
 from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, SwigluClamp
 from vllm_ling.ops.moe.humming import (DECODE_AUTO, DEFAULT_DECODE_MAX_TOKENS, HummingMxfp4Experts,
-                                       HummingUnavailableError, humming_status)
+                                       HummingUnavailable, humming_status)
 
 
 def random_mxfp4_experts(num_experts: int, hidden_size: int, intermediate_size: int,
@@ -49,7 +49,7 @@ def warmup_kernels(hidden_size: int, intermediate_size: int, num_experts: int, t
 
     ok, reason = humming_status(w4a8=w4a8)
     if not ok:
-        raise HummingUnavailableError(reason)
+        raise HummingUnavailable(reason)
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     kernels_dir = configure_humming_cache()
     before = count_cached_kernels(kernels_dir)

@@ -19,10 +19,10 @@ from importlib import resources
 
 import torch
 
+from vllm_ling.options import BF16_GEMV_MAX_ROWS as BF16_MAX_ROWS  # noqa: F401 (Ling's BF16 linears; measured: why there)
+from vllm_ling.options import SMALL_GEMV_MAX_ROWS as MAX_ROWS  # the kernel's tokens (measured: why there)
+
 KERNEL_NAME = "ling_small_gemv"
-MAX_ROWS = 16  # measured up to here (small_gemv_h200.md); the kernel before staging lost to cuBLAS at 32
-# Ling's 32-row BF16 linears: cuBLAS is close from 16 rows (small_gemv_h200.md's Reading says why 8 stays)
-BF16_MAX_ROWS = 8
 _MAX_CHUNKS_PER_LANE = 32  # 16-byte weight chunks held per lane (128 registers)
 WARPS_PER_CTA = 4  # weight rows per CTA (one warp each)
 _STAGE_BYTES = 40 * 1024  # shared memory for staged activations: under the 48 KB static limit on every target
@@ -91,10 +91,12 @@ def _kernel_text() -> str:
 
 
 def source(k: int, weight_dtype: torch.dtype, out_dtype: torch.dtype, warps: int, tokens_per_pass: int) -> str:
-    """The CUDA text handed to NVRTC: the shape as ``#define`` lines, then the kernel."""
+    """The CUDA text handed to NVRTC: the shape as ``#define`` lines, the shared loads, then the kernel."""
+    from vllm_ling.ops.cuda_jit import ptx_loads
+
     defines = dict(K_=k, WARPS=warps, TB=tokens_per_pass, XS_T=staged_tokens(k), W_BF16=_WEIGHT_DTYPES[weight_dtype],
                    OUT_BF16=_OUT_DTYPES[out_dtype])
-    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _kernel_text()
+    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + ptx_loads() + _kernel_text()
 
 
 _COMPILED: dict[tuple, object] = {}

@@ -14,11 +14,10 @@ from typing import Callable
 
 import torch
 
-from vllm_ling.options import Bf16Gemv, Choice, LingOptions, RouterGemv
+from vllm_ling.options import Bf16Gemv, Choice, LingOptions, RouterGemv, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Selection
 
-ROUTER_OPT_OUT = "VLLM_LING_ROUTER_GEMV=vllm"
-BF16_OPT_OUT = "VLLM_LING_BF16_GEMV=vllm"
+ROUTER_OPTION, BF16_OPTION = "VLLM_LING_ROUTER_GEMV", "VLLM_LING_BF16_GEMV"
 NOT_A_GEMV_GATE = "not an fp32 unquantized bias-free gate with fp32 logits"
 
 
@@ -65,7 +64,7 @@ def select_router_gemv(options: LingOptions, platform: Platform, facts: GateFact
         return Selection(Feature.ROUTER_GEMV, GemvPath.VLLM, reason)
 
     if options.router_gemv is RouterGemv.VLLM:
-        return vllm(f"opted out ({ROUTER_OPT_OUT})")
+        return vllm(f"opted out ({opt_out_setting(ROUTER_OPTION)})")
     if platform is Platform.CPU:
         return vllm("the CPU platform: vLLM's GateLinear path")
     kind = []
@@ -90,7 +89,8 @@ def select_router_gemv(options: LingOptions, platform: Platform, facts: GateFact
         return vllm("; ".join(problems))
     why = router_ops.unavailable_reason() if unavailable_reason is None else unavailable_reason()
     if why:
-        raise RouterGemvUnavailable(f"router GEMV cannot run for {facts.prefix}: {why}; opt out with {ROUTER_OPT_OUT}")
+        raise RouterGemvUnavailable(f"router GEMV cannot run for {facts.prefix}: {why}; opt out with "
+                                    f"{opt_out_setting(ROUTER_OPTION)}")
     return Selection(Feature.ROUTER_GEMV, GemvPath.LING, "CUDA, the router GEMV holds this gate")
 
 
@@ -100,7 +100,7 @@ def select_bf16_gemv(options: LingOptions, platform: Platform, prefix: str,
     small GEMV (a loaded weight it cannot hold then keeps vLLM's GEMM, reported), or vLLM's GEMM.
     Raises :class:`Bf16GemvUnavailable` where the kernel cannot run on this GPU, naming the opt-out."""
     if options.bf16_gemv is Bf16Gemv.VLLM:
-        return Selection(Feature.BF16_GEMV, GemvPath.VLLM, f"opted out ({BF16_OPT_OUT})")
+        return Selection(Feature.BF16_GEMV, GemvPath.VLLM, f"opted out ({opt_out_setting(BF16_OPTION)})")
     if platform is Platform.CPU:
         return Selection(Feature.BF16_GEMV, GemvPath.VLLM, "the CPU platform: vLLM's GEMM")
     if unavailable_reason is None:
@@ -110,5 +110,15 @@ def select_bf16_gemv(options: LingOptions, platform: Platform, prefix: str,
     else:
         why = unavailable_reason()
     if why:
-        raise Bf16GemvUnavailable(f"the small GEMV cannot run for {prefix}: {why}; opt out with {BF16_OPT_OUT}")
+        raise Bf16GemvUnavailable(f"the small GEMV cannot run for {prefix}: {why}; opt out with "
+                                  f"{opt_out_setting(BF16_OPTION)}")
     return Selection(Feature.BF16_GEMV, GemvPath.LING, "CUDA, the small GEMV runs")
+
+
+def bf16_gemv_after_load(selected: Selection, problems: list[str]) -> Selection:
+    """The final selection of a linear the small GEMV was selected for, once its weight is loaded:
+    unchanged, or vLLM's GEMM where the kernel cannot hold the weight (an explicit fallback)."""
+    if selected.choice is not GemvPath.LING or not problems:
+        return selected
+    return Selection(Feature.BF16_GEMV, GemvPath.VLLM, "the small GEMV cannot hold it: " + "; ".join(problems),
+                     fallback_from=GemvPath.LING)

@@ -23,13 +23,6 @@ typedef unsigned short u16;
 #endif
 #define NJ (K_ / (32 * CHUNK_K))
 
-__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-
 __device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
 
@@ -77,7 +70,7 @@ ling_small_gemv(const uint4* __restrict__ w, const u16* __restrict__ x, out_t* _
   if (n < N) {
     const uint4* p = w + (long long)n * (K_ / CHUNK_K) + lane;
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) wr[j] = ld_weights(p + 32 * j);
+    for (int j = 0; j < NJ; ++j) wr[j] = ld_stream(p + 32 * j);
   }
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");

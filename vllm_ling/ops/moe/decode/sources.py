@@ -1,7 +1,8 @@
 """The CUDA C++ text of the decode kernels, as handed to NVRTC: ``#define`` lines for the
 sizes and launch shape, then the package-data files below, concatenated verbatim.
 
-Files (next to this module; shipped as package data):
+Files (next to this module; shipped as package data), after :func:`vllm_ling.ops.cuda_jit.ptx_loads`
+(the global loads every kernel of the package shares):
 
 - ``common.cuh``: MXFP4 -> BF16 decode of the packed layout, ``mma.m16n8k16`` BF16, the
   2**100 activation scaling, E8M0 scale factors, SwiGLU with the per-layer clamp
@@ -34,6 +35,8 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
+from vllm_ling.ops.cuda_jit import ptx_loads
+
 
 @functools.cache
 def read(name: str) -> str:
@@ -52,11 +55,11 @@ def packed_layout_source(hidden: int, intermediate: int, top_k: int, config, cla
                     KS_A=config.k_split_gate_up, KS_B=config.k_split_down,
                     MINB_A=config.min_blocks_gate_up, MINB_B=config.min_blocks_down,
                     CLAMP_GATE_OUTPUT=clamp_flag)
-            + read("common.cuh") + read("packed_layout.cu"))
+            + ptx_loads() + read("common.cuh") + read("packed_layout.cu"))
 
 
 def humming_layout_source(kernel_files: tuple[str, ...], **values: int) -> str:
     """One humming-layout kernel: its defines, the common and humming-layout helpers, then
     ``kernel_files``."""
-    return (defines(**values) + read("common.cuh") + read("humming_layout.cuh")
+    return (defines(**values) + ptx_loads() + read("common.cuh") + read("humming_layout.cuh")
             + "".join(read(f) for f in kernel_files))

@@ -3,7 +3,7 @@ timeout and node loss run in tests/deploy/test_ray_two_nodes.py)."""
 
 from __future__ import annotations
 
-from vllm_ling.runtime import ray_cluster
+from vllm_ling.launcher import ray_cluster
 
 
 def test_leaderworkerset_worker_names_follow_the_leaders_address():

@@ -1,4 +1,4 @@
-"""vLLM's stderr, forwarded by ``vllm-ling serve``'s supervisor (:mod:`vllm_ling.runtime.supervisor`).
+"""vLLM's stderr, forwarded by ``vllm-ling serve``'s supervisor (:mod:`vllm_ling.launcher.supervisor`).
 
 What a user reads at the end of a stop or a refusal is the launcher's last line, on a line of its
 own: third-party reports that say nothing about the server, printed at interpreter exit, and the

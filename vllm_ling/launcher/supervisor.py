@@ -15,7 +15,7 @@
 - when vLLM's API server is gone, stops every process still below it (SIGTERM, then SIGKILL
   after ``CLEANUP_GRACE_S``), so no orphan keeps the GPU or the port;
 - kills them all if vLLM has not exited ``TEARDOWN_MARGIN_S`` after the drain timeout;
-- forwards vLLM's stderr (:mod:`vllm_ling.runtime.stderr_relay`): third-party leak reports at
+- forwards vLLM's stderr (:mod:`vllm_ling.launcher.stderr_relay`): third-party leak reports at
   interpreter exit only at ``VLLM_LOGGING_LEVEL=DEBUG``, and our last line on a line of its own.
 
 vLLM stays in our process group, so whoever stops the group (a terminal's Ctrl-C, a test
@@ -37,16 +37,13 @@ from typing import Callable, Mapping
 
 from vllm_ling.processes import SERVER_MARKER_ENV, new_marker
 from vllm_ling.refusal import REFUSAL_FILE_ENV
-from vllm_ling.runtime.stderr_relay import StderrRelay, non_empty
+from vllm_ling.launcher.stderr_relay import StderrRelay, non_empty
 
 EXIT_SERVER_DIED = 4  # vLLM exited 0 without a stop request: its engine died (documented in README)
 # After the drain window, vLLM still tears down its engine processes; beyond this we kill.
 TEARDOWN_MARGIN_S = 30.0
 CLEANUP_GRACE_S = 5.0
 _PR_SET_CHILD_SUBREAPER = 36
-# Set in vLLM's environment: the file the supervisor writes when a stop is requested, before it
-# forwards the signal, so vLLM's processes know the stop is wanted (vllm_ling.runtime.clean_stop).
-STOP_FILE_ENV = "_VLLM_LING_STOP_FILE"
 
 
 def become_subreaper() -> bool:
@@ -101,7 +98,7 @@ class Supervisor:
                  log: Callable[[str], None] | None = None,
                  teardown_margin: float = TEARDOWN_MARGIN_S, stop_file: str | None = None):
         self.argv = argv
-        self.stop_file = stop_file  # written on a stop request (STOP_FILE_ENV in vLLM's environment)
+        self.stop_file = stop_file  # written on a stop request (STOP_FILE_ENV of vllm_ling.options in vLLM's env)
         self.env = dict(env)
         self.shutdown_timeout = shutdown_timeout
         self.teardown_margin = teardown_margin

@@ -9,11 +9,12 @@ block-FP8 method that serves any other linear (vllm-ling's W8A16 kernel on CUDA,
 path on CPU, or vLLM's method when ``VLLM_LING_DENSE_FP8=vllm``) serves it unchanged, and the
 block scales concatenate like the rows because every shard is a whole number of 128-row blocks
 (vLLM's own ``qkv_proj`` already requires that of q and k; the merge adds nothing). Loading is
-:mod:`vllm_ling.models.kda_in_proj`. ``VLLM_LING_KDA_MERGED_PROJ=0`` keeps vLLM's three linears.
+:mod:`vllm_ling.models.kda_merged_in_proj_loading`. ``VLLM_LING_KDA_MERGED_IN_PROJ=0`` keeps vLLM's three linears.
 
-A layer is left unmerged, with one WARNING, where the members differ in precision or vLLM builds
-``qkvb_proj`` (b_proj quantized, not the Ling-3.0-flash-fp4 layout: its 32-row shard would sit
-between q, k, v and f, g, off the 128-row grid the W8A16 kernel indexes scales by).
+Each layer records its selection (:func:`~vllm_ling.models.kda_merged_in_proj.select_kda_merged_in_proj`:
+left unmerged, with one WARNING, where the members differ in precision or vLLM builds ``qkvb_proj``)
+and builds from it; its forward takes the merged linear wherever the layer holds one, which is what
+:data:`READER` reads back for the startup verification.
 
 :func:`merged_in_projections` gives (q, k, v, beta logits, f, g) for either form;
 :class:`VllmKdaMergedInProj` (every platform but CPU) is vLLM's forward on those parts, with
@@ -31,53 +32,46 @@ import torch
 
 from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.models.kda_in_proj import MEMBERS, MERGED_NAME
-from vllm_ling.options import read
+from vllm_ling.models.kda_merged_in_proj import (MEMBERS, MERGED_DESCRIPTION, MERGED_NAME, OPTION, KdaInProj,
+                                                 select_kda_merged_in_proj)
+from vllm_ling.options import LingOptions, opt_out_setting
+from vllm_ling.selection import Feature, Reader, Selection, Served, record
 
 logger = get_logger("kda")
 
 IN_TREE_NAME = "BailingMoeV3KimiDeltaAttention"
-OPTION = "VLLM_LING_KDA_MERGED_PROJ"
-MERGED_DESCRIPTION = f"one {MERGED_NAME} linear = [{', '.join(MEMBERS)}] per KDA layer"
 
 
-def refusal(layer: torch.nn.Module, quant_config, prefix: str) -> str | None:
-    """Why this layer keeps vLLM's three linears (None: it merges)."""
-    if not read(OPTION):
-        return f"{OPTION}=0"
-    if not layer.separate_b_proj:
-        return ("vLLM stacks q, k, v, b into qkvb_proj (b_proj is not left in BF16 by modules_to_not_convert); "
-                "the merge needs b_proj separate, as in Ling-3.0-flash-fp4")
+def selection(layer: torch.nn.Module, quant_config, prefix: str) -> Selection:
+    """The layer's selection (:func:`~vllm_ling.models.kda_merged_in_proj.select_kda_merged_in_proj`),
+    from the option and what vLLM built: whether b_proj is separate, which members stay BF16."""
     from vllm.model_executor.models.bailing_moe_v3 import _is_fp8_module_excluded
 
-    skipped = {m: _is_fp8_module_excluded(quant_config, f"{prefix}.{m}") for m in MEMBERS}
-    if len(set(skipped.values())) > 1:
-        return "the projections differ in precision (BF16: " + ", ".join(m for m, s in skipped.items() if s) + ")"
-    return None
+    bf16 = tuple(m for m in MEMBERS if _is_fp8_module_excluded(quant_config, f"{prefix}.{m}"))
+    return select_kda_merged_in_proj(LingOptions.current().kda_merged_in_proj, layer.separate_b_proj, bf16)
 
 
 class MergedInProjection:
     """Mixin for subclasses of vLLM's ``BailingMoeV3KimiDeltaAttention``: builds ``qkvfg_proj``
-    in place of ``qkv_proj``, ``f_proj`` and ``g_proj`` (see the module docstring)."""
+    in place of ``qkv_proj``, ``f_proj`` and ``g_proj`` where its recorded selection says so (see
+    the module docstring)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         arguments = inspect.signature(super().__init__).bind(*args, **kwargs)
         arguments.apply_defaults()
         quant_config, prefix = arguments.arguments["quant_config"], arguments.arguments["prefix"]
-        why = refusal(self, quant_config, prefix)
-        self.ling_in_proj_merged = why is None
-        self.ling_in_proj_reason = why or MERGED_DESCRIPTION
-        if why is not None:
-            log_once(logger, logging.WARNING, f"kda-unmerged-{why}",
+        chosen = record(self, selection(self, quant_config, prefix))
+        if chosen.choice is not KdaInProj.MERGED:
+            log_once(logger, logging.WARNING, f"kda-unmerged-{chosen.reason}",
                      "KDA in-projections NOT merged (%s and similar layers): %s; vLLM's qkv_proj, f_proj and "
                      "g_proj run as separate linears (the startup report marks kda_merged_in_proj inactive).",
-                     prefix, why)
+                     prefix, chosen.reason)
             return
         from vllm.model_executor.layers.linear import MergedColumnParallelLinear
         from vllm.model_executor.models.bailing_moe_v3 import _is_fp8_module_excluded
 
-        # all members share one precision (refusal above): BF16 members build an unquantized linear
+        # all members share one precision (the selection): BF16 members build an unquantized linear
         quantized = not _is_fp8_module_excluded(quant_config, f"{prefix}.{MEMBERS[0]}")
         width = self.head_dim * self.num_heads
         merged = MergedColumnParallelLinear(self.hidden_size, [width] * len(MEMBERS), bias=False,
@@ -93,8 +87,9 @@ def merged_in_projections(layer: torch.nn.Module, hidden_states: torch.Tensor):
     """(q, k, v, beta_logits, f, g) of ``hidden_states``, each [tokens, width per rank] (beta
     logits [tokens, heads per rank]), from the merged linear or from vLLM's modules."""
     width = layer.projection_size_per_partition
-    if getattr(layer, "ling_in_proj_merged", False):
-        q, k, v, f, g = getattr(layer, MERGED_NAME)(hidden_states)[0].split(width, dim=-1)
+    merged = getattr(layer, MERGED_NAME, None)
+    if merged is not None:
+        q, k, v, f, g = merged(hidden_states)[0].split(width, dim=-1)
         return q, k, v, layer.b_proj(hidden_states)[0], f, g
     if layer.separate_b_proj:
         q, k, v = layer.qkv_proj(hidden_states)[0].split(width, dim=-1)
@@ -115,7 +110,7 @@ def vllm_merged_class():
         """vLLM's forward on the parts of the merged projection."""
 
         def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, output: torch.Tensor) -> None:
-            if not self.ling_in_proj_merged:
+            if getattr(self, MERGED_NAME, None) is None:
                 return super().forward(hidden_states, positions, output)
             num_tokens = hidden_states.size(0)
             q, k, v, beta_logits, f, g = merged_in_projections(self, hidden_states)
@@ -142,5 +137,44 @@ def register_merged_kda() -> list[str]:
 
     if current_platform.is_cpu():
         return []
-    what = MERGED_DESCRIPTION if read(OPTION) else f"vLLM's three in-projection linears ({OPTION}=0)"
+    what = (MERGED_DESCRIPTION if LingOptions.current().kda_merged_in_proj
+            else f"vLLM's three in-projection linears ({opt_out_setting(OPTION)})")
     return install_out_of_tree(IN_TREE_NAME, vllm_merged_class(), f"KDA: {what} (vLLM's kernels)")
+
+
+def served(layer) -> Served:
+    """What a KDA layer's in-projections are, read from the modules its forward calls: one merged
+    linear of five equal shards with vLLM's three gone and every checkpoint shard loaded into it (the
+    loader records them, :mod:`vllm_ling.models.kda_merged_in_proj_loading`), or vLLM's linears."""
+    from vllm_ling.models.kda_merged_in_proj_loading import missing_shards
+
+    linear = getattr(layer, MERGED_NAME, None)
+    if linear is None:
+        return Served.of(KdaInProj.VLLM, label="vLLM's in-projection linears")
+    sizes = list(getattr(linear, "output_partition_sizes", None) or [])
+    leftovers = [a for a in ("qkv_proj", "f_proj", "g_proj") if getattr(layer, a, None) is not None]
+    problems = leftovers + missing_shards(linear)
+    if sizes != [layer.projection_size_per_partition] * len(MEMBERS) or problems:
+        return Served.of(None, label=f"a malformed {MERGED_NAME} ({'; '.join(problems) or sizes})")
+    return Served.of(KdaInProj.MERGED, label=f"one {MERGED_NAME} linear ({sum(sizes)}x{linear.input_size_per_partition}"
+                     f" = {len(MEMBERS)} x {sizes[0]} rows; {type(linear.quant_method).__name__})")
+
+
+def _is_kda_layer(module) -> bool:
+    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
+
+    return isinstance(module, BailingMoeV3KimiDeltaAttention)
+
+
+def expected_layers(config, stage, draft_here: bool) -> int:
+    """The KDA layers of the stage's layer range (the NEXTN draft has none)."""
+    from vllm.model_executor.models.bailing_moe_v3 import _is_kda_layer as is_kda
+
+    return sum(1 for i in range(stage.start, stage.end) if is_kda(i, config.layer_group_size, config.num_hidden_layers))
+
+
+READER = Reader(
+    Feature.KDA_MERGED_IN_PROJ, "kda_merged_in_proj", "KDA layers", _is_kda_layer, served,
+    f"see the WARNING naming the layer, or set {opt_out_setting(OPTION)}; a layer serving other than its "
+    "selection is a defect: report it",
+    expected=expected_layers, optimization="kda_merged_in_proj", optimizing=frozenset({KdaInProj.MERGED}))

@@ -1,4 +1,7 @@
-"""Fault injectors and defect emulations: tests prove each known-answer check fails on them."""
+"""Fault injectors and defect emulations: tests prove each known-answer check fails on them.
+
+Test-only (nothing the server runs plants a fault); imported by name from any test module
+(``import known_answer_faults as faults``), as the top-level ``conftest`` is."""
 
 from __future__ import annotations
 

@@ -42,11 +42,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_every_projection_lands_in_its_own_shard(loaded_tiny_models, checkpoint_tensors):
+    from vllm_ling.models.kda_merged_in_proj import KdaInProj
+    from vllm_ling.selection import Feature, recorded
+
     _, target, _ = loaded_tiny_models
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for i in KDA_LAYERS:
         layer = target.model.layers[i].self_attn
-        assert type(layer).__name__ == "CpuBailingMoeV3KimiDeltaAttention" and layer.ling_in_proj_merged
+        assert type(layer).__name__ == "CpuBailingMoeV3KimiDeltaAttention"
+        assert recorded(layer, Feature.KDA_MERGED_IN_PROJ).choice is KdaInProj.MERGED
         assert layer.qkvfg_proj.output_partition_sizes == [1024] * 5
         with torch.no_grad():
             parts = layer.qkvfg_proj(x)[0].split(1024, dim=-1)
@@ -61,7 +65,7 @@ def test_every_projection_lands_in_its_own_shard(loaded_tiny_models, checkpoint_
 
 def test_mla_g_proj_is_left_to_vllm(loaded_tiny_models, checkpoint_tensors):
     """MLA layers have a BF16 g_proj of their own: the router hands it to vLLM unchanged."""
-    from vllm_ling.models.kda_in_proj import MergedInProjRouter
+    from vllm_ling.models.kda_merged_in_proj_loading import MergedInProjRouter
 
     _, target, _ = loaded_tiny_models
     assert not hasattr(target.model.layers[5].self_attn, "qkvfg_proj")
@@ -76,7 +80,7 @@ def test_mla_g_proj_is_left_to_vllm(loaded_tiny_models, checkpoint_tensors):
                                   "model.layers.3.attention.f_proj.bias",     # no such parameter
                                   "model.layers.1.attention.q_proj.input_scale"])
 def test_a_tensor_no_parameter_takes_fails_naming_it(loaded_tiny_models, name):
-    from vllm_ling.models.kda_in_proj import UnroutedCheckpointTensor
+    from vllm_ling.models.kda_merged_in_proj_loading import UnroutedCheckpointTensor
 
     _, target, _ = loaded_tiny_models
     with pytest.raises(UnroutedCheckpointTensor, match=name.replace(".", r"\.").replace("attention", "self_attn")):
@@ -84,7 +88,7 @@ def test_a_tensor_no_parameter_takes_fails_naming_it(loaded_tiny_models, name):
 
 
 def test_loaded_shards_are_recorded_for_the_startup_check(loaded_tiny_models):
-    from vllm_ling.models.kda_in_proj import missing_shards
+    from vllm_ling.models.kda_merged_in_proj_loading import missing_shards
 
     _, target, _ = loaded_tiny_models
     linear = target.model.layers[0].self_attn.qkvfg_proj
@@ -108,7 +112,7 @@ class _Recorder(torch.nn.Module):
 def test_router_routes_this_stages_layers_and_passes_the_rest():
     """Pipeline parallelism: layer 0 lives on another stage (vLLM's PPMissingLayer, no merged
     linear here), so its tensors go to vLLM untouched; layer 1's members go to their shards."""
-    from vllm_ling.models.kda_in_proj import MergedInProjRouter
+    from vllm_ling.models.kda_merged_in_proj_loading import MergedInProjRouter
 
     model = torch.nn.Module()
     model.model = torch.nn.Module()

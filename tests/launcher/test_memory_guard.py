@@ -8,8 +8,8 @@ import struct
 import pytest
 
 from vllm_ling.options import LingOptionError
-from vllm_ling.runtime import memory_guard as mg
-from vllm_ling.runtime.memory_guard import GIB, DeviceMemory, MemoryEstimate
+from vllm_ling.launcher import memory_guard as mg
+from vllm_ling.launcher.memory_guard import GIB, DeviceMemory, MemoryEstimate
 
 
 def shard_data_bytes(model_dir) -> int:

@@ -1,24 +1,33 @@
 """Startup known-answer checks on the loaded tiny models: they find the kernels that really
-serve (from the attached quant methods), pass on them, and fail naming kernel, inputs and
-max error when a serving kernel computes wrong numbers (planted faults)."""
+serve (from the census: the attached quant methods), pass on them, and fail naming kernel, inputs
+and max error when a serving kernel computes wrong numbers (planted faults)."""
 
 from __future__ import annotations
 
+import known_answer_faults as faults  # tests/known_answer_faults.py
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from vllm_ling.ops import known_answer as ka  # noqa: E402
-
 MOE_REF = "plain-PyTorch MXFP4 reference (CPU platform)"
 
 
+def _census(models):
+    from vllm_ling.layers.readers import readers
+    from vllm_ling.runtime.verification.census import take_census
+
+    _, target, draft = models
+    return take_census(target, draft, readers())
+
+
 def test_checks_find_and_pass_every_serving_kernel(loaded_tiny_models):
-    from vllm_ling.runtime.kernel_checks import KDA_CPU_KERNEL, dense_fp8_kernels, run_kernel_checks, summary
+    from vllm_ling.runtime.verification.known_answers import (KDA_CPU_KERNEL, dense_fp8_kernels, run_kernel_checks,
+                                                              summary)
 
     _, target, draft = loaded_tiny_models
-    results = run_kernel_checks(target, draft)
+    census = _census(loaded_tiny_models)
+    results = run_kernel_checks(census)
     assert [(r.name, r.kernel, r.passed) for r in results] == [
         ("dense_fp8", "CpuBlockFp8LinearMethod", True), ("moe_mxfp4", MOE_REF, True),
         ("fp8_head", "torch", True), ("kda", KDA_CPU_KERNEL, True)], [r.message() for r in results]
@@ -29,7 +38,7 @@ def test_checks_find_and_pass_every_serving_kernel(loaded_tiny_models):
 
     n = sum(1 for model in (target, draft) for m in model.modules()
             if isinstance(m, LinearBase) and hasattr(m, "weight_block_size") and m.weight_block_size)
-    assert dense_fp8_kernels(target, draft) == {"CpuBlockFp8LinearMethod": n} and n > 0
+    assert dense_fp8_kernels(census) == {"CpuBlockFp8LinearMethod": n} and n > 0
 
 
 def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeypatch):
@@ -41,17 +50,17 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     from vllm_ling.layers import fp8_lm_head
     from vllm_ling.layers.dense_fp8_cpu import CpuBlockFp8LinearMethod
     from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
-    from vllm_ling.runtime.kernel_checks import run_kernel_checks, summary
+    from vllm_ling.runtime.verification.known_answers import run_kernel_checks, summary
 
     def amx_defect(self, layer):  # only scratch layers are processed after loading
         bn, bk = self.weight_block_size
         s = layer.weight_scale_inv.data.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-        replace_parameter(layer, "weight", (ka.amx_e4m3_decode(layer.weight.data) * s).to(layer.orig_dtype))
+        replace_parameter(layer, "weight", (faults.amx_e4m3_decode(layer.weight.data) * s).to(layer.orig_dtype))
 
     original_apply = LingMxfp4MoEMethod.apply
 
     def nibbles_swapped(self, layer, x, *args):
-        swapped = type("L", (), {**vars(layer), "w13_weight": ka.swap_nibbles(layer.w13_weight)})
+        swapped = type("L", (), {**vars(layer), "w13_weight": faults.swap_nibbles(layer.w13_weight)})
         return original_apply(self, swapped, x, *args)
 
     original_logits = fp8_lm_head.head_ops.fp8_head_logits
@@ -59,7 +68,7 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     def zero_code_fault(x, state):
         import dataclasses
 
-        return original_logits(x, dataclasses.replace(state, weight=ka.plant_zero_code_fault(state.weight)))
+        return original_logits(x, dataclasses.replace(state, weight=faults.plant_zero_code_fault(state.weight)))
 
     from vllm_ling.layers import kda_cpu
 
@@ -71,8 +80,7 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     monkeypatch.setattr(CpuBlockFp8LinearMethod, "process_weights_after_loading", amx_defect)
     monkeypatch.setattr(LingMxfp4MoEMethod, "apply", nibbles_swapped)
     monkeypatch.setattr(fp8_lm_head.head_ops, "fp8_head_logits", zero_code_fault)
-    _, target, draft = loaded_tiny_models
-    results = run_kernel_checks(target, draft)
+    results = run_kernel_checks(_census(loaded_tiny_models))
     assert [r.passed for r in results] == [False, False, False, False]
     dense, moe, head, kda = results
     assert kda.failing_inputs == ["1 decode token per sequence (from the prefill's states): 2 of 2 outputs"]
@@ -88,7 +96,7 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     assert line.startswith("dense_fp8 [CpuBlockFp8LinearMethod]: max relative error 32 > tolerance 0.00781 on ")
     # the loaded layers still compute right: the checks ran on scratch copies
     monkeypatch.undo()
-    assert all(r.passed for r in run_kernel_checks(target, draft))
+    assert all(r.passed for r in run_kernel_checks(_census(loaded_tiny_models)))
 
 
 def test_vllms_own_moe_method_is_named_unchecked_with_its_other_swiglu_clamp(loaded_tiny_models, monkeypatch):
@@ -99,16 +107,18 @@ def test_vllms_own_moe_method_is_named_unchecked_with_its_other_swiglu_clamp(loa
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    from vllm_ling.runtime.kernel_checks import VLLM_MOE_UNCHECKED, report_section, table_lines
+    from vllm_ling.runtime.verification.formatting import known_answer_lines
+    from vllm_ling.runtime.verification.known_answers import VLLM_MOE_UNCHECKED, report_section
 
     vllm_config, target, draft = loaded_tiny_models
     layer = next(m for m in draft.modules() if isinstance(m, RoutedExperts))
     store = layer._modules if "quant_method" in layer._modules else layer.__dict__  # a module or a plain object
     with set_current_vllm_config(vllm_config):
         monkeypatch.setitem(store, "quant_method", UnquantizedFusedMoEMethod(layer.moe_config))
-    section = report_section(target, draft)
+    section = report_section(_census(loaded_tiny_models))
     (row,) = [r for r in section["results"] if r["kernel"] == "vllm:UnquantizedFusedMoEMethod"]
     assert row["skipped"] == VLLM_MOE_UNCHECKED and section["passed"]
     assert ("clamp the SwiGLU gate before the SiLU, silu(min(g, L)) * clamp(u, -L, L) (vLLM 0.32); "
             "vllm-ling clamps after the SiLU, min(silu(g), L) * clamp(u, -L, L)") in row["skipped"]
-    assert f"  moe_mxfp4 [vllm:UnquantizedFusedMoEMethod]: not checked: {VLLM_MOE_UNCHECKED}" in table_lines(section)
+    assert any(line.strip() == f"moe_mxfp4 [vllm:UnquantizedFusedMoEMethod]: not checked: {VLLM_MOE_UNCHECKED}"
+               for line in known_answer_lines(section))

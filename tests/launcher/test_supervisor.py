@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ling.runtime.supervisor import EXIT_SERVER_DIED
+from vllm_ling.launcher.supervisor import EXIT_SERVER_DIED
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process tree")
 
 # Runs the supervisor over `python -c SERVER` and prints its exit code.
 RUNNER = textwrap.dedent("""
     import os, sys
-    from vllm_ling.runtime.supervisor import Supervisor
+    from vllm_ling.launcher.supervisor import Supervisor
     sup = Supervisor([sys.executable, "-c", sys.argv[1]], os.environ, shutdown_timeout=float(sys.argv[2]),
                      teardown_margin=2.0)
     sup.start()
@@ -150,7 +150,7 @@ def test_stop_file_is_written_before_the_signal_reaches_the_server(tmp_path):
     runner = RUNNER.replace("teardown_margin=2.0)", "teardown_margin=2.0, stop_file=os.environ['STOP'])")
     server = """
         import os, signal, sys, time
-        from vllm_ling.runtime.supervisor import STOP_FILE_ENV
+        from vllm_ling.options import STOP_FILE_ENV
         def drain(*_):
             with open(os.environ["PIDS"], "a") as f:
                 f.write(" " + (open(os.environ[STOP_FILE_ENV]).read() or "empty"))
@@ -161,7 +161,7 @@ def test_stop_file_is_written_before_the_signal_reaches_the_server(tmp_path):
     """
     stop = tmp_path / "stop"
     stop.write_text("")
-    from vllm_ling.runtime.supervisor import STOP_FILE_ENV
+    from vllm_ling.options import STOP_FILE_ENV
 
     env = {**os.environ, "PIDS": str(tmp_path / "pids"), "STOP": str(stop), STOP_FILE_ENV: str(stop)}
     proc = subprocess.Popen([sys.executable, "-c", runner, textwrap.dedent(server), "5"], env=env,

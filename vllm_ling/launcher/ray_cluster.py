@@ -2,10 +2,10 @@
 
 Used by ``vllm-ling-ray head`` (docker/multinode/vllm-ling-ray.sh, the Helm chart's leader):
 
-    python3 -m vllm_ling.runtime.ray_cluster wait --nodes N --timeout S [--workers A,B]
+    python3 -m vllm_ling.launcher.ray_cluster wait --nodes N --timeout S [--workers A,B]
         exit 0 once N nodes are alive; after S seconds exit 2 naming the missing nodes (the
         --workers addresses, or under a LeaderWorkerSet its worker pods, that never joined).
-    python3 -m vllm_ling.runtime.ray_cluster serve -- vllm-ling serve ...
+    python3 -m vllm_ling.launcher.ray_cluster serve -- vllm-ling serve ...
         run the server as a child while polling the cluster; when a node that was alive dies,
         log which one (id and address), stop the server and exit 1. vLLM itself only says
         "RayWorkerProc rank=[1] died unexpectedly" and its API server then exits with 0.
@@ -154,7 +154,7 @@ def serve_and_watch(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m vllm_ling.runtime.ray_cluster")
+    parser = argparse.ArgumentParser(prog="python3 -m vllm_ling.launcher.ray_cluster")
     sub = parser.add_subparsers(dest="command", required=True)
     wait = sub.add_parser("wait", help="wait until the expected number of Ray nodes is alive")
     wait.add_argument("--nodes", type=int, required=True)

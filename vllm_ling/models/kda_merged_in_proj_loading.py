@@ -1,5 +1,5 @@
-"""The merged KDA in-projection's checkpoint mapping: one column-parallel linear per KDA layer
-holding the q, k, v, f and g projections (all read the layer's input), in this order.
+"""The merged KDA in-projection's checkpoint mapping (:mod:`vllm_ling.models.kda_merged_in_proj`:
+one column-parallel linear per KDA layer holding the q, k, v, f and g projections, in this order).
 
 The checkpoint keeps ``q_proj``/``k_proj``/``v_proj``/``f_proj``/``g_proj`` (+ ``weight_scale_inv``).
 vLLM 0.32's ``BailingMoeV3ForCausalLM.load_weights`` maps q/k/v through its stacked mappings into
@@ -20,8 +20,9 @@ from typing import Iterable, Iterator
 
 import torch
 
-MERGED_NAME = "qkvfg_proj"
-MEMBERS = ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj")  # shard index = position
+from vllm_ling.models.kda_merged_in_proj import MEMBERS, MERGED_NAME, OPTION
+from vllm_ling.options import opt_out_setting
+
 _MEMBER_NAME = re.compile(r"^(?P<layer>.+)\.(?P<proj>[qkvfg]_proj)\.(?P<param>[A-Za-z0-9_]+)$")
 
 
@@ -64,7 +65,7 @@ class MergedInProjRouter:
                 raise UnroutedCheckpointTensor(
                     f"checkpoint tensor {name!r} belongs to merged KDA layer {layer} but no parameter takes it "
                     f"(the layer holds {sorted(n[len(layer) + 1:] for n in self.params if n.startswith(layer + '.'))}); "
-                    "it would be dropped. Fix the checkpoint, or serve with VLLM_LING_KDA_MERGED_PROJ=0")
+                    f"it would be dropped. Fix the checkpoint, or serve with {opt_out_setting(OPTION)}")
 
     def _merged_layer_of(self, name: str) -> str | None:
         layer = name.rpartition(".")[0]
@@ -81,7 +82,7 @@ class MergedInProjRouter:
             raise UnroutedCheckpointTensor(
                 f"checkpoint tensor {name!r}: the merged KDA in-projection {layer}.{MERGED_NAME} has no "
                 f"parameter {param_name!r} (it has {sorted(n for n, _ in self.layers[layer].named_parameters())}); "
-                "it would be dropped. Fix the checkpoint, or serve with VLLM_LING_KDA_MERGED_PROJ=0")
+                f"it would be dropped. Fix the checkpoint, or serve with {opt_out_setting(OPTION)}")
         param.weight_loader(param, tensor, shard)
         self.loaded.add(target)
         module = self.layers[layer]
