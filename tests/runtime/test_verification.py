@@ -268,7 +268,7 @@ def test_a_layer_with_other_kernel_switches_than_selected_fails(loaded_tiny_mode
         check = _check(_report(loaded_tiny_models), "moe_layers")
     assert not check["passed"]
     assert ("not the recorded selection: ['target.model.layers.2.mlp.experts.routed_experts (selected humming "
-            "(False, auto, 32), serves humming (False, off, 0))']") in check["actual"]
+            "(False, auto, 32, gate_output), serves humming (False, off, 0, gate_output))']") in check["actual"]
 
 
 def test_a_layer_without_a_recorded_selection_fails(loaded_tiny_models):
