@@ -220,13 +220,14 @@ def profile_windows(base: str, trace_dir: Path, out_dir: Path, prefills: list[in
         prompt = [rng.randrange(100, 2000) for _ in range(decode_context)]
         import requests as rq
         with rq.post(base + "/v1/completions", stream=True, timeout=900, json={
-                "model": "ling", "prompt": prompt, "max_tokens": 160, "temperature": 0, "ignore_eos": True,
+                "model": "ling", "prompt": prompt, "max_tokens": 256, "temperature": 0, "ignore_eos": True,
                 "stream": True}) as r:
             for raw in r.iter_lines():
                 if raw.startswith(b"data: ") and raw != b"data: [DONE]":
+                    # the first chunk: the prefill is over (vLLM may put several tokens in one chunk,
+                    # so counting chunks cannot say how many decode steps are left)
                     box["chunks"] = box.get("chunks", 0) + 1
-                    if box["chunks"] >= 16:
-                        first.set()
+                    first.set()
         first.set()
 
     t = threading.Thread(target=decode)

@@ -87,7 +87,7 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   kernels-b) part kernels-b "$limit" -m gpu tests/ops/moe tests/ops/lm_head tests/ops/test_humming_jit.py tests/benchmarks ;;
   # the routed-expert clamp mode (issue 43): the MoE kernels and known answers that tell the modes apart
   moe-clamp) part moe-clamp "$limit" -m gpu tests/ops/test_known_answer_gpu.py tests/ops/moe \
-    tests/benchmarks/test_decode_standins.py ;;
+    tests/benchmarks/test_decode_standins.py tests/layers/test_moe_routing_gpu.py ;;
   demo) (VLLM_DEEP_GEMM_WARMUP=skip timeout "$limit" python3 -m vllm_ling.cli.demo --out "$out/demo" > "$out/demo.log" 2>&1
          echo "demo rc $?" >> "$out/rc.txt") &
         pids+=($!) ;;

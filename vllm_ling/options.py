@@ -66,6 +66,11 @@ class MoeDecode(Choice):
     OFF = "off"    # humming's GEMM for every batch
 
 
+class MoeRouting(Choice):
+    VLLM = "vllm"    # vLLM's one-launch CUDA moe_align_block_size above the Triton kernel's limit
+    TORCH = "torch"  # the PyTorch layout (about 17 launches per layer) above it
+
+
 class DenseFp8(Choice):
     LING = "ling"  # vllm-ling's W8A16 kernel for decode-sized batches (CUDA), vLLM's above
     VLLM = "vllm"  # opt out: vLLM's block-FP8 kernel always
@@ -256,6 +261,11 @@ OPTIONS: tuple[Option, ...] = (
            "measured on the H200, where they still beat humming's GEMM: "
            "benchmarks/results/moe_decode_h200.md)",
            minimum=0, maximum=MOE_DECODE_MAX_TOKENS_LIMIT, serve_flag=True, compile_factor=True, warmup_flag=True),
+    Option("VLLM_LING_MOE_ROUTING", "choice", MoeRouting.VLLM,
+           "routing metadata of humming's GEMM for prefill-sized batches (above the one-launch Triton "
+           "kernel's limit): `vllm` vLLM's own CUDA `moe_align_block_size` (one launch per layer, as "
+           "vLLM's humming backend); `torch` the PyTorch layout (about 17 launches per layer)",
+           choices=MoeRouting, serve_flag=True, opt_out="torch"),
     Option("VLLM_LING_MOE_W4A8", "bool", False,
            "`1`: humming MoE with FP8 per-token activations (the study's W4A8; sm_89+, an "
            "error elsewhere)", serve_flag=True, compile_factor=True, warmup_flag=True),
@@ -499,6 +509,7 @@ class LingOptions:
     moe_w4a8: bool = BY_NAME["VLLM_LING_MOE_W4A8"].default
     moe_decode: MoeDecode = BY_NAME["VLLM_LING_MOE_DECODE"].default
     moe_decode_max_tokens: int = BY_NAME["VLLM_LING_MOE_DECODE_MAX_TOKENS"].default
+    moe_routing: MoeRouting = BY_NAME["VLLM_LING_MOE_ROUTING"].default
     fp8_head: bool = BY_NAME["VLLM_LING_FP8_HEAD"].default
     dense_fp8: DenseFp8 = BY_NAME["VLLM_LING_DENSE_FP8"].default
     kda_merged_in_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_IN_PROJ"].default

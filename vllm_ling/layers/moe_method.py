@@ -27,9 +27,9 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.options import LingOptions, MoeDecode, opt_out_setting
+from vllm_ling.options import LingOptions, MoeDecode, MoeRouting, opt_out_setting
 from vllm_ling.ops import moe as moe_ops
-from vllm_ling.ops.moe.activation import VLLM_ROUTED_EXPERT_CLAMP
+from vllm_ling.ops.moe.activation import VLLM_ROUTED_EXPERT_CLAMP, SwigluClamp
 from vllm_ling.ops.moe.humming import HummingUnavailable
 from vllm_ling.ops.moe.selection import MoePath, MoeSelection, MoeShape, opt_out_reason, select_moe
 from vllm_ling.selection import Feature, Platform, Reader, Served, record
@@ -43,6 +43,14 @@ BACKEND_DESCRIPTIONS = {
     REFERENCE: "plain-PyTorch MXFP4 reference (CPU platform)",
 }
 __all__ = ["READER", "HummingUnavailable", "LingMxfp4MoEMethod", "choose_moe_method", "served"]
+
+
+def vllm_moe_align(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    """vLLM's one-launch CUDA routing metadata (what its own humming backend runs), the layout
+    :func:`vllm_ling.ops.moe.routing.moe_align_block_size_torch` builds in about 17 launches."""
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+
+    return moe_align_block_size(topk_ids, block_size, num_experts)
 
 
 class LingMxfp4MoEMethod(Mxfp4MoEMethod):
@@ -78,6 +86,14 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
     def clamp(self) -> SwigluClamp:
         """The SwiGLU clamp mode computed: the built humming kernels' own, else the selection's."""
         return self.humming_experts.clamp if self.humming_experts is not None else self.selection.clamp
+
+    @property
+    def routing(self) -> MoeRouting:
+        """How humming's routing metadata is built above the Triton kernel's limit: read from the
+        built experts (the aligner they hold), else the selection's."""
+        if self.humming_experts is None:
+            return self.selection.routing
+        return MoeRouting.VLLM if self.humming_experts.prefill_align is vllm_moe_align else MoeRouting.TORCH
 
     @property
     def description(self) -> str:
@@ -125,7 +141,8 @@ class LingMxfp4MoEMethod(Mxfp4MoEMethod):
             self.humming_experts = moe_ops.HummingMxfp4Experts(
                 layer.w13_weight.data, layer.w13_weight_scale.data,
                 layer.w2_weight.data, layer.w2_weight_scale.data,
-                top_k=layer.moe_config.experts_per_token, **self.selection.kernel_kwargs())
+                top_k=layer.moe_config.experts_per_token, **self.selection.kernel_kwargs(),
+                prefill_align=vllm_moe_align if self.selection.routing is MoeRouting.VLLM else None)
         except Exception as exc:
             hint = (" (or drop the packed copy: VLLM_LING_MOE_DECODE=auto)"
                     if self.decode is MoeDecode.COPY else "")
@@ -179,8 +196,8 @@ def served(layer) -> Served:
     the shape of :meth:`MoeSelection.served_as`."""
     qm = layer.quant_method
     if isinstance(qm, LingMxfp4MoEMethod):
-        return Served.of(qm.backend, qm.w4a8, qm.decode, qm.decode_max_tokens, qm.clamp)
-    return Served.of(MoePath.VLLM, False, MoeDecode.OFF, 0, VLLM_ROUTED_EXPERT_CLAMP,
+        return Served.of(qm.backend, qm.w4a8, qm.decode, qm.decode_max_tokens, qm.clamp, qm.routing)
+    return Served.of(MoePath.VLLM, False, MoeDecode.OFF, 0, VLLM_ROUTED_EXPERT_CLAMP, MoeRouting.TORCH,
                      label=f"vllm:{type(qm).__name__}")
 
 

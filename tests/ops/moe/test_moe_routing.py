@@ -182,3 +182,24 @@ def test_weighted_topk_sum_triton_kernel_in_interpreter():
     assert res.returncode == 0, res.stderr[-3000:]
     is_bf16, rel = json.loads(res.stdout.strip().splitlines()[-1])
     assert is_bf16 and rel < 4e-3  # only the final BF16 rounding (2**-9)
+
+
+def test_auto_hands_only_batches_above_the_triton_limit_to_the_one_launch_aligner():
+    """Issue 47: prefill-sized batches take the caller's one-launch aligner (the layer passes vLLM's
+    CUDA op); at or below the Triton kernel's limit it is never asked. Off CUDA the small batch runs
+    PyTorch here; the layout is the reference's either way."""
+    asked = []
+
+    def one_launch(ids, block, E):
+        asked.append((ids.numel(), block, E))
+        return routing.moe_align_block_size_torch(ids, block, E)
+
+    limit = routing.TRITON_ALIGN_MAX_ASSIGNMENTS
+    small, large = _random_ids(limit // 8, 8, 512, 1), _random_ids(limit // 8 + 1, 8, 512, 2)
+    _check_layout(small, 16, 512, *routing.moe_align_block_size(small, 16, 512, "auto", one_launch))
+    assert asked == []
+    _check_layout(large, 16, 512, *routing.moe_align_block_size(large, 16, 512, "auto", one_launch))
+    assert asked == [(large.numel(), 16, 512)]
+    # an explicit implementation is served as asked
+    routing.moe_align_block_size(large, 16, 512, "torch", one_launch)
+    assert len(asked) == 1

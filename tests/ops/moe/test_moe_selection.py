@@ -67,3 +67,18 @@ def test_requests_that_cannot_run_are_refused_naming_the_fix():
     select_moe(LingOptions(moe_w4a8=True), Platform.CUDA, LING, "l", humming_status=lambda w4a8: asked.append(w4a8)
                or (True, ""))
     assert asked == [True]  # W4A8's capability is what gets asked
+
+
+def test_prefill_routing_metadata_is_recorded_as_chosen():
+    """Issue 47: humming on CUDA records vLLM's one-launch routing metadata by default and the
+    PyTorch layout when VLLM_LING_MOE_ROUTING=torch; where humming does not serve there is nothing
+    to align (TORCH recorded, the value every other path serves)."""
+    from vllm_ling.options import MoeRouting
+
+    assert select_moe(LingOptions(), Platform.CUDA, LING, "l", humming_status=RUNS).routing is MoeRouting.VLLM
+    assert select_moe(LingOptions(moe_routing=MoeRouting.TORCH), Platform.CUDA, LING, "l",
+                      humming_status=RUNS).routing is MoeRouting.TORCH
+    assert select_moe(LingOptions(), Platform.CPU, LING, "l", humming_status=MISSING).routing is MoeRouting.TORCH
+    opted = select_moe(LingOptions(moe_backend=MoeBackend.VLLM), Platform.CUDA, LING, "l", humming_status=RUNS)
+    assert opted.routing is MoeRouting.TORCH
+    assert LingOptions.from_env({"VLLM_LING_MOE_ROUTING": "torch"}).moe_routing is MoeRouting.TORCH

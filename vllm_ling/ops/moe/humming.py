@@ -19,7 +19,7 @@ from vllm_ling.ops.moe.activation import (ROUTED_EXPERT_CLAMP, SwigluClamp, chec
                                           swiglu_activation_expr)
 from vllm_ling.ops.moe.decode import layouts as decode_layouts
 from vllm_ling.ops.moe.decode.shapes import MAX_GRID_ROWS
-from vllm_ling.ops.moe.routing import moe_align_block_size, weighted_topk_sum
+from vllm_ling.ops.moe.routing import AlignFn, moe_align_block_size, weighted_topk_sum
 from vllm_ling.ops.mxfp4 import MXFP4_GROUP_SIZE
 
 logger = get_logger("ops.moe.humming")
@@ -98,7 +98,7 @@ class HummingMxfp4Experts:
     ``forward(x, topk_weights, topk_ids, swiglu_limit)`` returns the weighted routed sum
     [T, H] in BF16 (routed_scaling_factor is expected inside ``topk_weights``, as vLLM's
     router puts it). Per call, five launches: routing metadata (one Triton kernel for
-    T * top_k <= 128, else PyTorch), gate_up GEMM indexed by top-k, SwiGLU (+clamp, +FP8
+    T * top_k <= 128; above, ``prefill_align`` where given, else about 17 PyTorch ones), gate_up GEMM indexed by top-k, SwiGLU (+clamp, +FP8
     quantization for W4A8) in humming's input kernel, down GEMM, weighted top-k sum (one
     Triton kernel, fp32 weights). The steps are public methods (``routing_metadata``,
     ``gate_up``, ``activation``, ``down``, ``weighted_sum``) so they can be timed alone.
@@ -132,6 +132,7 @@ class HummingMxfp4Experts:
         top_k: int | None = None,
         decode: MoeDecode | str = DECODE_AUTO,
         decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS,
+        prefill_align: AlignFn | None = None,
     ):
         if param_dtype != torch.bfloat16:
             raise ValueError("the humming Ling MoE path supports BF16 activations only")
@@ -168,6 +169,9 @@ class HummingMxfp4Experts:
         self.w4a8 = w4a8
         self.clamp = clamp
         self.routing_impl = routing_impl
+        # routing metadata above the one-launch Triton kernel's limit: a one-launch aligner where the
+        # caller gives one (the layer: vLLM's CUDA op), else PyTorch's ~17 launches per call
+        self.prefill_align = prefill_align
         self.reduce_impl = reduce_impl
         self.device = device
         self.tuning_overrides = tuning_overrides or {}
@@ -310,11 +314,12 @@ class HummingMxfp4Experts:
 
     # The steps of one forward, public so benchmarks can time them one by one.
     def routing_metadata(self, topk_ids, plan):
-        align13 = moe_align_block_size(topk_ids, plan["w13_block"], self.num_experts, self.routing_impl)
+        align13 = moe_align_block_size(topk_ids, plan["w13_block"], self.num_experts, self.routing_impl,
+                                       self.prefill_align)
         if plan["w2_block"] == plan["w13_block"]:
             return align13, align13
         return align13, moe_align_block_size(topk_ids, plan["w2_block"], self.num_experts,
-                                             self.routing_impl)
+                                             self.routing_impl, self.prefill_align)
 
     def gate_up(self, x, align, plan, top_k):
         cfg, w = self.configs["w13"], self.tensors["w13"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import Callable
 
 import torch
 
@@ -203,10 +204,15 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, block_size: int, num_exp
     return sorted_ids, expert_ids, ntp
 
 
+AlignFn = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int,
-                         impl: str = "auto"):
-    """Dispatch: ``triton`` (one launch, small batches), ``torch``, or ``auto`` (Triton on
-    CUDA for n <= 128 when Triton imports, else PyTorch)."""
+                         impl: str = "auto", large: AlignFn | None = None):
+    """Dispatch: ``triton`` (one launch, small batches), ``torch``, or ``auto``: Triton on CUDA for
+    n <= 128 when Triton imports; above, ``large`` where given (a one-launch aligner with the same
+    layout: the layer passes vLLM's CUDA ``moe_align_block_size``; this module imports no vLLM),
+    else PyTorch (about 17 launches, which prefill pays per MoE layer in host time)."""
     if impl == "torch":
         return moe_align_block_size_torch(topk_ids, block_size, num_experts)
     if impl == "triton":
@@ -216,6 +222,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     if (topk_ids.is_cuda and topk_ids.numel() <= TRITON_ALIGN_MAX_ASSIGNMENTS
             and _triton_available()):
         return moe_align_block_size_triton(topk_ids, block_size, num_experts)
+    if large is not None and topk_ids.numel() > TRITON_ALIGN_MAX_ASSIGNMENTS:
+        return large(topk_ids, block_size, num_experts)
     return moe_align_block_size_torch(topk_ids, block_size, num_experts)
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, VLLM_ROUTED_EXPERT_CLAMP, SwigluClamp
 from vllm_ling.ops.moe.humming import HummingUnavailable
-from vllm_ling.options import Choice, LingOptions, MoeBackend, MoeDecode, opt_out_setting
+from vllm_ling.options import Choice, LingOptions, MoeBackend, MoeDecode, MoeRouting, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Selection
 
 # vLLM's --moe-backend words that leave the routed experts to vllm-ling ("humming" is vLLM's own
@@ -45,16 +45,21 @@ class MoeSelection(Selection):
     decode: MoeDecode = MoeDecode.OFF
     decode_max_tokens: int = 0  # 0 where decode is OFF: no decode kernels to build
     clamp: SwigluClamp = ROUTED_EXPERT_CLAMP
+    # humming's routing metadata above the Triton kernel's limit (prefill); TORCH where humming
+    # does not serve (nothing to align)
+    routing: MoeRouting = MoeRouting.TORCH
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.clamp, SwigluClamp):
             raise TypeError(f"MoeSelection needs a SwigluClamp, got {self.clamp!r}")
+        if not isinstance(self.routing, MoeRouting):
+            raise TypeError(f"MoeSelection needs a MoeRouting, got {self.routing!r}")
 
     def served_as(self) -> tuple:
         """What a layer serving this selection runs: compared with
         :func:`vllm_ling.layers.moe_method.served` of the layer."""
-        return (self.choice, self.w4a8, self.decode, self.decode_max_tokens, self.clamp)
+        return (self.choice, self.w4a8, self.decode, self.decode_max_tokens, self.clamp, self.routing)
 
     def kernel_kwargs(self) -> dict:
         """The switches humming's experts take (the layer's method and warm-up's kernels alike)."""
@@ -96,7 +101,8 @@ def select_moe(options: LingOptions, platform: Platform, shape: MoeShape, prefix
     decode = options.moe_decode
     return MoeSelection(Feature.MOE, MoePath.HUMMING, f"CUDA, humming runs ({why})" if why else "CUDA, humming runs",
                         w4a8=options.moe_w4a8, decode=decode,
-                        decode_max_tokens=0 if decode is MoeDecode.OFF else options.moe_decode_max_tokens)
+                        decode_max_tokens=0 if decode is MoeDecode.OFF else options.moe_decode_max_tokens,
+                        routing=options.moe_routing)
 
 
 def opt_out_reason(options: LingOptions, vllm_moe_backend: str | None) -> str | None:
