@@ -27,6 +27,7 @@ import torch
 from benchmarks.decode_step import CONFIG, Model, class_bytes, plan_bytes_ours, set_moe_path
 from benchmarks.lm_head import copy_bandwidth_gbs
 from benchmarks.output import write_outputs
+from benchmarks.timeline import covered_us
 from benchmarks.timing import stacked_time_us
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,23 +140,6 @@ def attribute(events: list[dict], sequence: list[tuple[str, str, bool]]) -> tupl
         prev_end = end if prev_end is None else max(prev_end, end)
     return dict(out), ("kernels matched to the eager run's by name and occurrence; shared-expert stream "
                        "excluded from the path")
-
-
-def covered_us(events: list[dict]) -> float:
-    """Time covered by at least one of the events (union of intervals)."""
-    total, end = 0.0, None
-    start = None
-    for e in sorted(events, key=lambda e: e["ts"]):
-        s, t = e["ts"], e["ts"] + e["dur"]
-        if end is None or s > end:
-            if end is not None:
-                total += end - start
-            start, end = s, t
-        else:
-            end = max(end, t)
-    if end is not None:
-        total += end - start
-    return total
 
 
 def analyse(events: list[dict]) -> dict:

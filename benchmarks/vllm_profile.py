@@ -30,6 +30,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from benchmarks.timeline import covered_us
+
 # (op class, regex on the kernel name); the first match wins. Classes with a byte floor in the plan
 # are named as in FLOOR_COMPONENTS.
 CLASS_RULES: tuple[tuple[str, str], ...] = (
@@ -158,17 +160,7 @@ def label_classes(kernels: list[dict]) -> list[str]:
 
 def busy_and_gaps(kernels: list[dict]) -> tuple[float, float]:
     """Time covered by at least one kernel, and the idle time between the first start and last end."""
-    busy, start, end = 0.0, None, None
-    for k in sorted(kernels, key=lambda k: k["ts"]):
-        s, t = k["ts"], k["ts"] + k["dur"]
-        if end is None or s > end:
-            if end is not None:
-                busy += end - start
-            start, end = s, t
-        else:
-            end = max(end, t)
-    if end is not None:
-        busy += end - start
+    busy = covered_us(kernels)
     span = max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
     return busy, span - busy
 

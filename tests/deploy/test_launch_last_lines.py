@@ -159,26 +159,12 @@ def test_an_unknown_vllm_side_flag_ends_with_what_to_fix(tmp_path, tiny_checkpoi
 def test_the_relay_drops_only_the_exit_reports(tmp_path):
     """Unit: the nanobind block (also when another process's line is glued to its last line) and
     the resource tracker's two lines go; everything else passes, each line ending on a newline."""
-    import io
-
-    from vllm_ling.launcher.stderr_relay import StderrRelay
-
     from .fake_vllm import NANOBIND, SEMAPHORE
 
     text = ("Traceback (most recent call last):\n  File x\nValueError: boom\n" + SEMAPHORE + NANOBIND
             + "(EngineCore pid=2) INFO shutting down\n - an ordinary dash line\nvllm: error: bad flag")
-    relay = StderrRelay(io.BytesIO(text.encode()))
-    out = io.BytesIO()
-
-    class Err:
-        buffer = out
-
-    real, sys.stderr = sys.stderr, Err()
-    try:
-        relay._run()
-    finally:
-        sys.stderr = real
-    assert out.getvalue().decode() == ("Traceback (most recent call last):\n  File x\nValueError: boom\n"
+    out, relay = _relay(text, refused=None)
+    assert out == ("Traceback (most recent call last):\n  File x\nValueError: boom\n"
                                        "(EngineCore pid=2) INFO shutting down\n - an ordinary dash line\n"
                                        "vllm: error: bad flag\n")
     assert relay.last_error == "vllm: error: bad flag" and relay.dropped == 12
@@ -199,12 +185,14 @@ def test_vllm_starts_with_the_open_files_limit_raised(tmp_path, tiny_checkpoint)
     assert got >= min(65535, hard) and got > 256, got
 
 
-def _relay(text: str, refused: bool) -> tuple[str, object]:
+def _relay(text: str, refused: bool | None) -> tuple[str, object]:
+    """What the relay forwards of ``text`` (``refused`` None: the relay's own default)."""
     import io
 
     from vllm_ling.launcher.stderr_relay import StderrRelay
 
-    relay = StderrRelay(io.BytesIO(text.encode()), refused=lambda: refused)
+    kwargs = {} if refused is None else {"refused": lambda: refused}
+    relay = StderrRelay(io.BytesIO(text.encode()), **kwargs)
     out = io.BytesIO()
 
     class Err:

@@ -248,24 +248,29 @@ def test_moe_layers_serving_humming_as_recorded_pass(loaded_tiny_models):
     assert report["optimizations"]["moe_humming"] == {"requested": True, "active": True, "detail": "5 x humming"}
 
 
-def test_a_layer_with_other_kernel_switches_than_selected_fails(loaded_tiny_models):
-    """Same backend, different decode mode: the switches are part of what was selected."""
+def _moe_row_with_one_layer_serving(loaded_tiny_models, recorded, served):
+    """The moe_layers row when every routed-expert layer records ``recorded`` and serves it, but the
+    first target layer's method serves ``served``."""
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
     from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
 
-    humming = _humming_selection()
-    _, target, _ = loaded_tiny_models
+    _, target, draft = loaded_tiny_models
     layer = next(m for m in target.modules() if isinstance(m, RoutedExperts))
-    off = dataclasses.replace(humming, decode=MoeDecode.OFF, decode_max_tokens=0)
-    with moe_selected(loaded_tiny_models, humming), contextlib.ExitStack() as stack:
-        _, target, draft = loaded_tiny_models
+    with moe_selected(loaded_tiny_models, recorded), contextlib.ExitStack() as stack:
         for model in (target, draft):
             for m in model.modules():
                 if isinstance(m, RoutedExperts):
                     stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(
-                        m.moe_config, off if m is layer else humming)))
-        check = _check(_report(loaded_tiny_models), "moe_layers")
+                        m.moe_config, served if m is layer else recorded)))
+        return _check(_report(loaded_tiny_models), "moe_layers")
+
+
+def test_a_layer_with_other_kernel_switches_than_selected_fails(loaded_tiny_models):
+    """Same backend, different decode mode: the switches are part of what was selected."""
+    humming = _humming_selection()
+    off = dataclasses.replace(humming, decode=MoeDecode.OFF, decode_max_tokens=0)
+    check = _moe_row_with_one_layer_serving(loaded_tiny_models, humming, off)
     assert not check["passed"]
     assert ("not the recorded selection: ['target.model.layers.2.mlp.experts.routed_experts (selected humming "
             "(False, auto, 32, gate_output, torch), serves humming (False, off, 0, gate_output, torch))']") in check["actual"]
@@ -274,23 +279,11 @@ def test_a_layer_with_other_kernel_switches_than_selected_fails(loaded_tiny_mode
 def test_a_layer_building_routing_metadata_otherwise_than_recorded_fails(loaded_tiny_models):
     """Issue 47: vLLM's one-launch routing metadata for prefill is part of what the MoE layer records:
     a layer whose method serves the PyTorch layout instead fails the row, named."""
-    from vllm.model_executor.layers.fused_moe import RoutedExperts
-
-    from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
     from vllm_ling.options import MoeRouting
 
     humming = dataclasses.replace(_humming_selection(), routing=MoeRouting.VLLM)
-    _, target, _ = loaded_tiny_models
-    layer = next(m for m in target.modules() if isinstance(m, RoutedExperts))
     torch_layout = dataclasses.replace(humming, routing=MoeRouting.TORCH)
-    with moe_selected(loaded_tiny_models, humming), contextlib.ExitStack() as stack:
-        _, target, draft = loaded_tiny_models
-        for model in (target, draft):
-            for m in model.modules():
-                if isinstance(m, RoutedExperts):
-                    stack.enter_context(swapped(m, "quant_method", LingMxfp4MoEMethod(
-                        m.moe_config, torch_layout if m is layer else humming)))
-        check = _check(_report(loaded_tiny_models), "moe_layers")
+    check = _moe_row_with_one_layer_serving(loaded_tiny_models, humming, torch_layout)
     assert not check["passed"]
     assert ("target.model.layers.2.mlp.experts.routed_experts (selected humming (False, auto, 32, gate_output, "
             "vllm), serves humming (False, auto, 32, gate_output, torch))") in check["actual"]
