@@ -24,7 +24,12 @@ def main(argv: list[str]) -> int:
                          help="weights whose greedy answer to any chat prompt is this text (or the "
                               "contents of this file), e.g. reasoning, </think>, then a <tool_call>; "
                               "the NEXTN draft predicts every token of it")
+    parser.add_argument("--dspark", default=None, metavar="DRAFT_DIR",
+                        help="also write a tiny DSpark drafter for it in DRAFT_DIR (the real drafter's format; "
+                             "with --agreeing, one whose every draft the agreeing target accepts)")
     args = parser.parse_args(argv)
+    if args.dspark is not None and args.script is not None:
+        parser.error("--dspark: the drafter is built for a random or --agreeing target, not a --script one")
     script = args.script
     if script is not None and Path(script).is_file():
         script = Path(script).read_text().rstrip("\n")
@@ -33,4 +38,9 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         parser.error(f"--script: {exc}")
     print(f"wrote tiny Ling-3.0 checkpoint to {out}")
+    if args.dspark is not None:
+        from vllm_ling.models.tiny_dspark import make_tiny_dspark
+
+        draft = make_tiny_dspark(args.dspark, out, args.seed, args.agreeing)
+        print(f"wrote tiny DSpark drafter for it to {draft}")
     return 0

@@ -5,3 +5,8 @@ LING_MODEL_TYPE = "bailing_hybrid"  # config.json "model_type"
 TARGET_ARCH = "BailingMoeV3ForCausalLM"  # config.json "architectures" of the target
 DRAFT_ARCH = "BailingMoeV3MTPModel"  # the NEXTN draft vLLM builds for MTP
 LING_ARCHITECTURES = (TARGET_ARCH, DRAFT_ARCH)
+DSPARK_ARCH = "LingDSparkModel"  # config.json "architectures" of the DSpark drafter (SGLang's and vllm#54174's name)
+# vLLM 0.32's own Qwen3-shaped DSpark drafter: the architecture its speculative config routes as
+# a standalone dense DSpark draft (config/speculative.py), and the class vllm-ling's subclasses
+VLLM_QWEN3_DSPARK_ARCH = "Qwen3DSparkModel"
+DSPARK_MODEL_TYPE = "qwen3"  # the drafter's config.json "model_type" (SpecForge's DSpark export)

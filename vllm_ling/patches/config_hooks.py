@@ -141,6 +141,21 @@ class LingArchConfigConvertor(ModelArchConfigConvertorBase):
         return architectures
 
 
+class LingDSparkArchConfigConvertor(ModelArchConfigConvertorBase):
+    """vLLM's reading of a ``qwen3`` config (P11 registers it; 0.32 has no convertor for that type,
+    so the base class is what it replaces), plus ``Qwen3DSparkModel`` after ``LingDSparkModel``:
+    vLLM's speculative config then keeps the drafter a Qwen3-shaped DSpark draft instead of
+    rewriting it into a DeepSeek-V4 one, and still resolves the first name (vllm-ling's class)."""
+
+    def get_architectures(self) -> list[str]:
+        from vllm_ling.models.names import DSPARK_ARCH, VLLM_QWEN3_DSPARK_ARCH
+
+        architectures = list(super().get_architectures())
+        if DSPARK_ARCH in architectures and VLLM_QWEN3_DSPARK_ARCH not in architectures:
+            architectures.append(VLLM_QWEN3_DSPARK_ARCH)
+        return architectures
+
+
 def check_mtp_needs_nextn_layers(engine_args, model: str) -> None:
     """A user's MTP config for a checkpoint without NEXTN layers: one clear error (vLLM's
     own is a ZeroDivisionError deep in SpeculativeConfig)."""
