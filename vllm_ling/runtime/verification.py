@@ -55,7 +55,7 @@ from vllm_ling.ops.moe.selection import MoePath, MoeSelection
 from vllm_ling.ops.small_gemv.selection import GemvPath
 from vllm_ling.options import LingOptions, MoeDecode, VerifyPolicy, plugin_options, read
 from vllm_ling.runtime.report import is_report_source, is_reporting_rank, write_report
-from vllm_ling.runtime.spec_policy import VLLM_MTP_METHOD, Speculation
+from vllm_ling.runtime.spec_policy import VLLM_DSPARK_METHOD, VLLM_MTP_METHOD, Speculation
 from vllm_ling.selection import Feature, Selection, recorded
 from vllm_ling.versions import (TESTED_HUMMING_VERSION, TESTED_VLLM_VERSION, humming_version,
                                 vllm_version)
@@ -492,6 +492,9 @@ def check_speculative(exp: Expectations, options: LingOptions) -> Check:
     if choice is Speculation.DEFAULT_MTP:
         expected = f"{VLLM_MTP_METHOD}, {options.num_spec_tokens} tokens (vllm-ling default)"
         ok = exp.mtp and exp.num_speculative_tokens == options.num_spec_tokens
+    elif choice is Speculation.DEFAULT_DSPARK:
+        expected = f"{VLLM_DSPARK_METHOD}, drafter {options.dspark_model} (vllm-ling default)"
+        ok = exp.spec_method == VLLM_DSPARK_METHOD
     elif choice in (Speculation.OFF, Speculation.OFF_NO_NEXTN, Speculation.OFF_PIPELINE):
         expected, ok = f"off ({sel.reason})", exp.spec_method is None
     elif choice is Speculation.USER:
@@ -535,7 +538,7 @@ def guarded(name: str, run: Callable[[], Check]) -> Check:
 
 def build_report(target, draft, vllm_config, options: LingOptions,
                  exp: Expectations | None = None) -> dict[str, Any]:
-    from vllm_ling.runtime import kda_in_proj, kernel_checks, router_gates
+    from vllm_ling.runtime import dspark_checks, kda_in_proj, kernel_checks, router_gates
 
     exp = exp or Expectations.from_runtime(vllm_config, options)
     config = vllm_config.model_config.hf_config
@@ -560,6 +563,9 @@ def build_report(target, draft, vllm_config, options: LingOptions,
               guarded("versions", lambda: check_versions(exp)),
               Check(kernel_checks.CHECK_NAME, known["passed"], kernel_checks.EXPECTED, known["summary"],
                     kernel_checks.FIX)]
+    dspark = exp.spec_method == VLLM_DSPARK_METHOD
+    dspark_rows = dspark_checks.readings(target, draft, vllm_config) if dspark and stage.is_last else []
+    checks += [Check(**dataclasses.asdict(r)) for r in dspark_rows]
     by_name = {c.name: c for c in checks}
     moe = selected_moe(target, draft)
     moe_path = moe.choice if moe is not None else MoePath.VLLM  # nothing of ours selected: vLLM's
@@ -599,6 +605,7 @@ def build_report(target, draft, vllm_config, options: LingOptions,
                 kda_state, by_name[kda_in_proj.CHECK_NAME].passed, exp.kda_merged_proj,
                 by_name[kda_in_proj.CHECK_NAME].actual),
             "mtp": {"requested": exp.mtp, "active": mtp_active, "detail": _mtp_detail(exp, by_name)},
+            "dspark": dspark_checks.optimization_entry(dspark, dspark_rows),
         },
         "moe_backend": moe_path,
         "head_dtype": (str(target.lm_head.weight.dtype).replace("torch.", "") if _has_head(target)
