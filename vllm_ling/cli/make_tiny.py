@@ -26,10 +26,8 @@ def main(argv: list[str]) -> int:
                               "the NEXTN draft predicts every token of it")
     parser.add_argument("--dspark", default=None, metavar="DRAFT_DIR",
                         help="also write a tiny DSpark drafter for it in DRAFT_DIR (the real drafter's format; "
-                             "with --agreeing, one whose every draft the agreeing target accepts)")
+                             "with --agreeing or --script, one whose every draft the target accepts)")
     args = parser.parse_args(argv)
-    if args.dspark is not None and args.script is not None:
-        parser.error("--dspark: the drafter is built for a random or --agreeing target, not a --script one")
     script = args.script
     if script is not None and Path(script).is_file():
         script = Path(script).read_text().rstrip("\n")
@@ -41,6 +39,6 @@ def main(argv: list[str]) -> int:
     if args.dspark is not None:
         from vllm_ling.models.tiny_dspark import make_tiny_dspark
 
-        draft = make_tiny_dspark(args.dspark, out, args.seed, args.agreeing)
+        draft = make_tiny_dspark(args.dspark, out, args.seed, agreeing=args.agreeing or script is not None)
         print(f"wrote tiny DSpark drafter for it to {draft}")
     return 0

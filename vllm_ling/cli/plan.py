@@ -166,7 +166,8 @@ def dspark_section(cfg: dict, fields, context: int, draft_tokens: int, head: str
         lines.append(f"    {label:30s} accept {accept:4.2f}: {tpot:6.2f} ms ({1e3 / tpot:6.1f} tok/s)")
     gsm = STUDY_SPARK["gsm8k_accept_length"]
     lines.append(f"    {'NEXTN MTP at GSM8K (study)':30s} accept {gsm:4.2f}: {floor_ms * mtp_cycle / gsm:6.2f} ms")
-    return lines, {**m, "draft_tokens": draft_tokens, "floor_tpot_ms": floor_ms, "published": rows}
+    return lines, {**m, "draft_tokens": draft_tokens, "floor_tpot_ms": floor_ms, "published": rows,
+                   "verify_step_bytes": totals(plan, head)[1]}
 
 
 def _measured_lines(path: str, composition: str, result: dict, head: str) -> tuple[list[str], list[dict]]:

@@ -198,10 +198,11 @@ def _looks_like_hub_id(model: str) -> bool:
     return model.count("/") == 1 and not model.startswith((".", "/", "~"))
 
 
-def check_dspark_drafter(model: str, target_model_config, what: str):
+def check_dspark_drafter(model: str, target_model_config, what: str, shards: bool = True):
     """A local drafter directory checked against the target before load (its config.json fields,
-    then its shards' headers); the fields, or None for a hub id (the drafter class checks its
-    config when vLLM has fetched it). DSparkFormatError / LingConfigError naming the file."""
+    then, unless ``shards`` is False (``--load-format dummy``), its shards' headers); the fields, or
+    None for a hub id (the drafter class checks its config when vLLM has fetched it).
+    DSparkFormatError / LingConfigError naming the file."""
     import json
     from pathlib import Path
 
@@ -218,12 +219,14 @@ def check_dspark_drafter(model: str, target_model_config, what: str):
         raise LingConfigError(f"{what}={model}: no config.json in it. Give the DSpark drafter's directory.")
     fields = read_fields(json.loads(config_file.read_text()), str(config_file))
     check_against_target(fields, target_model_config.hf_config.to_dict(), f"{target_model_config.model}/config.json")
-    check_dspark_checkpoint(path, fields)
+    if shards:
+        check_dspark_checkpoint(path, fields)
     return fields
 
 
 def check_dspark_request(options: LingOptions, user_spec: dict | None, user_gave: bool, target_model_config,
-                         pipeline_parallel_size: int, is_cuda: bool, v2_runner_env: bool | None) -> None:
+                         pipeline_parallel_size: int, is_cuda: bool, v2_runner_env: bool | None,
+                         load_format: str = "auto") -> None:
     """Refuse, before any engine process starts, a DSpark request that cannot serve: the drafter
     switch without a drafter, a drafter next to another speculative choice, D-Spark where vLLM 0.32
     cannot run it, a drafter that does not match the target, more draft tokens than its block.
@@ -253,7 +256,7 @@ def check_dspark_request(options: LingOptions, user_spec: dict | None, user_gave
     if not model:
         raise LingConfigError("--speculative-config method dspark needs \"model\": the DSpark drafter's directory "
                               "or Hugging Face id.")
-    fields = check_dspark_drafter(str(model), target_model_config, what)
+    fields = check_dspark_drafter(str(model), target_model_config, what, shards=load_format != "dummy")
     tokens = spec.get("num_speculative_tokens") if user_dspark else None
     if fields is not None and tokens is not None and int(tokens) > fields.block_size:
         raise LingConfigError(

@@ -85,7 +85,8 @@ def apply() -> None:
             from vllm.platforms import current_platform
 
             check_dspark_request(options, self.speculative_config, user_gave, target_model_config, pp,
-                                 current_platform.is_cuda(), envs.VLLM_USE_V2_MODEL_RUNNER)
+                                 current_platform.is_cuda(), envs.VLLM_USE_V2_MODEL_RUNNER,
+                                 str(getattr(self, "load_format", "auto")))
             if options.dspark_model and options.drafter is Drafter.MTP and not user_gave:
                 log_once(logger, logging.WARNING, "dspark-opt-out",
                          "The DSpark drafter %s is configured but not used: VLLM_LING_DRAFTER=mtp speculates with "
