@@ -70,3 +70,30 @@ def test_a_raising_reader_fails_its_row_only(loaded_agreeing_dspark, monkeypatch
     rows = _by_name(dspark_checks.readings(target, draft, vllm_config))
     assert not rows["dspark_kda_ring"].passed and "KeyError" in rows["dspark_kda_ring"].actual
     assert rows["dspark_shared_modules"].passed
+
+
+def test_the_report_carries_the_dspark_rows_and_optimization(loaded_agreeing_dspark, monkeypatch):
+    """build_report on the loaded pair: the DSpark rows are checks of the report, the ``dspark``
+    optimization is requested (and inactive on CPU: the runner row), the MTP rows do not fire."""
+    from vllm_ling.options import LingOptions
+    from vllm_ling.runtime.spec_policy import Speculation, record_speculation
+    from vllm_ling.runtime.verification import build_report
+    from vllm_ling.selection import Feature, Selection
+
+    vllm_config, target, draft = loaded_agreeing_dspark
+    record_speculation(vllm_config.model_config.hf_config,
+                       Selection(Feature.SPECULATIVE, Speculation.DEFAULT_DSPARK, "test"))
+    options = LingOptions.from_env({"VLLM_LING_DSPARK_MODEL": vllm_config.speculative_config.model})
+    report = build_report(target, draft, vllm_config, options)
+    rows = {c["name"]: c for c in report["checks"]}
+    assert {n for n in rows if n.startswith("dspark_")} == {
+        "dspark_drafter_class", "dspark_shared_modules", "dspark_block_size", "dspark_runner", "dspark_kda_ring",
+        "dspark_draft_kv_block"}
+    assert rows["speculative_config"]["passed"] and "dspark, drafter" in rows["speculative_config"]["expected"]
+    assert rows["model_classes"]["passed"] and rows["draft_shares_target_modules"]["passed"]
+    failed = {n for n, c in rows.items() if not c["passed"]}
+    assert "dspark_runner" in failed and not failed & {"dspark_shared_modules", "dspark_block_size",
+                                                       "dspark_kda_ring", "dspark_draft_kv_block"}
+    assert report["optimizations"]["dspark"] == {"requested": True, "active": False, "detail": "failed: dspark_runner"}
+    assert report["optimizations"]["mtp"]["requested"] is False
+    assert report["spec_method"] == "dspark" and report["num_speculative_tokens"] == 8
