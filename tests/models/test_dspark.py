@@ -320,3 +320,14 @@ def test_agreeing_drafter_proposes_the_agreeing_targets_continuation(loaded_agre
         aux = [torch.randn(6, 256, generator=gen).to(torch.bfloat16) for _ in range(3)]
         got = draft_step(vllm_config, draft, aux, anchor)
         assert got["tokens"] == expected_continuation(anchor, 8, config), anchor
+
+
+def test_make_tiny_writes_the_pair(tmp_path, capsys):
+    from vllm_ling.cli import make_tiny
+
+    assert make_tiny.main([str(tmp_path / "t"), "--agreeing", "--dspark", str(tmp_path / "d")]) == 0
+    assert "wrote tiny DSpark drafter" in capsys.readouterr().out
+    fields = _fields(tmp_path / "d")
+    from vllm_ling.models.dspark_format import check_dspark_checkpoint
+
+    assert check_dspark_checkpoint(tmp_path / "d", fields) == []
