@@ -9,3 +9,8 @@ LING_ARCHITECTURES = (TARGET_ARCH, DRAFT_ARCH)
 # ("random", "agreeing" or "scripted"); the launcher's smoke check reads it (a random draft cannot
 # be accepted, so its accept length of 1 is expected there, not a failure).
 TINY_WEIGHTS_KEY = "vllm_ling_tiny_weights"
+DSPARK_ARCH = "LingDSparkModel"  # config.json "architectures" of the DSpark drafter (SGLang's and vllm#54174's name)
+# vLLM 0.32's own Qwen3-shaped DSpark drafter: the architecture its speculative config routes as
+# a standalone dense DSpark draft (config/speculative.py), and the class vllm-ling's subclasses
+VLLM_QWEN3_DSPARK_ARCH = "Qwen3DSparkModel"
+DSPARK_MODEL_TYPE = "qwen3"  # the drafter's config.json "model_type" (SpecForge's DSpark export)
