@@ -190,7 +190,8 @@ def build_dspark_models(target_dir: Path, draft_dir: Path, env: dict[str, str] |
     builds it and shares the target's modules), and the target's auxiliary layers set by vLLM's
     ``set_eagle3_aux_hidden_state_layers``. vLLM-CPU refuses the dspark method for its V1 runner
     while the config is built (the runner, not the loader, is what cannot run on CPU), so that one
-    check is bypassed for the duration of the build."""
+    check is bypassed for the duration of the build; patch P5 refuses DSpark on CPU too, so the
+    config is built without speculation and the selection P5 makes on CUDA is recorded by hand."""
     import vllm_ling
     from vllm.config import SpeculativeConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized
@@ -199,6 +200,9 @@ def build_dspark_models(target_dir: Path, draft_dir: Path, env: dict[str, str] |
     from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
 
+    from vllm_ling.options import LingOptions
+    from vllm_ling.runtime.spec_policy import record_speculation, select_speculation
+
     vllm_ling.register()
     with pytest.MonkeyPatch.context() as mp:
         for name, value in {"VLLM_LING_MTP": "0", **(env or {})}.items():
@@ -206,6 +210,8 @@ def build_dspark_models(target_dir: Path, draft_dir: Path, env: dict[str, str] |
         mp.setattr(VllmConfig, "_validate_v1_model_runner", lambda self: None)
         vllm_config = EngineArgs(model=str(target_dir), enforce_eager=True, dtype="bfloat16",
                                  max_model_len=256).create_engine_config()
+        record_speculation(vllm_config.model_config.hf_config,
+                           select_speculation(LingOptions(dspark_model=str(draft_dir)), False, 1, 1))
         vllm_config.speculative_config = SpeculativeConfig(
             method="dspark", model=str(draft_dir), target_model_config=vllm_config.model_config,
             target_parallel_config=vllm_config.parallel_config)
@@ -221,3 +227,13 @@ def build_dspark_models(target_dir: Path, draft_dir: Path, env: dict[str, str] |
 def loaded_agreeing_dspark(agreeing_dspark_pair, gloo_world):
     """The agreeing tiny target and drafter loaded through vLLM's D-Spark loader (FP8 head)."""
     return build_dspark_models(*agreeing_dspark_pair)
+
+
+@pytest.fixture
+def dspark_on_v2(loaded_agreeing_dspark, monkeypatch):
+    """The loaded DSpark pair as vLLM's Model Runner V2 serves it: vLLM-CPU has only its V1 runner,
+    so that one property is changed (tests/runtime/test_verification_dspark.py: V1 fails, named)."""
+    from vllm.config import VllmConfig
+
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
+    return loaded_agreeing_dspark

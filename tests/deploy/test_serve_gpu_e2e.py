@@ -90,6 +90,25 @@ def complete(base: str) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
+def parsed_tool_call_drafts(base: str) -> tuple[float, float]:
+    """The scripted checkpoint's chat answer to a tools request: its reasoning and tool call parsed
+    by the ling3 parsers, as scripted; the (drafts, accepted tokens) speculation counted for it."""
+    from vllm_ling.models.scripted_checkpoint import EXAMPLE_REASONING, EXAMPLE_TOOL_CALL
+
+    d0, a0 = spec_counters(base)
+    r = requests.post(base + "/v1/chat/completions", timeout=600, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "How is the weather in Paris?"}],
+        "tools": TOOLS, "temperature": 0, "max_tokens": 100})
+    r.raise_for_status()
+    message = r.json()["choices"][0]["message"]
+    d1, a1 = spec_counters(base)
+    call = message["tool_calls"][0]["function"]
+    assert (call["name"], json.loads(call["arguments"])) == EXAMPLE_TOOL_CALL
+    assert message["reasoning"].strip() == EXAMPLE_REASONING
+    assert d1 > d0, "no speculative drafts counted"
+    return d1 - d0, a1 - a0
+
+
 def graphs_and_compile_ran(log: str) -> bool:
     """vLLM's own lines: torch.compile compiled the model (or loaded it from its cache) and CUDA
     graphs were captured."""
@@ -125,8 +144,6 @@ def expected(agreeing) -> list[int]:
 
 
 def test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs(scripted, tmp_path):
-    from vllm_ling.models.scripted_checkpoint import EXAMPLE_REASONING, EXAMPLE_TOOL_CALL
-
     server, report_path = serve(scripted, tmp_path)
     try:
         report = json.loads(report_path.read_text())
@@ -139,19 +156,9 @@ def test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs(scripted, tmp_p
                              "kda_merged_in_proj", "mtp"}, requested
         assert graphs_and_compile_ran(server.log())
         print(f"scripted checkpoint on the GPU: dense block-FP8 kernels {dense_kernels(report)}")
-        d0, a0 = spec_counters(server.base_url)
-        r = requests.post(server.base_url + "/v1/chat/completions", timeout=600, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "How is the weather in Paris?"}],
-            "tools": TOOLS, "temperature": 0, "max_tokens": 100})
-        r.raise_for_status()
-        message = r.json()["choices"][0]["message"]
-        d1, a1 = spec_counters(server.base_url)
-        call = message["tool_calls"][0]["function"]
-        assert (call["name"], json.loads(call["arguments"])) == EXAMPLE_TOOL_CALL
-        assert message["reasoning"].strip() == EXAMPLE_REASONING
-        assert d1 > d0, "no speculative drafts counted"
-        accept_length = 1 + (a1 - a0) / (d1 - d0)
-        print(f"scripted checkpoint on the GPU: accept length {accept_length:.2f} over {d1 - d0:.0f} drafts")
+        drafts, accepted = parsed_tool_call_drafts(server.base_url)
+        accept_length = 1 + accepted / drafts
+        print(f"scripted checkpoint on the GPU: accept length {accept_length:.2f} over {drafts:.0f} drafts")
         assert accept_length >= 3.5  # its draft predicts every token of the script
     finally:
         stop(server)
@@ -295,8 +302,11 @@ def agreeing_dspark(agreeing, tmp_path_factory) -> Path:
     return make_tiny_dspark(tmp_path_factory.mktemp("gpu-dspark") / "tiny-dspark", agreeing, seed=0, agreeing=True)
 
 
-def dspark_rows_passed(report: dict) -> dict[str, bool]:
-    return {c["name"]: c["passed"] for c in report["checks"] if c["name"].startswith("dspark_")}
+def dspark_rows(report: dict) -> dict[str, dict]:
+    """The rows that prove DSpark (vllm_ling.runtime.verification: the drafter's reader and the
+    model-class, draft-sharing and speculative families)."""
+    return {c["name"]: c for c in report["checks"]
+            if c["name"] in ("model_classes", "dspark_drafter", "draft_shares_target_modules", "speculative_config")}
 
 
 def test_dspark_agreeing_drafter_end_to_end(agreeing, agreeing_dspark, expected, tmp_path):
@@ -308,8 +318,12 @@ def test_dspark_agreeing_drafter_end_to_end(agreeing, agreeing_dspark, expected,
     try:
         report = json.loads(report_path.read_text())
         assert report["passed"], [c for c in report["checks"] if not c["passed"]]
-        rows = dspark_rows_passed(report)
-        assert len(rows) == 6 and all(rows.values()), rows
+        rows = dspark_rows(report)
+        assert len(rows) == 4 and all(r["passed"] for r in rows.values()), rows
+        assert rows["model_classes"]["actual"].endswith("draft LingDSparkForCausalLM")
+        assert rows["dspark_drafter"]["actual"] == (
+            "1 x dspark (8 draft tokens per block, target layers [2, 4, 5], Model Runner V2, KDA state for a 9-token "
+            "verify window, draft KV pages within the hybrid page, BF16 Markov projection)")
         assert report["spec_method"] == "dspark" and report["num_speculative_tokens"] == 8
         assert report["optimizations"]["dspark"]["active"] and not report["optimizations"]["mtp"]["requested"]
         assert graphs_and_compile_ran(server.log())
@@ -331,7 +345,6 @@ def test_dspark_agreeing_drafter_end_to_end(agreeing, agreeing_dspark, expected,
 def test_dspark_keeps_tool_calls_and_reasoning_parsed(scripted, tmp_path):
     """The scripted checkpoint (reasoning, </think>, a tool call) with a drafter built for it: the
     ling3 parsers still return the reasoning and the tool call, with DSpark drafting the answer."""
-    from vllm_ling.models.scripted_checkpoint import EXAMPLE_REASONING, EXAMPLE_TOOL_CALL
     from vllm_ling.models.tiny_dspark import make_tiny_dspark
 
     drafter = make_tiny_dspark(tmp_path / "dspark", scripted, seed=0, agreeing=True)
@@ -339,17 +352,7 @@ def test_dspark_keeps_tool_calls_and_reasoning_parsed(scripted, tmp_path):
     try:
         report = json.loads(report_path.read_text())
         assert report["passed"] and report["optimizations"]["dspark"]["active"], report["checks"]
-        d0, a0 = spec_counters(server.base_url)
-        r = requests.post(server.base_url + "/v1/chat/completions", timeout=600, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "How is the weather in Paris?"}],
-            "tools": TOOLS, "temperature": 0, "max_tokens": 100})
-        r.raise_for_status()
-        message = r.json()["choices"][0]["message"]
-        d1, a1 = spec_counters(server.base_url)
-        call = message["tool_calls"][0]["function"]
-        assert (call["name"], json.loads(call["arguments"])) == EXAMPLE_TOOL_CALL
-        assert message["reasoning"].strip() == EXAMPLE_REASONING
-        assert d1 > d0, "no speculative drafts counted"
-        print(f"DSpark on the scripted checkpoint: accept length {1 + (a1 - a0) / (d1 - d0):.2f}")
+        drafts, accepted = parsed_tool_call_drafts(server.base_url)
+        print(f"DSpark on the scripted checkpoint: accept length {1 + accepted / drafts:.2f}")
     finally:
         stop(server)

@@ -118,16 +118,19 @@ def test_drafter_for_another_target_is_refused(tiny_checkpoint, tiny_dspark, edi
 def test_vllm_loader_shares_the_targets_whole_head_and_embedding(loaded_agreeing_dspark):
     from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
     from vllm_ling.models.ling3_dspark import LingDSparkForCausalLM
-    from vllm_ling.runtime.dspark_checks import read_drafter_class, read_shared_modules
+    from vllm_ling.runtime.verification.draft_sharing import check_draft_sharing
+    from vllm_ling.runtime.verification.model_classes import check_model_classes
+    from vllm_ling.runtime.verification.speculative import Speculative
 
-    _, target, draft = loaded_agreeing_dspark
+    vllm_config, target, draft = loaded_agreeing_dspark
+    spec = Speculative.in_force(vllm_config)
     assert isinstance(draft, LingDSparkForCausalLM)
     assert draft.lm_head is target.lm_head and isinstance(target.lm_head.quant_method, Fp8LmHeadMethod)
     assert draft.model.embed_tokens is target.model.word_embeddings
     assert target.lm_head.weight.dtype == torch.float8_e4m3fn
-    assert read_drafter_class(draft).passed
-    shared = read_shared_modules(target, draft)
-    assert shared.passed, shared.actual
+    assert check_model_classes(target, draft, spec).passed
+    shared = check_draft_sharing(target, draft, spec)
+    assert shared.passed and "1 head ref(s) are the target's module; embedding is the target's" in shared.actual
     # the drafter's own storage: its layers, fc and Markov tables; no vocabulary-sized copy of the head
     own = {p.data_ptr() for p in draft.parameters()} - {p.data_ptr() for p in target.parameters()}
     vocab_hidden = [n for n, p in draft.named_parameters() if p.data_ptr() in own and p.shape == (2048, 256)]

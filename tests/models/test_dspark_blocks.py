@@ -80,7 +80,8 @@ def test_global_block_cannot_be_unified_but_the_sized_one_can():
 def test_loaded_drafter_reports_the_sized_block(loaded_agreeing_dspark):
     from vllm_ling.models.dspark_blocks import BLOCK_ATTR, kernel_block, unified_page_bytes
     from vllm_ling.models.ling3 import LingForCausalLM
-    from vllm_ling.runtime.dspark_checks import read_draft_kv_block
+    from vllm_ling.layers.dspark_drafter import draft_pages
+    from vllm_ling.models.dspark_selection import PAGES_FIT
 
     vllm_config, _, draft = loaded_agreeing_dspark
     page = unified_page_bytes(vllm_config, LingForCausalLM)
@@ -90,5 +91,4 @@ def test_loaded_drafter_reports_the_sized_block(loaded_agreeing_dspark):
     assert spec.block_size % kernel_block(attn) == 0
     assert spec.page_size_bytes <= page < spec.page_size_bytes + kernel_block(attn) * spec.page_size_bytes // spec.block_size
     assert spec.block_size != vllm_config.cache_config.block_size  # the global block would not fit
-    reading = read_draft_kv_block(vllm_config, draft)
-    assert reading.passed, reading.actual
+    assert draft_pages(draft, vllm_config) == PAGES_FIT  # as the drafter's reader reports it

@@ -16,12 +16,17 @@ The drafter is Qwen3-shaped (docs/dspark.md, section 1), so this is vLLM's
   scales and kernel) and the startup verification reads their identity.
 - Its attention layers size their KV blocks to the hybrid target's page
   (:mod:`vllm_ling.models.dspark_blocks`).
+
+It records the drafter feature on itself (:mod:`vllm_ling.models.dspark_selection`) and keeps the
+target and the config it was built for, from which its reader
+(:mod:`vllm_ling.layers.dspark_drafter`) reads back what serves.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Iterable
 
 import torch
@@ -30,10 +35,14 @@ from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models import loaded
+from vllm_ling.models.checkpoint_format import is_kda_layer
 from vllm_ling.models.dspark_blocks import size_draft_blocks
 from vllm_ling.models.dspark_format import (SHARED_WITH_TARGET, DSparkFields, check_against_target,
                                             check_dspark_checkpoint, read_fields)
+from vllm_ling.models.dspark_selection import dspark_selection
 from vllm_ling.models.ling3_mtp import TargetModuleSlot
+from vllm_ling.models.names import MARKOV_PROJECTION_ATTR
+from vllm_ling.selection import record
 
 logger = get_logger("models")
 
@@ -61,6 +70,12 @@ def check_local_drafter(vllm_config: VllmConfig, fields: DSparkFields) -> None:
                  len(unexpected), draft_dir, unexpected[:5])
 
 
+def has_kda_layers(target_config) -> bool:
+    """Whether the target has KDA layers (their state must roll back across a verify window)."""
+    groups = {"layer_group_size": target_config.layer_group_size, "num_hidden_layers": target_config.num_hidden_layers}
+    return any(is_kda_layer(i, groups) for i in range(target_config.num_hidden_layers))
+
+
 class LingDSparkForCausalLM(Qwen3DSparkForCausalLM):
     """The Ling-3.0 DSpark drafter as registered by vllm-ling."""
 
@@ -76,7 +91,20 @@ class LingDSparkForCausalLM(Qwen3DSparkForCausalLM):
         self.model.embed_tokens = TargetModuleSlot("embedding")
         for layer in self.model.layers:
             size_draft_blocks(layer.self_attn.attn, LingForCausalLM)
+        setattr(self.model.markov_head.markov_w2, MARKOV_PROJECTION_ATTR, True)
+        # vLLM builds the target first, in this process: what the reader compares the drafter with
+        target = loaded.get("target")
+        self.ling_target = weakref.ref(target) if target is not None else lambda: None
+        self.ling_vllm_config = vllm_config
+        self.ling_sharing_path = "vLLM's load_dspark_model (the drafter declares no head or embedding of its own)"
+        target_config = vllm_config.model_config.hf_config
+        record(self, dspark_selection(target_config, int(vllm_config.speculative_config.num_speculative_tokens),
+                                      fields.block_size, fields.aux_layers, has_kda_layers(target_config)))
         loaded.remember("draft", self)
+
+    def heads(self) -> list[torch.nn.Module]:
+        """The head module the drafter computes its base logits with."""
+        return [self.lm_head]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """vLLM's loader without the checkpoint's copies of the target's embedding and head: the

@@ -14,3 +14,10 @@ DSPARK_ARCH = "LingDSparkModel"  # config.json "architectures" of the DSpark dra
 # a standalone dense DSpark draft (config/speculative.py), and the class vllm-ling's subclasses
 VLLM_QWEN3_DSPARK_ARCH = "Qwen3DSparkModel"
 DSPARK_MODEL_TYPE = "qwen3"  # the drafter's config.json "model_type" (SpecForge's DSpark export)
+# On the target's hf_config (it reaches every process): the speculative method patch P5 selected,
+# {"choice": value, "reason": text} (runtime.spec_policy writes and reads it; the DSpark drafter
+# records its reason).
+SPECULATION_ATTR = "vllm_ling_speculation"
+# On the DSpark drafter's Markov projection: a vLLM ParallelLMHead that is no LM head (the head
+# readers leave it to the drafter's reader).
+MARKOV_PROJECTION_ATTR = "ling_dspark_markov_projection"

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_ling.models.cost_model import build_plan, dspark_model, mtp_model, totals
+from vllm_ling.models.names import SPECULATION_ATTR
 from vllm_ling.options import STUDY_VERIFY_COST_BATCH1, Choice, Drafter, LingOptions, opt_out_setting
 from vllm_ling.selection import Feature, Selection
 
@@ -105,7 +106,6 @@ def speculative_schedule(config: dict[str, Any] | None = None, num_spec_tokens: 
 
 VLLM_MTP_METHOD = "mtp"  # vLLM's name for NEXTN MTP in --speculative-config (parsed from vLLM's config)
 VLLM_DSPARK_METHOD = "dspark"  # vLLM's name for its D-Spark runtime
-SPECULATION_ATTR = "vllm_ling_speculation"  # on the target's hf_config: {"choice": value, "reason": text}
 
 
 class Speculation(Choice):
