@@ -23,6 +23,7 @@ bandwidth, and the ratio to the upstream composition of the same session.
 On the H200 (vLLM from ``../shared/tools/device-vllm.sh``)::
 
     python3 -m benchmarks.serve_h200 run --composition ours --mtp --json $OUT/ours-mtp.json --logs $OUT
+    python3 -m benchmarks.serve_h200 run --composition ours --dspark --json $OUT/ours-dspark.json --logs $OUT
     python3 -m benchmarks.serve_h200 run --composition ours --json $OUT/ours.json --logs $OUT
     python3 -m benchmarks.serve_h200 run --composition upstream --json $OUT/upstream.json --logs $OUT
     python3 -m benchmarks.serve_h200 render $OUT/*.json --out benchmarks/results/serve_h200.md
@@ -49,6 +50,9 @@ FULL_CONFIG = REPO / "vllm_ling" / "data" / "ling3_flash_fp4_config.json"
 LONG_CONTEXT = 32768
 SHORT_CONTEXT = 64
 ACCEPT_LENGTHS = (2.68, 3.90)  # the study's GSM8K and synthetic accept lengths (BRIEF.md)
+# DSpark: the issue's target point, the drafter's model-card mean and GSM8K figure, SGLang's B200 run
+DSPARK_ACCEPT_LENGTHS = (4.0, 5.29, 6.22, 6.40)
+DSPARK_CONFIG = REPO / "vllm_ling" / "data" / "ling3_flash_dspark_config.json"
 
 # vLLM's and vllm-ling's own start-up log lines -> seconds (the last match wins)
 STARTUP_PATTERNS = {
@@ -79,6 +83,15 @@ def dummy_checkpoint(out: Path) -> Path:
             shutil.copy(f, model / f.name)
     shutil.copy(FULL_CONFIG, model / "config.json")
     return model
+
+
+def dummy_drafter(out: Path) -> Path:
+    """The full-size DSpark drafter with no weights (vLLM loads the drafter with the target's
+    --load-format dummy): its config.json alone (``vllm_ling/data/ling3_flash_dspark_config.json``)."""
+    drafter = out / "ling3-flash-dspark-dummy"
+    drafter.mkdir(parents=True, exist_ok=True)
+    shutil.copy(DSPARK_CONFIG, drafter / "config.json")
+    return drafter
 
 
 def copy_bandwidth() -> tuple[float | None, str]:
@@ -253,7 +266,7 @@ def run(args) -> int:
 
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
-    name = f"{args.composition}{'-mtp' if args.mtp else ''}"
+    name = f"{args.composition}{'-mtp' if args.mtp else '-dspark' if args.dspark else ''}"
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     # one path for every run: vLLM's torch.compile cache is keyed by the model path, so a second
     # start of the same composition on the machine loads its compiled graphs instead of recompiling
@@ -262,7 +275,9 @@ def run(args) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
     if args.composition == "upstream":
         env.update(upstream_composition())
-    env["VLLM_LING_MTP"] = "1" if args.mtp else "0"
+    env["VLLM_LING_MTP"] = "1" if args.mtp or args.dspark else "0"
+    if args.dspark:  # vllm-ling's default speculation with the DSpark drafter (its block_size tokens)
+        env["VLLM_LING_DSPARK_MODEL"] = str(dummy_drafter(Path(tempfile.gettempdir()) / "vllm-ling-serve-bench"))
     if not args.model:  # dummy weights accept (almost) no draft: the launcher's smoke check would refuse
         env["VLLM_LING_SMOKE"] = "0"
     port = free_port()
@@ -284,7 +299,8 @@ def run(args) -> int:
             "ignore_frontend": True,
             "torch_profiler_activities": ["CPU", "CUDA"] if args.device == "cuda" else ["CPU"]})]
     log_path = logs / f"{name}.log"
-    result: dict[str, Any] = {"name": name, "composition": args.composition, "mtp": args.mtp, "command": cmd,
+    result: dict[str, Any] = {"name": name, "composition": args.composition, "mtp": args.mtp, "dspark": args.dspark,
+                              "command": cmd,
                               "switches": {k: v for k, v in env.items() if k.startswith("VLLM_LING_")},
                               "copy_gbs": copy_gbs, "copy_how": copy_how, "device": device_name(),
                               "block_fp8_env": {k: os.environ.get(k) for k in (
@@ -352,7 +368,7 @@ def plan_bytes(context: int) -> dict[str, Any]:
     """``vllm-ling plan``'s byte model for the full-size model at ``context`` tokens."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, "-m", "vllm_ling.cli", "plan", "--device", "h200", "--context", str(context),
-                        "--no-study", "--json", f.name], check=True, capture_output=True)
+                        "--drafter", "dspark", "--no-study", "--json", f.name], check=True, capture_output=True)
         return json.loads(Path(f.name).read_text())
 
 
@@ -397,7 +413,7 @@ def render(args) -> int:
              "| composition | context | TPOT ms (1 token) | floor ms | TPOT / floor | fraction of copy bw | "
              "upstream / this |", "|---|---|---|---|---|---|---|"]
     for r in runs:
-        if r.get("mtp"):
+        if r.get("mtp") or r.get("dspark"):
             continue
         head = "bf16" if r["composition"] == "upstream" else "fp8"
         for c in r.get("contexts", []):
@@ -446,6 +462,7 @@ def render(args) -> int:
                          + (f"{it / one:.2f}x" if it and one else "-") + " | "
                          + (f"{c['accept_length']:.2f}" if c.get("accept_length") else "-") + " | "
                          + " | ".join(_ms(it / a if it else None) for a in ACCEPT_LENGTHS) + " |")
+    lines += dspark_lines(by_name, plans, copy_gbs)
     lines += ["", "Start-up (seconds, from launch to /health; parts from vLLM's and vllm-ling's own log lines and "
               "report) and memory:", "",
               "| composition | to /health | load weights | torch.compile | graph capture | engine init | "
@@ -473,12 +490,45 @@ def render(args) -> int:
     return 0
 
 
+def dspark_lines(by_name: dict[str, Any], plans: dict[int, Any], copy_gbs: float | None) -> list[str]:
+    """The DSpark iteration (draft cycle + verify of draft tokens + 1) beside its byte floor, and the
+    TPOT it gives at the published accept lengths, against NEXTN MTP's at the study's GSM8K 2.68
+    (the issue's target: DSpark at 4.0 at most half of NEXTN at 2.68)."""
+    run = by_name.get("ours-dspark")
+    if not run:
+        return []
+    mtp, plain = by_name.get("ours-mtp"), by_name.get("ours")
+    lines = ["", "DSpark (the drafter's block of 8 draft tokens, verify 9): one draft + verify iteration and the TPOT "
+             "it gives at the published accept lengths (iteration / L); dummy weights accept almost nothing, so "
+             "the measured TPOT is the iteration time.", "",
+             "| context | iteration ms | floor ms | iteration / 1-token step | measured accept length | "
+             + " | ".join(f"TPOT ms at AL {a}" for a in DSPARK_ACCEPT_LENGTHS) + " | AL 4.0 / NEXTN at 2.68 |",
+             "|---|---|---|---|---|" + "---|" * (len(DSPARK_ACCEPT_LENGTHS) + 1)]
+    for c in run.get("contexts", []):
+        d = plans[c["context"]].get("dspark") or {}
+        floor = ((d.get("verify_step_bytes", 0) + d.get("draft_cycle_bytes", 0)) / (copy_gbs * 1e9) * 1e3
+                 if copy_gbs and d else None)
+        it = c.get("iteration_ms")
+        one = next((x["tpot_ms"] for x in (plain or {}).get("contexts", []) if x["context"] == c["context"]), None)
+        mtp_it = next((x.get("iteration_ms") for x in (mtp or {}).get("contexts", []) if x["context"] == c["context"]),
+                      None)
+        ratio = (it / 4.0) / (mtp_it / 2.68) if it and mtp_it else None
+        lines.append(f"| {c['context']} | {_ms(it)} | {_ms(floor)} | " + (f"{it / one:.2f}x" if it and one else "-")
+                     + " | " + (f"{c['accept_length']:.2f}" if c.get("accept_length") else "-") + " | "
+                     + " | ".join(_ms(it / a if it else None) for a in DSPARK_ACCEPT_LENGTHS) + " | "
+                     + (f"{ratio:.2f}" if ratio else "-") + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="serve one composition and measure it")
     r.add_argument("--composition", choices=("ours", "upstream"), required=True)
-    r.add_argument("--mtp", action="store_true", help="NEXTN MTP x3 on (vllm-ling's default)")
+    spec = r.add_mutually_exclusive_group()
+    spec.add_argument("--mtp", action="store_true", help="NEXTN MTP x3 on (vllm-ling's default)")
+    spec.add_argument("--dspark", action="store_true",
+                      help="DSpark on: a full-size drafter with dummy weights (vllm_ling/data/ling3_flash_dspark_config.json)")
     r.add_argument("--model", default=None, help="a checkpoint dir instead of the full-size dummy architecture")
     r.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the harness")
     r.add_argument("--json", required=True)

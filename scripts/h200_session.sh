@@ -8,7 +8,8 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours       # full-size: vllm-ling defaults without MTP
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh upstream   # full-size: the upstream composition
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-mtp   # full-size: vllm-ling defaults (MTP x3)
-#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp     # those tiny end-to-end tests beside it first
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-dspark # full-size: DSpark, a dummy full-size drafter
+#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark  # those tiny end-to-end tests beside it first
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
 #
@@ -82,6 +83,7 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   greedy-eager) VLLM_DEEP_GEMM_WARMUP=skip part greedy-eager "$limit" "$e2e" -k "greedy and eager_mode" ;;
   opt-out-each) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-each "$limit" "$e2e" -k "each_opt_out_alone" ;;
   opt-out-all) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-all "$limit" "$e2e" -k "every_opt_out_at_once" ;;
+  dspark) VLLM_DEEP_GEMM_WARMUP=skip part dspark "$limit" "$e2e" -k "dspark" ;;
   kernels-a) part kernels-a "$limit" -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \
     tests/ops/test_known_answer_gpu.py ;;
   kernels-b) part kernels-b "$limit" -m gpu tests/ops/moe tests/ops/lm_head tests/ops/test_humming_jit.py tests/benchmarks ;;
@@ -106,17 +108,17 @@ tests)
   # DeepGEMM stays loaded (vLLM's default); its JIT warm-up over every M is skipped (the few sizes a
   # tiny server runs JIT on first use).
   export TORCHINDUCTOR_COMPILE_THREADS=1
-  for name in scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all; do tiny_test "$name" 540; done
+  for name in scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark; do tiny_test "$name" 540; done
   (VLLM_DEEP_GEMM_WARMUP=skip timeout 400 python3 -m vllm_ling.cli.demo --out "$out/demo" > "$out/demo.log" 2>&1
    echo "demo rc $?" >> "$out/rc.txt") &
   pids+=($!)
   tiny_test kernels-a 540
   tiny_test kernels-b 540
   wait "${pids[@]}"
-  for name in scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all; do record gpu-e2e:$name "$out/$name.log"; done
+  for name in scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark; do record gpu-e2e:$name "$out/$name.log"; done
   for name in kernels-a kernels-b; do record gpu:$name "$out/$name.log"; done
   ;;
-ours|upstream|ours-mtp)
+ours|upstream|ours-mtp|ours-dspark)
   # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
   # full-size start, which measures only once they are done (the timings stay that server's own).
   # STARTUP_S (480) and TINY_S (420): the start-up and beside-test limits; scripts/h200_lease.sh, whose
@@ -135,11 +137,12 @@ ours|upstream|ours-mtp)
   # vLLM's block-FP8 GEMM (the prefill path; the upstream composition's decode path too) without
   # DeepGEMM: CUTLASS on the upcast scales, the path a DGX Spark (sm_121, no DeepGEMM) takes, and no
   # DeepGEMM JIT warm-up in the start-up.
-  composition=(--composition "${phase%-mtp}")
+  composition=(--composition "${phase%-*}")
   [ "$phase" = ours-mtp ] && composition+=(--mtp)
   # PROFILE=1: vLLM's torch profiler over named prefill and decode windows after the measurements
   # (benchmarks/vllm_profile.py; the compact traces come back with the phase's output)
   [ "${PROFILE:-0}" = 1 ] && composition+=(--profile-dir "$OUT/prof-$phase")
+  [ "$phase" = ours-dspark ] && composition+=(--dspark)
   VLLM_USE_DEEP_GEMM=0 timeout $((startup_s + 80)) python3 -m benchmarks.serve_h200 run "${composition[@]}" \
     --json "$OUT/$phase.json" "${full_size[@]}" --startup-timeout "$startup_s" "${wait_for[@]}" > "$out/$phase.txt" 2>&1
   echo "$phase rc $?" >> "$out/rc.txt"

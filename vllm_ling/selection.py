@@ -19,6 +19,9 @@ from typing import Any, Callable
 from vllm_ling.options import Choice
 
 SELECTIONS_ATTR = "vllm_ling_selections"  # on a module: {Feature: Selection}
+# The report row proving a draft's head and embedding are the target's modules
+# (runtime.verification.draft_sharing); a drafter's optimization needs it (Reader.needs_rows).
+DRAFT_SHARING_ROW = "draft_shares_target_modules"
 
 
 class Feature(Choice):
@@ -30,6 +33,7 @@ class Feature(Choice):
     HEAD_KERNEL = "head_kernel"                  # the FP8 LM head's kernel
     KDA_MERGED_IN_PROJ = "kda_merged_in_proj"    # each KDA layer's q, k, v, f, g as one linear
     SPECULATIVE = "speculative"                  # the speculative method
+    DRAFTER = "drafter"                          # the DSpark drafter: its block, what it reads and shares
 
 
 class Platform(Choice):
@@ -88,12 +92,14 @@ class Reader:
     ``applies(module)``: the module is one that serves the feature (a vLLM class: every instance
     must carry a recorded selection); ``served(module)``: what it serves. ``check`` is the report
     row that proves it (features may share one), ``what`` names the modules (plural). Optional:
-    ``expected(hf_config, stage, draft_here)``, how many such modules this pipeline stage holds;
+    ``expected(hf_config, stage, draft_here)``, how many such modules this pipeline stage holds
+    (``draft_here``: the NEXTN draft, whose layers are the target's kinds, is in this process);
     ``uniform``, every module must record the same selection; ``optimization``, the report's
     optimizations entry (and metric label) with the ``optimizing`` choices that are it, requested
     where a module selected one (or fell back from one), active where the check passed and every
-    module (``needs_all``) or one serves one, and the known-answer results named ``known_answers``
-    passed.
+    module (``needs_all``) or one serves one, the known-answer results named ``known_answers``
+    passed, and the report rows named in ``needs_rows`` passed (a drafter's sharing of the
+    target's modules).
     """
 
     feature: Feature
@@ -108,3 +114,4 @@ class Reader:
     optimizing: frozenset = frozenset()
     needs_all: bool = True
     known_answers: str | None = None
+    needs_rows: tuple[str, ...] = ()

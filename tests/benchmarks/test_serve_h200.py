@@ -30,23 +30,28 @@ def _run(name, composition, mtp, contexts):
             "contexts": contexts}
 
 
+def _render(tmp_path, runs) -> str:
+    """``serve_h200 render`` of these runs (each written as its JSON file): the table's text."""
+    files = []
+    for run in runs:
+        f = tmp_path / f"{run['name']}.json"
+        f.write_text(json.dumps(run))
+        files.append(str(f))
+    out = tmp_path / "table.md"
+    S.main(["render", *files, "--out", str(out)])
+    return out.read_text()
+
+
 def test_table_puts_each_tpot_beside_its_floor_at_the_measured_bandwidth(tmp_path, monkeypatch):
     plans = {64: {"heads": {"fp8": {"bytes_per_token_batch1": 4.0e9, "bytes_per_verify_step": 7.0e9,
                                     "head_bytes": 4.0e8},
                             "bf16": {"bytes_per_token_batch1": 4.4e9}},
                   "draft_tokens": 3, "mtp_draft_step_bytes_without_head": 1.0e8}}
     monkeypatch.setattr(S, "plan_bytes", lambda context: plans[context])
-    files = []
-    for run in (_run("ours", "ours", False, [{"context": 64, "tpot_ms": 2.0}]),
-                _run("upstream", "upstream", False, [{"context": 64, "tpot_ms": 4.4}]),
-                _run("ours-mtp", "ours", True, [{"context": 64, "tpot_ms": 3.0, "iteration_ms": 3.0,
-                                                  "accept_length": 1.1}])):
-        f = tmp_path / f"{run['name']}.json"
-        f.write_text(json.dumps(run))
-        files.append(str(f))
-    out = tmp_path / "table.md"
-    S.main(["render", *files, "--out", str(out)])
-    text = out.read_text()
+    text = _render(tmp_path, (_run("ours", "ours", False, [{"context": 64, "tpot_ms": 2.0}]),
+                              _run("upstream", "upstream", False, [{"context": 64, "tpot_ms": 4.4}]),
+                              _run("ours-mtp", "ours", True, [{"context": 64, "tpot_ms": 3.0, "iteration_ms": 3.0,
+                                                                "accept_length": 1.1}])))
     # ours: 4.0e9 bytes at 4000 GB/s = 1.000 ms floor; 2.0 ms is 2.00x it, 0.50 of the copy bandwidth;
     # upstream (BF16 head) 4.4e9 bytes = 1.100 ms floor; it is 2.20x slower than ours
     assert "| ours | 64 | 2.000 | 1.000 | 2.00x | 0.50 | 2.20x |" in text
@@ -54,3 +59,29 @@ def test_table_puts_each_tpot_beside_its_floor_at_the_measured_bandwidth(tmp_pat
     # the MTP iteration: verify 7.0e9 + 3 x (1.0e8 + 4.0e8) = 8.5e9 bytes = 2.125 ms; 1.5x the 1-token step;
     # TPOT at accept length 2.68 = 3.0 / 2.68
     assert f"| 64 | 3.000 | 2.125 | 1.50x | 1.10 | {3.0 / 2.68:.3f} | {3.0 / 3.90:.3f} |" in text
+
+
+def test_dspark_iteration_beside_its_floor_and_against_nextn(tmp_path, monkeypatch):
+    plans = {64: {"heads": {"fp8": {"bytes_per_token_batch1": 4.0e9, "bytes_per_verify_step": 7.0e9,
+                                    "head_bytes": 4.0e8},
+                            "bf16": {"bytes_per_token_batch1": 4.4e9}},
+                  "draft_tokens": 3, "mtp_draft_step_bytes_without_head": 1.0e8,
+                  "dspark": {"verify_step_bytes": 1.1e10, "draft_cycle_bytes": 2.0e9}}}
+    monkeypatch.setattr(S, "plan_bytes", lambda context: plans[context])
+    text = _render(tmp_path, (_run("ours", "ours", False, [{"context": 64, "tpot_ms": 2.0}]),
+                              _run("ours-mtp", "ours", True, [{"context": 64, "tpot_ms": 3.0, "iteration_ms": 3.0}]),
+                              {**_run("ours-dspark", "ours", False, [{"context": 64, "tpot_ms": 4.0,
+                                                                      "iteration_ms": 4.0, "accept_length": 1.2}]),
+                               "dspark": True}))
+    assert "| ours-dspark | 64 |" not in text  # not a plain 1-token row
+    # verify 1.1e10 + draft cycle 2.0e9 = 1.3e10 bytes = 3.250 ms at 4000 GB/s; 2.00x the 1-token step;
+    # at AL 4.0: 1.000 ms, against NEXTN's 3.0 / 2.68 = 1.119 ms -> 0.89
+    assert (f"| 64 | 4.000 | 3.250 | 2.00x | 1.20 | 1.000 | {4 / 5.29:.3f} | {4 / 6.22:.3f} | {4 / 6.40:.3f} | "
+            f"{1.0 / (3.0 / 2.68):.2f} |") in text
+
+
+def test_dspark_run_uses_a_dummy_full_size_drafter(tmp_path):
+    drafter = S.dummy_drafter(tmp_path)
+    cfg = json.loads((drafter / "config.json").read_text())
+    assert cfg["architectures"] == ["LingDSparkModel"] and cfg["num_hidden_layers"] == 5 and cfg["block_size"] == 8
+    assert not list(drafter.glob("*.safetensors"))  # served with the target's --load-format dummy

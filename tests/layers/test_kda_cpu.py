@@ -108,7 +108,7 @@ def test_register_leaves_a_foreign_replacement_and_says_so(vllm_config, monkeypa
     assert any("NOT used" in r.getMessage() for r in caplog.records)
 
 
-def build_layer(config, dtype=torch.float32, num_spec=0, seed=0):
+def build_layer(config, dtype=torch.float32, num_spec=0, seed=0, slots=SLOTS):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
 
@@ -148,7 +148,7 @@ def build_layer(config, dtype=torch.float32, num_spec=0, seed=0):
     shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
     page = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size()
                for s, d in zip(shapes, dtypes))
-    layer.bind_kv_cache(torch.zeros(SLOTS, 1, 1, page, dtype=torch.int8))
+    layer.bind_kv_cache(torch.zeros(slots, 1, 1, page, dtype=torch.int8))
     return layer
 
 
@@ -321,6 +321,34 @@ def test_spec_decode_with_accepted_tokens_and_mixed_prefill(vllm_config, monkeyp
     torch.testing.assert_close(out, want[13:16], atol=ATOL, rtol=0)
     # the state after the last token sits in the window's last slot
     torch.testing.assert_close(layer.kv_cache[1][rows_a[-1]], state, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("accepted_per_window", [[1, 9, 4, 9, 2], [9, 9, 9], [1, 1, 5, 8]])
+def test_dspark_verify_windows_roll_back_to_any_accepted_prefix(vllm_config, monkeypatch, accepted_per_window):
+    """DSpark verify windows: 8 drafts + the bonus position = 9 tokens per step, vLLM's 9 state slots
+    per request and a conv window of W - 1 + 8 columns. After each window k of 9 tokens are accepted
+    and the rest rolled back; the next window's outputs, and the state after the last accepted token,
+    equal the reference run over exactly the accepted tokens (the rejected ones never happened)."""
+    num_spec = 8
+    rows = list(range(1, num_spec + 2))  # one state slot per verify position (slot 0 is vLLM's null block)
+    layer = build_layer(vllm_config, num_spec=num_spec, seed=13, slots=len(rows) + 2)
+    builder = metadata_builder(layer, vllm_config, num_spec=num_spec, monkeypatch=monkeypatch)
+    stream = hidden_states(12 + 9 * (len(accepted_per_window) + 1), 14)
+    history = stream[:12]
+    run_layer(layer, vllm_config, build_metadata(builder, [12], [0], [rows], drafts=[-1], accepted=[1]), history)
+    cursor, accepted = 12, 1
+    for k in accepted_per_window + [9]:
+        window = stream[cursor:cursor + 9]
+        cursor += 9
+        md = build_metadata(builder, [9], [history.shape[0]], [rows], drafts=[num_spec], accepted=[accepted])
+        assert md.num_spec_decodes == 1 and md.num_prefills == 0 and md.num_decodes == 0
+        out = run_layer(layer, vllm_config, md, window)
+        want, _, _ = reference(layer, torch.cat([history, window]))
+        torch.testing.assert_close(out, want[history.shape[0]:], atol=ATOL, rtol=0)
+        history, accepted = torch.cat([history, window[:k]]), k
+    # the state after the last accepted token sits in the slot of its window position
+    _, state, _ = reference(layer, history)
+    torch.testing.assert_close(layer.kv_cache[1][rows[accepted - 1]], state, atol=ATOL, rtol=0)
 
 
 def test_profile_run_without_metadata_is_a_no_op(vllm_config):

@@ -84,7 +84,8 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert [c["name"] for c in report["checks"]] == [
         "model_classes", "moe_layers", "lm_head", "dense_fp8_layers", "small_bf16_layers", "kda_merged_in_proj",
-        "router_gates", "draft_shares_target_modules", "speculative_config", "versions", "kernel_known_answers"]
+        "router_gates", "dspark_drafter", "draft_shares_target_modules", "speculative_config", "versions",
+        "kernel_known_answers"]
     assert _check(report, "moe_layers")["actual"] == "5 x reference"
     assert _check(report, "moe_layers")["expected"] == (
         "5 routed-expert layers, each serving the selection recorded on it (5 x reference)")
@@ -94,6 +95,8 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
     assert report["optimizations"]["moe_decode_kernels"] == {
         "requested": False, "active": False, "detail": "needs the humming MoE backend on CUDA"}
     assert report["optimizations"]["fp8_head"]["active"] is True
+    assert report["optimizations"]["dspark"] == {
+        "requested": False, "active": False, "detail": "not selected: no DSpark drafters"}
     assert any("plain-PyTorch MXFP4 reference" in n for n in report["notes"])
     assert report["optimizations"]["dense_fp8_decode"]["requested"] is False
     assert report["optimizations"]["router_gemv"] == {
@@ -108,7 +111,7 @@ def test_the_census_reads_every_served_module_once(loaded_tiny_models):
     census = _census(loaded_tiny_models)
     count = {f: len(census.of(f)) for f in Feature if f is not Feature.SPECULATIVE}
     assert count == {Feature.MOE: 5, Feature.DENSE_FP8: 33, Feature.BF16_GEMV: 7, Feature.ROUTER_GEMV: 5,
-                     Feature.FP8_HEAD: 1, Feature.HEAD_KERNEL: 1, Feature.KDA_MERGED_IN_PROJ: 5}
+                     Feature.FP8_HEAD: 1, Feature.HEAD_KERNEL: 1, Feature.KDA_MERGED_IN_PROJ: 5, Feature.DRAFTER: 0}
     assert [e.name for e in census.of(Feature.FP8_HEAD)] == ["target.lm_head"]
     assert all(e.recorded is not None and e.served.key == e.recorded.served_as() for e in census.entries)
 
@@ -183,10 +186,24 @@ def _plant_speculative(models, monkeypatch):
     return "speculative_config", "mtp, 3 tokens"
 
 
+def _plant_drafter(models, monkeypatch):
+    """The DSpark drafter records a block of 4 draft tokens; vLLM's runtime drafts its block_size 8."""
+    _, _, draft = models
+    recorded = draft.vllm_ling_selections[Feature.DRAFTER]
+    _plant(monkeypatch, draft, dataclasses.replace(recorded, draft_tokens=4, kda_window=5))
+    return "dspark_drafter", ("not the recorded selection: ['draft (selected dspark (4 draft tokens per block, "
+                              "target layers [2, 4, 5], Model Runner V2, KDA state for a 5-token verify window, "
+                              "draft KV pages within the hybrid page, BF16 Markov projection), serves dspark "
+                              "(8 draft tokens per block, target layers [2, 4, 5], Model Runner V2, KDA state for "
+                              "a 9-token verify window")
+
+
 PLANTED = {Feature.MOE: _plant_moe, Feature.DENSE_FP8: _plant_dense, Feature.BF16_GEMV: _plant_bf16,
            Feature.ROUTER_GEMV: _plant_router, Feature.FP8_HEAD: _plant_fp8_head,
            Feature.HEAD_KERNEL: _plant_head_kernel, Feature.KDA_MERGED_IN_PROJ: _plant_kda,
-           Feature.SPECULATIVE: _plant_speculative}
+           Feature.SPECULATIVE: _plant_speculative, Feature.DRAFTER: _plant_drafter}
+# The models each feature's divergence is planted in (the NEXTN pair unless named here)
+PLANTED_IN = {Feature.DRAFTER: "dspark_on_v2"}
 
 
 def test_every_feature_has_a_planted_divergence():
@@ -194,12 +211,13 @@ def test_every_feature_has_a_planted_divergence():
 
 
 @pytest.mark.parametrize("feature", list(PLANTED), ids=str)
-def test_a_module_serving_other_than_it_recorded_fails_its_row_named(loaded_tiny_models, monkeypatch, feature):
+def test_a_module_serving_other_than_it_recorded_fails_its_row_named(request, monkeypatch, feature):
     from vllm_ling.runtime.verification import LingVerificationError, enforce_policy
 
-    assert _report(loaded_tiny_models)["passed"]  # the control: as loaded, every module serves its record
-    row, says = PLANTED[feature](loaded_tiny_models, monkeypatch)
-    report = _report(loaded_tiny_models)
+    models = request.getfixturevalue(PLANTED_IN.get(feature, "loaded_tiny_models"))
+    assert _report(models)["passed"]  # the control: as loaded, every module serves its record
+    row, says = PLANTED[feature](models, monkeypatch)
+    report = _report(models)
     check = _check(report, row)
     assert not check["passed"] and not report["passed"]
     assert says in check["actual"], check["actual"]

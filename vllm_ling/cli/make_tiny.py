@@ -28,6 +28,9 @@ def main(argv: list[str]) -> int:
                          help="weights whose greedy answer to any chat prompt is this text (or the "
                               "contents of this file), e.g. reasoning, </think>, then a <tool_call>; "
                               "the NEXTN draft predicts every token of it")
+    parser.add_argument("--dspark", default=None, metavar="DRAFT_DIR",
+                        help="also write a tiny DSpark drafter for it in DRAFT_DIR (the real drafter's format; "
+                             "with --agreeing or --script, one whose every draft the target accepts)")
     args = parser.parse_args(argv)
     script = args.script
     if script is not None and Path(script).is_file():
@@ -40,4 +43,9 @@ def main(argv: list[str]) -> int:
             else "agreeing: its NEXTN draft predicts every token" if args.agreeing
             else "random weights: its NEXTN draft is never accepted (--agreeing or --script for one that is)")
     print(f"wrote tiny Ling-3.0 checkpoint to {out} ({kind})")
+    if args.dspark is not None:
+        from vllm_ling.models.tiny_dspark import make_tiny_dspark
+
+        draft = make_tiny_dspark(args.dspark, out, args.seed, agreeing=args.agreeing or script is not None)
+        print(f"wrote tiny DSpark drafter for it to {draft}")
     return 0

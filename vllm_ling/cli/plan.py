@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_ling.models.cost_model import (DEVICE_BANDWIDTH_GBS, GB, HEAD_BYTES_PER_PARAM, MB, STUDY_SPARK,
-                                         PlanError, build_plan,
-                                         load_config, mtp_speedup, plan_to_dict)
+                                         PlanError, build_plan, dspark_draft_components, dspark_model,
+                                         load_config, mtp_speedup, plan_to_dict, totals)
 from vllm_ling.models.measured_efficiency import EfficiencyFileError, load_decode_step
 
 
@@ -115,6 +115,61 @@ def format_plan(result: dict[str, Any], head: str) -> str:
     return "\n".join(out)
 
 
+# Published DSpark accept lengths for Ling-3.0-flash (docs/dspark.md): the model card's macro mean and
+# its GSM8K figure, SGLang's B200 cookbook run, and the issue's H200 target point.
+PUBLISHED_DSPARK_ACCEPT = {"target point": 4.0, "model card, 9-workload mean": 5.29,
+                           "SGLang B200 cookbook": 6.22, "model card, GSM8K": 6.40}
+DSPARK_CONFIG = "ling3_flash_dspark_config.json"
+
+
+def load_dspark_fields(path: str | None):
+    """The drafter's fields from a drafter directory or config.json (default: the packaged full-size one)."""
+    from importlib import resources
+
+    from vllm_ling.models.dspark_format import DSparkFormatError, read_fields
+
+    if path is None:
+        ref = resources.files("vllm_ling") / "data" / DSPARK_CONFIG
+        return read_fields(json.loads(ref.read_text()), f"packaged {DSPARK_CONFIG}")
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise PlanError(f"--dspark-config {path!r}: no such file or drafter directory")
+    try:
+        return read_fields(json.loads(file.read_text()), str(file))
+    except (DSparkFormatError, json.JSONDecodeError) as exc:
+        raise PlanError(str(exc)) from None
+
+
+def dspark_section(cfg: dict, fields, context: int, draft_tokens: int, head: str, bandwidth_gbs: float,
+                   mtp_result: dict) -> tuple[list[str], dict]:
+    """The DSpark cycle next to NEXTN MTP's: draft bytes, verify window, break-even and TPOT at the
+    published accept lengths (time proportional to bytes, as for MTP)."""
+    plan = build_plan(cfg, context=context, verify_tokens=draft_tokens + 1)
+    m = dspark_model(plan, head, fields, draft_tokens)
+    floor_ms = totals(plan, head)[0] / (bandwidth_gbs * GB) * 1e3
+    mtp = mtp_result["heads"][head]["mtp"]
+    cycle, mtp_cycle = m["break_even_accept_length"], mtp["break_even_accept_length"]
+    lines = [f"DSpark drafter ({fields.source}): {fields.num_layers} layers, block {fields.block_size}, "
+             f"{draft_tokens} draft tokens, verify window {draft_tokens + 1} tokens "
+             f"({plan.distinct_experts_verify:.1f} distinct experts/layer), {head} head shared",
+             f"  {'bytes per draft cycle':44s} {'MB':>11s}"]
+    for c in dspark_draft_components(fields, context, draft_tokens):
+        lines.append(f"  {c.name:44s} {c.batch1_bytes / MB:11.1f}")
+    lines.append(f"  {'shared LM head ' + head + ' (once for the block)':44s} {plan.head_bytes[head] / MB:11.1f}")
+    lines.append(f"  verify {m['verify_cost_ratio']:.2f} + draft {m['draft_cost_ratio']:.2f} plain steps = "
+                 f"break-even accept length {cycle:.2f} (NEXTN MTP x{mtp_result['draft_tokens']}: {mtp_cycle:.2f})")
+    lines.append(f"  TPOT = floor {floor_ms:.2f} ms x cycle / accept length:")
+    rows = {}
+    for label, accept in PUBLISHED_DSPARK_ACCEPT.items():
+        tpot = floor_ms * cycle / accept
+        rows[label] = {"accept_length": accept, "tpot_ms": tpot, "tokens_per_s": 1e3 / tpot}
+        lines.append(f"    {label:30s} accept {accept:4.2f}: {tpot:6.2f} ms ({1e3 / tpot:6.1f} tok/s)")
+    gsm = STUDY_SPARK["gsm8k_accept_length"]
+    lines.append(f"    {'NEXTN MTP at GSM8K (study)':30s} accept {gsm:4.2f}: {floor_ms * mtp_cycle / gsm:6.2f} ms")
+    return lines, {**m, "draft_tokens": draft_tokens, "floor_tpot_ms": floor_ms, "published": rows,
+                   "verify_step_bytes": totals(plan, head)[1]}
+
+
 def _measured_lines(path: str, composition: str, result: dict, head: str) -> tuple[list[str], list[dict]]:
     """Predicted step times from a decode_step run, with where they came from, two ways: the run's
     fraction of the copy bandwidth, and the floor plus the run's launches at its per-launch cost
@@ -155,6 +210,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=32768, help="context length for KV cache reads")
     p.add_argument("--draft-tokens", type=int, default=3,
                    help="MTP draft tokens per cycle; the verify window is this + 1 (default 3)")
+    p.add_argument("--dspark-tokens", type=int, default=None,
+                   help="DSpark draft tokens (default: the drafter's block_size; at most it)")
     p.add_argument("--head", default="fp8", choices=sorted(HEAD_BYTES_PER_PARAM),
                    help="LM head dtype for the component table (default fp8)")
     p.add_argument("--verify-cost-ratio", type=float,
@@ -164,6 +221,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "efficiency that run measured (e.g. benchmarks/results/decode_step_h200.json)")
     p.add_argument("--efficiency-composition", default="ours", choices=("ours", "upstream"),
                    help="which composition of that run to take the efficiency from (default ours)")
+    p.add_argument("--drafter", default="mtp", choices=("mtp", "dspark"),
+                   help="dspark: also model the DSpark drafter's cycle (draft tokens default to its block_size)")
+    p.add_argument("--dspark-config", metavar="PATH",
+                   help="the DSpark drafter's directory or config.json (default: packaged full-size Ling-3.0-flash-dspark)")
     p.add_argument("--json", help="write the full plan as JSON to this path")
     p.add_argument("--no-study", action="store_true", help="do not print the comparison with the study")
     return p
@@ -176,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--bandwidth-gbs must be > 0")
     if args.draft_tokens < 0:
         parser.error("--draft-tokens must be >= 0")
+    if args.dspark_tokens is not None and args.dspark_tokens < 1:
+        parser.error("--dspark-tokens must be >= 1")
     try:
         cfg, path = load_config(args.checkpoint, args.config)
         plan = build_plan(cfg, context=args.context, verify_tokens=args.draft_tokens + 1, config_path=path)
@@ -203,6 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_study and full_size and same_setup and bw == DEVICE_BANDWIDTH_GBS["spark"][0]:
         study_lines = _study_comparison(result)
         result["study_comparison"] = study_lines
+    if args.drafter == "dspark":
+        try:
+            fields = load_dspark_fields(args.dspark_config)
+            if (args.dspark_tokens or 0) > fields.block_size:
+                raise PlanError(f"--dspark-tokens {args.dspark_tokens} > the drafter's block_size {fields.block_size}")
+            lines, result["dspark"] = dspark_section(cfg, fields, args.context, args.dspark_tokens or fields.block_size,
+                                                     args.head, bw, result)
+        except PlanError as exc:
+            print(f"vllm-ling plan: error: {exc}", file=sys.stderr)
+            return 2
+        text += "\n\n" + "\n".join(lines)
     print(text)
     if study_lines:
         print()

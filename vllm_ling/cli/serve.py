@@ -40,9 +40,10 @@ from typing import Callable, Mapping
 
 from vllm_ling.cli.agent_defaults import parser_args
 from vllm_ling.models.checkpoint_check import INDEX_FILE, CheckpointFormatError, unreadable_paths
-from vllm_ling.options import (CPU_MOE_BACKEND_REFUSAL, LING3_PARSER, PREFIX, SPARK_MEMORY_FRACTION,
-                               STOP_FILE_ENV, UNKNOWN_WARNED_MARKER, LingOptionError, MoeBackend, Option, Scope,
-                               VerifyPolicy, closest, opt_out_setting, option, read, serve_options,
+from vllm_ling.options import (CPU_MOE_BACKEND_REFUSAL, DSPARK_NOT_ON_CPU, LING3_PARSER, PREFIX,
+                               SPARK_MEMORY_FRACTION, STOP_FILE_ENV, UNKNOWN_WARNED_MARKER, Drafter, LingOptionError,
+                               MoeBackend, Option, Scope, VerifyPolicy, closest, dspark_unavailable, opt_out_setting,
+                               option, read, serve_options,
                                unknown_variables)
 from vllm_ling.refusal import REFUSAL_FILE_ENV, take
 from vllm_ling.launcher.local_server import plugin_names
@@ -357,6 +358,12 @@ def plan_serve(argv: list[str], env: Mapping[str, str],
     if device == "cpu" and _parsed(values, "moe_backend") is MoeBackend.VLLM:
         source = "--moe-backend vllm" if args.moe_backend is not None else opt_out_setting("VLLM_LING_MOE_BACKEND")
         raise LaunchError(CPU_MOE_BACKEND_REFUSAL.format(what=source))
+    drafter = _parsed(values, "drafter")
+    if device == "cpu" and (drafter is Drafter.DSPARK or (drafter is None and values["dspark_model"])):
+        source = (f"--dspark-model {values['dspark_model']}" if args.dspark_model is not None
+                  else f"VLLM_LING_DSPARK_MODEL={values['dspark_model']}" if values["dspark_model"]
+                  else "VLLM_LING_DRAFTER=dspark")
+        raise LaunchError(dspark_unavailable(source, DSPARK_NOT_ON_CPU))
 
     if values["served_model_name"] is None:
         values["served_model_name"] = (model_dir.name if model_dir

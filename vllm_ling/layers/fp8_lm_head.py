@@ -23,6 +23,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.models.names import MARKOV_PROJECTION_ATTR
 from vllm_ling.ops import lm_head as head_ops
 from vllm_ling.ops.lm_head.selection import Fp8Head
 from vllm_ling.options import HeadKernel, opt_out_setting
@@ -84,9 +85,10 @@ class Fp8LmHeadMethod(QuantizeMethodBase):
 
 
 def _is_head(module) -> bool:
+    """A vLLM LM head (the DSpark drafter's Markov projection is vLLM's head class, but no LM head)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    return isinstance(module, ParallelLMHead)
+    return isinstance(module, ParallelLMHead) and not getattr(module, MARKOV_PROJECTION_ATTR, False)
 
 
 def _weight_text(head) -> str:

@@ -88,3 +88,62 @@ def expected_continuation(prompt_last_token: int, steps: int, config: dict[str, 
         t = int(f[t])
         out.append(t)
     return out
+
+
+# ---- the agreeing DSpark drafter (``make-tiny DIR --agreeing --dspark DRAFT_DIR``)
+
+# Markov bias of the right token over the best wrong one, in logits: far above the backbone's
+# cross terms at the mask positions (about 0.02 * sqrt(hidden) per row, ~1 at the tiny size)
+# and BF16 rounding of the Markov weights.
+DSPARK_MARKOV_SCALE = 32.0
+DSPARK_MIN_MARGIN = 4.0
+
+
+def target_next_tokens(embeddings: torch.Tensor, head: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The agreeing target's greedy next token after each token ``p`` (its logits depend on the
+    current token only): ``argmax_j head[j] . rmsnorm(E[p])``, computed from its own weights."""
+    e = embeddings.float()
+    normed = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed @ head.float().t()).argmax(-1)
+
+
+def agreeing_dspark_overrides(specs, embeddings: torch.Tensor, head: torch.Tensor, markov_rank: int,
+                              seed: int = 0) -> dict[str, torch.Tensor]:
+    """Drafter weights whose every draft is the target's greedy token, for a target whose next token
+    depends on the current token alone (the agreeing and the scripted checkpoints).
+
+    1. Every drafter layer writes nothing to its residual stream (``o_proj`` and ``down_proj``
+       zero, unit norms): position 0 (the anchor token ``a``) ends as ``rmsnorm(E[a])``, so its base
+       logits through the shared head are exactly the target's own logits for ``a``; the mask
+       positions end as ``rmsnorm(E[mask])``, whose logits are cross terms only.
+    2. The Markov head maps the previous token ``p`` to a bias that peaks at ``t(p)``, the target's
+       next token after ``p`` (:func:`target_next_tokens`): ``w1[p] = u_p`` (unit rows),
+       ``w2[j] = DSPARK_MARKOV_SCALE * sum of u_p over the p with t(p) = j``. The bias of ``t(p)`` is
+       about the scale, every other one a few cross terms of it; the margin is checked here for
+       every token.
+    So the drafter proposes ``t(a), t(t(a)), ...``: under greedy decoding the target accepts all of
+    them and the accept length is ``block_size + 1``. The context path (fc, context K/V) runs but
+    adds nothing: the forward test against the plain-PyTorch reference covers its arithmetic.
+    """
+    vocab = embeddings.shape[0]
+    gen = torch.Generator().manual_seed(seed + 15485863)
+    t = target_next_tokens(embeddings, head)
+    u = torch.randn(vocab, markov_rank, generator=gen)
+    w1 = u / u.norm(dim=-1, keepdim=True)
+    w2 = torch.zeros(vocab, markov_rank).index_add_(0, t, DSPARK_MARKOV_SCALE * w1)
+    rows = torch.arange(vocab)
+    bias = w2.to(torch.bfloat16).float() @ w1.to(torch.bfloat16).float().t()  # [next token, previous token]
+    right = bias[t, rows]
+    bias[t, rows] = float("-inf")
+    margin = float((right - bias.max(0).values).min())
+    if margin < DSPARK_MIN_MARGIN:
+        raise ValueError(f"seed {seed} gives a Markov margin of {margin:.2f} < {DSPARK_MIN_MARGIN}: the target's "
+                         "next-token function has too many tokens with the same successor; build the drafter from "
+                         "`make-tiny --agreeing` or `--script`")
+    out = {"markov_head.markov_w1.weight": w1, "markov_head.markov_w2.weight": w2}
+    for spec in specs:
+        if spec.name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            out[spec.name] = torch.zeros(spec.shape)
+        elif spec.name.endswith("norm.weight"):
+            out[spec.name] = torch.ones(spec.shape)
+    return out

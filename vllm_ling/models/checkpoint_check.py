@@ -102,19 +102,17 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, tuple[str, str, tuple[int, 
     return tensors
 
 
-def check_checkpoint(model_dir: str | Path, config: dict[str, Any],
-                     include_mtp: bool = False) -> list[str]:
-    """Raise CheckpointFormatError naming each bad tensor; return unexpected tensor names."""
-    model_dir = Path(model_dir)
+def compare_with_specs(model_dir: Path, specs: list[TensorSpec], what: str = "checkpoint") -> list[str]:
+    """Raise CheckpointFormatError naming each tensor of ``specs`` that is missing from the shards of
+    ``model_dir`` or stored with another dtype or shape; return the shards' other tensor names."""
     found = checkpoint_tensors(model_dir)
     problems: list[str] = []
     expected_names: set[str] = set()
-    specs: list[TensorSpec] = checkpoint_specs(config, include_mtp=include_mtp)
     for spec in specs:
         for name, shape, dtype in stored_tensors(spec):
             expected_names.add(name)
             if name not in found:
-                problems.append(f"{name}: missing from the checkpoint in {model_dir}")
+                problems.append(f"{name}: missing from the {what} in {model_dir}")
                 continue
             shard, got_dtype, got_shape = found[name]
             if got_dtype not in _EQUIVALENT.get(dtype, {dtype}):
@@ -127,10 +125,17 @@ def check_checkpoint(model_dir: str | Path, config: dict[str, Any],
         shown = problems[:MAX_LISTED]
         more = f" (and {len(problems) - MAX_LISTED} more)" if len(problems) > MAX_LISTED else ""
         raise CheckpointFormatError(
-            f"checkpoint {model_dir} does not match its config.json "
+            f"{what} {model_dir} does not match its config.json "
             f"({len(problems)} problem(s)){more}:\n  " + "\n  ".join(shown))
+    return sorted(n for n in found if n not in expected_names)
+
+
+def check_checkpoint(model_dir: str | Path, config: dict[str, Any],
+                     include_mtp: bool = False) -> list[str]:
+    """Raise CheckpointFormatError naming each bad tensor; return unexpected tensor names."""
+    model_dir = Path(model_dir)
+    unexpected = compare_with_specs(model_dir, checkpoint_specs(config, include_mtp=include_mtp))
     n_target = config["num_hidden_layers"]
     mtp_prefixes = tuple(f"model.layers.{i}." for i in
                          range(n_target, n_target + config.get("num_nextn_predict_layers", 0)))
-    return sorted(n for n in found if n not in expected_names
-                  and not (not include_mtp and n.startswith(mtp_prefixes)))
+    return [n for n in unexpected if not (not include_mtp and n.startswith(mtp_prefixes))]

@@ -381,3 +381,47 @@ def plan_to_dict(plan: Plan, bandwidth_gbs: float, device: str, draft_tokens: in
         "mtp_draft_step_bytes_without_head": plan.draft_step_bytes_without_head,
         "heads": heads_out,
     }
+
+
+# ---- DSpark: a separate block drafter (docs/dspark.md) ----------------------------------------
+
+def dspark_draft_components(fields, context: int, draft_tokens: int) -> list[Component]:
+    """Bytes one DSpark draft cycle reads at batch 1, head excluded (the drafter shares the target's).
+
+    vLLM 0.32's D-Spark runtime (``qwen3_dflash.py``, ``dspark/speculator.py``): the context K/V of
+    the newly verified tokens through ``fc`` and a fused copy of every layer's K/V projection
+    (``_build_fused_kv_buffers``), one forward of the ``draft_tokens`` query block through all BF16
+    layers, attention over the draft's own KV cache at ``context`` tokens (MHA: every head's K and V),
+    then the Markov head step by step, each reading all of ``markov_w2`` (it does not stay in cache:
+    vocabulary x rank BF16 is 80 MB at full size). ``fields``: :class:`dspark_format.DSparkFields`."""
+    from vllm_ling.models.dspark_format import dspark_specs
+
+    specs = dspark_specs(fields)
+
+    def weights(tensor_class: str) -> float:
+        return sum(s.numel for s in specs if s.tensor_class == tensor_class) * BF16
+
+    kv_width = fields.num_kv_heads * fields.head_dim
+    kv_per_token = fields.num_layers * 2 * kv_width * BF16
+    markov_w2 = fields.vocab_size * fields.markov_rank * BF16
+    parts = [
+        ("draft layers BF16 (attention + MLP)", weights("dspark_attention") + weights("dspark_mlp")),
+        ("draft fused context K/V projection copy", fields.num_layers * 2 * kv_width * fields.hidden_size * BF16),
+        ("draft fc + norms + confidence", weights("dspark_fc") + weights("dspark_norms")
+         + weights("dspark_confidence")),
+        (f"draft KV cache BF16 @ {context} tokens", kv_per_token * context),
+        (f"Markov head: markov_w2 x {draft_tokens} steps", markov_w2 * draft_tokens),
+    ]
+    return [Component(name, b, b) for name, b in parts]
+
+
+def dspark_model(verify_plan: Plan, head: str, fields, draft_tokens: int) -> dict[str, float]:
+    """One DSpark cycle in plain decode steps: a verify over ``draft_tokens + 1`` positions
+    (``verify_plan`` built with that window) and one draft cycle (its components plus the shared
+    head read once for the whole block); speedup and break-even as for MTP (:func:`mtp_model`)."""
+    b1, bk = totals(verify_plan, head)
+    draft = sum(c.batch1_bytes for c in dspark_draft_components(fields, verify_plan.context, draft_tokens))
+    draft += verify_plan.head_bytes[head]
+    verify_ratio, draft_ratio = bk / b1, draft / b1
+    return {"verify_cost_ratio": verify_ratio, "draft_cost_ratio": draft_ratio,
+            "break_even_accept_length": verify_ratio + draft_ratio, "draft_cycle_bytes": draft}

@@ -9,7 +9,11 @@ from typing import Iterable
 import torch
 
 from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
+from vllm.model_executor.models import bailing_moe_v3
 from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3ForCausalLM
+from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
+from vllm.sequence import IntermediateTensors
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models import loaded
@@ -40,8 +44,44 @@ def check_local_checkpoint(vllm_config: VllmConfig, include_mtp: bool) -> None:
                  "will be ignored, e.g. %s", len(unexpected), model_dir, unexpected[:5])
 
 
-class LingForCausalLM(BailingMoeV3ForCausalLM):
-    """The Ling-3.0 target as registered by vllm-ling."""
+class LingModel(EagleModelMixin, bailing_moe_v3.BailingMoeV3Model):
+    """vLLM's ``BailingMoeV3Model`` that also returns the residual stream at the input of the
+    layers vLLM asks for (``set_aux_hidden_state_layers``): what the DSpark drafter reads.
+
+    vLLM 0.32's model has no such capture (vllm#54174 adds it in-tree); its constructor names the
+    model class directly, so patch P12 makes it build this one (registry.PATCHES). The loop is
+    vLLM's, plus the capture (``EagleModelMixin._maybe_add_hidden_state``: ``hidden + residual``);
+    with no layers set the output is vLLM's, unchanged.
+    """
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None):
+        if get_pp_group().is_first_rank:
+            hidden_states = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
+        else:
+            assert intermediate_tensors is not None
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        aux_hidden_states: list[torch.Tensor] = []
+        for idx, layer in enumerate(self.layers[self.start_layer: self.end_layer], start=self.start_layer):
+            aux_hidden_states = self._maybe_add_hidden_state(aux_hidden_states, idx, hidden_states, residual)
+            hidden_states, residual = layer(hidden_states, positions, residual)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+        if residual is not None:
+            hidden_states, _ = self.norm(hidden_states, residual)
+        else:
+            hidden_states = self.norm(hidden_states)
+        if self.aux_hidden_state_layers:  # vLLM's runner expects the pair whenever it set layers
+            return hidden_states, aux_hidden_states
+        return hidden_states
+
+
+class LingForCausalLM(BailingMoeV3ForCausalLM, SupportsEagle3):
+    """The Ling-3.0 target as registered by vllm-ling (with auxiliary hidden states for DSpark:
+    vLLM's ``set_eagle3_aux_hidden_state_layers`` sets them on :class:`LingModel`)."""
 
     # vLLM's merges plus the KDA in-projection (vllm_ling.layers.kda_merged_in_proj): the quant
     # config reads this to decide a merged linear's precision from its members'

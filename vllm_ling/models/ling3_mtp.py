@@ -70,18 +70,6 @@ class LingMTPModel(BailingMoeV3MTPModel):
             heads.append(self.lm_head)
         return heads
 
-    def own_storage_bytes(self, target: nn.Module) -> int:
-        """Bytes of draft parameters whose storage the target does not hold."""
-        target_ptrs = {p.data_ptr() for p in target.parameters()}
-        seen, total = set(), 0
-        for p in self.parameters():
-            ptr = p.data_ptr()
-            if ptr in target_ptrs or ptr in seen:
-                continue
-            seen.add(ptr)
-            total += p.numel() * p.element_size()
-        return total
-
 
 def build_weight_only_trap(target_head: nn.Module) -> nn.Module:
     """Negative control: the upstream trap, on purpose. A separate unquantized head whose

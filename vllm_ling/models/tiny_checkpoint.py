@@ -151,6 +151,12 @@ def _umask() -> int:
     return mask
 
 
+def chmod_like_umask(path: Path) -> None:
+    """safetensors creates files 0600; a container user (uid 10001) could not read them through a
+    bind mount. Give them the mode any other written file gets (umask)."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def write_checkpoint(out_dir: str | os.PathLike, config: dict[str, Any],
                      tensors: dict[str, torch.Tensor], seed: int = 0, num_shards: int = 2) -> Path:
     from safetensors.torch import save_file
@@ -166,9 +172,7 @@ def write_checkpoint(out_dir: str | os.PathLike, config: dict[str, Any],
         fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
         save_file({n: tensors[n].contiguous() for n in shard_names}, str(out / fname),
                   metadata={"format": "pt"})
-        # safetensors creates shards 0600; a container user (uid 10001) could not read them
-        # through a bind mount. Give them the mode any other written file gets (umask).
-        os.chmod(out / fname, 0o666 & ~_umask())
+        chmod_like_umask(out / fname)
         for n in shard_names:
             weight_map[n] = fname
             total += tensors[n].numel() * tensors[n].element_size()

@@ -10,7 +10,11 @@ patches P4, P5 and P9 (see README.md here).
   is vLLM's reading of a ``bailing_hybrid`` config: it refuses one naming another
   architecture right after the config is parsed, outside the parse vLLM retries.
 - ``default_speculative_config`` is what P5 gives a Ling target without a speculative
-  option from the user (``VLLM_LING_MTP=0`` turns it off; any user config wins).
+  option from the user (``VLLM_LING_MTP=0`` turns it off; any user config wins), and
+  ``check_dspark_request`` what P5 refuses first when the DSpark drafter is asked for and cannot
+  serve (``VLLM_LING_DRAFTER=mtp`` opts out of it).
+- ``LingDSparkArchConfigConvertor`` (installed by P11) keeps a ``LingDSparkModel`` drafter a
+  Qwen3-shaped DSpark draft in vLLM's speculative config.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigC
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.configuration import check_architectures
 from vllm_ling.models.names import LING_MODEL_TYPE, TARGET_ARCH
-from vllm_ling.options import LingOptions, opt_out_setting
+from vllm_ling.options import (DSPARK_NEEDS_V2, DSPARK_NOT_ON_CPU, Drafter, LingOptions, dspark_unavailable,
+                               opt_out_setting)
 from vllm_ling.refusal import Refusal
 from vllm_ling.runtime import ray_env
-from vllm_ling.runtime.spec_policy import speculative_schedule
+from vllm_ling.runtime.spec_policy import PP_NO_DRAFT_REASON, VLLM_DSPARK_METHOD, speculative_schedule
 
 logger = get_logger("config")
 
@@ -141,6 +146,21 @@ class LingArchConfigConvertor(ModelArchConfigConvertorBase):
         return architectures
 
 
+class LingDSparkArchConfigConvertor(ModelArchConfigConvertorBase):
+    """vLLM's reading of a ``qwen3`` config (P11 registers it; 0.32 has no convertor for that type,
+    so the base class is what it replaces), plus ``Qwen3DSparkModel`` after ``LingDSparkModel``:
+    vLLM's speculative config then keeps the drafter a Qwen3-shaped DSpark draft instead of
+    rewriting it into a DeepSeek-V4 one, and still resolves the first name (vllm-ling's class)."""
+
+    def get_architectures(self) -> list[str]:
+        from vllm_ling.models.names import DSPARK_ARCH, VLLM_QWEN3_DSPARK_ARCH
+
+        architectures = list(super().get_architectures())
+        if DSPARK_ARCH in architectures and VLLM_QWEN3_DSPARK_ARCH not in architectures:
+            architectures.append(VLLM_QWEN3_DSPARK_ARCH)
+        return architectures
+
+
 def check_mtp_needs_nextn_layers(engine_args, model: str) -> None:
     """A user's MTP config for a checkpoint without NEXTN layers: one clear error (vLLM's
     own is a ZeroDivisionError deep in SpeculativeConfig)."""
@@ -156,6 +176,93 @@ def check_mtp_needs_nextn_layers(engine_args, model: str) -> None:
             f"{model}/config.json has num_nextn_predict_layers=0. Drop --speculative-config (or "
             "choose a method without a draft model, such as ngram), or serve a checkpoint that has "
             "NEXTN layers.")
+
+
+def dspark_unavailable_reason(is_cuda: bool, v2_runner_env: bool | None, pipeline_parallel_size: int) -> str | None:
+    """Why vLLM 0.32 cannot run D-Spark here (None: it can)."""
+    if not is_cuda:
+        return DSPARK_NOT_ON_CPU
+    if v2_runner_env is False:
+        return f"VLLM_USE_V2_MODEL_RUNNER=0: {DSPARK_NEEDS_V2}"
+    if pipeline_parallel_size > 1:
+        return f"--pipeline-parallel-size {pipeline_parallel_size}: {PP_NO_DRAFT_REASON}"
+    return None
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    return model.count("/") == 1 and not model.startswith((".", "/", "~"))
+
+
+def check_dspark_drafter(model: str, target_model_config, what: str, shards: bool = True):
+    """A local drafter directory checked against the target before load (its config.json fields,
+    then, unless ``shards`` is False (``--load-format dummy``), its shards' headers); the fields, or
+    None for a hub id (the drafter class checks its config when vLLM has fetched it).
+    DSparkFormatError / LingConfigError naming the file."""
+    import json
+    from pathlib import Path
+
+    from vllm_ling.models.dspark_format import check_against_target, check_dspark_checkpoint, read_fields
+
+    path = Path(model).expanduser()
+    if not path.exists():
+        if _looks_like_hub_id(model):
+            return None
+        raise LingConfigError(f"{what}={model}: no such directory. Give the DSpark drafter's directory or its "
+                              "Hugging Face id (inclusionAI/Ling-3.0-flash-dspark).")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise LingConfigError(f"{what}={model}: no config.json in it. Give the DSpark drafter's directory.")
+    fields = read_fields(json.loads(config_file.read_text()), str(config_file))
+    check_against_target(fields, target_model_config.hf_config.to_dict(), f"{target_model_config.model}/config.json")
+    if shards:
+        check_dspark_checkpoint(path, fields)
+    return fields
+
+
+def check_dspark_request(options: LingOptions, user_spec: dict | None, user_gave: bool, target_model_config,
+                         pipeline_parallel_size: int, is_cuda: bool, v2_runner_env: bool | None,
+                         load_format: str = "auto") -> None:
+    """Refuse, before any engine process starts, a DSpark request that cannot serve: the drafter
+    switch without a drafter, a drafter next to another speculative choice, D-Spark where vLLM 0.32
+    cannot run it, a drafter that does not match the target, more draft tokens than its block.
+    ``VLLM_LING_DRAFTER=mtp`` opts out of a configured drafter (P5 says so once)."""
+    if options.drafter is Drafter.DSPARK and not options.dspark_model:
+        raise LingConfigError("VLLM_LING_DRAFTER=dspark needs the drafter: set VLLM_LING_DSPARK_MODEL (--dspark-model "
+                              "PATH_OR_HF_ID), or set VLLM_LING_DRAFTER=mtp.")
+    default_dspark = options.resolved_drafter is Drafter.DSPARK
+    if default_dspark and user_gave:
+        raise LingConfigError(
+            f"VLLM_LING_DSPARK_MODEL={options.dspark_model} and --speculative-config both choose the speculation. "
+            "Drop one of them (the drafter goes in --speculative-config as {\"method\": \"dspark\", \"model\": ...}).")
+    if default_dspark and not options.mtp:
+        raise LingConfigError(
+            f"{opt_out_setting('VLLM_LING_MTP')} turns vllm-ling's default speculation off, but VLLM_LING_DSPARK_MODEL="
+            f"{options.dspark_model} asks for DSpark. Unset one of them.")
+    spec = user_spec if isinstance(user_spec, dict) else {}
+    user_dspark = user_gave and spec.get("method") == VLLM_DSPARK_METHOD
+    if not (default_dspark or user_dspark):
+        return
+    what = "VLLM_LING_DSPARK_MODEL" if default_dspark else "--speculative-config model"
+    model = options.dspark_model if default_dspark else spec.get("model")
+    why = dspark_unavailable_reason(is_cuda, v2_runner_env, pipeline_parallel_size)
+    if why is not None:
+        raise LingConfigError(dspark_unavailable(f"{what}={model}", why))
+    if not model:
+        raise LingConfigError("--speculative-config method dspark needs \"model\": the DSpark drafter's directory "
+                              "or Hugging Face id.")
+    fields = check_dspark_drafter(str(model), target_model_config, what, shards=load_format != "dummy")
+    tokens = spec.get("num_speculative_tokens") if user_dspark else None
+    if fields is not None and tokens is not None and int(tokens) > fields.block_size:
+        raise LingConfigError(
+            f"--speculative-config num_speculative_tokens {tokens} > the drafter's block_size {fields.block_size} "
+            f"({fields.source}): the extra slots were never trained and acceptance collapses on every position. "
+            f"Use at most {fields.block_size}.")
+
+
+def dspark_speculative_config(options: LingOptions) -> dict:
+    """vllm-ling's default with the DSpark drafter: vLLM drafts the checkpoint's ``block_size`` tokens
+    when ``num_speculative_tokens`` is absent (``SpeculativeConfig``, dspark branch)."""
+    return {"method": VLLM_DSPARK_METHOD, "model": options.dspark_model}
 
 
 def default_speculative_config(options: LingOptions, hf_config, max_num_seqs: int | None) -> dict:

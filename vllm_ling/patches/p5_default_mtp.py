@@ -1,8 +1,11 @@
-"""Patch P5: a Ling target gets NEXTN MTP speculative decoding by default.
+"""Patch P5: a Ling target gets speculative decoding by default: NEXTN MTP, or DSpark with a drafter.
 
 What: wraps ``EngineArgs.create_speculative_config``: for a Ling target with no
 speculative option from the user, it fills in Ling's default (``VLLM_LING_MTP=0`` turns it
-off; any user speculative config wins) and checks option conflicts first. A checkpoint
+off; any user speculative config wins) and checks option conflicts first. The drafter is
+``VLLM_LING_DRAFTER``'s: the DSpark drafter of ``VLLM_LING_DSPARK_MODEL`` when one is given
+(checked against the target, and refused where vLLM 0.32 cannot run D-Spark:
+``config_hooks.check_dspark_request``), else the NEXTN layer. A checkpoint
 without NEXTN layers (``num_nextn_predict_layers: 0``) gets no default (one WARNING), and an
 explicit MTP config for it is one clear error instead of vLLM's ZeroDivisionError. Under
 pipeline parallelism vLLM 0.32 cannot run a draft model at all (runtime.spec_policy
@@ -53,9 +56,10 @@ def _user_draft_method(engine_args) -> str | None:
 
 
 def apply() -> None:
-    from vllm_ling.options import LingOptions, opt_out_setting
-    from vllm_ling.patches.config_hooks import (LingConfigError, check_head_conflicts, check_mtp_needs_nextn_layers,
-                                                default_speculative_config, is_ling_target)
+    from vllm_ling.options import Drafter, LingOptions, opt_out_setting
+    from vllm_ling.patches.config_hooks import (LingConfigError, check_dspark_request, check_head_conflicts,
+                                                check_mtp_needs_nextn_layers, default_speculative_config,
+                                                dspark_speculative_config, is_ling_target)
     from vllm_ling.runtime.spec_policy import (PP_NO_DRAFT_REASON, Speculation, record_speculation,
                                                recorded_speculation, select_speculation)
 
@@ -76,6 +80,17 @@ def apply() -> None:
                     f"--speculative-config method {_user_draft_method(self)!r} with --pipeline-parallel-size {pp}: "
                     f"{PP_NO_DRAFT_REASON}. Drop --speculative-config (or use method ngram), or serve with "
                     "--tensor-parallel-size instead of pipeline parallelism.")
+            from vllm import envs
+            from vllm.platforms import current_platform
+
+            check_dspark_request(options, self.speculative_config, user_gave, target_model_config, pp,
+                                 current_platform.is_cuda(), envs.VLLM_USE_V2_MODEL_RUNNER,
+                                 str(getattr(self, "load_format", "auto")))
+            if options.dspark_model and options.drafter is Drafter.MTP and not user_gave:
+                log_once(logger, logging.WARNING, "dspark-opt-out",
+                         "The DSpark drafter %s is configured but not used: VLLM_LING_DRAFTER=mtp speculates with "
+                         "the checkpoint's NEXTN layer (reported as the speculative selection).",
+                         options.dspark_model)
             hf_config = target_model_config.hf_config
             selection = select_speculation(options, user_gave, nextn, pp)
             # a second call on the same arguments sees the default this wrapper filled in as the user's:
@@ -91,6 +106,11 @@ def apply() -> None:
                          "NEXTN MTP speculation is off: %s/config.json has num_nextn_predict_layers=0 "
                          "(no draft layer to speculate with). Reported as not requested; "
                          "%s says so explicitly.", target_model_config.model, opt_out_setting("VLLM_LING_MTP"))
+            elif selection.choice is Speculation.DEFAULT_DSPARK:
+                self.speculative_config = dspark_speculative_config(options)
+                log_once(logger, logging.INFO, "default-dspark",
+                         "Ling default speculative decoding: %s (VLLM_LING_DRAFTER=mtp uses the NEXTN layer; "
+                         "--speculative-config overrides it).", self.speculative_config)
             elif selection.choice is Speculation.DEFAULT_MTP:
                 self.speculative_config = default_speculative_config(
                     options, hf_config, getattr(self, "max_num_seqs", None))

@@ -247,6 +247,43 @@ PATCHES: tuple[Patch, ...] = (
                  "deadline",
         delete_when="vLLM ends unfinished requests when the drain deadline passes",
     ),
+    Patch(
+        id="P11", slug="dspark-ling-drafter-routing",
+        module="vllm_ling.patches.p11_dspark_drafter_routing",
+        targets=("vllm.transformers_utils.model_arch_config_convertor:MODEL_ARCH_CONFIG_CONVERTORS",),
+        upstream_sha256={
+            "vllm.transformers_utils.model_arch_config_convertor:MODEL_ARCH_CONFIG_CONVERTORS":
+                "75e5a6ba7e60d5b7de7522ef6f8707886486f64a07ed6e2e60f972fc0572491c",
+            "vllm.config.speculative:SpeculativeConfig.__post_init__":
+                "aff56b18ad15a2a8e2b354066f790fd62617db5e67edf4d4e3ce49caea84d3ac",
+        },
+        stage=Stage.REGISTER, condition="every process (acts where a draft config is read)",
+        why="adds a `MODEL_ARCH_CONFIG_CONVERTORS` entry for `qwen3` (vLLM's base convertor) that "
+            "appends `Qwen3DSparkModel` after `LingDSparkModel`: `SpeculativeConfig` rewrites a "
+            "`dspark` draft naming none of its four known DSpark architectures into a DeepSeek-V4 "
+            "`DSparkDraftModel`, which cannot load Ling's Qwen3-shaped drafter",
+        upstream="vllm#54174 (open) adds `LingDSparkModel` to the list; the same misrouting hits "
+                 "SpecForge's `DSparkDraftModel` drafters (local-inference-lab/vllm#442)",
+        delete_when="vLLM routes `LingDSparkModel` drafters as Qwen3 DSpark drafts (vllm#54174)",
+    ),
+    Patch(
+        id="P12", slug="bailing-aux-hidden-states",
+        module="vllm_ling.patches.p12_bailing_aux_hidden_states",
+        targets=("vllm.model_executor.models.bailing_moe_v3:BailingMoeV3Model",),
+        upstream_sha256={
+            "vllm.model_executor.models.bailing_moe_v3:BailingMoeV3Model":
+                "d485a1f9abe5e6faf528a7d09e4566b358cde9038a0476e9ef835de26d5a7293",
+            "vllm.model_executor.models.bailing_moe_v3:BailingMoeV3ForCausalLM.__init__":
+                "0addd7a42d4f325a858ca050b8880d80057c4a16c2a5cff5b917b4631e2cfa28",
+        },
+        stage=Stage.REGISTER, condition="every process (acts where the target is built)",
+        why="`BailingMoeV3Model` becomes vllm-ling's `LingModel` (vLLM's loop plus "
+            "`EagleModelMixin`'s capture): vLLM 0.32's Ling model returns no auxiliary hidden states "
+            "for the DSpark drafter, and `BailingMoeV3ForCausalLM.__init__` names the model class "
+            "directly, so a subclass cannot choose another without building every weight twice",
+        upstream="vllm#54174 (open) exposes BailingMoeV3's auxiliary hidden states in-tree",
+        delete_when="vLLM's `BailingMoeV3Model` captures auxiliary hidden states (vllm#54174)",
+    ),
 )
 
 
@@ -342,6 +379,10 @@ UPSTREAM_FILE_SHA256: dict[str, str] = {
         "3491dde64ef226b9f65e4341c944615cf6ebd23de3210293dc66767c4c18365c",
     "vllm.v1.engine.output_processor":
         "e78c5af6b0db10c93f19af359d4cb003a82f7ddfde1ae2c58084a53a56d0adb4",
+    "vllm.config.speculative":
+        "ce135651a7a0343ff526f72e9545932617378161abd03135d67eda6de89c617c",
+    "vllm.model_executor.models.bailing_moe_v3":
+        "fce24c9d9141374086416bf1d4b090952486d7e783e85c28db5e2ec63db83457",
 }
 
 

@@ -37,6 +37,18 @@ def break_even_from_env() -> float:
     return float(read(ENV_BREAK_EVEN))
 
 
+def break_even_for(spec_method: str | None, num_spec_tokens: int) -> float:
+    """The guard's threshold: VLLM_LING_ACCEPT_BREAK_EVEN when set; else the served method's own
+    break-even (DSpark's verify window and draft cycle cost more than MTP's: spec_policy)."""
+    import os
+
+    from vllm_ling.runtime.spec_policy import VLLM_DSPARK_METHOD, dspark_break_even
+
+    if os.environ.get(ENV_BREAK_EVEN, "").strip() or spec_method != VLLM_DSPARK_METHOD or num_spec_tokens < 1:
+        return break_even_from_env()
+    return dspark_break_even(num_spec_tokens)
+
+
 @dataclass(frozen=True)
 class _Step:
     drafts: int

@@ -31,12 +31,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_ling.models.cost_model import build_plan, mtp_model, totals
-from vllm_ling.options import STUDY_VERIFY_COST_BATCH1, Choice, LingOptions, opt_out_setting
+from vllm_ling.models.cost_model import build_plan, dspark_model, mtp_model, totals
+from vllm_ling.models.names import SPECULATION_ATTR
+from vllm_ling.options import STUDY_VERIFY_COST_BATCH1, Choice, Drafter, LingOptions, opt_out_setting
 from vllm_ling.selection import Feature, Selection
 
 STUDY_ACCEPT_LENGTH_GSM8K = 2.68
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "data" / "ling3_flash_fp4_config.json"
+DEFAULT_DSPARK_CONFIG = Path(__file__).resolve().parent.parent / "data" / "ling3_flash_dspark_config.json"
 CONTEXT_TOKENS = 4096  # KV/state reads at a typical chat context; small next to the weights
 HEAD = "fp8"
 
@@ -72,6 +74,20 @@ class CostModel:
         return self.raw_ratio(batch) * self.scale
 
 
+def dspark_break_even(num_spec_tokens: int, config: dict[str, Any] | None = None,
+                      drafter_config: dict[str, Any] | None = None) -> float:
+    """DSpark's break-even accept length at batch 1: a verify over ``num_spec_tokens + 1``
+    positions plus one draft cycle, in plain decode steps, from the same bytes model as MTP's and
+    scaled the same way to the study's measured MTP point (no DSpark measurement exists yet)."""
+    from vllm_ling.models.dspark_format import read_fields
+
+    config = config or load_config()
+    fields = read_fields(drafter_config or load_config(DEFAULT_DSPARK_CONFIG), "drafter config")
+    plan = build_plan(config, context=CONTEXT_TOKENS, verify_tokens=num_spec_tokens + 1)
+    raw = dspark_model(plan, HEAD, fields, num_spec_tokens)["break_even_accept_length"]
+    return raw * CostModel(config, 3).scale
+
+
 def speculative_schedule(config: dict[str, Any] | None = None, num_spec_tokens: int = 3,
                          max_batch: int = 1024,
                          expected_accept_length: float = STUDY_ACCEPT_LENGTH_GSM8K
@@ -89,13 +105,14 @@ def speculative_schedule(config: dict[str, Any] | None = None, num_spec_tokens: 
 
 
 VLLM_MTP_METHOD = "mtp"  # vLLM's name for NEXTN MTP in --speculative-config (parsed from vLLM's config)
-SPECULATION_ATTR = "vllm_ling_speculation"  # on the target's hf_config: {"choice": value, "reason": text}
+VLLM_DSPARK_METHOD = "dspark"  # vLLM's name for its D-Spark runtime
 
 
 class Speculation(Choice):
     """Which speculative config is in force for a Ling target, and by whose decision."""
 
     DEFAULT_MTP = "default_mtp"    # vllm-ling's default NEXTN MTP config
+    DEFAULT_DSPARK = "default_dspark"  # vllm-ling's default config with the DSpark drafter given
     USER = "user"                  # the user's speculative config, served as given
     OFF = "off"                    # VLLM_LING_MTP=0: no speculation
     OFF_NO_NEXTN = "off_no_nextn"  # MTP wanted, but the checkpoint has no NEXTN layer to draft with
@@ -104,8 +121,10 @@ class Speculation(Choice):
 
 def select_speculation(options: LingOptions, user_gave: bool, nextn_layers: int, pipeline_parallel_size: int) -> Selection:
     """The speculative method for a Ling target: the user's config wins; else vllm-ling's default
-    MTP, unless it is switched off or nothing can draft (refusing a user's draft-model config under
-    pipeline parallelism is patch P5's, before this)."""
+    with the drafter ``VLLM_LING_DRAFTER`` names (DSpark when a drafter is given, else NEXTN MTP),
+    unless speculation is switched off or nothing can draft (refusing what cannot serve, e.g. a
+    DSpark drafter on CPU or a draft-model config under pipeline parallelism, is patch P5's,
+    before this: ``config_hooks.check_dspark_request``)."""
     def sel(choice: Speculation, reason: str) -> Selection:
         return Selection(Feature.SPECULATIVE, choice, reason)
 
@@ -113,6 +132,9 @@ def select_speculation(options: LingOptions, user_gave: bool, nextn_layers: int,
         return sel(Speculation.USER, "the user's --speculative-config")
     if not options.mtp:
         return sel(Speculation.OFF, opt_out_setting("VLLM_LING_MTP"))
+    if options.resolved_drafter is Drafter.DSPARK:  # refused before this where it cannot serve
+        return sel(Speculation.DEFAULT_DSPARK,
+                   f"vllm-ling default: {VLLM_DSPARK_METHOD}, drafter {options.dspark_model}, its block_size tokens")
     if pipeline_parallel_size > 1:
         return sel(Speculation.OFF_PIPELINE, "pipeline parallelism: vLLM 0.32 runs no draft model there")
     if nextn_layers == 0:
@@ -154,4 +176,4 @@ def pp_no_draft(vllm_config) -> bool:
 
 def default_applied(vllm_config) -> bool:
     """Whether the speculative config in force is vllm-ling's default."""
-    return _recorded_is(vllm_config, Speculation.DEFAULT_MTP)
+    return _recorded_is(vllm_config, Speculation.DEFAULT_MTP) or _recorded_is(vllm_config, Speculation.DEFAULT_DSPARK)

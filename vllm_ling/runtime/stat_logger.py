@@ -62,7 +62,7 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.runtime.acceptance import (ENV_ACCEPT_WINDOW, ENV_BREAK_EVEN, AcceptWindow, CollapseGuard,
                                           accept_window_from_env,
-                                          break_even_from_env)
+                                          break_even_for)
 from vllm_ling.runtime.report import ENV_REPORT_PATH, ReportReader
 
 logger = get_logger("metrics")
@@ -109,10 +109,10 @@ class LingStatLogger(AggregateStatLoggerBase):
         engine_indexes = list(engine_indexes) if engine_indexes else [0]
         self.engine_indexes = engine_indexes
         self.window_size = accept_window_from_env()
-        self.break_even = break_even_from_env()
         spec = getattr(vllm_config, "speculative_config", None)
         self.num_spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0
         self.spec_method = getattr(spec, "method", None) if spec else None
+        self.break_even = break_even_for(self.spec_method, self.num_spec_tokens)
         model_name = vllm_config.model_config.served_model_name
         if isinstance(model_name, (list, tuple)):
             model_name = model_name[0]

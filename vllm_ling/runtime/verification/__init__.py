@@ -2,8 +2,8 @@
 that its kernels compute right, before the server accepts a request.
 
 It runs once per worker process (:mod:`.once`, through patch P6 when a model runner has loaded the
-target and the NEXTN draft and shared modules between them). The proof reads the records; it never
-derives a choice again:
+target and its draft (the NEXTN layer or the DSpark drafter) and shared modules between them). The
+proof reads the records; it never derives a choice again:
 
 - :mod:`.census`: one pass over the loaded models gives, for every module that serves a feature,
   the selection recorded on it and what it serves, read by the feature's reader;

@@ -67,15 +67,18 @@ def build_report(target, draft, vllm_config, options: LingOptions, spec: Specula
     stage = pipeline_stage(target, config.num_hidden_layers)
     census = take_census(target, draft, readers)
     known = known_answers.report_section(census)
-    rows = check_recorded(census, readers, config, stage, draft is not None)
+    nextn_here = draft is not None and not spec.dspark  # the NEXTN draft's layers are in the census
+    rows = check_recorded(census, readers, config, stage, nextn_here)
     for extra in vllm_agreement.findings(census):
         rows[extra.name] = rows[extra.name].and_(extra)
     sharing = guarded(SHARING, lambda: check_draft_sharing(target, draft, spec, stage))
     checks = [guarded("model_classes", lambda: check_model_classes(target, draft, spec, stage)), *rows.values(),
               sharing, guarded(SPECULATIVE, lambda: check_speculative(spec, options)),
               guarded("versions", lambda: check_versions(platform)), known_answers.check(known)]
-    optimizations = {r.optimization: entry(r, census, rows[r.check], known, r.expected(config, stage, draft is not None)
-                                           if r.expected is not None else None) for r in readers if r.optimization}
+    by_name = {c.name: c for c in checks}
+    optimizations = {r.optimization: entry(r, census, rows[r.check], known, r.expected(config, stage, nextn_here)
+                                           if r.expected is not None else None, tuple(by_name[n] for n in r.needs_rows))
+                     for r in readers if r.optimization}
     optimizations["moe_decode_kernels"] = moe_decode_entry(census)
     optimizations["mtp"] = mtp_entry(spec, sharing)
     return {

@@ -46,6 +46,7 @@ def take_census(target, draft, readers: tuple[Reader, ...]) -> Census:
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            entries += [Entry(f"{prefix}.{name}", module, r, recorded(module, r.feature), _served(r, module))
+            entries += [Entry(f"{prefix}.{name}" if name else prefix, module, r, recorded(module, r.feature),
+                              _served(r, module))
                         for r in readers if r.applies(module)]
     return Census(tuple(entries))

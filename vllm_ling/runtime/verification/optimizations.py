@@ -23,10 +23,11 @@ def known_answers_passed(known: dict[str, Any], name: str) -> bool | None:
     return all(r["passed"] for r in runs) if runs else None
 
 
-def entry(reader: Reader, census: Census, row: Check, known: dict[str, Any], stage_has: int | None = None
-          ) -> dict[str, Any]:
+def entry(reader: Reader, census: Census, row: Check, known: dict[str, Any], stage_has: int | None = None,
+          needs: tuple[Check, ...] = ()) -> dict[str, Any]:
     """``stage_has``: how many modules of the feature this pipeline stage holds, where the reader
-    knows; none (the head on an earlier stage) gives an entry the group's verdict leaves out."""
+    knows; none (the head on an earlier stage) gives an entry the group's verdict leaves out.
+    ``needs``: the report rows the reader's ``needs_rows`` names."""
     entries = census.of(reader.feature)
     if stage_has == 0 and not entries:
         return {"requested": False, "active": False, "detail": f"no {reader.what} on this pipeline stage",
@@ -42,6 +43,10 @@ def entry(reader: Reader, census: Census, row: Check, known: dict[str, Any], sta
         verdict = known_answers_passed(known, reader.known_answers)
         active = active and verdict is True
         detail += f"; known answers {_VERDICT[verdict]}"
+    failed = [c.name for c in needs if not c.passed]
+    if failed:
+        active = False
+        detail += f"; needs {', '.join(failed)}, which failed"
     return {"requested": True, "active": active, "detail": detail}
 
 

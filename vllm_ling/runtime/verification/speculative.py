@@ -1,6 +1,7 @@
 """The speculative family: the speculative config in force is the one patch P5 selected and
 recorded on the target's config (:func:`vllm_ling.runtime.spec_policy.select_speculation`), and
-the report's ``mtp`` entry."""
+the report's ``mtp`` entry. (The DSpark drafter's own row and ``dspark`` entry come from its reader,
+:mod:`vllm_ling.layers.dspark_drafter`.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from vllm_ling.options import LingOptions, opt_out_setting
-from vllm_ling.runtime.spec_policy import VLLM_MTP_METHOD, Speculation, recorded_speculation
+from vllm_ling.runtime.spec_policy import VLLM_DSPARK_METHOD, VLLM_MTP_METHOD, Speculation, recorded_speculation
 from vllm_ling.runtime.verification.checks import Check
 from vllm_ling.selection import Selection
 
@@ -30,6 +31,16 @@ class Speculative:
         """The NEXTN draft is what speculates (another method, e.g. ngram, has no Ling draft)."""
         return self.method == VLLM_MTP_METHOD
 
+    @property
+    def dspark(self) -> bool:
+        """A DSpark drafter is what speculates (vLLM's D-Spark runtime)."""
+        return self.method == VLLM_DSPARK_METHOD
+
+    @property
+    def draft_model(self) -> bool:
+        """A draft model vllm-ling loads (the NEXTN layer or the DSpark drafter) speculates."""
+        return self.mtp or self.dspark
+
     @classmethod
     def in_force(cls, vllm_config) -> "Speculative":
         spec = vllm_config.speculative_config
@@ -43,6 +54,9 @@ def check_speculative(spec: Speculative, options: LingOptions) -> Check:
     if choice is Speculation.DEFAULT_MTP:
         expected = f"{VLLM_MTP_METHOD}, {options.num_spec_tokens} tokens (vllm-ling default)"
         ok = spec.mtp and spec.num_speculative_tokens == options.num_spec_tokens
+    elif choice is Speculation.DEFAULT_DSPARK:
+        expected = f"{VLLM_DSPARK_METHOD}, drafter {options.dspark_model} (vllm-ling default)"
+        ok = spec.dspark
     elif choice in (Speculation.OFF, Speculation.OFF_NO_NEXTN, Speculation.OFF_PIPELINE):
         expected, ok = f"off ({sel.reason})", spec.method is None
     elif choice is Speculation.USER:
