@@ -66,22 +66,41 @@ WEIGHTS_GIB = r"Model loading took ([\d.]+) GiB memory"
 KV_TOKENS = r"GPU KV cache size: ([\d,]+) tokens"
 
 
-def dummy_checkpoint(out: Path) -> Path:
-    """The full-size architecture with no weights (served with --load-format dummy) and a tiny
-    tokenizer with the Ling-3 chat template (the start-up chat round trip needs one)."""
+def slice_config(layers: int | None) -> bytes:
+    """The full-size config, or a full-width slice of its first ``layers`` decoder layers in the real
+    pattern (KDA, every sixth MLA, two dense-MLP layers first) whose last layer keeps the last full
+    layer's SwiGLU limits, so the slice runs a limited MoE layer too: for iterating on one op class
+    in minutes instead of the full size's 6-7 (its timings are per slice, not the model's)."""
+    if layers is None:
+        return FULL_CONFIG.read_bytes()
+    cfg = json.loads(FULL_CONFIG.read_text())
+    if not 1 <= layers <= cfg["num_hidden_layers"]:
+        raise ValueError(f"--layers must be 1..{cfg['num_hidden_layers']}, got {layers}")
+    cfg["num_hidden_layers"] = layers
+    for key in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
+        cfg[key] = cfg[key][:layers - 1] + cfg[key][-1:]
+    return (json.dumps(cfg, indent=2) + "\n").encode()
+
+
+def dummy_checkpoint(out: Path, layers: int | None = None) -> Path:
+    """The full-size architecture (or a slice of it, :func:`slice_config`) with no weights (served
+    with --load-format dummy) and a tiny tokenizer with the Ling-3 chat template (the start-up chat
+    round trip needs one)."""
     from vllm_ling.models.tiny_checkpoint import make_tiny
 
-    model = out / "ling3-flash-fp4-dummy"
-    if (model / "config.json").is_file() and (model / "config.json").read_bytes() == FULL_CONFIG.read_bytes():
+    config = slice_config(layers)
+    model = out / ("ling3-flash-fp4-dummy" + (f"-L{layers}" if layers else ""))
+    if (model / "config.json").is_file() and (model / "config.json").read_bytes() == config:
         return model  # made by an earlier run (what follows writes config.json last)
-    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(model, ignore_errors=True)
+    shutil.rmtree(out / "tokenizer-source", ignore_errors=True)
     tiny = make_tiny(out / "tokenizer-source", seed=0)
     model.mkdir(parents=True, exist_ok=True)
     for f in tiny.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json",
                                                                                  "model.safetensors.index.json"):
             shutil.copy(f, model / f.name)
-    shutil.copy(FULL_CONFIG, model / "config.json")
+    (model / "config.json").write_bytes(config)
     return model
 
 
@@ -267,10 +286,12 @@ def run(args) -> int:
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     name = f"{args.composition}{'-mtp' if args.mtp else '-dspark' if args.dspark else ''}"
+    name += f"-L{args.layers}" if args.layers else ""
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     # one path for every run: vLLM's torch.compile cache is keyed by the model path, so a second
     # start of the same composition on the machine loads its compiled graphs instead of recompiling
-    model = Path(args.model) if args.model else dummy_checkpoint(Path(tempfile.gettempdir()) / "vllm-ling-serve-bench")
+    model = Path(args.model) if args.model else dummy_checkpoint(Path(tempfile.gettempdir()) / "vllm-ling-serve-bench",
+                                                                args.layers)
     copy_gbs, copy_how = copy_bandwidth()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
     if args.composition == "upstream":
@@ -299,7 +320,8 @@ def run(args) -> int:
             "ignore_frontend": True,
             "torch_profiler_activities": ["CPU", "CUDA"] if args.device == "cuda" else ["CPU"]})]
     log_path = logs / f"{name}.log"
-    result: dict[str, Any] = {"name": name, "composition": args.composition, "mtp": args.mtp, "dspark": args.dspark,
+    result: dict[str, Any] = {"name": name, "layers": args.layers, "composition": args.composition, "mtp": args.mtp,
+                              "dspark": args.dspark,
                               "command": cmd,
                               "switches": {k: v for k, v in env.items() if k.startswith("VLLM_LING_")},
                               "copy_gbs": copy_gbs, "copy_how": copy_how, "device": device_name(),
@@ -376,6 +398,11 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
+def same_size_upstream(run: dict, by_name: dict[str, dict]) -> dict | None:
+    """The upstream composition's run of the same model size (a slice compares with its own)."""
+    return by_name.get("upstream" + (f"-L{run['layers']}" if run.get("layers") else ""))
+
+
 def ttft_medians(run: dict) -> dict[int, float]:
     """Prompt length -> median time to the first token: the TTFT measurement, else the first token of the
     TPOT requests (runs before the TTFT measurement existed; the same prompt, more tokens asked for)."""
@@ -398,7 +425,6 @@ def render(args) -> int:
     copy = [r["copy_gbs"] for r in runs if r.get("copy_gbs")]
     copy_gbs = statistics.median(copy) if copy else None
     plans = {c: plan_bytes(c) for c in sorted({c["context"] for r in runs for c in r.get("contexts", [])})}
-    upstream = by_name.get("upstream")
     devices = sorted({r.get("device") or "unknown device" for r in runs})
     lines = [f"# Ling-3.0-flash served by real vLLM 0.32 + vllm-ling on {', '.join(devices)} (full-size, dummy weights)",
              "",
@@ -416,10 +442,12 @@ def render(args) -> int:
         if r.get("mtp") or r.get("dspark"):
             continue
         head = "bf16" if r["composition"] == "upstream" else "fp8"
+        peer = same_size_upstream(r, by_name)
         for c in r.get("contexts", []):
+            # the plan's floor is the whole model's: a slice (--layers) has none
             floor = plans[c["context"]]["heads"][head]["bytes_per_token_batch1"] / (copy_gbs * 1e9) * 1e3 \
-                if copy_gbs else None
-            up = next((u["tpot_ms"] for u in (upstream or {}).get("contexts", []) if u["context"] == c["context"]), None)
+                if copy_gbs and not r.get("layers") else None
+            up = next((u["tpot_ms"] for u in (peer or {}).get("contexts", []) if u["context"] == c["context"]), None)
             t = c["tpot_ms"]
             lines.append(f"| {r['name']} | {c['context']} | {_ms(t)} | {_ms(floor)} | "
                          f"{t / floor:.2f}x | {floor / t:.2f} | " if t and floor else
@@ -428,7 +456,7 @@ def render(args) -> int:
     ttft = {r["name"]: ttft_medians(r) for r in runs}
     ttft_lengths = sorted({n for r in runs if not r.get("mtp") for n in ttft[r["name"]]})
     if ttft_lengths:
-        up_ttft = ttft.get("upstream", {})
+
         lines += ["", "Time to the first token (one request at a time, 2048-token prefill chunks; median of the "
                   "repeats, seconds) and the upstream composition's over this one (below 1.00x: slower than "
                   "upstream):", "",
@@ -439,6 +467,7 @@ def render(args) -> int:
             mine = ttft[r["name"]]
             if not mine:
                 continue
+            up_ttft = ttft.get((same_size_upstream(r, by_name) or {}).get("name"), {})
             lines.append(f"| {r['name']} | " + " | ".join(_s(mine.get(n)) for n in ttft_lengths) + " | "
                          + " | ".join(f"{up_ttft[n] / mine[n]:.2f}x" if mine.get(n) and up_ttft.get(n) else "-"
                                       for n in ttft_lengths) + " |")
@@ -529,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     spec.add_argument("--mtp", action="store_true", help="NEXTN MTP x3 on (vllm-ling's default)")
     spec.add_argument("--dspark", action="store_true",
                       help="DSpark on: a full-size drafter with dummy weights (vllm_ling/data/ling3_flash_dspark_config.json)")
+    r.add_argument("--layers", type=int, default=None,
+                   help="serve a full-width slice of this many decoder layers (dummy weights; no byte floor)")
     r.add_argument("--model", default=None, help="a checkpoint dir instead of the full-size dummy architecture")
     r.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the harness")
     r.add_argument("--json", required=True)

@@ -141,10 +141,14 @@ ours|upstream|ours-mtp|ours-dspark)
   [ "$phase" = ours-mtp ] && composition+=(--mtp)
   # PROFILE=1: vLLM's torch profiler over named prefill and decode windows after the measurements
   # (benchmarks/vllm_profile.py; the compact traces come back with the phase's output)
-  [ "${PROFILE:-0}" = 1 ] && composition+=(--profile-dir "$OUT/prof-$phase")
+  [ "${PROFILE:-0}" = 1 ] && composition+=(--profile-dir "$OUT/prof-$phase${LAYERS:+-L$LAYERS}")
   [ "$phase" = ours-dspark ] && composition+=(--dspark)
+  # LAYERS=N: a full-width slice of N decoder layers (benchmarks/serve_h200.py --layers): starts in a
+  # fraction of the full size's time, for A/B runs of one switch; its JSON is <phase>-L<N>.json
+  run=$phase
+  [ -n "${LAYERS:-}" ] && composition+=(--layers "$LAYERS") && run=$phase-L$LAYERS
   VLLM_USE_DEEP_GEMM=0 timeout $((startup_s + 80)) python3 -m benchmarks.serve_h200 run "${composition[@]}" \
-    --json "$OUT/$phase.json" "${full_size[@]}" --startup-timeout "$startup_s" "${wait_for[@]}" > "$out/$phase.txt" 2>&1
+    --json "$OUT/$run.json" "${full_size[@]}" --startup-timeout "$startup_s" "${wait_for[@]}" > "$out/$phase.txt" 2>&1
   echo "$phase rc $?" >> "$out/rc.txt"
   [ -n "${WITH_TESTS:-}" ] && wait $tiny
   ;;

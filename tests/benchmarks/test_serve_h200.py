@@ -85,3 +85,32 @@ def test_dspark_run_uses_a_dummy_full_size_drafter(tmp_path):
     cfg = json.loads((drafter / "config.json").read_text())
     assert cfg["architectures"] == ["LingDSparkModel"] and cfg["num_hidden_layers"] == 5 and cfg["block_size"] == 8
     assert not list(drafter.glob("*.safetensors"))  # served with the target's --load-format dummy
+
+
+def test_a_slice_keeps_the_real_pattern_and_a_limited_layer_and_compares_with_its_own_upstream(tmp_path,
+                                                                                               monkeypatch):
+    """--layers N: the first N layers of the full config, the last of them with the full model's last
+    SwiGLU limits (a limited MoE layer stays in the slice); its rows have no byte floor (the plan's is
+    the whole model's) and compare with the upstream run of the same slice only."""
+    full = json.loads(S.FULL_CONFIG.read_text())
+    cfg = json.loads(S.slice_config(6))
+    assert cfg["num_hidden_layers"] == 6 and {k: v for k, v in cfg.items() if k not in (
+        "num_hidden_layers", "expert_swiglu_limit_list", "share_expert_swiglu_limit_list")} == {
+        k: v for k, v in full.items() if k not in (
+            "num_hidden_layers", "expert_swiglu_limit_list", "share_expert_swiglu_limit_list")}
+    assert cfg["expert_swiglu_limit_list"] == full["expert_swiglu_limit_list"][:5] + [4]
+    assert S.slice_config(None) == S.FULL_CONFIG.read_bytes()
+    plans = {64: {"heads": {"fp8": {"bytes_per_token_batch1": 4.0e9}, "bf16": {"bytes_per_token_batch1": 4.4e9}}}}
+    monkeypatch.setattr(S, "plan_bytes", lambda context: plans[context])
+    files = []
+    for run in (_run("ours-L6", "ours", False, [{"context": 64, "tpot_ms": 0.5}]) | {"layers": 6},
+                _run("upstream-L6", "upstream", False, [{"context": 64, "tpot_ms": 1.0}]) | {"layers": 6},
+                _run("upstream", "upstream", False, [{"context": 64, "tpot_ms": 4.4}])):
+        f = tmp_path / f"{run['name']}.json"
+        f.write_text(json.dumps(run))
+        files.append(str(f))
+    out = tmp_path / "table.md"
+    S.main(["render", *files, "--out", str(out)])
+    text = out.read_text()
+    assert "| ours-L6 | 64 | 0.500 | - | - | - | 2.00x |" in text
+    assert "| upstream | 64 | 4.400 | 1.100 | 4.00x | 0.25 | 1.00x |" in text
