@@ -276,7 +276,10 @@ def test_docker_run_as_a_user_would(image, checkpoint):
         assert "PermissionError" not in output and "Permission denied" not in output, output[-4000:]
         # the build primed vLLM's model-info cache: no inspection process, no failed cache write
         primed = docker("exec", name, "ls", "/cache/vllm/modelinfos").stdout.split()
-        assert len(primed) == 2 and all(f.endswith(".json") for f in primed), primed
+        # one file per Ling class the plugin registers: the target, the NEXTN draft, the DSpark drafter
+        assert sorted(primed) == ["vllm_ling-models-ling3-LingForCausalLM.json",
+                                  "vllm_ling-models-ling3_dspark-LingDSparkForCausalLM.json",
+                                  "vllm_ling-models-ling3_mtp-LingMTPModel.json"], primed
         assert "Error saving model info cache" not in output, output[-4000:]
 
         code, seconds = stop(name)
