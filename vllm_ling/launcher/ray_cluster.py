@@ -139,14 +139,18 @@ def serve_and_watch(argv: list[str]) -> int:
             rc = child.wait(POLL_S)
         except subprocess.TimeoutExpired:
             rc = None
+        if stopping:
+            # a requested stop: nodes may go away meanwhile (the Ray head's own processes got the
+            # same signal), and asking the GCS then blocks for a minute; the server's code stands
+            if rc is not None:
+                return rc
+            continue
         lost = lost_nodes(before)
         if lost:
             say(f"error: lost Ray node(s) while serving: {'; '.join(lost)}; stopping the server")
             stop(child)
             return 1
         if rc is not None:
-            if stopping:
-                return rc
             if rc == 0:  # vLLM exits 0 after its engine died; nobody asked it to stop
                 say("error: the server exited on its own (exit code 0); see its log above")
                 return 1
