@@ -79,6 +79,49 @@ def test_kv_and_state_scale_with_length_and_batch(config):
     assert batch == 8 * one
 
 
+def _drafter(config) -> dict:
+    """A small DSpark drafter config for the tiny target: 2 layers of 4 heads x 32, block 8."""
+    from vllm_ling.models.dspark_format import drafter_config
+
+    return drafter_config(config, num_layers=2, num_heads=4, head_dim=32, block_size=8,
+                          target_layer_ids=[0, 1], markov_rank=8, mask_token_id=1)
+
+
+def test_speculation_keeps_a_kda_state_per_verify_position_and_the_drafter_counts(config):
+    """vLLM keeps spec_tokens + 1 recurrent KDA states per sequence (a rejected draft rolls back to
+    any of them) and a conv window spec_tokens longer; a DSpark drafter adds its own K/V per token and
+    its weights (without the two vocabulary matrices it takes from the target)."""
+    from vllm_ling.models.dspark_format import param_count, read_fields
+
+    args = dict(max_model_len=1000, max_num_seqs=2, mtp=True, tensor_parallel_size=1)
+    n_kda = sum(mg.is_kda_layer(i, config) for i in range(config["num_hidden_layers"]))
+    h, d, w = config["num_attention_heads"], config["head_dim"], config.get("short_conv_kernel_size", 4) - 1
+    plain, three = mg.kv_and_state_bytes(config, **args), mg.kv_and_state_bytes(config, **args, spec_tokens=3)
+    assert three - plain == 2 * n_kda * (3 * h * d * d * 4 + 3 * h * d * 3 * 2)
+    fields = read_fields(_drafter(config), "test")
+    dspark = mg.kv_and_state_bytes(config, **args, spec_tokens=8, drafter=fields)
+    nextn = config.get("num_nextn_predict_layers") or 0
+    kv_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+    eight = mg.kv_and_state_bytes(config, **args, spec_tokens=8)
+    # the NEXTN layer's MLA KV goes, the drafter's 2 layers x K and V x 4 heads x 32 come
+    assert dspark - eight == 2 * 1000 * (2 * 2 * fields.num_kv_heads * 32 * 2 - nextn * kv_token)
+    assert mg.drafter_weight_bytes(fields, 2) == param_count(fields, shared=True) * 2 // 2
+
+
+def test_serve_counts_the_speculation_it_will_run(tmp_path, config):
+    from vllm_ling.cli.serve import speculation_for_memory
+
+    base = {"mtp": "1", "drafter": None, "dspark_model": None, "num_spec_tokens": "3"}
+    assert speculation_for_memory(base, 1) == (3, None)
+    assert speculation_for_memory(base | {"mtp": "0"}, 1) == (0, None)
+    assert speculation_for_memory(base, 2) == (0, None)  # vLLM 0.32 runs no draft under PP
+    (tmp_path / "config.json").write_text(json.dumps(_drafter(config)))
+    tokens, fields = speculation_for_memory(base | {"dspark_model": str(tmp_path)}, 1)
+    assert tokens == 8 and fields.num_layers == 2
+    # an unreadable drafter is P5's to refuse: the guard counts NEXTN's tokens meanwhile
+    assert speculation_for_memory(base | {"dspark_model": str(tmp_path / "none")}, 1) == (3, None)
+
+
 def fits(need_total_gib, available_gib, device="cpu", total_gib=100.0, unified=True, util=0.85):
     need = MemoryEstimate(weights=int(need_total_gib * GIB), kv_and_state=0, workspace=0,
                           max_model_len=1024, max_num_seqs=4)

@@ -289,6 +289,26 @@ def misspelt_flag_notes(unknown: list[str], parser: argparse.ArgumentParser) -> 
     return notes
 
 
+def speculation_for_memory(values: Mapping[str, str | None], pipeline_parallel_size: int):
+    """(draft tokens per step, the DSpark drafter's fields or None) the server will run, for the
+    memory guard: none under pipeline parallelism (vLLM 0.32 runs no draft there); the DSpark
+    drafter's block_size tokens where it drafts (read from its config.json; unreadable: P5 refuses
+    it later, and the guard counts NEXTN's tokens meanwhile), else VLLM_LING_NUM_SPEC_TOKENS."""
+    if values["mtp"] != "1" or pipeline_parallel_size > 1:
+        return 0, None
+    drafter = _parsed(values, "drafter")
+    if drafter is Drafter.DSPARK or (drafter is None and values["dspark_model"]):
+        from vllm_ling.models.dspark_format import DSparkFormatError, read_fields
+
+        path = Path(values["dspark_model"] or "") / "config.json"
+        try:
+            fields = read_fields(json.loads(path.read_text()), str(path))
+            return fields.block_size, fields
+        except (OSError, ValueError, DSparkFormatError):
+            pass
+    return int(values["num_spec_tokens"] or 0), None
+
+
 def memory_guard_notes(model_dir: Path, config: dict, device: str, values: dict[str, str | None],
                        env: Mapping[str, str]) -> list[str]:
     """Run the memory guard (policy: VLLM_LING_VERIFY); LaunchError when it refuses."""
@@ -305,10 +325,12 @@ def memory_guard_notes(model_dir: Path, config: dict, device: str, values: dict[
         kv_reserved = int(float(env.get("VLLM_CPU_KVCACHE_SPACE") or CPU_ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"])
                           * mg.GIB)
     try:
+        spec_tokens, drafter = speculation_for_memory(values, pp)
         need = mg.estimate(model_dir, config, device=device, max_model_len=int(values["max_model_len"]),
                            max_num_seqs=seqs, fp8_head=values["fp8_head"] == "1",
                            mtp=values["mtp"] == "1", expert_copy=_parsed(values, "moe_decode") is MoeDecode.COPY,
-                           tensor_parallel_size=tp * pp, kv_reserved=kv_reserved)
+                           tensor_parallel_size=tp * pp, kv_reserved=kv_reserved, spec_tokens=spec_tokens,
+                           drafter=drafter)
         memory = mg.device_memory(device, env)
     except LingOptionError as exc:
         raise LaunchError(str(exc)) from None

@@ -7,8 +7,9 @@ device can give:
 
 - **need** = weights as the server holds them (from the safetensors headers, after our load
   transforms: FP8 head, BF16 dequantization of FP8 linears on CPU, the second expert copy of
-  ``VLLM_LING_MOE_DECODE=copy``; per tensor-parallel rank) + KV cache and KDA state at
-  ``--max-model-len`` x ``--max-num-seqs`` + a JIT/workspace margin;
+  ``VLLM_LING_MOE_DECODE=copy``, the NEXTN layer or the DSpark drafter that drafts; per
+  tensor-parallel rank) + KV cache and KDA state at ``--max-model-len`` x ``--max-num-seqs`` (one
+  KDA state per verify position under speculation, the drafter's own K/V) + a JIT/workspace margin;
 - **can give**: on unified memory (GB10, and the CPU build) the system's available memory
   (``MemAvailable``); on a discrete GPU its free memory. On a GPU the need must also fit in
   the ``--gpu-memory-utilization`` share vLLM will claim, and on unified memory that claim
@@ -29,6 +30,7 @@ from typing import Any, Callable
 
 from vllm_ling.models.checkpoint_check import checkpoint_tensors
 from vllm_ling.models.checkpoint_format import is_kda_layer
+from vllm_ling.models.dspark_format import DSparkFields, param_count
 from vllm_ling.options import read
 
 GIB = 1024 ** 3
@@ -99,29 +101,52 @@ def weight_bytes(model_dir: Path, config: dict[str, Any], *, device: str, fp8_he
 
 
 def kv_and_state_bytes(config: dict[str, Any], *, max_model_len: int, max_num_seqs: int,
-                       mtp: bool, tensor_parallel_size: int) -> int:
-    """MLA latent KV (BF16) for every token of every sequence, plus one KDA state per sequence
-    (fp32 recurrent, BF16 conv; the byte model's formulas in the cost model)."""
+                       mtp: bool, tensor_parallel_size: int, spec_tokens: int = 0,
+                       drafter: DSparkFields | None = None) -> int:
+    """MLA latent KV (BF16) for every token of every sequence, plus the KDA state of each sequence
+    (fp32 recurrent, BF16 conv; the byte model's formulas in the cost model). Under speculation vLLM
+    keeps one recurrent state per verify position (``spec_tokens`` + 1 per sequence, so a rejected
+    draft rolls back) and widens the conv window by ``spec_tokens``; a DSpark drafter adds the K/V of
+    its own attention layers for every token."""
+    tp = max(tensor_parallel_size, 1)
     layers = range(config["num_hidden_layers"])
     n_kda = sum(1 for i in layers if is_kda_layer(i, config))
-    n_mla = len(layers) - n_kda + ((config.get("num_nextn_predict_layers") or 0) if mtp else 0)
+    n_mla = len(layers) - n_kda + ((config.get("num_nextn_predict_layers") or 0) if mtp and drafter is None else 0)
     heads, head_dim = config["num_attention_heads"], config["head_dim"]
     kv_per_token = (config.get("kv_lora_rank", 512) + config.get("qk_rope_head_dim", 64)) * BF16
-    kda_state = (heads * head_dim * head_dim * FP32
-                 + 3 * heads * head_dim * (config.get("short_conv_kernel_size", 4) - 1) * BF16)
-    per_sequence = n_mla * kv_per_token * max_model_len + n_kda * kda_state // max(tensor_parallel_size, 1)
+    if drafter is not None:
+        kv_per_token_drafter = drafter.num_layers * 2 * drafter.num_kv_heads * drafter.head_dim * BF16 // tp
+    else:
+        kv_per_token_drafter = 0
+    kda_state = ((1 + spec_tokens) * heads * head_dim * head_dim * FP32
+                 + 3 * heads * head_dim * (config.get("short_conv_kernel_size", 4) - 1 + spec_tokens) * BF16)
+    per_sequence = ((n_mla * kv_per_token + kv_per_token_drafter) * max_model_len
+                    + n_kda * kda_state // tp)
     return per_sequence * max_num_seqs
+
+
+def drafter_weight_bytes(drafter: DSparkFields, tensor_parallel_size: int) -> int:
+    """The DSpark drafter's own BF16 weights per rank: its checkpoint without the two vocabulary
+    matrices, which it takes from the target (vllm-ling never loads its copies)."""
+    return param_count(drafter, shared=True) * BF16 // max(tensor_parallel_size, 1)
 
 
 def estimate(model_dir: Path, config: dict[str, Any], *, device: str, max_model_len: int,
              max_num_seqs: int, fp8_head: bool = True, mtp: bool = True, expert_copy: bool = False,
-             tensor_parallel_size: int = 1, kv_reserved: int = 0) -> MemoryEstimate:
-    """``kv_reserved``: a KV space allocated whatever the need (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE)."""
+             tensor_parallel_size: int = 1, kv_reserved: int = 0, spec_tokens: int = 0,
+             drafter: DSparkFields | None = None) -> MemoryEstimate:
+    """``kv_reserved``: a KV space allocated whatever the need (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE);
+    ``spec_tokens``: draft tokens per step (0: no speculation); ``drafter``: the DSpark drafter that
+    drafts them (its weights and KV count; the NEXTN layer's do not)."""
     kv = kv_and_state_bytes(config, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                            mtp=mtp, tensor_parallel_size=tensor_parallel_size)
+                            mtp=mtp, tensor_parallel_size=tensor_parallel_size, spec_tokens=spec_tokens,
+                            drafter=drafter)
+    weights = weight_bytes(model_dir, config, device=device, fp8_head=fp8_head, mtp=mtp and drafter is None,
+                           expert_copy=expert_copy, tensor_parallel_size=tensor_parallel_size)
+    if drafter is not None:
+        weights += drafter_weight_bytes(drafter, tensor_parallel_size)
     return MemoryEstimate(
-        weights=weight_bytes(model_dir, config, device=device, fp8_head=fp8_head, mtp=mtp,
-                             expert_copy=expert_copy, tensor_parallel_size=tensor_parallel_size),
+        weights=weights,
         kv_and_state=max(kv, kv_reserved),
         workspace=WORKSPACE_MARGIN_BYTES["cuda" if device == "cuda" else "cpu"],
         max_model_len=max_model_len, max_num_seqs=max_num_seqs)
