@@ -142,6 +142,8 @@ ours|upstream|ours-mtp|ours-dspark)
   # PROFILE=1: vLLM's torch profiler over named prefill and decode windows after the measurements
   # (benchmarks/vllm_profile.py; the compact traces come back with the phase's output)
   [ "${PROFILE:-0}" = 1 ] && composition+=(--profile-dir "$OUT/prof-$phase${LAYERS:+-L$LAYERS}")
+  # PROFILE_PREFILLS=64,2048: fewer profiled prefills (a 32K window's trace takes minutes to compact)
+  [ "${PROFILE:-0}" = 1 ] && [ -n "${PROFILE_PREFILLS:-}" ] && composition+=(--profile-prefills "$PROFILE_PREFILLS")
   [ "$phase" = ours-dspark ] && composition+=(--dspark)
   # LAYERS=N: a full-width slice of N decoder layers (benchmarks/serve_h200.py --layers): starts in a
   # fraction of the full size's time, for A/B runs of one switch; its JSON is <phase>-L<N>.json
