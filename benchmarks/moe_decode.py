@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""MoE decode kernels (vllm_ling.ops.moe.decode) vs humming's GEMM, one Ling MoE layer (H200).
+"""MoE decode kernels (vllm_ling.ops.moe.decode) vs humming's GEMM, one Ling MoE layer (on the GPU it runs on).
 
 Per-layer time of the routed experts for 1, 2, 4, 8, 16 and 32 tokens (32 is the default
 dispatch threshold, VLLM_LING_MOE_DECODE_MAX_TOKENS):
@@ -139,7 +139,7 @@ def main() -> int:
         for label, layer in (("humming W4A16", humming[0]), ("decode kernels, packed copy", fused[0]),
                              ("decode kernels, humming layout", hl[0])):
             errors.append((label, T, ((layer(x, w, ids, limit).float() - ref).norm() / ref.norm()).item()))
-    lines = ["# MoE decode kernels vs humming's GEMM, one Ling MoE layer (H200)", "",
+    lines = [f"# MoE decode kernels vs humming's GEMM, one Ling MoE layer ({torch.cuda.get_device_name()})", "",
              f"512 experts, top-8, hidden 2560, intermediate 768, MXFP4 weights, BF16 activations, routed experts "
              f"only, SwiGLU limit {'none' if limit is None else f'{limit:g}, {clamp.describe()}'}. "
              f"Copy bandwidth measured in this run: **{bw:,.0f} GB/s**. CUDA-graph medians ({args.iters} "
