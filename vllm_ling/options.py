@@ -314,6 +314,12 @@ OPTIONS: tuple[Option, ...] = (
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
            serve_flag=True, compile_factor=True, opt_out="0", warmup_flag=True),
+    Option("VLLM_LING_PREFILL_GRAPH_TOKENS", "int", 2048,
+           "prefill steps up to this many tokens (at most `--max-num-batched-tokens`) replay piecewise CUDA "
+           "graphs: vLLM's own capture sizes (sized for decode batches) plus a ladder of prefill sizes, so a "
+           "prompt chunk no longer dispatches each of its kernels from Python; `0` keeps vLLM's sizes (one "
+           "WARNING, reported). Sizes given in `--compilation-config` win",
+           minimum=0, serve_flag=True, opt_out="0"),
     Option("VLLM_LING_LM_HEAD_KERNEL", "choice", None,
            "force the FP8 head kernel (default: chosen per GPU architecture by measurement)",
            choices=HeadKernel, default_text="per GPU", compile_factor=True),
@@ -544,6 +550,7 @@ class LingOptions:
     kda_merged_in_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_IN_PROJ"].default
     bf16_gemv: Bf16Gemv = BY_NAME["VLLM_LING_BF16_GEMV"].default
     router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
+    prefill_graph_tokens: int = BY_NAME["VLLM_LING_PREFILL_GRAPH_TOKENS"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
     num_spec_tokens: int = BY_NAME["VLLM_LING_NUM_SPEC_TOKENS"].default
     drafter: Drafter | None = BY_NAME["VLLM_LING_DRAFTER"].default

@@ -34,6 +34,7 @@ class Feature(Choice):
     KDA_MERGED_IN_PROJ = "kda_merged_in_proj"    # each KDA layer's q, k, v, f, g as one linear
     SPECULATIVE = "speculative"                  # the speculative method
     DRAFTER = "drafter"                          # the DSpark drafter: its block, what it reads and shares
+    PREFILL_GRAPHS = "prefill_graphs"            # the CUDA graph sizes prefill steps replay
 
 
 class Platform(Choice):

@@ -229,6 +229,8 @@ SWITCHED_OFF = {
     "VLLM_LING_ROUTER_GEMV": {"router_gemv"},
     "VLLM_LING_FP8_HEAD": {"fp8_head"},
     "VLLM_LING_MTP": {"mtp"},
+    "VLLM_LING_MOE_ROUTING": set(),  # prefill routing metadata: recorded in the MoE row, no entry of its own
+    "VLLM_LING_PREFILL_GRAPH_TOKENS": {"prefill_graphs"},
 }
 
 

@@ -84,8 +84,8 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert [c["name"] for c in report["checks"]] == [
         "model_classes", "moe_layers", "lm_head", "dense_fp8_layers", "small_bf16_layers", "kda_merged_in_proj",
-        "router_gates", "dspark_drafter", "draft_shares_target_modules", "speculative_config", "versions",
-        "kernel_known_answers"]
+        "router_gates", "dspark_drafter", "draft_shares_target_modules", "speculative_config", "prefill_graphs",
+        "versions", "kernel_known_answers"]
     assert _check(report, "moe_layers")["actual"] == "5 x reference"
     assert _check(report, "moe_layers")["expected"] == (
         "5 routed-expert layers, each serving the selection recorded on it (5 x reference)")
@@ -109,7 +109,8 @@ def test_the_census_reads_every_served_module_once(loaded_tiny_models):
     """One pass over target and draft: every feature's modules with their records; the draft's
     shared head is the target's module, counted once under the target's name."""
     census = _census(loaded_tiny_models)
-    count = {f: len(census.of(f)) for f in Feature if f is not Feature.SPECULATIVE}
+    # the speculative method and the prefill graphs are the config's, recorded on no module
+    count = {f: len(census.of(f)) for f in Feature if f not in (Feature.SPECULATIVE, Feature.PREFILL_GRAPHS)}
     assert count == {Feature.MOE: 5, Feature.DENSE_FP8: 33, Feature.BF16_GEMV: 7, Feature.ROUTER_GEMV: 5,
                      Feature.FP8_HEAD: 1, Feature.HEAD_KERNEL: 1, Feature.KDA_MERGED_IN_PROJ: 5, Feature.DRAFTER: 0}
     assert [e.name for e in census.of(Feature.FP8_HEAD)] == ["target.lm_head"]
@@ -198,10 +199,19 @@ def _plant_drafter(models, monkeypatch):
                               "a 9-token verify window")
 
 
+def _plant_prefill_graphs(models, monkeypatch):
+    """P13 recorded prefill graphs up to 2048 tokens; the CPU worker captures none."""
+    monkeypatch.setattr(models[0].model_config.hf_config, "vllm_ling_prefill_graphs",
+                        {"choice": "added", "reason": "20 prefill sizes added above vLLM's 4", "up_to": 2048},
+                        raising=False)
+    return "prefill_graphs", "no piecewise CUDA graphs"
+
+
 PLANTED = {Feature.MOE: _plant_moe, Feature.DENSE_FP8: _plant_dense, Feature.BF16_GEMV: _plant_bf16,
            Feature.ROUTER_GEMV: _plant_router, Feature.FP8_HEAD: _plant_fp8_head,
            Feature.HEAD_KERNEL: _plant_head_kernel, Feature.KDA_MERGED_IN_PROJ: _plant_kda,
-           Feature.SPECULATIVE: _plant_speculative, Feature.DRAFTER: _plant_drafter}
+           Feature.SPECULATIVE: _plant_speculative, Feature.DRAFTER: _plant_drafter,
+           Feature.PREFILL_GRAPHS: _plant_prefill_graphs}
 # The models each feature's divergence is planted in (the NEXTN pair unless named here)
 PLANTED_IN = {Feature.DRAFTER: "dspark_on_v2"}
 

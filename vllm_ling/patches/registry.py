@@ -284,6 +284,26 @@ PATCHES: tuple[Patch, ...] = (
         upstream="vllm#54174 (open) exposes BailingMoeV3's auxiliary hidden states in-tree",
         delete_when="vLLM's `BailingMoeV3Model` captures auxiliary hidden states (vllm#54174)",
     ),
+    Patch(
+        id="P13", slug="prefill-cudagraph-sizes",
+        module="vllm_ling.patches.p13_prefill_graph_sizes",
+        targets=("vllm.config.vllm:VllmConfig._set_cudagraph_sizes",),
+        upstream_sha256={
+            "vllm.config.vllm:VllmConfig._set_cudagraph_sizes":
+                "f6c71aa0532da44e11ac5c6204bdc43e37a8322c2b8b509dee8bd4aac9e65a57",
+            "vllm.config.compilation:CompilationConfig.post_init_cudagraph_sizes":
+                "4120264c3f9dbb843c26a44c40fef63a9553c337377f920018a36fa508550576",
+        },
+        stage=Stage.REGISTER, condition="every process (acts where the target's config is built)",
+        why="a Ling target's CUDA graph sizes get a ladder of prefill sizes above vLLM's own, up to "
+            "`VLLM_LING_PREFILL_GRAPH_TOKENS`: vLLM sizes graphs for decode batches only (at most 512 "
+            "tokens, 4 at `--max-num-seqs 2`), so every prefill chunk dispatched its ~2,300 kernels from "
+            "Python (host-bound: 140-155 ms per 1,920-token chunk on the H100 where its kernels take 72 "
+            "ms); the config hook (P4) runs before vLLM computes its sizes and could only replace them",
+        upstream="vLLM's capture sizes have no separate prefill range; its docs suggest raising "
+                 "`max_cudagraph_capture_size`, which replaces the decode-size list",
+        delete_when="vLLM lets a model add capture sizes to its defaults (or captures prefill sizes itself)",
+    ),
 )
 
 
@@ -383,6 +403,8 @@ UPSTREAM_FILE_SHA256: dict[str, str] = {
         "ce135651a7a0343ff526f72e9545932617378161abd03135d67eda6de89c617c",
     "vllm.model_executor.models.bailing_moe_v3":
         "fce24c9d9141374086416bf1d4b090952486d7e783e85c28db5e2ec63db83457",
+    "vllm.config.compilation":
+        "d8a8086166e3f344b75d98d8350a77592f7b6c145319b3a9f0b9c8cb36bc39cb",
 }
 
 

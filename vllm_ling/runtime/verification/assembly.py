@@ -16,6 +16,8 @@ from vllm_ling.runtime.verification.draft_sharing import CHECK_NAME as SHARING
 from vllm_ling.runtime.verification.draft_sharing import check_draft_sharing
 from vllm_ling.runtime.verification.model_classes import check_model_classes
 from vllm_ling.runtime.verification.optimizations import entry, moe_backend, moe_decode_entry
+from vllm_ling.runtime.verification.prefill_graphs import CHECK_NAME as PREFILL_GRAPHS
+from vllm_ling.runtime.verification.prefill_graphs import check_prefill_graphs, prefill_graphs_entry
 from vllm_ling.runtime.verification.recorded import check_recorded
 from vllm_ling.runtime.verification.speculative import CHECK_NAME as SPECULATIVE
 from vllm_ling.runtime.verification.speculative import Speculative, check_speculative, mtp_entry
@@ -74,6 +76,7 @@ def build_report(target, draft, vllm_config, options: LingOptions, spec: Specula
     sharing = guarded(SHARING, lambda: check_draft_sharing(target, draft, spec, stage))
     checks = [guarded("model_classes", lambda: check_model_classes(target, draft, spec, stage)), *rows.values(),
               sharing, guarded(SPECULATIVE, lambda: check_speculative(spec, options)),
+              guarded(PREFILL_GRAPHS, lambda: check_prefill_graphs(vllm_config)),
               guarded("versions", lambda: check_versions(platform)), known_answers.check(known)]
     by_name = {c.name: c for c in checks}
     optimizations = {r.optimization: entry(r, census, rows[r.check], known, r.expected(config, stage, nextn_here)
@@ -81,6 +84,7 @@ def build_report(target, draft, vllm_config, options: LingOptions, spec: Specula
                      for r in readers if r.optimization}
     optimizations["moe_decode_kernels"] = moe_decode_entry(census)
     optimizations["mtp"] = mtp_entry(spec, sharing)
+    optimizations["prefill_graphs"] = prefill_graphs_entry(vllm_config, by_name[PREFILL_GRAPHS])
     return {
         "passed": all(c.passed for c in checks),
         "policy": options.verify,
