@@ -287,6 +287,7 @@ def run(args) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     name = f"{args.composition}{'-mtp' if args.mtp else '-dspark' if args.dspark else ''}"
     name += f"-L{args.layers}" if args.layers else ""
+    name += "".join(f"-{k[len('VLLM_LING_'):].lower()}={v}" for k, v in args.switch)
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     # one path for every run: vLLM's torch.compile cache is keyed by the model path, so a second
     # start of the same composition on the machine loads its compiled graphs instead of recompiling
@@ -297,6 +298,7 @@ def run(args) -> int:
     if args.composition == "upstream":
         env.update(upstream_composition())
     env["VLLM_LING_MTP"] = "1" if args.mtp or args.dspark else "0"
+    env.update(args.switch)  # an A/B run's one switch (the caller's own VLLM_LING_* are not passed on)
     if args.dspark:  # vllm-ling's default speculation with the DSpark drafter (its block_size tokens)
         env["VLLM_LING_DSPARK_MODEL"] = str(dummy_drafter(Path(tempfile.gettempdir()) / "vllm-ling-serve-bench"))
     if not args.model:  # dummy weights accept (almost) no draft: the launcher's smoke check would refuse
@@ -549,6 +551,19 @@ def dspark_lines(by_name: dict[str, Any], plans: dict[int, Any], copy_gbs: float
     return lines
 
 
+def _switch(text: str) -> tuple[str, str]:
+    from vllm_ling.options import BY_NAME, read
+
+    name, _, value = text.partition("=")
+    if name not in BY_NAME:
+        raise argparse.ArgumentTypeError(f"unknown vllm-ling switch {name!r}")
+    try:
+        read(name, {name: value})
+    except ValueError as exc:  # a malformed value: the option table's message, naming the variable
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return name, value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -561,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--layers", type=int, default=None,
                    help="serve a full-width slice of this many decoder layers (dummy weights; no byte floor)")
     r.add_argument("--model", default=None, help="a checkpoint dir instead of the full-size dummy architecture")
+    r.add_argument("--switch", type=_switch, action="append", default=[], metavar="VLLM_LING_NAME=VALUE",
+                   help="one vllm-ling switch for this run (repeatable; named in the run's name)")
     r.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the harness")
     r.add_argument("--json", required=True)
     r.add_argument("--logs", required=True, help="folder for the server log")

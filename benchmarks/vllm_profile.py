@@ -175,11 +175,14 @@ def step_figures(step: dict) -> dict:
         launches[c] += 1
     busy, gaps = busy_and_gaps(ks)
     by_name = collections.defaultdict(lambda: [0, 0.0, ""])
+    classes_of = collections.defaultdict(collections.Counter)
     for k, c in zip(ks, classes):
         row = by_name[k["name"]]
         row[0] += 1
         row[1] += k["dur"]
-        row[2] = c
+        classes_of[k["name"]][c] += 1
+    for name, seen in classes_of.items():  # one kernel can serve two classes (a dense GEMM after the last MoE layer)
+        by_name[name][2] = "+".join(c for c, _ in seen.most_common())
     return {"annotation": step["annotation"], "context_tokens": step["context_tokens"],
             "generation_tokens": step["generation_tokens"], "iteration_us": step["iteration_us"],
             "kernels": len(ks), "busy_us": busy, "gaps_us": gaps, "classes": dict(per_class),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import serve_h200 as S
 
 LOG = """
@@ -114,3 +116,16 @@ def test_a_slice_keeps_the_real_pattern_and_a_limited_layer_and_compares_with_it
     text = out.read_text()
     assert "| ours-L6 | 64 | 0.500 | - | - | - | 2.00x |" in text
     assert "| upstream | 64 | 4.400 | 1.100 | 4.00x | 0.25 | 1.00x |" in text
+
+
+def test_an_ab_runs_switch_must_be_a_known_well_formed_vllm_ling_variable():
+    """`run --switch` is the only way a VLLM_LING_* setting reaches the server (the harness passes
+    none of its own environment's): a typo or a malformed value stops the run before any start."""
+    import argparse
+
+    from benchmarks.serve_h200 import _switch
+
+    assert _switch("VLLM_LING_PREFILL_GRAPH_TOKENS=0") == ("VLLM_LING_PREFILL_GRAPH_TOKENS", "0")
+    for bad in ("VLLM_LING_PREFIL_GRAPH_TOKENS=0", "VLLM_LING_PREFILL_GRAPH_TOKENS=many", "VLLM_LING_DENSE_FP8=fast"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _switch(bad)

@@ -88,3 +88,16 @@ def test_names_of_the_kernels_vllm_runs_land_in_their_classes():
         "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "bf16_gemm",
     }
     assert {n: V.classify(n) for n in cases} == cases
+
+
+def test_a_kernel_serving_two_classes_shows_both_most_launches_first():
+    """The same dense GEMM before the step's last MoE kernel (a dense linear) and after it (the head
+    rule): the per-kernel table names both classes, not whichever came last."""
+    ks = [{"name": n, "ts": t, "dur": 1.0} for n, t in (
+        ("ling_dense_w8a16_stream", 0), ("ling_dense_w8a16_stream", 2), ("ling_moe_hl_down", 4),
+        ("ling_dense_w8a16_stream", 6))]
+    step = {"annotation": "execute_context_0(0)_generation_1(1)", "context_tokens": 0, "generation_tokens": 1,
+            "iteration_us": 10.0, "kernels": ks}
+    figures = V.step_figures(step)
+    assert figures["by_name"]["ling_dense_w8a16_stream"] == [3, 3.0, "dense_fp8+head"]
+    assert figures["classes"] == {"dense_fp8": 2.0, "moe_routed": 1.0, "head": 1.0}
