@@ -235,7 +235,7 @@ def test_init_step_runs_in_the_image(image, checkpoint):
     assert "no CUDA device" in result.stdout + result.stderr
 
 
-def test_docker_run_as_a_user_would(image, checkpoint):
+def test_docker_run_as_a_user_would(image, checkpoint, arbitrary_user_container):
     """The README's CPU line: non-root, read-only root, checkpoint mounted read-only."""
     name = f"vllm-ling-test-run-{os.getpid()}"
     # The image's HEALTHCHECK command, checked every 5 s instead of 30 s to keep the test short.
@@ -289,21 +289,29 @@ def test_docker_run_as_a_user_would(image, checkpoint):
         docker("rm", "-f", "-v", name)
 
 
-def test_runs_as_an_arbitrary_user(image, checkpoint):
-    """`docker run --user UID:GID` (not the image's user): home and caches are still writable."""
+@pytest.fixture(scope="module")
+def arbitrary_user_container(image, checkpoint):
+    """`docker run --user UID:GID` (not the image's user), started before the README line's container
+    so the two CPU servers start side by side (about half a minute of the suite)."""
     name = f"vllm-ling-test-user-{os.getpid()}"
     base = run_detached(name, "--user", "4242:4242", "--shm-size", "1g", "-e", f"VLLM_API_KEY={API_KEY}",
                         "-v", f"{checkpoint}:/models/tiny:ro", IMAGE, "/models/tiny", "--device", "cpu",
                         "--mtp", "0")
     try:
-        wait_healthy(name, base)
-        assert docker("exec", name, "id", "-u").stdout.strip() == "4242"
-        assert get(base + "/vllm_ling/report")[0] == 200  # written under the home
-        output = logs(name)
-        assert "PermissionError" not in output and "Permission denied" not in output, output[-4000:]
-        assert stop(name)[0] == 0, logs(name)[-4000:]
+        yield name, base
     finally:
         docker("rm", "-f", "-v", name)
+
+
+def test_runs_as_an_arbitrary_user(arbitrary_user_container):
+    """`docker run --user UID:GID` (not the image's user): home and caches are still writable."""
+    name, base = arbitrary_user_container
+    wait_healthy(name, base)
+    assert docker("exec", name, "id", "-u").stdout.strip() == "4242"
+    assert get(base + "/vllm_ling/report")[0] == 200  # written under the home
+    output = logs(name)
+    assert "PermissionError" not in output and "Permission denied" not in output, output[-4000:]
+    assert stop(name)[0] == 0, logs(name)[-4000:]
 
 
 def test_compose_cpu_stack_with_prometheus_scraping_it(image, tmp_path):
