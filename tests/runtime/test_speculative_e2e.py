@@ -11,7 +11,7 @@ import re
 import pytest
 import requests
 
-from vllm_ling.launcher.local_server import group_alive, scrape, serve_cpu
+from vllm_ling.launcher.local_server import group_alive, scrape, serve_cpu, wait_healthy
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -51,7 +51,31 @@ def _spec_counters(base: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def default_server(agreeing_checkpoint, tmp_path_factory):
+def no_spec_bf16_server(agreeing_checkpoint, tmp_path_factory):
+    """Speculation off and the BF16 head, started but not waited for: the default server's fixture
+    starts it first, so the two CPU servers start side by side (half a minute of a 2-core run)."""
+    tmp = tmp_path_factory.mktemp("no_spec_bf16")
+    server = serve_cpu(agreeing_checkpoint, tmp / "server.log", wait=False,
+                       env={"VLLM_LING_MTP": "0", "VLLM_LING_FP8_HEAD": "0",
+                            "VLLM_LING_REPORT_PATH": str(tmp / "report.json")})
+    yield server, tmp / "report.json"
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def warned_trap_server(agreeing_checkpoint, tmp_path_factory):
+    """The planted weight-only head trap under `warn`, started but not waited for: the strict trap
+    test asks for it first, so its refused start and this server's start run side by side."""
+    tmp = tmp_path_factory.mktemp("warned_trap")
+    server = serve_cpu(agreeing_checkpoint, tmp / "server.log", wait=False,
+                       env={"VLLM_LING_NEGATIVE_CONTROL": "weight_only_head", "VLLM_LING_VERIFY": "warn",
+                            "VLLM_LING_REPORT_PATH": str(tmp / "report.json")})
+    yield server, tmp / "report.json"
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def default_server(agreeing_checkpoint, tmp_path_factory, no_spec_bf16_server):
     tmp = tmp_path_factory.mktemp("default_server")
     report = tmp / "report.json"
     server = serve_cpu(agreeing_checkpoint, tmp / "server.log", env={"VLLM_LING_REPORT_PATH": str(report)})
@@ -143,20 +167,19 @@ def test_greedy_output_is_deterministic_and_chat_works(default_server):
     assert chat["usage"]["completion_tokens"] == 8
 
 
-def test_outputs_equal_without_speculation_and_with_bf16_head(agreeing_checkpoint, tmp_path):
-    server = serve_cpu(agreeing_checkpoint, tmp_path / "server.log",
-                       env={"VLLM_LING_MTP": "0", "VLLM_LING_FP8_HEAD": "0",
-                            "VLLM_LING_REPORT_PATH": str(tmp_path / "report.json")})
+def test_outputs_equal_without_speculation_and_with_bf16_head(agreeing_checkpoint, no_spec_bf16_server):
+    server, report_path = no_spec_bf16_server
     try:
+        wait_healthy(server)
         assert _complete(server.base_url) == _expected(agreeing_checkpoint)
-        report = json.loads((tmp_path / "report.json").read_text())
+        report = json.loads(report_path.read_text())
         assert report["passed"] and report["spec_method"] is None and report["head_dtype"] == "bfloat16"
         assert _spec_counters(server.base_url)["drafts"] == 0
     finally:
         server.stop()
 
 
-def test_trap_is_refused_at_startup_in_strict_mode(agreeing_checkpoint, tmp_path):
+def test_trap_is_refused_at_startup_in_strict_mode(agreeing_checkpoint, tmp_path, warned_trap_server):
     """The planted weight-only head trap under strict, one start for both last words (issue 27):
     vLLM's API server (what a plain ``vllm serve`` prints; here the launcher's child) ends with the
     refusal (vllm_ling.refusal.ensure_file), and ``vllm-ling serve``'s last line is the refusal
@@ -196,11 +219,10 @@ def test_trap_is_refused_at_startup_in_strict_mode(agreeing_checkpoint, tmp_path
     assert "Traceback" not in stderr and "Process EngineCore" not in stderr, stderr[-5000:]
 
 
-def test_trap_collapses_acceptance_when_only_warned(agreeing_checkpoint, tmp_path):
-    server = serve_cpu(agreeing_checkpoint, tmp_path / "server.log",
-                       env={"VLLM_LING_NEGATIVE_CONTROL": "weight_only_head", "VLLM_LING_VERIFY": "warn",
-                            "VLLM_LING_REPORT_PATH": str(tmp_path / "report.json")})
+def test_trap_collapses_acceptance_when_only_warned(agreeing_checkpoint, warned_trap_server):
+    server, report_path = warned_trap_server
     try:
+        wait_healthy(server)
         before = _spec_counters(server.base_url)
         tokens = _complete(server.base_url)
         after = _spec_counters(server.base_url)
@@ -209,7 +231,7 @@ def test_trap_collapses_acceptance_when_only_warned(agreeing_checkpoint, tmp_pat
         accept_length = 1 + (after["accepted"] - before["accepted"]) / (after["drafts"] - before["drafts"])
         print(f"trap accept length {accept_length:.2f}")
         assert accept_length < 1.2
-        report = json.loads((tmp_path / "report.json").read_text())
+        report = json.loads(report_path.read_text())
         assert report["passed"] is False and report["optimizations"]["mtp"]["active"] is False
         assert "verification check draft_shares_target_modules FAILED" in server.log()
         from vllm_ling.launcher.smoke import run_smoke
