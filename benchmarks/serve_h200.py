@@ -288,6 +288,7 @@ def run(args) -> int:
     name = f"{args.composition}{'-mtp' if args.mtp else '-dspark' if args.dspark else ''}"
     name += f"-L{args.layers}" if args.layers else ""
     name += "".join(f"-{k[len('VLLM_LING_'):].lower()}={v}" for k, v in args.switch)
+    name += f"-{args.tag}" if args.tag else ""
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     # one path for every run: vLLM's torch.compile cache is keyed by the model path, so a second
     # start of the same composition on the machine loads its compiled graphs instead of recompiling
@@ -591,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--kv-cache-gib", type=float, default=3.0)
     r.add_argument("--startup-timeout", type=float, default=540)
     r.add_argument("--vllm-arg", action="append", default=[], help="one more vllm serve argument (repeatable)")
+    r.add_argument("--tag", default=None, help="appended to the run's name (an A/B run's vLLM argument)")
     r.add_argument("--ttft-contexts", type=lambda v: [int(x) for x in v.split(",")] if v else [],
                    default=[512, 8192, LONG_CONTEXT], help="prompt lengths whose time to first token is measured")
     r.add_argument("--ttft-repeats", type=int, default=3)

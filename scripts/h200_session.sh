@@ -158,14 +158,21 @@ ours|upstream|ours-mtp|ours-dspark)
 slices)
   # A/B of one switch at a time on a LAYERS-layer (default 6) full-width slice, one server after another:
   # SLICES="name:VAR=value ..." (default: ours, ours with each prefill-time switch at its opt-out, and the
-  # upstream composition); each gets STARTUP_S (default 330: a slice compiles in ~30 s but captures every
-  # graph size), short measurements, its JSON slice-<name>-L<n>.json and its own server log folder.
+  # upstream composition; `name:--vllm-flag=value` passes a vLLM argument instead, e.g.
+  # flashmla:--attention-backend=FLASHMLA); each gets STARTUP_S (default 330: a slice compiles in ~30 s
+  # but captures every graph size), short measurements, its JSON slice-<name>-L<n>.json and its own
+  # server log folder.
   n=${LAYERS:-6} startup_s=${STARTUP_S:-330}
   for spec in ${SLICES:-ours: graphs0:VLLM_LING_PREFILL_GRAPH_TOKENS=0 routing-torch:VLLM_LING_MOE_ROUTING=torch kda0:VLLM_LING_KDA_MERGED_IN_PROJ=0 dense-vllm:VLLM_LING_DENSE_FP8=vllm upstream:}; do
-    name=${spec%%:*} setting=${spec#*:} comp=ours
+    name=${spec%%:*} setting=${spec#*:} comp=ours ab=()
     [ "$name" = upstream ] && comp=upstream
+    case "$setting" in
+    "") ;;
+    --*) ab=(--vllm-arg="$setting" --tag "$name") ;;
+    *) ab=(--switch "$setting") ;;
+    esac
     VLLM_USE_DEEP_GEMM=0 timeout $((startup_s + 150)) python3 -m benchmarks.serve_h200 run \
-      --composition "$comp" ${setting:+--switch "$setting"} --layers "$n" --json "$OUT/slice-$name-L$n.json" "${full_size[@]}" --logs "$out/logs-$name" \
+      --composition "$comp" "${ab[@]}" --layers "$n" --json "$OUT/slice-$name-L$n.json" "${full_size[@]}" --logs "$out/logs-$name" \
       --startup-timeout "$startup_s" --repeats 2 --long-repeats 1 --tokens 64 --long-tokens 16 > "$out/slice-$name.txt" 2>&1
     echo "slice-$name rc $?" >> "$out/rc.txt"
     free_gpu
