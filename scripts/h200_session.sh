@@ -11,6 +11,7 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-dspark # full-size: DSpark, a dummy full-size drafter
 #   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark  # those tiny end-to-end tests beside it first
 #   LAYERS=6 TREE_COMMIT=<sha> bash scripts/h200_session.sh slices  # A/B of each switch on a 6-layer slice
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-topk  # the grouped top-k kernel: tests, vs vLLM's
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
 #
@@ -86,7 +87,7 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   opt-out-all) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-all "$limit" "$e2e" -k "every_opt_out_at_once" ;;
   dspark) VLLM_DEEP_GEMM_WARMUP=skip part dspark "$limit" "$e2e" -k "dspark" ;;
   kernels-a) part kernels-a "$limit" -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \
-    tests/ops/test_known_answer_gpu.py ;;
+    tests/ops/test_known_answer_gpu.py tests/ops/test_router_topk_gpu.py ;;
   kernels-b) part kernels-b "$limit" -m gpu tests/ops/moe tests/ops/lm_head tests/ops/test_humming_jit.py tests/benchmarks ;;
   # the routed-expert clamp mode (issue 43): the MoE kernels and known answers that tell the modes apart
   moe-clamp) part moe-clamp "$limit" -m gpu tests/ops/test_known_answer_gpu.py tests/ops/moe \
@@ -177,6 +178,15 @@ slices)
     echo "slice-$name rc $?" >> "$out/rc.txt"
     free_gpu
   done
+  ;;
+router-topk)
+  # Issue 29's first cut on an idle GPU: the grouped top-k kernel's tests, then it against vLLM's
+  # grouped_topk_fused_kernel (benchmarks/router_topk.py; kernel-only, minutes)
+  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py
+  wait "${pids[@]}"
+  record gpu:router-topk "$out/router-topk.log"
+  timeout 200 python3 -m benchmarks.router_topk --out "$OUT/router-topk.md" > "$out/router-topk-bench.txt" 2>&1
+  echo "router-topk-bench rc $?" >> "$out/rc.txt"
   ;;
 moe-bench)
   # Issue 43 on an idle GPU: the clamp-mode kernel tests, then one MoE layer, decode kernels vs humming's

@@ -160,6 +160,15 @@ def moe_decode_sources(target: Target) -> dict[str, str]:
     return out
 
 
+def router_topk_sources() -> dict[str, str]:
+    """Ling's router (its experts, groups, kept groups and picks), and one narrower configuration."""
+    from vllm_ling.ops.router_topk import kernel as router_topk
+
+    ling = (CONFIG["num_experts"], CONFIG["n_group"], CONFIG["topk_group"], CONFIG["num_experts_per_tok"])
+    return {f"experts/groups/kept/picks={cfg}": router_topk.source(*cfg, renormalize=True)
+            for cfg in (ling, (64, 2, 1, 4))}
+
+
 def family_sources(target: Target, family: str) -> dict[str, str]:
     if family == "dense decode":
         dense = dense_decode_sources(target)
@@ -167,10 +176,13 @@ def family_sources(target: Target, family: str) -> dict[str, str]:
         return dense if target.dense else dict(list(dense.items())[:1])
     if family == "small GEMV":
         return small_gemv_sources()
+    if family == "router top-k":
+        return router_topk_sources()
     return moe_decode_sources(target)
 
 
-CASES = [(t, f) for t in TARGETS for f in ("dense decode", "small GEMV", "MoE decode") if f != "MoE decode" or t.moe_decode]
+CASES = [(t, f) for t in TARGETS for f in ("dense decode", "small GEMV", "router top-k", "MoE decode")
+         if f != "MoE decode" or t.moe_decode]
 
 
 @pytest.mark.parametrize("target,family", CASES, ids=[f"{t.arch}-{f.replace(' ', '_')}" for t, f in CASES])

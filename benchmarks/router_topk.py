@@ -1,0 +1,99 @@
+"""Ling's router top-k for decode batches: vllm-ling's one-CTA-per-token kernel
+(``vllm_ling.ops.router_topk``) against vLLM 0.32's ``grouped_topk_fused_kernel`` (the kernel vLLM's
+``GroupedTopk`` runs for Ling: 12.5 us per MoE layer for one token in the real decode step,
+``benchmarks/results/step_profile_real_h100.md``), in CUDA graphs of 40 distinct layers (a step's),
+plus the ids each picks against the plain-PyTorch reference.
+
+    python -m benchmarks.router_topk --out benchmarks/results/router_topk_h100.md   # on the GPU
+
+The work reads 2 KB of logits and 2 KB of bias per layer: the copy-bandwidth column shows how far
+from a memory-bound op this is (the time is launch and synchronisation, not bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import resources
+
+import torch
+
+from benchmarks.lm_head import copy_bandwidth_gbs
+from benchmarks.timing import stacked_time_us
+
+CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_config.json").read_text())
+LAYERS = 40
+
+
+def vllm_kernel():
+    """vLLM's fused grouped top-k (None where this vLLM has none)."""
+    try:
+        from vllm import _custom_ops as ops
+    except Exception:  # noqa: BLE001 - kernel-only device bundles carry no vLLM
+        return None
+    if not hasattr(ops, "grouped_topk"):
+        return None
+
+    def run(logits, bias, top_k, n_group, topk_group, scale):
+        return ops.grouped_topk(logits, n_group, topk_group, top_k, True, scale, bias, 1)
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm_ling.ops.moe.routing import grouped_topk
+    from vllm_ling.ops.router_topk.kernel import grouped_topk_cuda
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 16])
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    e, n_group, topk_group, top_k = (CONFIG["num_experts"], CONFIG["n_group"], CONFIG["topk_group"],
+                                     CONFIG["num_experts_per_tok"])
+    scale = CONFIG["routed_scaling_factor"]
+    bw, how = copy_bandwidth_gbs()
+    theirs = vllm_kernel()
+    rows = []
+    for t in args.tokens:
+        logits = [torch.randn(t, e, device="cuda") * 3 for _ in range(LAYERS)]
+        biases = [torch.randn(e, device="cuda") * 0.1 for _ in range(LAYERS)]
+        nbytes = 4 * (t * e + e + 2 * t * top_k)
+        outs = [(torch.empty(t, top_k, device="cuda"), torch.empty(t, top_k, dtype=torch.int32, device="cuda"))
+                for _ in range(LAYERS)]
+        ours_us = stacked_time_us([lambda lg=lg, b=b, o=o: grouped_topk_cuda(lg, b, top_k, n_group, topk_group, True,
+                                                                              scale, weights=o[0], ids=o[1])
+                                   for lg, b, o in zip(logits, biases, outs)], args.iters)
+        want = [grouped_topk(lg, top_k, n_group, topk_group, b, True, scale)[1] for lg, b in zip(logits, biases)]
+        ours_ok = all(torch.equal(o[1], w) for o, w in zip(outs, want))
+        their_us, their_ok = None, None
+        if theirs is not None:
+            their_us = stacked_time_us([lambda lg=lg, b=b: theirs(lg, b, top_k, n_group, topk_group, scale)
+                                        for lg, b in zip(logits, biases)], args.iters)
+            got = [theirs(lg, b, top_k, n_group, topk_group, scale)[1] for lg, b in zip(logits, biases)]
+            # vLLM's picks may come in another order: compare the sets
+            their_ok = all(torch.equal(g.sort().values, w.sort().values) for g, w in zip(got, want))
+        rows.append((t, ours_us, their_us, nbytes, ours_ok, their_ok))
+        print(f"T={t}: ours {ours_us:.2f} us, vLLM {their_us if their_us is None else f'{their_us:.2f}'} us",
+              file=sys.stderr)
+    lines = [f"# Ling's router top-k, one MoE layer ({torch.cuda.get_device_name()})", "",
+             f"{e} experts, {n_group} groups, {topk_group} kept, top-{top_k}, sigmoid with a correction bias, "
+             f"renormalised x {scale}. CUDA-graph medians ({args.iters} replays) of {LAYERS} distinct layers, "
+             f"us per layer. Copy bandwidth in this run: {bw:,.0f} GB/s ({how}).", "",
+             "| tokens | vllm-ling kernel (us) | vLLM grouped_topk (us) | vLLM / ours | bytes | fraction of copy BW (ours) "
+             "| ids = reference (ours / vLLM) |", "|---|---|---|---|---|---|---|"]
+    for t, ours_us, their_us, nbytes, ours_ok, their_ok in rows:
+        ratio = f"{their_us / ours_us:.2f}x" if their_us else "-"
+        frac = nbytes / (ours_us * 1e-6) / (bw * 1e9)
+        lines.append(f"| {t} | {ours_us:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} | {nbytes:,} "
+                     f"| {frac:.4f} | {ours_ok} / {'-' if their_ok is None else their_ok} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0 if all(r[4] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

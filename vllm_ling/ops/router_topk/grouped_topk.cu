@@ -1,0 +1,111 @@
+// Sigmoid grouped top-k for decode-sized batches, one CTA per token and one thread per expert:
+// score = sigmoid(logit), choice = score + bias; each group's score is the sum of its two best
+// choices; the TG best groups are kept; the K_ best choices among their experts are picked, best
+// first; their weights are the unbiased scores, divided by their sum (RENORM 1), times `scale`.
+// Defines (router_topk/kernel.py): E_ experts (a multiple of 32, at most 1024: the CTA's threads),
+// NG groups (E_ / NG a multiple of 32, NG <= 32), TG kept groups, K_ picks (at most 32).
+//
+// Why: vLLM 0.32's grouped_topk_fused_kernel takes 12.5 us per MoE layer for one token of Ling's
+// 512 experts on an H100 (benchmarks/results/step_profile_real_h100.md), 0.5 ms of a 4.2 ms step;
+// the work is 2 KB of logits. Here a token's experts sit one per thread: the group scores come
+// from warp shuffles (a group is E_ / NG / 32 whole warps), the picks from K_ block-wide argmax
+// rounds. Ties go to the lower expert index, as in a stable sort.
+
+#ifndef NEG_INF
+#define NEG_INF (-__int_as_float(0x7f800000))
+#endif
+#define WARPS (E_ / 32)
+#define WARPS_PER_GROUP (E_ / NG / 32)
+
+// (value, index) pairs: the larger value wins, then the lower index
+__device__ __forceinline__ void better(float &v, int &i, float ov, int oi) {
+  if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+}
+
+__device__ __forceinline__ void warp_argmax(float &v, int &i) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, v, off);
+    int oi = __shfl_xor_sync(0xffffffffu, i, off);
+    better(v, i, ov, oi);
+  }
+}
+
+// the best two values of the warp (duplicates count twice, as a sorted top-2 does)
+__device__ __forceinline__ void warp_top2(float &a, float &b) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    float oa = __shfl_xor_sync(0xffffffffu, a, off);
+    float ob = __shfl_xor_sync(0xffffffffu, b, off);
+    float na = fmaxf(a, oa);
+    b = fmaxf(fminf(a, oa), fmaxf(b, ob));
+    a = na;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(E_) ling_grouped_topk(
+    const float *__restrict__ logits, const float *__restrict__ bias, float *__restrict__ weights,
+    int *__restrict__ ids, int logits_stride, float scale) {
+  __shared__ float s_top1[WARPS], s_top2[WARPS], s_val[WARPS], s_w[K_];
+  __shared__ int s_idx[WARPS], s_keep[NG], s_ids[K_];
+  const int t = blockIdx.x, e = threadIdx.x, lane = e & 31, warp = e >> 5;
+
+  // expf, not __expf: the same float as torch.sigmoid, so a near-tie picks what the reference picks
+  const float score = 1.f / (1.f + expf(-logits[(long)t * logits_stride + e]));
+  const float choice = score + bias[e];
+
+  float a = choice, b = NEG_INF;
+  warp_top2(a, b);
+  if (lane == 0) { s_top1[warp] = a; s_top2[warp] = b; }
+  __syncthreads();
+  if (warp == 0) {  // group scores, then the TG best groups (lane g holds group g)
+    float gs = NEG_INF;
+    if (lane < NG) {
+      float ga = NEG_INF, gb = NEG_INF;
+      for (int w = lane * WARPS_PER_GROUP; w < (lane + 1) * WARPS_PER_GROUP; ++w) {
+        float oa = s_top1[w], ob = s_top2[w];
+        float na = fmaxf(ga, oa);
+        gb = fmaxf(fminf(ga, oa), fmaxf(gb, ob));
+        ga = na;
+      }
+      gs = ga + gb;
+    }
+    int keep = 0;
+    for (int r = 0; r < TG; ++r) {
+      float v = (lane < NG && !keep) ? gs : NEG_INF;
+      int i = lane;
+      warp_argmax(v, i);
+      if (lane == i) keep = 1;
+    }
+    if (lane < NG) s_keep[lane] = keep;
+  }
+  __syncthreads();
+
+  float masked = s_keep[e / (E_ / NG)] ? choice : NEG_INF;
+  for (int k = 0; k < K_; ++k) {
+    float v = masked;
+    int i = e;
+    warp_argmax(v, i);
+    if (lane == 0) { s_val[warp] = v; s_idx[warp] = i; }
+    __syncthreads();
+    if (warp == 0) {
+      v = lane < WARPS ? s_val[lane] : NEG_INF;
+      i = lane < WARPS ? s_idx[lane] : 0x7fffffff;
+      warp_argmax(v, i);
+      if (lane == 0) s_ids[k] = i;
+    }
+    __syncthreads();
+    if (e == s_ids[k]) { s_w[k] = score; masked = NEG_INF; }
+  }
+  __syncthreads();
+  if (e < K_) {
+    float w = s_w[e];
+#if RENORM
+    float sum = 0.f;
+    for (int k = 0; k < K_; ++k) sum += s_w[k];
+    w = w / sum;
+#endif
+    weights[(long)t * K_ + e] = w * scale;
+    ids[(long)t * K_ + e] = s_ids[e];
+  }
+}

@@ -1,0 +1,100 @@
+"""Launch the grouped top-k (``grouped_topk.cu``; the why is in its header).
+
+``grouped_topk_cuda(logits, bias, ...)`` = :func:`vllm_ling.ops.moe.routing.grouped_topk` (the
+plain-PyTorch reference, sigmoid scoring with a correction bias) for fp32 logits [T, E]: float32
+weights and int32 ids [T, top_k], best first. One CTA of E threads per token; compiled by NVRTC
+through :mod:`vllm_ling.ops.cuda_jit`; runs on sm_80+. CUDA-graph capturable (no host sync; two
+allocations, the outputs, when they are not given). No vLLM import. Not served yet: issue 29
+measures it against vLLM's kernel first (``benchmarks/router_topk.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from importlib import resources
+
+import torch
+
+KERNEL_NAME = "ling_grouped_topk"
+MAX_EXPERTS = 1024  # one thread per expert, one CTA per token
+MAX_TOP_K = 32
+_ARG_TYPES = (ctypes.c_void_p,) * 4 + (ctypes.c_int, ctypes.c_float)
+
+
+def shape_problems(num_experts: int, n_group: int, topk_group: int, top_k: int) -> list[str]:
+    """Why the kernel cannot route this configuration (empty when it can)."""
+    out = []
+    if not 32 <= num_experts <= MAX_EXPERTS or num_experts % 32:
+        out.append(f"{num_experts} experts is not a multiple of 32 in 32..{MAX_EXPERTS}")
+    if not 1 <= n_group <= 32 or num_experts % n_group or (num_experts // n_group) % 32:
+        out.append(f"{n_group} groups of {num_experts} experts: needs at most 32 groups of a multiple of 32")
+    if not 1 <= topk_group <= n_group:
+        out.append(f"topk_group={topk_group} is outside 1..{n_group}")
+    if not 1 <= top_k <= min(MAX_TOP_K, topk_group * (num_experts // max(n_group, 1))):
+        out.append(f"top_k={top_k} is outside 1..{MAX_TOP_K} or beyond the kept groups' experts")
+    return out
+
+
+def unavailable_reason(device: torch.device | str | None = None) -> str | None:
+    """Why the kernel cannot run on ``device`` (None when it can)."""
+    from vllm_ling.ops.cuda_jit import cuda_capability, jit_unavailable_reason
+
+    capability = cuda_capability(device)
+    if isinstance(capability, str):
+        return capability
+    if capability[0] < 8:
+        return f"sm_{capability[0]}{capability[1]}: needs sm_80+"
+    return jit_unavailable_reason()
+
+
+@functools.cache
+def _kernel_text() -> str:
+    return resources.files(__package__).joinpath("grouped_topk.cu").read_bytes().decode()
+
+
+def source(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool) -> str:
+    """The CUDA text handed to NVRTC: the configuration as ``#define`` lines, then the kernel."""
+    defines = dict(E_=num_experts, NG=n_group, TG=topk_group, K_=top_k, RENORM=int(renormalize))
+    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _kernel_text()
+
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def compiled(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool, device: torch.device):
+    key = (num_experts, n_group, topk_group, top_k, renormalize, device)
+    kernel = _COMPILED.get(key)
+    if kernel is None:
+        from vllm_ling.ops.cuda_jit import compiled_kernel
+
+        kernel = _COMPILED[key] = compiled_kernel(
+            KERNEL_NAME, source(num_experts, n_group, topk_group, top_k, renormalize), device)
+    return kernel
+
+
+def grouped_topk_cuda(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                      renormalize: bool = True, routed_scaling_factor: float = 1.0, *,
+                      weights: torch.Tensor | None = None, ids: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    from vllm_ling.ops.cuda_jit import launch
+
+    t, e = logits.shape
+    problems = shape_problems(e, n_group, topk_group, top_k)
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        problems.append(f"needs fp32 logits with unit stride on the experts, got {logits.dtype} {logits.stride()}")
+    if bias.dtype != torch.float32 or bias.shape != (e,) or not bias.is_contiguous():
+        problems.append(f"needs a contiguous fp32 bias [{e}], got {bias.dtype} {tuple(bias.shape)}")
+    if problems:
+        raise ValueError(f"grouped top-k cannot route {tuple(logits.shape)}: {'; '.join(problems)}")
+    if weights is None:
+        weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    if ids is None:
+        ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    if t == 0:
+        return weights, ids
+    kernel = compiled(e, n_group, topk_group, top_k, renormalize, logits.device)
+    launch(kernel, (t, 1), e, (logits.data_ptr(), bias.data_ptr(), weights.data_ptr(), ids.data_ptr(),
+                               logits.stride(0), float(routed_scaling_factor)),
+           _ARG_TYPES, torch.cuda.current_stream(logits.device).cuda_stream)
+    return weights, ids
