@@ -19,8 +19,11 @@ lease=/tmp/lease
 case "$mode" in
 start)
   rm -rf "$lease" && mkdir -p "$lease/out"
-  # caches an earlier lease brought back (carried in .gpucache/, git-excluded): restored in place
-  ls .gpucache/cache-* >/dev/null 2>&1 && cat .gpucache/cache-* | tar -xzf - -C / && echo "caches restored"
+  # caches an earlier lease brought back (.gpucache/, git-excluded; 92 MB is more than one call carries, so
+  # they come in calls of their own and are moved to /root/gc as the parts are to /root/gv): restored in place
+  for d in /root/gc .gpucache; do
+    ls "$d"/cache-* >/dev/null 2>&1 && cat "$d"/cache-* | tar -xzf - -C / && echo "caches restored from $d" && break
+  done
   # a private copy: the device refreshes the working tree at every call, under a running job
   cp -a . "$lease/tree"
   setsid nohup bash "$lease/tree/scripts/h200_lease.sh" run "$@" > "$lease/driver.log" 2>&1 < /dev/null &
