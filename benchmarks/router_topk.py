@@ -1,4 +1,4 @@
-"""Ling's router top-k for decode batches: vllm-ling's one-CTA-per-token kernel
+"""Ling's router top-k, decode batches and prefill chunks: vllm-ling's one-CTA-per-token kernel
 (``vllm_ling.ops.router_topk``) against vLLM 0.32's ``grouped_topk_fused_kernel`` (the kernel vLLM's
 ``GroupedTopk`` runs for Ling: 12.5 us per MoE layer for one token in the real decode step,
 ``benchmarks/results/step_profile_real_h100.md``), in CUDA graphs of 40 distinct layers (a step's),
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ling.ops.router_topk.kernel import grouped_topk_cuda
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 16])
+    parser.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 16, 256, 2048])
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -46,3 +46,30 @@ def plant_head_scale_fault(weight: torch.Tensor, scale: torch.Tensor) -> tuple:
 def bump_e8m0(scale: torch.Tensor, by: int = 1) -> torch.Tensor:
     """E8M0 exponents off by ``by`` (a kernel with the wrong bias)."""
     return (scale.view(torch.uint8).to(torch.int16) + by).clamp(0, 254).to(torch.uint8)
+
+
+def misrouting(fault: str, r):
+    """A grouped top-k ``route(logits, bias)`` for the known-answer routing ``r`` that misreads
+    Ling's routing one way: ``no_bias`` (the bias ignored for the choice), ``no_groups`` (every
+    expert eligible), ``group_max`` (a group scored by its best expert, not its best two),
+    ``biased_weights`` (weights from the biased scores), ``no_renormalize``, ``no_scale``."""
+    import math
+
+    def route(logits: torch.Tensor, bias: torch.Tensor):
+        t, e = logits.shape
+        per = e // r.n_group
+        score = logits.double().sigmoid()
+        choice = score if fault == "no_bias" else score + bias.double()
+        if fault == "no_groups":
+            eligible = choice
+        else:
+            view = choice.view(t, r.n_group, per)
+            groups = view.amax(-1) if fault == "group_max" else view.topk(min(2, per), dim=-1)[0].sum(-1)
+            kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(r.topk_group, -1)[1], True)
+            eligible = choice.masked_fill(~kept.repeat_interleave(per, dim=1), -math.inf)
+        ids = eligible.topk(r.top_k, dim=-1)[1]
+        w = (choice if fault == "biased_weights" else score).gather(1, ids)
+        if r.renormalize and fault != "no_renormalize":
+            w = w / w.sum(-1, keepdim=True)
+        return (w * (1.0 if fault == "no_scale" else r.scale)).float(), ids.int()
+    return route

@@ -98,6 +98,11 @@ class RouterGemv(Choice):
     VLLM = "vllm"  # opt out: vLLM's GateLinear path always
 
 
+class RouterTopk(Choice):
+    LING = "ling"  # vllm-ling's grouped top-k kernel for Ling's sigmoid routers with expert bias (CUDA)
+    VLLM = "vllm"  # opt out: vLLM's grouped_topk (its fused kernel on CUDA, CPURouter on CPU)
+
+
 class Drafter(Choice):
     MTP = "mtp"        # the checkpoint's own NEXTN layer
     DSPARK = "dspark"  # a separate DSpark drafter (VLLM_LING_DSPARK_MODEL) on vLLM's D-Spark runtime
@@ -310,6 +315,12 @@ OPTIONS: tuple[Option, ...] = (
            "tokens on CUDA (vLLM's GateLinear path above; an error where it cannot run); `vllm` opts out (one "
            "WARNING, reported). The CPU path is unchanged",
            choices=RouterGemv, serve_flag=True, compile_factor=True, opt_out="vllm", warmup_flag=True),
+    Option("VLLM_LING_ROUTER_TOPK", "choice", RouterTopk.LING,
+           "`ling`: Ling's MoE routers (sigmoid scores, expert bias, grouped top-k) pick their experts with "
+           "vllm-ling's grouped top-k kernel on CUDA, one launch per layer at every batch size (an error "
+           "where it cannot run); `vllm` opts out to vLLM's `grouped_topk` (one WARNING, reported). The CPU "
+           "path is unchanged",
+           choices=RouterTopk, serve_flag=True, opt_out="vllm"),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
@@ -550,6 +561,7 @@ class LingOptions:
     kda_merged_in_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_IN_PROJ"].default
     bf16_gemv: Bf16Gemv = BY_NAME["VLLM_LING_BF16_GEMV"].default
     router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
+    router_topk: RouterTopk = BY_NAME["VLLM_LING_ROUTER_TOPK"].default
     prefill_graph_tokens: int = BY_NAME["VLLM_LING_PREFILL_GRAPH_TOKENS"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
     num_spec_tokens: int = BY_NAME["VLLM_LING_NUM_SPEC_TOKENS"].default

@@ -29,6 +29,7 @@ class Feature(Choice):
     DENSE_FP8 = "dense_fp8"                      # block-FP8 dense linears
     BF16_GEMV = "bf16_gemv"                      # the checkpoint's unquantized BF16 linears
     ROUTER_GEMV = "router_gemv"                  # the MoE router gates
+    ROUTER_TOPK = "router_topk"                  # the MoE routers' grouped top-k
     FP8_HEAD = "fp8_head"                        # the LM head quantized to FP8, or the checkpoint's
     HEAD_KERNEL = "head_kernel"                  # the FP8 LM head's kernel
     KDA_MERGED_IN_PROJ = "kda_merged_in_proj"    # each KDA layer's q, k, v, f, g as one linear

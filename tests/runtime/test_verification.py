@@ -84,8 +84,8 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert [c["name"] for c in report["checks"]] == [
         "model_classes", "moe_layers", "lm_head", "dense_fp8_layers", "small_bf16_layers", "kda_merged_in_proj",
-        "router_gates", "dspark_drafter", "draft_shares_target_modules", "speculative_config", "prefill_graphs",
-        "versions", "kernel_known_answers"]
+        "router_gates", "router_topk", "dspark_drafter", "draft_shares_target_modules", "speculative_config",
+        "prefill_graphs", "versions", "kernel_known_answers"]
     assert _check(report, "moe_layers")["actual"] == "5 x reference"
     assert _check(report, "moe_layers")["expected"] == (
         "5 routed-expert layers, each serving the selection recorded on it (5 x reference)")
@@ -112,7 +112,7 @@ def test_the_census_reads_every_served_module_once(loaded_tiny_models):
     # the speculative method and the prefill graphs are the config's, recorded on no module
     count = {f: len(census.of(f)) for f in Feature if f not in (Feature.SPECULATIVE, Feature.PREFILL_GRAPHS)}
     assert count == {Feature.MOE: 5, Feature.DENSE_FP8: 33, Feature.BF16_GEMV: 7, Feature.ROUTER_GEMV: 5,
-                     Feature.FP8_HEAD: 1, Feature.HEAD_KERNEL: 1, Feature.KDA_MERGED_IN_PROJ: 5, Feature.DRAFTER: 0}
+                     Feature.ROUTER_TOPK: 5, Feature.FP8_HEAD: 1, Feature.HEAD_KERNEL: 1, Feature.KDA_MERGED_IN_PROJ: 5, Feature.DRAFTER: 0}
     assert [e.name for e in census.of(Feature.FP8_HEAD)] == ["target.lm_head"]
     assert all(e.recorded is not None and e.served.key == e.recorded.served_as() for e in census.entries)
 
@@ -153,6 +153,15 @@ def _plant_router(models, monkeypatch):
     e = _first(models, Feature.ROUTER_GEMV)
     _plant(monkeypatch, e.module, Selection(Feature.ROUTER_GEMV, GemvPath.LING, "CUDA, the router GEMV holds this gate"))
     return "router_gates", f"not the recorded selection: ['{e.name} (selected ling, serves vllm)']"
+
+
+def _plant_router_topk(models, monkeypatch):
+    from vllm_ling.options import RouterTopk
+
+    e = _first(models, Feature.ROUTER_TOPK)
+    _plant(monkeypatch, e.module, Selection(Feature.ROUTER_TOPK, RouterTopk.LING,
+                                            "CUDA, the grouped top-k kernel holds this router"))
+    return "router_topk", f"not the recorded selection: [\"{e.name} (selected ling, serves vLLM's CPURouter)\"]"
 
 
 def _plant_fp8_head(models, monkeypatch):
@@ -208,7 +217,8 @@ def _plant_prefill_graphs(models, monkeypatch):
 
 
 PLANTED = {Feature.MOE: _plant_moe, Feature.DENSE_FP8: _plant_dense, Feature.BF16_GEMV: _plant_bf16,
-           Feature.ROUTER_GEMV: _plant_router, Feature.FP8_HEAD: _plant_fp8_head,
+           Feature.ROUTER_GEMV: _plant_router, Feature.ROUTER_TOPK: _plant_router_topk,
+           Feature.FP8_HEAD: _plant_fp8_head,
            Feature.HEAD_KERNEL: _plant_head_kernel, Feature.KDA_MERGED_IN_PROJ: _plant_kda,
            Feature.SPECULATIVE: _plant_speculative, Feature.DRAFTER: _plant_drafter,
            Feature.PREFILL_GRAPHS: _plant_prefill_graphs}

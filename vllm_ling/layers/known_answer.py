@@ -160,3 +160,23 @@ def check_router_gate(gate, device: torch.device | str = "cpu") -> ka.KernelChec
 
     return ka.check_router_gemv(forward, router_gate_cuda.KERNEL_LABEL, gate.input_size, device,
                                 experts=gate.weight.shape[0])
+
+
+def check_router_topk(runner, device: torch.device | str = "cpu") -> ka.KernelCheckResult:
+    """The routing of a served MoE runner's router (vllm-ling's grouped top-k) on
+    :func:`~vllm_ling.ops.known_answer.router_topk_problem` for its configuration, through a copy of
+    the served router (its class and ``select_experts``) holding the known bias (the served router
+    is not touched)."""
+    from vllm_ling.layers import router_topk
+
+    router = runner.router
+    routing = ka.Routing(router.global_num_experts, router.num_expert_group, router.topk_group, router.top_k,
+                         router.renormalize, router.routed_scaling_factor)
+    scratch = copy.copy(router)
+    scratch.capture_fn, scratch._routing_replay_out = None, None  # the served model's routing records stay its own
+
+    def route(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scratch.e_score_correction_bias = bias
+        return scratch.select_experts(hidden_states=logits.new_empty((logits.shape[0], 0)), router_logits=logits)
+
+    return ka.check_router_topk(route, router_topk.KERNEL_LABEL, routing, device)

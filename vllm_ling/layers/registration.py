@@ -16,4 +16,7 @@ def register_layers() -> list[str]:
     from vllm_ling.layers.router_gate_cuda import register_router_gate
 
     done += register_router_gate()
+    from vllm_ling.layers.router_topk import register_router_topk
+
+    done += register_router_topk()
     return done

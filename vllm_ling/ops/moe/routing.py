@@ -49,7 +49,8 @@ def grouped_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid grouped top-k (DeepSeek-V3 / vLLM ``grouped_topk`` with ``scoring_func=sigmoid``).
 
-    Returns (weights float32 [T, k], ids int32 [T, k]). Ties are broken by torch.topk.
+    Returns (weights float32 [T, k], ids int32 [T, k]), computed in float32 (float64 for float64
+    logits). Ties are broken by torch.topk.
     """
     T, E = logits.shape
     if E % n_group:
@@ -59,9 +60,10 @@ def grouped_topk(
     per_group = E // n_group
     if top_k > topk_group * per_group:
         raise ValueError(f"top_k={top_k} exceeds the {topk_group * per_group} experts of the kept groups")
-    scores = logits.float().sigmoid()
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # float64 logits: a float64 answer
+    scores = logits.to(dtype).sigmoid()
     if expert_bias is not None:
-        choice = scores + expert_bias.float().unsqueeze(0)
+        choice = scores + expert_bias.to(dtype).unsqueeze(0)
         group_scores = choice.view(T, n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
     else:
         choice = scores

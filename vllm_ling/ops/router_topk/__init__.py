@@ -1,1 +1,2 @@
-"""Ling's MoE router top-k for decode-sized batches (CUDA, NVRTC): :mod:`.kernel`. No vLLM import."""
+"""Ling's MoE router top-k (CUDA, NVRTC): :mod:`.kernel`, and :mod:`.selection` (which routers it
+serves). No vLLM import."""

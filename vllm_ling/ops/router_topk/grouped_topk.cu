@@ -1,4 +1,4 @@
-// Sigmoid grouped top-k for decode-sized batches, one CTA per token and one thread per expert:
+// Sigmoid grouped top-k, one CTA per token and one thread per expert:
 // score = sigmoid(logit), choice = score + bias; each group's score is the sum of its two best
 // choices; the TG best groups are kept; the K_ best choices among their experts are picked, best
 // first; their weights are the unbiased scores, divided by their sum (RENORM 1), times `scale`.

@@ -4,8 +4,9 @@
 plain-PyTorch reference, sigmoid scoring with a correction bias) for fp32 logits [T, E]: float32
 weights and int32 ids [T, top_k], best first. One CTA of E threads per token; compiled by NVRTC
 through :mod:`vllm_ling.ops.cuda_jit`; runs on sm_80+. CUDA-graph capturable (no host sync; two
-allocations, the outputs, when they are not given). No vLLM import. Not served yet: issue 29
-measures it against vLLM's kernel first (``benchmarks/router_topk.py``).
+allocations, the outputs, when they are not given). No vLLM import. Served by
+:mod:`vllm_ling.layers.router_topk` (``VLLM_LING_ROUTER_TOPK``); measured against vLLM's kernel by
+``benchmarks/router_topk.py``.
 """
 
 from __future__ import annotations
