@@ -11,7 +11,8 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-dspark # full-size: DSpark, a dummy full-size drafter
 #   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark  # those tiny end-to-end tests beside it first
 #   LAYERS=6 TREE_COMMIT=<sha> bash scripts/h200_session.sh slices  # A/B of each switch on a 6-layer slice
-#   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-topk  # the grouped top-k kernel: tests, vs vLLM's
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh cuts   # the decode-step cuts' GPU tests (each cut that fails
+#                                                         # is switched off in the later phases), router bench
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
 #
@@ -147,13 +148,16 @@ ours|upstream|ours-mtp|ours-dspark)
   # PROFILE_PREFILLS=64,2048: fewer profiled prefills (a 32K window's trace takes minutes to compact)
   [ "${PROFILE:-0}" = 1 ] && [ -n "${PROFILE_PREFILLS:-}" ] && composition+=(--profile-prefills "$PROFILE_PREFILLS")
   [ "$phase" = ours-dspark ] && composition+=(--dspark)
-  # the router top-k kernel (default on) did not pass its GPU tests earlier in this lease (phase
-  # router-topk): serve without it rather than lose the phase to its failed known answers
-  topk_log=/tmp/gpu-run-router-topk/router-topk.log
-  if [ "$phase" != upstream ] && [ -e "$topk_log" ] &&
-     { grep -qE '[0-9]+ (failed|error)' "$topk_log" || ! grep -qE '^[0-9]+ passed' "$topk_log"; }; then
-    composition+=(--switch VLLM_LING_ROUTER_TOPK=vllm)
-    echo "$phase: router-topk tests did not pass, served with VLLM_LING_ROUTER_TOPK=vllm" >> "$out/rc.txt"
+  # a decode-step cut (default on, never served on a GPU before) that did not pass its GPU tests earlier
+  # in this lease (phase cuts) is served off, rather than lose the phase to its failed known answers
+  if [ "$phase" != upstream ]; then
+    for cut in router-topk:VLLM_LING_ROUTER_TOPK=vllm kda-conv:VLLM_LING_KDA_FUSED_CONV=0; do
+      log=/tmp/gpu-run-cuts/${cut%%:*}.log
+      if [ -e "$log" ] && { grep -qE '[0-9]+ (failed|error)' "$log" || ! grep -qE '^[0-9]+ passed' "$log"; }; then
+        composition+=(--switch "${cut#*:}")
+        echo "$phase: ${cut%%:*} tests did not pass, served with ${cut#*:}" >> "$out/rc.txt"
+      fi
+    done
   fi
   # LAYERS=N: a full-width slice of N decoder layers (benchmarks/serve_h200.py --layers): starts in a
   # fraction of the full size's time, for A/B runs of one switch; its JSON is <phase>-L<N>.json
@@ -172,7 +176,7 @@ slices)
   # but captures every graph size), short measurements, its JSON slice-<name>-L<n>.json and its own
   # server log folder.
   n=${LAYERS:-6} startup_s=${STARTUP_S:-330}
-  for spec in ${SLICES:-ours: graphs0:VLLM_LING_PREFILL_GRAPH_TOKENS=0 routing-torch:VLLM_LING_MOE_ROUTING=torch kda0:VLLM_LING_KDA_MERGED_IN_PROJ=0 dense-vllm:VLLM_LING_DENSE_FP8=vllm topk-vllm:VLLM_LING_ROUTER_TOPK=vllm upstream:}; do
+  for spec in ${SLICES:-ours: graphs0:VLLM_LING_PREFILL_GRAPH_TOKENS=0 routing-torch:VLLM_LING_MOE_ROUTING=torch kda0:VLLM_LING_KDA_MERGED_IN_PROJ=0 dense-vllm:VLLM_LING_DENSE_FP8=vllm topk-vllm:VLLM_LING_ROUTER_TOPK=vllm conv0:VLLM_LING_KDA_FUSED_CONV=0 upstream:}; do
     name=${spec%%:*} setting=${spec#*:} comp=ours ab=()
     [ "$name" = upstream ] && comp=upstream
     case "$setting" in
@@ -187,12 +191,15 @@ slices)
     free_gpu
   done
   ;;
-router-topk)
-  # Issue 29's first cut on an idle GPU: the grouped top-k kernel's tests, then it against vLLM's
+cuts)
+  # Issue 29's cuts on an idle GPU, before any full-size start: each one's kernel and served-layer tests
+  # (the ours* phases switch a failed one off), then the grouped top-k against vLLM's
   # grouped_topk_fused_kernel (benchmarks/router_topk.py; kernel-only, minutes)
   part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py
+  part kda-conv 300 -m gpu tests/layers/test_kda_fused_conv.py
   wait "${pids[@]}"
   record gpu:router-topk "$out/router-topk.log"
+  record gpu:kda-conv "$out/kda-conv.log"
   timeout 200 python3 -m benchmarks.router_topk --out "$OUT/router-topk.md" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
   ;;

@@ -304,6 +304,11 @@ OPTIONS: tuple[Option, ...] = (
            "`VLLM_LING_KDA_MERGED_PROJ` (still read, with a WARNING, until the next release)",
            serve_flag=True, compile_factor=True, opt_out="0", warmup_flag=True,
            former_name="VLLM_LING_KDA_MERGED_PROJ"),
+    Option("VLLM_LING_KDA_FUSED_CONV", "bool", True,
+           "`1`: at decode (plain and speculative) each KDA layer runs its q, k and v short convolutions as one "
+           "launch of vLLM's `causal_conv1d_update` over the three channel blocks (CUDA; needs the merged "
+           "in-projection); `0`: vLLM's three launches (one WARNING, reported). Prefill is unchanged",
+           serve_flag=True, compile_factor=True, opt_out="0"),
     Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
            "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
            f"small GEMV for batches of at most {BF16_GEMV_MAX_ROWS} tokens on CUDA (vLLM's GEMM above; an error where it cannot "
@@ -559,6 +564,7 @@ class LingOptions:
     fp8_head: bool = BY_NAME["VLLM_LING_FP8_HEAD"].default
     dense_fp8: DenseFp8 = BY_NAME["VLLM_LING_DENSE_FP8"].default
     kda_merged_in_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_IN_PROJ"].default
+    kda_fused_conv: bool = BY_NAME["VLLM_LING_KDA_FUSED_CONV"].default
     bf16_gemv: Bf16Gemv = BY_NAME["VLLM_LING_BF16_GEMV"].default
     router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
     router_topk: RouterTopk = BY_NAME["VLLM_LING_ROUTER_TOPK"].default

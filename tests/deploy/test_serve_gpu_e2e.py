@@ -153,7 +153,7 @@ def test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs(scripted, tmp_p
         assert not inactive, inactive
         requested = {n for n, o in report["optimizations"].items() if o["requested"]}
         assert requested >= {"moe_humming", "fp8_head", "dense_fp8_decode", "small_bf16_decode", "router_gemv",
-                             "kda_merged_in_proj", "mtp"}, requested
+                             "kda_merged_in_proj", "kda_fused_conv", "mtp"}, requested
         assert graphs_and_compile_ran(server.log())
         print(f"scripted checkpoint on the GPU: dense block-FP8 kernels {dense_kernels(report)}")
         drafts, accepted = parsed_tool_call_drafts(server.base_url)
@@ -228,7 +228,8 @@ SWITCHED_OFF = {
     "VLLM_LING_MOE_BACKEND": {"moe_humming", "moe_decode_kernels"},
     "VLLM_LING_MOE_DECODE": {"moe_decode_kernels"},
     "VLLM_LING_DENSE_FP8": {"dense_fp8_decode"},
-    "VLLM_LING_KDA_MERGED_IN_PROJ": {"kda_merged_in_proj"},
+    "VLLM_LING_KDA_MERGED_IN_PROJ": {"kda_merged_in_proj", "kda_fused_conv"},  # the fused convs need the merge
+    "VLLM_LING_KDA_FUSED_CONV": {"kda_fused_conv"},
     "VLLM_LING_BF16_GEMV": {"small_bf16_decode"},
     "VLLM_LING_ROUTER_GEMV": {"router_gemv"},
     "VLLM_LING_ROUTER_TOPK": set(),  # never requested on the tiny model (NOT_REQUESTED_HERE)
@@ -292,7 +293,7 @@ def test_every_opt_out_at_once_serves_verified_and_says_what_is_off(agreeing, ex
         assert report["passed"], [c for c in report["checks"] if not c["passed"]]
         opts = report["optimizations"]
         for name in ("moe_humming", "moe_decode_kernels", "fp8_head", "dense_fp8_decode", "small_bf16_decode",
-                     "router_gemv", "kda_merged_in_proj", "mtp"):
+                     "router_gemv", "kda_merged_in_proj", "kda_fused_conv", "mtp"):
             assert not opts[name]["active"], (name, opts[name])
         assert report["head_dtype"] == "bfloat16" and report["spec_method"] is None
         assert complete(server.base_url) == expected

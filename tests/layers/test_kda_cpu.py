@@ -601,3 +601,123 @@ def test_tensor_parallel_rank_holds_the_concatenation_of_its_local_shards(vllm_c
     want_s = torch.cat([s[blocks:] for _, s in members])
     assert torch.equal(merged.weight.data.view(torch.uint8), want_w)
     assert torch.equal(merged.weight_scale_inv.data.float(), want_s.float())
+
+
+# ---- the fused convolutions (vllm_ling.layers.kda_fused_conv) on the vLLM-kernel layer
+
+def _gate_standin(g, A, head_k_dim, g_bias=None, lower_bound=None, **_):
+    from vllm_ling.ops import kda as kda_ops
+
+    return kda_ops.kda_gate(g.contiguous(), A, g_bias, lower_bound=lower_bound)
+
+
+def _vllm_kernel_standins(monkeypatch) -> list[int]:
+    """vLLM's Triton KDA decode kernels replaced by vllm_ling.ops.kda behind vLLM's signatures (the
+    conv update writes its output into ``out``, else into its input, as vLLM's does). Returns the
+    channel count of every conv launch."""
+    from vllm.model_executor.models import bailing_moe_v3
+
+    from vllm_ling.ops import kda as kda_ops
+
+    launches = []
+
+    def conv(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, num_accepted_tokens=None,
+             query_start_loc=None, max_query_len=-1, validate_data=False, out=None, **_):
+        launches.append(x.shape[1])
+        out = x if out is None else out
+        out.copy_(kda_ops.causal_conv1d_update(x, weight, bias, conv_state, conv_state_indices,
+                                               cu_seqlens=query_start_loc, num_accepted_tokens=num_accepted_tokens,
+                                               activation=activation))
+        return out
+
+    def recurrent(q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens=None,
+                  scale=None, **_):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return kda_ops.kda_decode_pooled(q[0], k[0], v[0], g[0], beta[0], initial_state, cu_seqlens,
+                                         ssm_state_indices, scale, num_accepted_tokens=num_accepted_tokens
+                                         ).unsqueeze(0), None
+
+    for name, fn in (("causal_conv1d_update", conv), ("fused_recurrent_kda", recurrent),
+                     ("fused_recurrent_kda_fwd", recurrent), ("fused_kda_gate", _gate_standin)):
+        monkeypatch.setattr(bailing_moe_v3, name, fn)
+    return launches
+
+
+def _fused_and_vllms(vllm_config, monkeypatch, num_spec):
+    """Two vLLM-kernel layers with the same weights, as built on CUDA: the fused convolutions and,
+    opted out, vLLM's three launches; their state caches hold the same random states."""
+    from vllm_ling.layers import kda_merged_in_proj as M
+    from vllm_ling.layers.kda_merged_in_proj import vllm_merged_class
+    from vllm_ling.models.kda_fused_conv import KdaConv
+    from vllm_ling.selection import Feature, Platform, recorded
+
+    monkeypatch.setattr(M, "_platform", lambda: Platform.CUDA)
+    layers = []
+    for fused in (True, False):
+        monkeypatch.setenv("VLLM_LING_KDA_FUSED_CONV", "1" if fused else "0")
+        layer = build_fp8_layer(vllm_config, True, monkeypatch, seed=5, num_spec=num_spec, cls=vllm_merged_class())
+        assert recorded(layer, Feature.KDA_FUSED_CONV).choice is (KdaConv.FUSED if fused else KdaConv.SEPARATE)
+        gen = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for state in layer.kv_cache:
+                state.copy_(torch.randn(state.shape, generator=gen) * 0.5)
+        layers.append(layer)
+    monkeypatch.delenv("VLLM_LING_KDA_FUSED_CONV")
+    return layers
+
+
+def _steps_agree(vllm_config, layers, steps, launches):
+    """Each step's outputs and both state caches equal; the fused layer made one conv launch of
+    3 x the channels per step, vLLM's three."""
+    width = HEADS * HEAD_DIM
+    for i, (md, hidden) in enumerate(steps):
+        launches.clear()
+        fused_out = run_layer(layers[0], vllm_config, md, hidden)
+        assert launches == [3 * width], launches
+        launches.clear()
+        vllms_out = run_layer(layers[1], vllm_config, md, hidden)
+        assert launches == [width] * 3, launches
+        assert fused_out.abs().max() > 1e-3
+        torch.testing.assert_close(fused_out, vllms_out, atol=1e-5, rtol=1e-5, msg=f"step {i}")
+        for a, b in zip(layers[0].kv_cache, layers[1].kv_cache):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=f"state after step {i}")
+
+
+def test_fused_convolutions_decode_as_vllms_three_launches(vllm_config, monkeypatch):
+    launches = _vllm_kernel_standins(monkeypatch)
+    layers = _fused_and_vllms(vllm_config, monkeypatch, num_spec=0)
+    builder = metadata_builder(layers[0], vllm_config, monkeypatch=monkeypatch)
+    steps = [(build_metadata(builder, [1, 1, 1], [5 + t, 9 + t, 2 + t], [[3], [5], [6]]), hidden_states(3, 20 + t))
+             for t in range(3)]
+    assert steps[0][0].num_decodes == 3 and steps[0][0].spec_sequence_masks is None
+    _steps_agree(vllm_config, layers, steps, launches)
+
+
+def test_fused_convolutions_verify_windows_as_vllms_three_launches(vllm_config, monkeypatch):
+    """MTP verify windows of 3 tokens (2 drafts), per-position state slots, accepted 1, 2, 3."""
+    launches = _vllm_kernel_standins(monkeypatch)
+    layers = _fused_and_vllms(vllm_config, monkeypatch, num_spec=2)
+    builder = metadata_builder(layers[0], vllm_config, num_spec=2, monkeypatch=monkeypatch)
+    rows_a, rows_b = [1, 2, 3], [4, 5, 6]
+    steps = [(build_metadata(builder, [3, 3], [10 + 3 * t, 12 + 3 * t], [rows_a, rows_b], drafts=[2, 2],
+                             accepted=[1 + t, 3 - t]), hidden_states(6, 30 + t)) for t in range(3)]
+    assert steps[0][0].num_spec_decodes == 2 and steps[0][0].num_decodes == 0 and steps[0][0].num_prefills == 0
+    _steps_agree(vllm_config, layers, steps, launches)
+
+
+def test_a_batch_with_a_prefill_goes_to_vllms_forward_with_q_k_v(vllm_config, monkeypatch):
+    from vllm_ling.layers.kda_merged_in_proj import vllm_merged_class
+
+    _vllm_kernel_standins(monkeypatch)
+    fused, _ = _fused_and_vllms(vllm_config, monkeypatch, num_spec=0)
+    seen = []
+
+    def vllms_forward(self, q_proj_states, k_proj_states, v_proj_states, g1, beta, core_attn_out):
+        seen.append(tuple(t.shape[1] for t in (q_proj_states, k_proj_states, v_proj_states)))
+
+    monkeypatch.setattr(vllm_merged_class(), "_forward", vllms_forward)
+    builder = metadata_builder(fused, vllm_config, monkeypatch=monkeypatch)
+    md = build_metadata(builder, [1, 6], [5, 0], [[3], [5]])
+    assert md.num_prefills == 1
+    run_layer(fused, vllm_config, md, hidden_states(7, 40))
+    assert seen == [(HEADS * HEAD_DIM,) * 3]

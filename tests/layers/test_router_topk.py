@@ -192,7 +192,7 @@ def test_the_runner_is_installed_for_vllms_moerunner():
 def test_on_the_gpu_the_served_router_passes_its_known_answers_and_picks_as_vllms():
     """The real kernel behind the served router: the startup check's known answers, then vLLM's own
     router on the same logits (same experts per token, same weights). Run on the device with
-    `python -m pytest -m gpu tests/layers/test_router_topk.py` (the lease's `router-topk` phase)."""
+    `python -m pytest -m gpu tests/layers/test_router_topk.py` (the lease's `cuts` phase)."""
     import types
 
     from vllm_ling.layers.known_answer import check_router_topk

@@ -1,7 +1,7 @@
 """The grouped top-k kernel (vllm_ling.ops.router_topk) against the plain-PyTorch reference
 (vllm_ling.ops.moe.routing.grouped_topk, itself checked by brute force in tests/ops/moe). GPU only:
 run on the device with `python -m pytest -m gpu tests/ops/test_router_topk_gpu.py` (the lease's
-`router-topk` phase of scripts/h200_session.sh)."""
+`cuts` phase of scripts/h200_session.sh)."""
 
 from __future__ import annotations
 

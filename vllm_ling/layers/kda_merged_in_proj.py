@@ -30,12 +30,14 @@ import logging
 
 import torch
 
+from vllm_ling.layers import kda_fused_conv
 from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.kda_merged_in_proj import (MEMBERS, MERGED_DESCRIPTION, MERGED_NAME, OPTION, KdaInProj,
                                                  select_kda_merged_in_proj)
+from vllm_ling.models.layer_kinds import kda_layers
 from vllm_ling.options import LingOptions, opt_out_setting
-from vllm_ling.selection import Feature, Reader, Selection, Served, record
+from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record
 
 logger = get_logger("kda")
 
@@ -62,6 +64,7 @@ class MergedInProjection:
         arguments.apply_defaults()
         quant_config, prefix = arguments.arguments["quant_config"], arguments.arguments["prefix"]
         chosen = record(self, selection(self, quant_config, prefix))
+        kda_fused_conv.install(self, chosen.choice is KdaInProj.MERGED, _platform())
         if chosen.choice is not KdaInProj.MERGED:
             log_once(logger, logging.WARNING, f"kda-unmerged-{chosen.reason}",
                      "KDA in-projections NOT merged (%s and similar layers): %s; vLLM's qkv_proj, f_proj and "
@@ -81,6 +84,12 @@ class MergedInProjection:
         self.qkv_proj = self.f_proj = self.g_proj = None
         setattr(self, MERGED_NAME, merged)
         log_once(logger, logging.INFO, "kda-merged", "KDA in-projections: %s.", MERGED_DESCRIPTION)
+
+
+def _platform() -> Platform:
+    from vllm.platforms import current_platform
+
+    return Platform.CPU if current_platform.is_cpu() else Platform.CUDA
 
 
 def merged_in_projections(layer: torch.nn.Module, hidden_states: torch.Tensor):
@@ -107,13 +116,20 @@ def vllm_merged_class():
     from vllm.model_executor.models import bailing_moe_v3
 
     class VllmKdaMergedInProj(MergedInProjection, bailing_moe_v3.BailingMoeV3KimiDeltaAttention):
-        """vLLM's forward on the parts of the merged projection."""
+        """vLLM's forward on the parts of the merged projection (with the fused convolutions where
+        recorded: :mod:`vllm_ling.layers.kda_fused_conv`)."""
 
         def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, output: torch.Tensor) -> None:
             if getattr(self, MERGED_NAME, None) is None:
                 return super().forward(hidden_states, positions, output)
             num_tokens = hidden_states.size(0)
-            q, k, v, beta_logits, f, g = merged_in_projections(self, hidden_states)
+            width = self.projection_size_per_partition
+            fused = getattr(self, kda_fused_conv.WEIGHT_ATTR, None) is not None
+            if fused:  # q, k, v stay one [tokens, 3 P] view for the fused convolution
+                qkv, f, g = getattr(self, MERGED_NAME)(hidden_states)[0].split([3 * width, width, width], dim=-1)
+                beta_logits = self.b_proj(hidden_states)[0]
+            else:
+                q, k, v, beta_logits, f, g = merged_in_projections(self, hidden_states)
             beta = beta_logits.float().sigmoid().unsqueeze(0)
             # the kernel vLLM's forward calls, looked up as it does (its rows must be packed)
             g1 = bailing_moe_v3.fused_kda_gate(f.contiguous(), self.A_log, self.head_dim, g_bias=self.dt_bias,
@@ -121,7 +137,10 @@ def vllm_merged_class():
             g2 = rearrange(g, "... (h d) -> ... h d", d=self.head_dim)
             core_attn_out = torch.zeros((1, num_tokens, self.local_num_heads, self.head_dim),
                                         dtype=hidden_states.dtype, device=hidden_states.device)
-            torch.ops.vllm.bailing_v3_kda_attention(q, k, v, g1, beta, core_attn_out, self.prefix)
+            if fused:
+                torch.ops.vllm_ling.kda_attention(qkv, g1, beta, core_attn_out, self.prefix)
+            else:
+                torch.ops.vllm.bailing_v3_kda_attention(q, k, v, g1, beta, core_attn_out, self.prefix)
             core_attn_out = self.o_norm(core_attn_out, g2)
             output[:] = self.o_proj(rearrange(core_attn_out, "1 n h d -> n (h d)"))[0]
 
@@ -166,15 +185,8 @@ def _is_kda_layer(module) -> bool:
     return isinstance(module, BailingMoeV3KimiDeltaAttention)
 
 
-def expected_layers(config, stage, draft_here: bool) -> int:
-    """The KDA layers of the stage's layer range (the NEXTN draft has none)."""
-    from vllm.model_executor.models.bailing_moe_v3 import _is_kda_layer as is_kda
-
-    return sum(1 for i in range(stage.start, stage.end) if is_kda(i, config.layer_group_size, config.num_hidden_layers))
-
-
 READER = Reader(
     Feature.KDA_MERGED_IN_PROJ, "kda_merged_in_proj", "KDA layers", _is_kda_layer, served,
     f"see the WARNING naming the layer, or set {opt_out_setting(OPTION)}; a layer serving other than its "
     "selection is a defect: report it",
-    expected=expected_layers, optimization="kda_merged_in_proj", optimizing=frozenset({KdaInProj.MERGED}))
+    expected=kda_layers, optimization="kda_merged_in_proj", optimizing=frozenset({KdaInProj.MERGED}))

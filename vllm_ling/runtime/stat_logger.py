@@ -23,7 +23,8 @@ Exported (``model_name`` label on all; ``engine`` on the accept metrics, as vLLM
 ``vllm_ling:kernel_check_passed{kernel,impl}``               1/0 per known-answer kernel check
                                                              (``kernel``: dense_fp8, moe_mxfp4,
                                                              fp8_head, kda, router_gemv,
-                                                             router_topk; ``impl``: what serves)
+                                                             router_topk, kda_conv; ``impl``: what
+                                                             serves)
 ``vllm_ling:rank_verification_passed{rank,node}``            1/0 per rank of the server (its node)
 ``vllm_ling:chat_roundtrip{status}``                         1 for the chat template / parser
                                                              round-trip check's status (passed,

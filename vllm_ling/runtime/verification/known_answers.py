@@ -5,7 +5,7 @@ through the functions the layer calls) against the independent answers of
 :mod:`vllm_ling.ops.known_answer`: every distinct dense block-FP8 method/kernel, every distinct
 vllm-ling MXFP4 MoE configuration, the FP8 LM head's prepared kernel, the plain-PyTorch KDA ops
 where the CPU KDA layer serves, the router GEMV per hidden size and expert count it serves, and the
-router top-k per routing configuration it serves.
+router top-k per routing configuration it serves, and the fused KDA convolution per block width.
 The result is the report's ``kernel_checks`` section and its ``kernel_known_answers`` row.
 """
 
@@ -18,6 +18,7 @@ import torch
 
 from vllm_ling.log import one_line
 from vllm_ling.ops.known_answer import KernelCheckResult, check_kda, skipped_result
+from vllm_ling.models.kda_fused_conv import KdaConv
 from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, VLLM_ROUTED_EXPERT_CLAMP
 from vllm_ling.ops.small_gemv.selection import GemvPath
 from vllm_ling.options import RouterTopk, opt_out_setting
@@ -38,7 +39,8 @@ CHECK_NAME = "kernel_known_answers"
 EXPECTED = "every serving kernel matches its known answers"
 FIX = ("a kernel computes wrong numbers on this machine (named above with the inputs that failed): force "
        f"another kernel where one exists (VLLM_LING_LM_HEAD_KERNEL, {opt_out_setting('VLLM_LING_MOE_DECODE')}, "
-       f"{opt_out_setting('VLLM_LING_ROUTER_GEMV')}, {opt_out_setting('VLLM_LING_ROUTER_TOPK')}), "
+       f"{opt_out_setting('VLLM_LING_ROUTER_GEMV')}, {opt_out_setting('VLLM_LING_ROUTER_TOPK')}, "
+       f"{opt_out_setting('VLLM_LING_KDA_FUSED_CONV')}), "
        "install the tested versions, or serve anyway with "
        "VLLM_LING_VERIFY=warn")
 
@@ -99,10 +101,16 @@ def run_kernel_checks(census: Census) -> list[KernelCheckResult]:
             r = e.module.router
             topk.setdefault((r.global_num_experts, r.num_expert_group, r.topk_group, r.top_k, r.renormalize,
                              r.routed_scaling_factor, _device(e.module)), (e.module, _device(e.module)))
+    conv: dict[tuple, tuple[Any, torch.device]] = {}
+    for e in census.of(Feature.KDA_FUSED_CONV):  # one per block width and conv width
+        if e.served.key[0] is KdaConv.FUSED:
+            w = e.module.ling_qkv_conv_weight
+            conv.setdefault((e.module.projection_size_per_partition, w.shape[-1], w.device), (e.module, w.device))
     results = [layer_checks.check_dense_fp8_method(qm, dev) for qm, dev in dense.values()]
     results += [layer_checks.check_moe_method(qm, dev) for qm, dev in moe.values()]
     results += [layer_checks.check_router_gate(gate, dev) for gate, dev in router.values()]
     results += [layer_checks.check_router_topk(runner, dev) for runner, dev in topk.values()]
+    results += [layer_checks.check_kda_conv(layer, dev) for layer, dev in conv.values()]
     heads = [e.module for e in census.of(Feature.FP8_HEAD) if isinstance(e.module.quant_method, Fp8LmHeadMethod)]
     results += [layer_checks.check_head_method(h.quant_method, h.weight.device) for h in heads[:1]]
     if any(isinstance(e.module, kda_cpu.cpu_kda_class()) for e in census.of(Feature.KDA_MERGED_IN_PROJ)):

@@ -1,0 +1,210 @@
+"""Ling-3.0's KDA short convolutions at decode as one launch per layer (CUDA).
+
+vLLM 0.32's KDA decode runs ``causal_conv1d_update`` three times per layer, for q, k and v, each
+over its own third of the layer's conv state (``conv_state.chunk(3)``): 105 launches of 2.7 us in
+the real H100 decode step (``benchmarks/results/step_profile_real_h100.md``). The convolution is
+depthwise, and q, k, v are adjacent columns of the merged in-projection's output and adjacent
+channel blocks of the state, so one launch over the [tokens, 3 P] view with the three weights as
+one [3 P, W] tensor computes exactly the three.
+
+- The weights: :func:`fuse_conv_weights` (at construction, before loading) makes the three conv
+  weight parameters views of one buffer, so the checkpoint loads into it and nothing is copied.
+- The forward: :func:`kda_attention` behind the opaque op ``vllm_ling::kda_attention`` (a graph
+  splitting point, as vLLM's ``bailing_v3_kda_attention``), taking the [tokens, 3 P] view. A batch of
+  plain decodes or of speculative verify windows only runs the fused update and then vLLM's
+  recurrent KDA kernel with vLLM's arguments; any batch with a prefill goes to vLLM's ``_forward``
+  unchanged. vLLM's kernels are looked up on vLLM's model module at call time, as its forward does.
+
+The layer records its selection (:func:`~vllm_ling.models.kda_fused_conv.select_kda_fused_conv`);
+:data:`READER` reads back whether its weights are the views and its forward the fused one, and the
+known answers run :func:`conv_update` on a scratch state (:mod:`vllm_ling.ops.known_answer.kda_conv`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllm_ling.models.kda_merged_in_proj import MERGED_NAME
+from vllm_ling.models.layer_kinds import kda_layers
+from vllm_ling.log import get_logger, log_once
+from vllm_ling.models.kda_fused_conv import FUSED_DESCRIPTION, OPTION, KdaConv, select_kda_fused_conv
+from vllm_ling.ops.known_answer.kda_conv import ConvCall
+from vllm_ling.options import LingOptions, opt_out_setting
+from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record
+
+logger = get_logger("kda")
+
+OP_NAME = "vllm_ling::kda_attention"
+KERNEL_LABEL = "vLLM's causal_conv1d_update over q, k and v in one launch"
+WEIGHT_ATTR = "ling_qkv_conv_weight"  # on the layer: the [3 P, W] weight the fused launch reads
+_CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
+
+
+def conv_problems(layer) -> list[str]:
+    """Why the layer's three convolutions cannot share one weight (empty when they can)."""
+    convs = [getattr(layer, name, None) for name in _CONVS]
+    if any(c is None for c in convs):
+        return ["the layer has no q, k and v conv1d modules"]
+    problems = []
+    if any(c.bias is not None for c in convs):
+        problems.append("a conv has a bias")
+    shapes = {(tuple(c.weight.shape), c.weight.dtype, c.weight.device) for c in convs}
+    if len(shapes) != 1:
+        problems.append(f"the convs' weights differ in shape, dtype or device ({sorted(map(str, shapes))})")
+    elif convs[0].weight.dim() != 3 or convs[0].weight.shape[1] != 1:
+        problems.append(f"conv weight of shape {tuple(convs[0].weight.shape)}, not [channels, 1, width]")
+    return problems
+
+
+def decide(layer, merged_in_proj: bool, platform: Platform) -> Selection:
+    """The layer's selection, said once: opted out, one WARNING; a fallback, one WARNING per reason."""
+    selection = select_kda_fused_conv(LingOptions.current().kda_fused_conv, platform, merged_in_proj,
+                                      conv_problems(layer))
+    if selection.choice is KdaConv.FUSED:
+        log_once(logger, logging.INFO, "kda-fused-conv", "KDA short convolutions: %s.", FUSED_DESCRIPTION)
+    elif platform is Platform.CPU:
+        pass
+    elif selection.fallback_from is None:
+        log_once(logger, logging.WARNING, "kda-fused-conv-opt-out",
+                 "KDA fused convolutions are OFF by explicit choice (%s): three causal_conv1d_update launches per "
+                 "layer at decode; the startup report marks kda_fused_conv inactive.", opt_out_setting(OPTION))
+    else:
+        log_once(logger, logging.WARNING, f"kda-fused-conv-off-{selection.reason}",
+                 "KDA fused convolutions off for %s and similar layers: %s; vLLM's three launches serve them "
+                 "(the startup check kda_fused_conv reports it).", layer.prefix, selection.reason)
+    return selection
+
+
+def fuse_conv_weights(layer) -> torch.Tensor:
+    """Make the q, k and v conv weights ([P, 1, W] each) views of one [3 P, 1, W] buffer (before
+    loading: the loaders copy into the views) and return it as the [3 P, W] weight."""
+    convs = [getattr(layer, name) for name in _CONVS]
+    first = convs[0].weight
+    buffer = torch.empty((len(convs) * first.shape[0], *first.shape[1:]), dtype=first.dtype, device=first.device)
+    for i, conv in enumerate(convs):
+        conv.weight.data = buffer[i * first.shape[0]:(i + 1) * first.shape[0]]
+    return buffer.view(buffer.shape[0], buffer.shape[2])
+
+
+def install(layer, merged_in_proj: bool, platform: Platform) -> Selection:
+    """Decide, record, and for the fused path fuse the weights and make the op a splitting point."""
+    selection = record(layer, decide(layer, merged_in_proj, platform))
+    setattr(layer, WEIGHT_ATTR, fuse_conv_weights(layer) if selection.choice is KdaConv.FUSED else None)
+    if selection.choice is KdaConv.FUSED:
+        from vllm.config import get_current_vllm_config
+
+        splitting = get_current_vllm_config().compilation_config.splitting_ops
+        if splitting is not None and OP_NAME not in splitting:
+            splitting.append(OP_NAME)
+    return selection
+
+
+def conv_update(call: ConvCall) -> torch.Tensor:
+    """The fused update: vLLM's ``causal_conv1d_update`` as its decode and verify-window paths call it,
+    on all three blocks, into a new [n, 3 P] tensor (returned; ``call.x`` is left as it was, so the op
+    mutates no input); ``call.state`` in place."""
+    from vllm.model_executor.models import bailing_moe_v3 as vllm_model
+
+    out = torch.empty(call.x.shape, dtype=call.x.dtype, device=call.x.device)
+    if call.cu_seqlens is None:
+        vllm_model.causal_conv1d_update(call.x, call.state, call.weight, None, activation="silu",
+                                        conv_state_indices=call.indices, validate_data=True, out=out)
+    else:
+        vllm_model.causal_conv1d_update(call.x, call.state, call.weight, None, activation="silu",
+                                        conv_state_indices=call.indices, num_accepted_tokens=call.accepted,
+                                        query_start_loc=call.cu_seqlens, max_query_len=call.max_len,
+                                        validate_data=False, out=out)
+    return out
+
+
+def _heads(layer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v of the [n, 3 P] conv output as [1, n, heads, head_dim] views."""
+    return tuple(t.unflatten(-1, (-1, layer.head_dim)).unsqueeze(0)
+                 for t in x.split(layer.projection_size_per_partition, dim=-1))
+
+
+def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, core_attn_out: torch.Tensor) -> None:
+    """The layer's KDA core for one step: the fused paths for batches of plain decodes or of verify
+    windows only, vLLM's ``_forward`` for the rest."""
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.model_executor.models import bailing_moe_v3 as vllm_model
+
+    metadata = get_forward_context().attn_metadata
+    md = metadata.get(layer.prefix) if isinstance(metadata, dict) else None
+    if md is None:  # profile / warm-up runs carry no mamba metadata (vLLM's forward returns too)
+        return
+    decode_only = md.spec_sequence_masks is None and md.num_prefills == 0 and md.num_decodes > 0
+    verify_only = md.spec_sequence_masks is not None and md.num_prefills == 0 and md.num_decodes == 0
+    if not (decode_only or verify_only):
+        q, k, v = qkv.split(layer.projection_size_per_partition, dim=-1)
+        layer._forward(q, k, v, g1, beta, core_attn_out)
+        return
+    conv_state, recurrent_state = layer.kv_cache
+    recurrent_state = recurrent_state[..., :layer.head_dim]
+    if not is_conv_state_dim_first():
+        conv_state = conv_state.transpose(-1, -2)
+    n = md.num_actual_tokens
+    x, g1, beta = qkv[:n], g1[:, :n], beta[:, :n]
+    weight = getattr(layer, WEIGHT_ATTR)
+    if decode_only:
+        slots = md.non_spec_state_indices_tensor
+        q, k, v = _heads(layer, conv_update(ConvCall(x, conv_state, weight, slots[:n])))
+        out, _ = vllm_model.fused_recurrent_kda(
+            q=q, k=k, v=v, g=g1, beta=beta, initial_state=recurrent_state, use_qk_l2norm_in_kernel=True,
+            safe_gate=layer.safe_gate, lower_bound=layer.lower_bound,
+            cu_seqlens=md.non_spec_query_start_loc[:md.num_decodes + 1], ssm_state_indices=slots)
+    else:
+        slots, cu = md.spec_state_indices_tensor, md.spec_query_start_loc
+        x = conv_update(ConvCall(x, conv_state, weight, slots[:, 0][:md.num_spec_decodes], cu_seqlens=cu,
+                                 accepted=md.num_accepted_tokens, max_len=slots.size(-1)))
+        q, k, v = (t.contiguous() for t in _heads(layer, x))
+        out, _ = vllm_model.fused_recurrent_kda_fwd(
+            q=q, k=k, v=v, g=g1.contiguous(), beta=beta.contiguous(), scale=layer.head_dim ** -0.5,
+            initial_state=recurrent_state, inplace_final_state=True, cu_seqlens=cu[:md.num_spec_decodes + 1],
+            ssm_state_indices=slots, num_accepted_tokens=md.num_accepted_tokens, use_qk_l2norm_in_kernel=True)
+    core_attn_out[0, :n] = out[0, :n]
+
+
+def _kda_attention_op(qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, core_attn_out: torch.Tensor,
+                      layer_name: str) -> None:
+    from vllm.forward_context import get_forward_context
+
+    kda_attention(get_forward_context().no_compile_layers[layer_name], qkv, g1, beta, core_attn_out)
+
+
+# writes core_attn_out only: the conv's outputs go to a new tensor (vLLM's op writes them into its q,
+# k and v inputs undeclared)
+torch.library.custom_op(OP_NAME, _kda_attention_op, mutates_args=("core_attn_out",))
+
+
+def served(layer) -> Served:
+    """What a KDA layer's convolutions are at decode, read from the layer: fused where its forward
+    takes the fused op (the merged in-projection's) and its three weights are views of the fused one."""
+    weight = getattr(layer, WEIGHT_ATTR, None)
+    if weight is None:
+        return Served.of(KdaConv.SEPARATE)
+    convs = [getattr(layer, name).weight for name in _CONVS]
+    step = convs[0].shape[0] * convs[0].shape[-1] * convs[0].element_size()
+    views = all(c.data_ptr() == weight.data_ptr() + i * step for i, c in enumerate(convs))
+    if not views or weight.shape[0] != sum(c.shape[0] for c in convs):
+        return Served.of(None, label="a fused conv weight the q, k and v convs do not load into")
+    if getattr(layer, MERGED_NAME, None) is None:
+        return Served.of(None, label="a fused conv weight on a layer without the merged in-projection")
+    return Served.of(KdaConv.FUSED)
+
+
+def _is_kda_layer(module) -> bool:
+    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
+
+    return isinstance(module, BailingMoeV3KimiDeltaAttention)
+
+
+READER = Reader(
+    Feature.KDA_FUSED_CONV, "kda_fused_conv", "KDA layers' convolutions", _is_kda_layer, served,
+    f"see the WARNING naming the layer, or set {opt_out_setting(OPTION)}; a layer serving other than its "
+    "selection is a defect: report it",
+    expected=kda_layers, optimization="kda_fused_conv", optimizing=frozenset({KdaConv.FUSED}),
+    known_answers="kda_conv")
