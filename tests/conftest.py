@@ -237,3 +237,52 @@ def dspark_on_v2(loaded_agreeing_dspark, monkeypatch):
 
     monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
     return loaded_agreeing_dspark
+
+
+@pytest.fixture
+def ling_records():
+    """vllm-ling's log records of one test, DEBUG and up (vLLM's 'vllm' logger may not propagate to
+    pytest's capture), each once-only message said afresh for it."""
+    import logging
+
+    from vllm_ling.log import _once
+
+    class Handler(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    ours, handler = logging.getLogger("vllm.ling"), Handler()
+    old_level, said = ours.level, set(_once)
+    ours.addHandler(handler)
+    ours.setLevel(logging.DEBUG)
+    _once.clear()
+    yield handler.records
+    ours.removeHandler(handler)
+    ours.setLevel(old_level)
+    _once.update(said)
+
+
+def exported_samples(report: dict, tmp_path: Path, monkeypatch, samples: dict[str, dict[str, str]]) -> dict:
+    """What the server's stat logger exports for ``report`` (written where it reads it): the value of
+    each named sample, ``{metric: labels}`` (model_name 'tiny' added), as ``{metric: value}``."""
+    import json
+
+    from prometheus_client import REGISTRY
+
+    from vllm_ling.runtime import stat_logger as metrics
+
+    (tmp_path / "report.json").write_text(json.dumps(report, default=str))
+    monkeypatch.setenv(metrics.ENV_REPORT_PATH, str(tmp_path / "report.json"))
+    config = type("C", (), {"speculative_config": None,
+                            "model_config": type("M", (), {"served_model_name": "tiny"})()})()
+    logger = metrics.LingStatLogger(config, [0])
+    try:
+        logger.refresh_report()
+        return {name: REGISTRY.get_sample_value(name, {"model_name": "tiny", **labels})
+                for name, labels in samples.items()}
+    finally:
+        metrics.unregister_vllm_ling_metrics()

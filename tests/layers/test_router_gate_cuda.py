@@ -25,27 +25,8 @@ TOL = 2.0 ** -16  # of |x| @ |w|.T, as the kernel's own tests
 
 
 @pytest.fixture
-def records():
-    """Our log records (vLLM's 'vllm' logger may not propagate to pytest's capture)."""
-    from vllm_ling.log import _once
-
-    class Handler(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.DEBUG)
-            self.records = []
-
-        def emit(self, record):
-            self.records.append(record)
-
-    ours, handler = logging.getLogger("vllm.ling"), Handler()
-    old_level = ours.level
-    ours.addHandler(handler)
-    ours.setLevel(logging.DEBUG)
-    for key in [k for k in _once if k[0] == R.logger.name]:  # each test sees its own once-only messages
-        _once.discard(key)
-    yield handler.records
-    ours.removeHandler(handler)
-    ours.setLevel(old_level)
+def records(ling_records):
+    return ling_records
 
 
 @pytest.fixture

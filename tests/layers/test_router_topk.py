@@ -27,26 +27,8 @@ ON = LingOptions(router_topk=RouterTopk.LING)
 
 
 @pytest.fixture
-def records():
-    from vllm_ling.log import _once
-
-    class Handler(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.DEBUG)
-            self.records = []
-
-        def emit(self, record):
-            self.records.append(record)
-
-    ours, handler = logging.getLogger("vllm.ling"), Handler()
-    old_level = ours.level
-    ours.addHandler(handler)
-    ours.setLevel(logging.DEBUG)
-    for key in [k for k in _once if k[0] == R.logger.name]:
-        _once.discard(key)
-    yield handler.records
-    ours.removeHandler(handler)
-    ours.setLevel(old_level)
+def records(ling_records):
+    return ling_records
 
 
 @pytest.fixture

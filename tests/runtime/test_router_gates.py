@@ -6,12 +6,11 @@ the gate's real op)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("vllm")
 
+from conftest import exported_samples  # noqa: E402
 from vllm_ling.options import LingOptions, RouterGemv  # noqa: E402
 
 GATES = 5  # the tiny model: 4 MoE layers + the NEXTN layer
@@ -120,25 +119,12 @@ def test_active_when_every_gate_runs_the_kernel_and_it_passes(loaded_tiny_models
         "detail": f"{GATES} x ling; known answers passed"}
 
     # the metrics the server exports come from this report
-    from prometheus_client import REGISTRY
-
-    from vllm_ling.runtime import stat_logger as metrics
-
-    (tmp_path / "report.json").write_text(json.dumps(report, default=str))
-    monkeypatch.setenv(metrics.ENV_REPORT_PATH, str(tmp_path / "report.json"))
-    config = type("C", (), {"speculative_config": None,
-                            "model_config": type("M", (), {"served_model_name": "tiny"})()})()
-    logger = metrics.LingStatLogger(config, [0])
-    try:
-        logger.refresh_report()
-        labels = {"model_name": "tiny", "optimization": "router_gemv"}
-        assert REGISTRY.get_sample_value("vllm_ling:optimization_active", labels) == 1
-        assert REGISTRY.get_sample_value("vllm_ling:optimization_requested", labels) == 1
-        assert REGISTRY.get_sample_value("vllm_ling:kernel_check_passed",
-                                         {"model_name": "tiny", "kernel": "router_gemv",
-                                          "impl": result["kernel"]}) == 1
-    finally:
-        metrics.unregister_vllm_ling_metrics()
+    assert exported_samples(report, tmp_path, monkeypatch, {
+        "vllm_ling:optimization_active": {"optimization": "router_gemv"},
+        "vllm_ling:optimization_requested": {"optimization": "router_gemv"},
+        "vllm_ling:kernel_check_passed": {"kernel": "router_gemv", "impl": result["kernel"]}}) == {
+        "vllm_ling:optimization_active": 1, "vllm_ling:optimization_requested": 1,
+        "vllm_ling:kernel_check_passed": 1}
 
 
 def test_a_wrong_kernel_fails_the_known_answers_and_the_optimization(loaded_tiny_models, lings_gates, monkeypatch):

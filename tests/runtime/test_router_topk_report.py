@@ -6,14 +6,13 @@ router's own select_experts)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
 import known_answer_faults as faults  # noqa: E402
+from conftest import exported_samples  # noqa: E402
 from vllm_ling.options import LingOptions, RouterTopk  # noqa: E402
 
 RUNNERS = 5  # the tiny model: 4 MoE layers + the NEXTN layer
@@ -97,24 +96,10 @@ def test_active_when_every_router_runs_the_kernel_and_it_passes(loaded_tiny_mode
     assert report["optimizations"]["router_topk"] == {
         "requested": True, "active": True, "detail": f"{RUNNERS} x ling; known answers passed"}
 
-    from prometheus_client import REGISTRY
-
-    from vllm_ling.runtime import stat_logger as metrics
-
-    (tmp_path / "report.json").write_text(json.dumps(report, default=str))
-    monkeypatch.setenv(metrics.ENV_REPORT_PATH, str(tmp_path / "report.json"))
-    config = type("C", (), {"speculative_config": None,
-                            "model_config": type("M", (), {"served_model_name": "tiny"})()})()
-    logger = metrics.LingStatLogger(config, [0])
-    try:
-        logger.refresh_report()
-        labels = {"model_name": "tiny", "optimization": "router_topk"}
-        assert REGISTRY.get_sample_value("vllm_ling:optimization_active", labels) == 1
-        assert REGISTRY.get_sample_value("vllm_ling:kernel_check_passed",
-                                         {"model_name": "tiny", "kernel": "router_topk",
-                                          "impl": result["kernel"]}) == 1
-    finally:
-        metrics.unregister_vllm_ling_metrics()
+    assert exported_samples(report, tmp_path, monkeypatch, {
+        "vllm_ling:optimization_active": {"optimization": "router_topk"},
+        "vllm_ling:kernel_check_passed": {"kernel": "router_topk", "impl": result["kernel"]}}) == {
+        "vllm_ling:optimization_active": 1, "vllm_ling:kernel_check_passed": 1}
 
 
 def test_the_known_answers_leave_the_served_routers_bias_alone(loaded_tiny_models, lings_routers):

@@ -27,7 +27,7 @@ import logging
 import torch
 
 from vllm_ling.models.kda_merged_in_proj import MERGED_NAME
-from vllm_ling.models.layer_kinds import kda_layers
+from vllm_ling.models.layer_kinds import is_kda_module, kda_layers
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.kda_fused_conv import FUSED_DESCRIPTION, OPTION, KdaConv, select_kda_fused_conv
 from vllm_ling.ops.known_answer.kda_conv import ConvCall
@@ -196,14 +196,8 @@ def served(layer) -> Served:
     return Served.of(KdaConv.FUSED)
 
 
-def _is_kda_layer(module) -> bool:
-    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
-
-    return isinstance(module, BailingMoeV3KimiDeltaAttention)
-
-
 READER = Reader(
-    Feature.KDA_FUSED_CONV, "kda_fused_conv", "KDA layers' convolutions", _is_kda_layer, served,
+    Feature.KDA_FUSED_CONV, "kda_fused_conv", "KDA layers' convolutions", is_kda_module, served,
     f"see the WARNING naming the layer, or set {opt_out_setting(OPTION)}; a layer serving other than its "
     "selection is a defect: report it",
     expected=kda_layers, optimization="kda_fused_conv", optimizing=frozenset({KdaConv.FUSED}),

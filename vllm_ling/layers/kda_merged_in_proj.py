@@ -35,7 +35,7 @@ from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.kda_merged_in_proj import (MEMBERS, MERGED_DESCRIPTION, MERGED_NAME, OPTION, KdaInProj,
                                                  select_kda_merged_in_proj)
-from vllm_ling.models.layer_kinds import kda_layers
+from vllm_ling.models.layer_kinds import is_kda_module, kda_layers
 from vllm_ling.options import LingOptions, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record
 
@@ -179,14 +179,8 @@ def served(layer) -> Served:
                      f" = {len(MEMBERS)} x {sizes[0]} rows; {type(linear.quant_method).__name__})")
 
 
-def _is_kda_layer(module) -> bool:
-    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3KimiDeltaAttention
-
-    return isinstance(module, BailingMoeV3KimiDeltaAttention)
-
-
 READER = Reader(
-    Feature.KDA_MERGED_IN_PROJ, "kda_merged_in_proj", "KDA layers", _is_kda_layer, served,
+    Feature.KDA_MERGED_IN_PROJ, "kda_merged_in_proj", "KDA layers", is_kda_module, served,
     f"see the WARNING naming the layer, or set {opt_out_setting(OPTION)}; a layer serving other than its "
     "selection is a defect: report it",
     expected=kda_layers, optimization="kda_merged_in_proj", optimizing=frozenset({KdaInProj.MERGED}))
