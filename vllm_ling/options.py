@@ -325,7 +325,7 @@ OPTIONS: tuple[Option, ...] = (
            "vllm-ling's grouped top-k kernel on CUDA, one launch per layer at every batch size (an error "
            "where it cannot run); `vllm` opts out to vLLM's `grouped_topk` (one WARNING, reported). The CPU "
            "path is unchanged",
-           choices=RouterTopk, serve_flag=True, opt_out="vllm"),
+           choices=RouterTopk, serve_flag=True, opt_out="vllm", warmup_flag=True),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",

@@ -83,6 +83,24 @@ def test_router_gemv_plan_follows_the_switch_and_the_gate_shape(tmp_path):
     assert not wider.bf16_linears and "BF16 linears skipped (K=16384 exceeds 8192" in wider.describe()
 
 
+def test_router_topk_plan_follows_the_switch_and_the_routing(tmp_path):
+    config = json.loads(FLASH_CONFIG.read_text())
+
+    def plan(env, **changes):
+        model = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({**config, **changes}))
+        return warmup.plan_warmup(warmup.build_warmup_parser().parse_args([str(model)]), env)
+
+    on = plan({})
+    assert on.router_topk and (f"router top-k {config['num_experts']} experts, {config['n_group']} groups keep "
+                               f"{config['topk_group']}") in on.describe()
+    off = plan({"VLLM_LING_ROUTER_TOPK": "vllm"})
+    assert not off.router_topk and "router top-k skipped (opted out (VLLM_LING_ROUTER_TOPK=vllm)" in off.describe()
+    odd = plan({}, num_experts=48, n_group=4)  # the server keeps vLLM's grouped_topk where the kernel cannot route
+    assert not odd.router_topk and "router top-k skipped (48 experts is not a multiple of 32" in odd.describe()
+
+
 def test_auto_device_on_this_cpu_machine(tmp_path):
     import torch
 

@@ -77,3 +77,12 @@ def test_a_configuration_it_cannot_route_is_refused_naming_why():
 
     with pytest.raises(ValueError, match="groups"):
         grouped_topk_cuda(torch.randn(1, 512, device="cuda"), torch.zeros(512, device="cuda"), 8, 5, 2)
+
+
+def test_warmup_builds_lings_kernel_and_refuses_what_it_cannot_route():
+    from vllm_ling.ops.router_topk import warmup
+
+    done = warmup.warmup_kernels(*LING)
+    assert "ling_grouped_topk (512 experts, 8 groups keep 4, top-8)" == done["kernel"]
+    with pytest.raises(ValueError, match="48 experts is not a multiple of 32"):
+        warmup.warmup_kernels(48, 4, 2, 2)

@@ -2,13 +2,13 @@
 
 It reads the model's ``config.json`` for the shapes and **the same options the server reads**
 (:class:`vllm_ling.options.LingOptions`: MoE backend, W4A8, decode mode and threshold, FP8
-head, dense FP8, router GEMV, BF16 small GEMV), so it compiles exactly the kernel set the server will use and
+head, dense FP8, router GEMV, router top-k, BF16 small GEMV), so it compiles exactly the kernel set the server will use and
 nothing else: a kernel group the server will not run is skipped with the reason. It is meant as an init container /
 one-shot compose service that shares the humming JIT cache volume
 (``VLLM_LING_HUMMING_CACHE``) with the server. Imports torch and the kernels lazily.
 
 Each group runs its kernels once and checks their outputs (the router, BF16 and dense FP8 groups
-against float64 references); a group that fails stops the warm-up with one error line naming the
+against float64 references, the router top-k against the plain-PyTorch routing); a group that fails stops the warm-up with one error line naming the
 group and exit code ``EXIT_KERNEL_FAILED`` (5), so an init container keeps the server from starting
 on a kernel that computes wrong numbers on this GPU. Bad input exits ``EXIT_USAGE`` (2).
 """
@@ -46,6 +46,8 @@ class KernelShapes:
     # Distinct routed-expert SwiGLU clamp limits (None = no clamp); humming generates the
     # activation kernel per limit.
     swiglu_limits: tuple[float | None, ...] = (None,)
+    n_group: int = 1  # the router's expert groups and how many it keeps
+    topk_group: int = 1
 
 
 def kernel_shapes(config: dict, tensor_parallel_size: int, config_path: Path) -> KernelShapes:
@@ -65,6 +67,8 @@ def kernel_shapes(config: dict, tensor_parallel_size: int, config_path: Path) ->
         intermediate_size=config["moe_intermediate_size"] // tp,
         num_experts=config["num_experts"],
         top_k=config["num_experts_per_tok"],
+        n_group=config.get("n_group") or 1,
+        topk_group=config.get("topk_group") or 1,
         vocab_rows=-(-padded_vocab // tp),
         bf16_linear_rows=max(1, config.get("num_attention_heads", tp) // tp),
         swiglu_limits=(None, *sorted(limits)),
@@ -158,6 +162,23 @@ class WarmupPlan:
 
         return self.router_selection().choice is GemvPath.LING
 
+    def router_topk_selection(self) -> Selection:
+        """The server's selection for Ling's routers (sigmoid scores with an expert bias, vLLM's
+        GroupedTopKRouter; the kernel's availability is what building it proves)."""
+        from vllm_ling.ops.router_topk.selection import RouterFacts, select_router_topk
+
+        s = self.shapes
+        facts = RouterFacts("the MoE routers", "GroupedTopKRouter", ling_model=True, scoring_func="sigmoid",
+                            has_bias=True, num_experts=s.num_experts, n_group=s.n_group, topk_group=s.topk_group,
+                            top_k=s.top_k)
+        return select_router_topk(self.options, Platform.CUDA, facts, unavailable_reason=lambda: None)
+
+    @property
+    def router_topk(self) -> bool:
+        from vllm_ling.options import RouterTopk
+
+        return self.router_topk_selection().choice is RouterTopk.LING
+
     def bf16_selection(self) -> Selection:
         from vllm_ling.ops.small_gemv.selection import select_bf16_gemv
 
@@ -191,6 +212,8 @@ class WarmupPlan:
                                           if self.dense_shapes else "no block-FP8 dense linears") + ")")
         router = (f"router GEMV {s.num_experts} x {s.hidden_size}" if self.router else
                   f"router GEMV skipped ({self.router_selection().reason}: vLLM's GateLinear serves)")
+        topk = (f"router top-k {s.num_experts} experts, {s.n_group} groups keep {s.topk_group}" if self.router_topk
+                else f"router top-k skipped ({self.router_topk_selection().reason}: vLLM's grouped_topk serves)")
         bf16_sel = self.bf16_selection()
         bf16 = (f"BF16 linears small GEMV {s.bf16_linear_rows} x {s.hidden_size}" if self.bf16_linears else
                 "BF16 linears skipped (" + (f"{bf16_sel.reason}: vLLM's GEMM serves" if self.bf16_problems == []
@@ -198,7 +221,7 @@ class WarmupPlan:
         return (f"{self.model_dir} (tensor parallel {self.tensor_parallel_size}): hidden "
                 f"{s.hidden_size}, expert intermediate {s.intermediate_size}, {s.num_experts} "
                 f"experts, top-{s.top_k}, SwiGLU limits {list(s.swiglu_limits)}; {moe}; {head} "
-                f"{s.vocab_rows} x {s.hidden_size}; {dense}; {router}; {bf16}")
+                f"{s.vocab_rows} x {s.hidden_size}; {dense}; {router}; {topk}; {bf16}")
 
 
 def _checked_by_building(w4a8: bool) -> tuple[bool, str]:
@@ -247,10 +270,11 @@ def _load_warmup_functions():
     try:
         from vllm_ling.ops import lm_head, moe
         from vllm_ling.ops.dense_fp8 import warmup as dense_fp8
+        from vllm_ling.ops.router_topk import warmup as router_topk
         from vllm_ling.ops.small_gemv import warmup as small_gemv
         return [("moe", moe.warmup_kernels), ("lm_head", lm_head.warmup_kernels),
                 ("dense_fp8", dense_fp8.warmup_kernels), ("router", small_gemv.warmup_router),
-                ("bf16_linears", small_gemv.warmup_bf16_linears)]
+                ("router_topk", router_topk.warmup_kernels), ("bf16_linears", small_gemv.warmup_bf16_linears)]
     except (ImportError, AttributeError) as exc:
         raise LaunchError(
             "this vllm-ling has no kernel warmup (vllm_ling.ops.moe.warmup_kernels / "
@@ -295,7 +319,7 @@ def warmup_main(argv: list[str]) -> int:
 
     try:
         wanted = {"moe": plan.moe, "lm_head": plan.head, "dense_fp8": plan.dense, "router": plan.router,
-                  "bf16_linears": plan.bf16_linears}
+                  "router_topk": plan.router_topk, "bf16_linears": plan.bf16_linears}
         groups = [(name, warm) for name, warm in _load_warmup_functions() if wanted[name]]
     except LaunchError as exc:
         print(f"vllm-ling warmup: error: {exc}", file=sys.stderr)
@@ -336,6 +360,8 @@ def _run_group(name: str, warm, plan, shapes):
         return warm(plan.dense_w8a16_shapes)
     if name == "router":
         return warm(shapes.hidden_size, shapes.num_experts)
+    if name == "router_topk":  # Ling's routers renormalise (vLLM's BailingMoeV3MoE); the scale is an argument
+        return warm(shapes.num_experts, shapes.n_group, shapes.topk_group, shapes.top_k)
     if name == "bf16_linears":
         return warm(shapes.bf16_linear_rows, shapes.hidden_size)
     return warm(shapes.vocab_rows, shapes.hidden_size, row_counts=list(plan.row_counts))
