@@ -165,27 +165,46 @@ def busy_and_gaps(kernels: list[dict]) -> tuple[float, float]:
     return busy, span - busy
 
 
+def wall_us(kernels: list[dict]) -> list[float]:
+    """Each kernel's share of the time covered by the step's kernels, in GPU start order: what it adds
+    to the covered timeline beyond the kernels that started before it. Overlapping kernels (a
+    programmatic-dependent launch started early and waiting, another stream's work) are counted once,
+    so the shares sum to the busy time, where the durations sum to more."""
+    out = [0.0] * len(kernels)
+    covered = None
+    for i in sorted(range(len(kernels)), key=lambda i: kernels[i]["ts"]):
+        start, end = kernels[i]["ts"], kernels[i]["ts"] + kernels[i]["dur"]
+        out[i] = end - start if covered is None else max(0.0, end - max(start, covered))
+        covered = end if covered is None else max(covered, end)
+    return out
+
+
 def step_figures(step: dict) -> dict:
     ks = step["kernels"]
     classes = label_classes(ks)
+    walls = wall_us(ks)
     per_class = collections.Counter()
+    per_class_wall = collections.Counter()
     launches = collections.Counter()
-    for k, c in zip(ks, classes):
+    for k, c, w in zip(ks, classes, walls):
         per_class[c] += k["dur"]
+        per_class_wall[c] += w
         launches[c] += 1
     busy, gaps = busy_and_gaps(ks)
-    by_name = collections.defaultdict(lambda: [0, 0.0, ""])
+    by_name = collections.defaultdict(lambda: [0, 0.0, "", 0.0])
     classes_of = collections.defaultdict(collections.Counter)
-    for k, c in zip(ks, classes):
+    for k, c, w in zip(ks, classes, walls):
         row = by_name[k["name"]]
         row[0] += 1
         row[1] += k["dur"]
+        row[3] += w
         classes_of[k["name"]][c] += 1
     for name, seen in classes_of.items():  # one kernel can serve two classes (a dense GEMM after the last MoE layer)
         by_name[name][2] = "+".join(c for c, _ in seen.most_common())
     return {"annotation": step["annotation"], "context_tokens": step["context_tokens"],
             "generation_tokens": step["generation_tokens"], "iteration_us": step["iteration_us"],
             "kernels": len(ks), "busy_us": busy, "gaps_us": gaps, "classes": dict(per_class),
+            "wall": dict(per_class_wall), "streams": len({k.get("stream") for k in ks}),
             "launches": dict(launches), "by_name": {n: v for n, v in by_name.items()}}
 
 
@@ -205,13 +224,21 @@ def _median_step(steps: list[dict]) -> dict:
     same = [s for s in steps if s["kernels"] == common]
     med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
     classes = {c: med([s["classes"].get(c, 0.0) for s in same]) for c in {c for s in same for c in s["classes"]}}
+    wall = {c: med([s.get("wall", {}).get(c, 0.0) for s in same]) for c in classes}
     names = {n for s in same for n in s["by_name"]}
     by_name = {n: [same[0]["by_name"].get(n, [0, 0, ""])[0], med([s["by_name"].get(n, [0, 0.0])[1] for s in same]),
-                   next(s["by_name"][n][2] for s in same if n in s["by_name"])] for n in names}
+                   next(s["by_name"][n][2] for s in same if n in s["by_name"]),
+                   med([_wall_of(s["by_name"].get(n)) for s in same])] for n in names}
     return {"steps": len(same), "of": len(steps), "kernels": common,
             "iteration_us": med([s["iteration_us"] for s in same]), "busy_us": med([s["busy_us"] for s in same]),
-            "gaps_us": med([s["gaps_us"] for s in same]), "classes": classes,
+            "gaps_us": med([s["gaps_us"] for s in same]), "classes": classes, "wall": wall,
+            "streams": max(s.get("streams", 1) for s in same),
             "launches": same[len(same) // 2]["launches"], "by_name": by_name}
+
+
+def _wall_of(row) -> float:
+    """A by-name row's wall share (rows of traces analysed before the column existed have none)."""
+    return row[3] if row and len(row) > 3 else 0.0
 
 
 def class_floor_us(plan: dict | None, context: int, copy_gbs: float | None, generation_tokens: int,
@@ -249,30 +276,44 @@ def render_window(result: dict, floors: dict | None = None, top: int = 25) -> li
         tot = collections.Counter()
         for s in prefill:
             tot.update(s["classes"])
-        names = collections.defaultdict(lambda: [0, 0.0, ""])
+        wall = collections.Counter()
         for s in prefill:
-            for n, (cnt, us, c) in s["by_name"].items():
-                names[n][0] += cnt
-                names[n][1] += us
-                names[n][2] = c
+            wall.update(s.get("wall", {}))
+        names = collections.defaultdict(lambda: [0, 0.0, "", 0.0])
+        for s in prefill:
+            for n, row in s["by_name"].items():
+                names[n][0] += row[0]
+                names[n][1] += row[1]
+                names[n][2] = row[2]
+                names[n][3] += _wall_of(row)
         groups.append(("prefill steps (summed)", {
             "steps": len(prefill), "of": len(steps), "iteration_us": sum(s["iteration_us"] for s in prefill),
             "busy_us": sum(s["busy_us"] for s in prefill), "gaps_us": sum(s["gaps_us"] for s in prefill),
-            "classes": dict(tot), "by_name": dict(names),
+            "classes": dict(tot), "wall": dict(wall), "by_name": dict(names),
+            "streams": max(s.get("streams", 1) for s in prefill),
             "launches": dict(sum((collections.Counter(s["launches"]) for s in prefill), collections.Counter()))}))
     for title, g in groups:
-        total = sum(g["classes"].values()) or 1.0
+        wall = g.get("wall") or {}
+        total = sum(wall.values()) or 1.0
         lines += ["", f"**{title}**: {g['steps']} of {len(steps)} steps; iteration {g['iteration_us']:.0f} us, "
-                  f"kernels busy {g['busy_us']:.0f} us, idle between kernels {g['gaps_us']:.0f} us", "",
-                  "| op class | kernel us | share | launches | MB | floor us | x floor |", "|---|---|---|---|---|---|---|"]
-        for cls, us in sorted(g["classes"].items(), key=lambda t: -t[1]):
+                  f"kernels busy {g['busy_us']:.0f} us, idle between kernels {g['gaps_us']:.0f} us, "
+                  f"{g.get('streams', 1)} stream(s)", "",
+                  "*kernel us* sums the kernels' durations; *wall us* is what they add to the time covered by "
+                  "kernels (an overlapping kernel, launched early by programmatic dependent launch or on another "
+                  "stream, counts once): the wall column sums to the busy time and is the one to cut.", "",
+                  "| op class | kernel us | wall us | share | launches | MB | floor us | x floor |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for cls, us in sorted(g["classes"].items(), key=lambda t: -wall.get(t[0], 0.0)):
+            w = wall.get(cls, 0.0)
             b, f = (floors or {}).get(cls, (0, 0)) if "decode" in title else (0, 0)
-            lines.append(f"| {cls} | {us:.0f} | {us / total:.2f} | {g['launches'].get(cls, 0)} | "
-                         + (f"{b / 1e6:.0f} | {f:.0f} | {us / f:.1f} |" if f else "- | - | - |"))
-        lines += ["", "| kernel | class | launches | us | mean us |", "|---|---|---|---|---|"]
-        for name, (n, us, cls) in sorted(g["by_name"].items(), key=lambda t: -t[1][1])[:top]:
+            lines.append(f"| {cls} | {us:.0f} | {w:.0f} | {w / total:.2f} | {g['launches'].get(cls, 0)} | "
+                         + (f"{b / 1e6:.0f} | {f:.0f} | {w / f:.1f} |" if f else "- | - | - |"))
+        lines += ["", "| kernel | class | launches | us | wall us | mean us |", "|---|---|---|---|---|---|"]
+        for name, row in sorted(g["by_name"].items(), key=lambda t: -t[1][1])[:top]:
+            n, us, cls = row[:3]
             short = name if len(name) <= 100 else name[:97] + "..."
-            lines.append(f"| `{short.replace('|', '/')}` | {cls} | {n} | {us:.0f} | {us / max(n, 1):.2f} |")
+            lines.append(f"| `{short.replace('|', '/')}` | {cls} | {n} | {us:.0f} | {_wall_of(row):.0f} | "
+                         f"{us / max(n, 1):.2f} |")
     if result.get("long_host_calls_us"):
         lines += ["", "Host calls of 200 us or more (summed us): "
                   + ", ".join(f"`{n}` {us:.0f}" for n, us in result["long_host_calls_us"].items())]

@@ -70,8 +70,23 @@ def test_rendered_decode_class_sits_beside_its_byte_floor(tmp_path):
     # 4 MB at 1000 GB/s = 4 us; the decode step's MoE kernels took 20 us: 5.0x the floor
     assert floors["moe_routed"] == (4.0e6, pytest.approx(4.0))
     text = "\n".join(V.render_window(result, floors))
-    assert "| moe_routed | 20 | 0.16 | 1 | 4 | 4 | 5.0 |" in text
-    assert "| head | 100 | 0.80 | 1 | 2 | 2 | 50.0 |" in text
+    assert "| moe_routed | 20 | 20 | 0.16 | 1 | 4 | 4 | 5.0 |" in text
+    assert "| head | 100 | 100 | 0.80 | 1 | 2 | 2 | 50.0 |" in text
+
+
+def test_overlapping_kernels_count_once_in_the_wall_column():
+    """A programmatic-dependent launch that starts while its producer runs, and a kernel on another
+    stream beside both: their durations sum to more than the covered time, their wall shares to it."""
+    ks = [{"name": "ling_moe_hs_gate_up", "ts": 0.0, "dur": 11.0, "stream": 1},
+          {"name": "ling_dense_w8a16_wave", "ts": 0.5, "dur": 4.0, "stream": 2},  # the shared expert, inside
+          {"name": "ling_moe_hl_down", "ts": 1.5, "dur": 16.0, "stream": 1},     # waits in the GPU, ends at 17.5
+          {"name": "triton_red_fused_add_rms_norm_1", "ts": 20.0, "dur": 2.0, "stream": 1}]
+    assert V.wall_us(ks) == [11.0, 0.0, 6.5, 2.0]
+    figures = V.step_figures({"annotation": "execute_context_0(0)_generation_1(1)", "context_tokens": 0,
+                              "generation_tokens": 1, "iteration_us": 25.0, "kernels": ks})
+    assert figures["classes"]["moe_routed"] == 27.0 and figures["wall"]["moe_routed"] == 17.5
+    assert figures["wall"]["dense_fp8"] == 0.0 and figures["streams"] == 2
+    assert sum(figures["wall"].values()) == pytest.approx(figures["busy_us"])
 
 
 def test_names_of_the_kernels_vllm_runs_land_in_their_classes():
@@ -99,5 +114,5 @@ def test_a_kernel_serving_two_classes_shows_both_most_launches_first():
     step = {"annotation": "execute_context_0(0)_generation_1(1)", "context_tokens": 0, "generation_tokens": 1,
             "iteration_us": 10.0, "kernels": ks}
     figures = V.step_figures(step)
-    assert figures["by_name"]["ling_dense_w8a16_stream"] == [3, 3.0, "dense_fp8+head"]
+    assert figures["by_name"]["ling_dense_w8a16_stream"] == [3, 3.0, "dense_fp8+head", 3.0]  # + wall us
     assert figures["classes"] == {"dense_fp8": 2.0, "moe_routed": 1.0, "head": 1.0}
