@@ -87,6 +87,7 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   opt-out-each) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-each "$limit" "$e2e" -k "each_opt_out_alone" ;;
   opt-out-all) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-all "$limit" "$e2e" -k "every_opt_out_at_once" ;;
   dspark) VLLM_DEEP_GEMM_WARMUP=skip part dspark "$limit" "$e2e" -k "dspark" ;;
+  cuts-e2e) VLLM_DEEP_GEMM_WARMUP=skip part cuts-e2e "$limit" "$e2e" -k "decode_cuts" ;;
   kernels-a) part kernels-a "$limit" -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \
     tests/ops/test_known_answer_gpu.py tests/ops/test_router_topk_gpu.py ;;
   kernels-b) part kernels-b "$limit" -m gpu tests/ops/moe tests/ops/lm_head tests/ops/test_humming_jit.py tests/benchmarks ;;
@@ -151,12 +152,15 @@ ours|upstream|ours-mtp|ours-dspark)
   # a decode-step cut (default on, never served on a GPU before) that did not pass its GPU tests earlier
   # in this lease (phase cuts) is served off, rather than lose the phase to its failed known answers
   if [ "$phase" != upstream ]; then
+    # (cuts-e2e serves both together: where it fails, both go)
     for cut in router-topk:VLLM_LING_ROUTER_TOPK=vllm kda-conv:VLLM_LING_KDA_FUSED_CONV=0; do
-      log=/tmp/gpu-run-cuts/${cut%%:*}.log
-      if [ -e "$log" ] && { grep -qE '[0-9]+ (failed|error)' "$log" || ! grep -qE '^[0-9]+ passed' "$log"; }; then
-        composition+=(--switch "${cut#*:}")
-        echo "$phase: ${cut%%:*} tests did not pass, served with ${cut#*:}" >> "$out/rc.txt"
-      fi
+      for log in /tmp/gpu-run-cuts/${cut%%:*}.log /tmp/gpu-run-cuts/cuts-e2e.log; do
+        if [ -e "$log" ] && { grep -qE '[0-9]+ (failed|error)' "$log" || ! grep -qE '^[0-9]+ passed' "$log"; }; then
+          composition+=(--switch "${cut#*:}")
+          echo "$phase: $(basename "$log" .log) did not pass, served with ${cut#*:}" >> "$out/rc.txt"
+          break
+        fi
+      done
     done
   fi
   # LAYERS=N: a full-width slice of N decoder layers (benchmarks/serve_h200.py --layers): starts in a
@@ -197,9 +201,11 @@ cuts)
   # grouped_topk_fused_kernel (benchmarks/router_topk.py; kernel-only, minutes)
   part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py
   part kda-conv 300 -m gpu tests/layers/test_kda_fused_conv.py
+  tiny_test cuts-e2e 420  # both cuts through torch.compile and CUDA graphs on the routable tiny model
   wait "${pids[@]}"
   record gpu:router-topk "$out/router-topk.log"
   record gpu:kda-conv "$out/kda-conv.log"
+  record gpu-e2e:cuts "$out/cuts-e2e.log"
   timeout 200 python3 -m benchmarks.router_topk --out "$OUT/router-topk.md" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
   ;;

@@ -10,6 +10,8 @@ the GPU with other jobs):
   every requested optimization is active on the GPU, a tool call comes back parsed with the
   reasoning separated, and the accept length read from ``/metrics``;
 - the planted weight-only head trap is refused under strict (caught on the GPU too);
+- issue 29's decode cuts (router top-k, fused KDA convolutions) active and verified on the agreeing
+  checkpoint with 64 experts (``make-tiny --routable``), greedy output as expected;
 - the agreeing checkpoint: accept length >= 3.5, its greedy output equal to the independent
   expectation (:func:`vllm_ling.models.agreeing_checkpoint.expected_continuation`) with speculation
   on, off, and in eager mode;
@@ -220,9 +222,40 @@ def test_greedy_output_is_the_same_without_speculation_and_in_eager_mode(agreein
 
 # Each opt-out switch alone -> the report entries it turns off (the rest stay active). The humming
 # decode kernels are humming's: vLLM's MoE method turns them off too.
+@pytest.fixture(scope="module")
+def routable(tmp_path_factory) -> Path:
+    from vllm_ling.models.tiny_checkpoint import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("gpu-routable") / "tiny-routable", seed=0, agreeing=True, routable=True)
+
+
+def test_the_decode_cuts_serve_verified_on_a_tiny_model_the_top_k_kernel_routes(routable, tmp_path):
+    """Issue 29's cuts through vLLM's torch.compile and CUDA graphs (FULL decode graphs of the MTP verify
+    windows): the agreeing tiny checkpoint with 64 experts in 2 groups (``make-tiny --routable``), so the
+    router top-k kernel serves it beside the fused KDA convolutions. Strict verification passes with both
+    optimizations active and their known answers passed on the GPU, and the greedy output is the
+    independent expectation. The lease's `cuts` phase runs it before any full-size start."""
+    from vllm_ling.models.agreeing_checkpoint import expected_continuation
+
+    server, report_path = serve(routable, tmp_path)
+    try:
+        report = json.loads(report_path.read_text())
+        assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+        opts = report["optimizations"]
+        for name in ("router_topk", "kda_fused_conv"):
+            assert opts[name]["requested"] and opts[name]["active"], (name, opts[name])
+        checked = {r["name"]: r for r in report["kernel_checks"]["results"]}
+        assert checked["router_topk"]["passed"] and checked["kda_conv"]["passed"], checked
+        assert graphs_and_compile_ran(server.log())
+        want = expected_continuation(PROMPT[-1], MAX_TOKENS, json.loads((routable / "config.json").read_text()))
+        assert complete(server.base_url) == want
+    finally:
+        stop(server)
+
+
 # Requested by nothing the tiny agreeing model serves: DSpark (a drafter asks for it), the router
 # top-k (the tiny model's 16 experts are below the kernel's 32: each layer keeps vLLM's router, one
-# WARNING naming why; the full-size start proves it).
+# WARNING naming why; the routable tiny model above and the full-size start prove it).
 NOT_REQUESTED_HERE = {"dspark", "router_topk"}
 SWITCHED_OFF = {
     "VLLM_LING_MOE_BACKEND": {"moe_humming", "moe_decode_kernels"},

@@ -91,6 +91,22 @@ def test_check_accepts_the_tiny_checkpoint(tiny_checkpoint):
     assert check_checkpoint(tiny_checkpoint, _config(tiny_checkpoint), include_mtp=True) == []
 
 
+def test_the_routable_tiny_checkpoint_is_the_format_and_the_top_k_kernel_holds_it(tmp_path):
+    """``make-tiny --routable`` (the GPU end-to-end test of the decode cuts serves it): the -fp4 format
+    with 64 experts in 2 groups, a routing the grouped top-k kernel takes, the default tiny's not."""
+    from vllm_ling.cli.make_tiny import main
+    from vllm_ling.ops.router_topk.kernel import shape_problems
+
+    assert main([str(tmp_path / "routable"), "--routable", "--agreeing"]) == 0
+    config = _config(tmp_path / "routable")
+    assert check_checkpoint(tmp_path / "routable", config, include_mtp=True) == []
+    routing = (config["num_experts"], config["n_group"], config["topk_group"], config["num_experts_per_tok"])
+    assert routing == (64, 2, 1, 2) and shape_problems(*routing) == []
+    default = json.loads((DATA / "ling3_tiny_fp4_config.json").read_text())
+    assert shape_problems(default["num_experts"], default["n_group"], default["topk_group"],
+                          default["num_experts_per_tok"])
+
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

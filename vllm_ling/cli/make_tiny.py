@@ -21,6 +21,9 @@ def main(argv: list[str]) -> int:
                         help=f"config.json to start from (default: {TINY_CONFIG.name} shipped with vllm-ling)")
     parser.add_argument("--all-mla", action="store_true",
                         help="make every layer MLA (no KDA layers; some tests and the compose CPU demo use it)")
+    parser.add_argument("--routable", action="store_true",
+                        help="64 routed experts in 2 groups of 32 (the tiny default has 16 in 4): the router top-k "
+                             "kernel serves it, as it does the full size")
     weights = parser.add_mutually_exclusive_group()  # two ways of choosing the weights
     weights.add_argument("--agreeing", action="store_true",
                          help="weights whose NEXTN layer provably predicts the target's next token")
@@ -36,7 +39,7 @@ def main(argv: list[str]) -> int:
     if script is not None and Path(script).is_file():
         script = Path(script).read_text().rstrip("\n")
     try:
-        out = make_tiny(args.dir, args.seed, args.config, args.all_mla, args.agreeing, script)
+        out = make_tiny(args.dir, args.seed, args.config, args.all_mla, args.agreeing, script, args.routable)
     except ValueError as exc:
         parser.error(f"--script: {exc}")
     kind = ("scripted: its greedy chat answer is the script" if script is not None

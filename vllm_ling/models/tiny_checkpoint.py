@@ -65,6 +65,15 @@ def all_mla_variant(config: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def routable_variant(config: dict[str, Any]) -> dict[str, Any]:
+    """64 routed experts in 2 groups of 32 (keep 1, top 2): the smallest tiny Ling whose routing
+    vllm-ling's grouped top-k kernel holds (whole warps of experts per group), so every kernel the
+    full size serves also serves the tiny model."""
+    cfg = copy.deepcopy(config)
+    cfg.update(num_experts=64, n_group=2, topk_group=1, num_experts_per_tok=2)
+    return cfg
+
+
 def _init_tensor(spec: TensorSpec, config: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
     std = float(config.get("initializer_range", 0.02))
     name = spec.name
@@ -188,10 +197,13 @@ def write_checkpoint(out_dir: str | os.PathLike, config: dict[str, Any],
 
 
 def make_tiny(out_dir: str | os.PathLike, seed: int = 0, config_path: str | None = None,
-              all_mla: bool = False, agreeing: bool = False, script: str | None = None) -> Path:
+              all_mla: bool = False, agreeing: bool = False, script: str | None = None,
+              routable: bool = False) -> Path:
     config = load_tiny_config(config_path)
     if all_mla:
         config = all_mla_variant(config)
+    if routable:
+        config = routable_variant(config)
     overrides = None
     if script is not None:
         overrides = _scripted(Path(out_dir), config, seed, script)
