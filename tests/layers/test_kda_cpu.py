@@ -690,6 +690,8 @@ def test_fused_convolutions_decode_as_vllms_three_launches(vllm_config, monkeypa
     steps = [(build_metadata(builder, [1, 1, 1], [5 + t, 9 + t, 2 + t], [[3], [5], [6]]), hidden_states(3, 20 + t))
              for t in range(3)]
     assert steps[0][0].num_decodes == 3 and steps[0][0].spec_sequence_masks is None
+    # a CUDA-graph-padded step: 4 rows of hidden states, 3 of them tokens (the padding row's core output is 0)
+    steps.append((build_metadata(builder, [1, 1, 1], [8, 12, 5], [[3], [5], [6]]), hidden_states(4, 29)))
     _steps_agree(vllm_config, layers, steps, launches)
 
 

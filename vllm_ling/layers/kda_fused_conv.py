@@ -125,23 +125,27 @@ def _heads(layer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
                  for t in x.split(layer.projection_size_per_partition, dim=-1))
 
 
-def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, core_attn_out: torch.Tensor) -> None:
-    """The layer's KDA core for one step: the fused paths for batches of plain decodes or of verify
-    windows only, vLLM's ``_forward`` for the rest."""
+def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """The layer's KDA core for one step, [1, tokens, heads, head_dim]: the fused paths for batches of
+    plain decodes or of verify windows only (the recurrent kernel's own output where it covers every
+    token: no zero fill, no copy), vLLM's ``_forward`` for the rest."""
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.models import bailing_moe_v3 as vllm_model
 
+    core_attn_out = None
     metadata = get_forward_context().attn_metadata
     md = metadata.get(layer.prefix) if isinstance(metadata, dict) else None
-    if md is None:  # profile / warm-up runs carry no mamba metadata (vLLM's forward returns too)
-        return
-    decode_only = md.spec_sequence_masks is None and md.num_prefills == 0 and md.num_decodes > 0
-    verify_only = md.spec_sequence_masks is not None and md.num_prefills == 0 and md.num_decodes == 0
+    decode_only = md is not None and md.spec_sequence_masks is None and md.num_prefills == 0 and md.num_decodes > 0
+    verify_only = (md is not None and md.spec_sequence_masks is not None and md.num_prefills == 0
+                   and md.num_decodes == 0)
     if not (decode_only or verify_only):
-        q, k, v = qkv.split(layer.projection_size_per_partition, dim=-1)
-        layer._forward(q, k, v, g1, beta, core_attn_out)
-        return
+        # profile / warm-up runs carry no mamba metadata (vLLM's forward leaves the zeros too)
+        core_attn_out = qkv.new_zeros(_core_shape(layer, qkv))
+        if md is not None:
+            q, k, v = qkv.split(layer.projection_size_per_partition, dim=-1)
+            layer._forward(q, k, v, g1, beta, core_attn_out)
+        return core_attn_out
     conv_state, recurrent_state = layer.kv_cache
     recurrent_state = recurrent_state[..., :layer.head_dim]
     if not is_conv_state_dim_first():
@@ -165,19 +169,31 @@ def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor
             q=q, k=k, v=v, g=g1.contiguous(), beta=beta.contiguous(), scale=layer.head_dim ** -0.5,
             initial_state=recurrent_state, inplace_final_state=True, cu_seqlens=cu[:md.num_spec_decodes + 1],
             ssm_state_indices=slots, num_accepted_tokens=md.num_accepted_tokens, use_qk_l2norm_in_kernel=True)
+    if n == qkv.shape[0]:  # every token (no CUDA-graph padding): the kernel's output is the answer
+        return out
+    core_attn_out = qkv.new_zeros(_core_shape(layer, qkv))
     core_attn_out[0, :n] = out[0, :n]
+    return core_attn_out
 
 
-def _kda_attention_op(qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, core_attn_out: torch.Tensor,
-                      layer_name: str) -> None:
+def _core_shape(layer, qkv: torch.Tensor) -> tuple[int, ...]:
+    return (1, qkv.shape[0], layer.local_num_heads, layer.head_dim)
+
+
+def _kda_attention_op(qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, layer_name: str) -> torch.Tensor:
     from vllm.forward_context import get_forward_context
 
-    kda_attention(get_forward_context().no_compile_layers[layer_name], qkv, g1, beta, core_attn_out)
+    return kda_attention(get_forward_context().no_compile_layers[layer_name], qkv, g1, beta)
 
 
-# writes core_attn_out only: the conv's outputs go to a new tensor (vLLM's op writes them into its q,
-# k and v inputs undeclared)
-torch.library.custom_op(OP_NAME, _kda_attention_op, mutates_args=("core_attn_out",))
+def _kda_attention_fake(qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return g1.new_empty(g1.shape, dtype=qkv.dtype)  # [1, tokens, heads, head_dim]: the gate's shape
+
+
+# mutates no input: the conv's outputs go to a new tensor (vLLM's op writes them into its q, k and v
+# inputs undeclared) and the result is returned, not written into a zero-filled buffer
+kda_attention_op = torch.library.custom_op(OP_NAME, _kda_attention_op, mutates_args=())
+kda_attention_op.register_fake(_kda_attention_fake)
 
 
 def served(layer) -> Served:
