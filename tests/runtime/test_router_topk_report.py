@@ -102,6 +102,27 @@ def test_active_when_every_router_runs_the_kernel_and_it_passes(loaded_tiny_mode
         "vllm_ling:optimization_active": 1, "vllm_ling:kernel_check_passed": 1}
 
 
+def test_the_known_answers_run_on_the_device_of_the_served_routers_bias(loaded_tiny_models, lings_routers,
+                                                                        monkeypatch):
+    """The runner holds no parameter of its own (its experts and gate are submodules): the check's device
+    is read from the router's bias, where the kernel reads it while serving."""
+    from vllm_ling.layers import known_answer as layer_checks
+    from vllm_ling.ops.known_answer import skipped_result
+
+    seen = []
+
+    def spy(runner, device):
+        seen.append(device)
+        return skipped_result("router_topk", "spy", "only the device is read here")
+
+    monkeypatch.setattr(layer_checks, "check_router_topk", spy)
+    for runner, _ in lings_routers:
+        monkeypatch.setattr(runner.router, "e_score_correction_bias",
+                            torch.nn.Parameter(torch.zeros(runner.router.global_num_experts, device="meta")))
+    _report(loaded_tiny_models)
+    assert seen == [torch.device("meta")]
+
+
 def test_the_known_answers_leave_the_served_routers_bias_alone(loaded_tiny_models, lings_routers):
     before = [r.router.e_score_correction_bias.detach().clone() for r, _ in lings_routers]
     _report(loaded_tiny_models)

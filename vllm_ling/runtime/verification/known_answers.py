@@ -99,8 +99,9 @@ def run_kernel_checks(census: Census) -> list[KernelCheckResult]:
     for e in census.of(Feature.ROUTER_TOPK):  # one per routing configuration the kernel serves
         if e.served.key[0] is RouterTopk.LING:
             r = e.module.router
+            dev = r.e_score_correction_bias.device  # the runner holds no parameter of its own: the router's bias
             topk.setdefault((r.global_num_experts, r.num_expert_group, r.topk_group, r.top_k, r.renormalize,
-                             r.routed_scaling_factor, _device(e.module)), (e.module, _device(e.module)))
+                             r.routed_scaling_factor, dev), (e.module, dev))
     conv: dict[tuple, tuple[Any, torch.device]] = {}
     for e in census.of(Feature.KDA_FUSED_CONV):  # one per block width and conv width
         if e.served.key[0] is KdaConv.FUSED:
