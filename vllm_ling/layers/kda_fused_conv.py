@@ -134,8 +134,8 @@ def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor
     from vllm.model_executor.models import bailing_moe_v3 as vllm_model
 
     core_attn_out = None
-    metadata = get_forward_context().attn_metadata
-    md = metadata.get(layer.prefix) if isinstance(metadata, dict) else None
+    metadata = get_forward_context().attn_metadata  # {layer name: metadata}, as vLLM's forward asserts
+    md = None if metadata is None else metadata.get(layer.prefix)
     decode_only = md is not None and md.spec_sequence_masks is None and md.num_prefills == 0 and md.num_decodes > 0
     verify_only = (md is not None and md.spec_sequence_masks is not None and md.num_prefills == 0
                    and md.num_decodes == 0)
