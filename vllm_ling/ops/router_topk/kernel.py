@@ -3,7 +3,8 @@
 ``grouped_topk_cuda(logits, bias, ...)`` = :func:`vllm_ling.ops.moe.routing.grouped_topk` (the
 plain-PyTorch reference, sigmoid scoring with a correction bias) for fp32 logits [T, E]: float32
 weights and int32 ids [T, top_k], best first. One CTA of E threads per token; compiled by NVRTC
-through :mod:`vllm_ling.ops.cuda_jit`; runs on sm_80+. CUDA-graph capturable (no host sync; two
+through :mod:`vllm_ling.ops.cuda_jit`; runs on sm_80+, with programmatic dependent launch on sm_90+
+(the bias is read before the wait for the gate's logits). CUDA-graph capturable (no host sync; two
 allocations, the outputs, when they are not given). No vLLM import. Served by
 :mod:`vllm_ling.layers.router_topk` (``VLLM_LING_ROUTER_TOPK``); measured against vLLM's kernel by
 ``benchmarks/router_topk.py``.
@@ -63,6 +64,12 @@ def source(num_experts: int, n_group: int, topk_group: int, top_k: int, renormal
 _COMPILED: dict[tuple, object] = {}
 
 
+@functools.cache
+def _pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch where the kernel's griddepcontrol runs (sm_90+; compiled out below)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def compiled(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool, device: torch.device):
     key = (num_experts, n_group, topk_group, top_k, renormalize, device)
     kernel = _COMPILED.get(key)
@@ -97,5 +104,5 @@ def grouped_topk_cuda(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gr
     kernel = compiled(e, n_group, topk_group, top_k, renormalize, logits.device)
     launch(kernel, (t, 1), e, (logits.data_ptr(), bias.data_ptr(), weights.data_ptr(), ids.data_ptr(),
                                logits.stride(0), float(routed_scaling_factor)),
-           _ARG_TYPES, torch.cuda.current_stream(logits.device).cuda_stream)
+           _ARG_TYPES, torch.cuda.current_stream(logits.device).cuda_stream, pdl=_pdl(logits.device))
     return weights, ids
