@@ -174,13 +174,13 @@ ours|upstream|ours-mtp|ours-dspark)
   ;;
 slices)
   # A/B of one switch at a time on a LAYERS-layer (default 6) full-width slice, one server after another:
-  # SLICES="name:VAR=value ..." (default: ours, ours with each prefill-time switch at its opt-out, and the
-  # upstream composition; `name:--vllm-flag=value` passes a vLLM argument instead, e.g.
+  # SLICES="name:VAR=value ..." (default: ours, ours with each prefill-time switch and each decode cut at its
+  # opt-out, ours on FlashMLA, and the upstream composition; `name:--vllm-flag=value` passes a vLLM argument instead, e.g.
   # flashmla:--attention-backend=FLASHMLA); each gets STARTUP_S (default 330: a slice compiles in ~30 s
   # but captures every graph size), short measurements, its JSON slice-<name>-L<n>.json and its own
   # server log folder.
   n=${LAYERS:-6} startup_s=${STARTUP_S:-330}
-  for spec in ${SLICES:-ours: graphs0:VLLM_LING_PREFILL_GRAPH_TOKENS=0 routing-torch:VLLM_LING_MOE_ROUTING=torch kda0:VLLM_LING_KDA_MERGED_IN_PROJ=0 dense-vllm:VLLM_LING_DENSE_FP8=vllm topk-vllm:VLLM_LING_ROUTER_TOPK=vllm conv0:VLLM_LING_KDA_FUSED_CONV=0 upstream:}; do
+  for spec in ${SLICES:-ours: graphs0:VLLM_LING_PREFILL_GRAPH_TOKENS=0 routing-torch:VLLM_LING_MOE_ROUTING=torch kda0:VLLM_LING_KDA_MERGED_IN_PROJ=0 dense-vllm:VLLM_LING_DENSE_FP8=vllm topk-vllm:VLLM_LING_ROUTER_TOPK=vllm conv0:VLLM_LING_KDA_FUSED_CONV=0 flashmla:--attention-backend=FLASHMLA upstream:}; do
     name=${spec%%:*} setting=${spec#*:} comp=ours ab=()
     [ "$name" = upstream ] && comp=upstream
     case "$setting" in
