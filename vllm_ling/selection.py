@@ -44,6 +44,14 @@ class Platform(Choice):
     CUDA = "cuda"
 
 
+def serving_platform() -> Platform:
+    """The platform this vLLM process serves on (vLLM's own answer, asked when needed: vLLM resolves
+    it after the plugins load)."""
+    from vllm.platforms import current_platform
+
+    return Platform.CPU if current_platform.is_cpu() else Platform.CUDA
+
+
 @dataclasses.dataclass(frozen=True)
 class Selection:
     feature: Feature

@@ -651,7 +651,7 @@ def _fused_and_vllms(vllm_config, monkeypatch, num_spec):
     from vllm_ling.models.kda_fused_conv import KdaConv
     from vllm_ling.selection import Feature, Platform, recorded
 
-    monkeypatch.setattr(M, "_platform", lambda: Platform.CUDA)
+    monkeypatch.setattr(M, "serving_platform", lambda: Platform.CUDA)
     layers = []
     for fused in (True, False):
         monkeypatch.setenv("VLLM_LING_KDA_FUSED_CONV", "1" if fused else "0")

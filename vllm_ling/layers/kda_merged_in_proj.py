@@ -37,7 +37,7 @@ from vllm_ling.models.kda_merged_in_proj import (MEMBERS, MERGED_DESCRIPTION, ME
                                                  select_kda_merged_in_proj)
 from vllm_ling.models.layer_kinds import is_kda_module, kda_layers
 from vllm_ling.options import LingOptions, opt_out_setting
-from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record
+from vllm_ling.selection import Feature, Reader, Selection, Served, record, serving_platform
 
 logger = get_logger("kda")
 
@@ -64,7 +64,7 @@ class MergedInProjection:
         arguments.apply_defaults()
         quant_config, prefix = arguments.arguments["quant_config"], arguments.arguments["prefix"]
         chosen = record(self, selection(self, quant_config, prefix))
-        kda_fused_conv.install(self, chosen.choice is KdaInProj.MERGED, _platform())
+        kda_fused_conv.install(self, chosen.choice is KdaInProj.MERGED, serving_platform())
         if chosen.choice is not KdaInProj.MERGED:
             log_once(logger, logging.WARNING, f"kda-unmerged-{chosen.reason}",
                      "KDA in-projections NOT merged (%s and similar layers): %s; vLLM's qkv_proj, f_proj and "
@@ -84,12 +84,6 @@ class MergedInProjection:
         self.qkv_proj = self.f_proj = self.g_proj = None
         setattr(self, MERGED_NAME, merged)
         log_once(logger, logging.INFO, "kda-merged", "KDA in-projections: %s.", MERGED_DESCRIPTION)
-
-
-def _platform() -> Platform:
-    from vllm.platforms import current_platform
-
-    return Platform.CPU if current_platform.is_cpu() else Platform.CUDA
 
 
 def merged_in_projections(layer: torch.nn.Module, hidden_states: torch.Tensor):

@@ -36,7 +36,7 @@ from vllm_ling.options import LingOptions, RouterGemv, opt_out_setting
 from vllm_ling.ops.small_gemv import router as router_ops
 from vllm_ling.ops.small_gemv.selection import (NOT_A_GEMV_GATE, ROUTER_OPTION, GateFacts, GemvPath,
                                                 RouterGemvUnavailable, select_router_gemv)
-from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record
+from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record, serving_platform
 
 logger = get_logger("router")
 
@@ -76,12 +76,6 @@ def decide(facts: GateFacts, options: LingOptions, device: torch.device | str | 
                  "them (the startup check router_gates reports it).", facts.prefix, facts.num_experts,
                  facts.hidden_size, reason)
     return selection
-
-
-def serving_platform() -> Platform:
-    from vllm.platforms import current_platform
-
-    return Platform.CPU if current_platform.is_cpu() else Platform.CUDA
 
 
 _GATES = LayersByName()  # op name -> gate (layers/op_layers.py: why names are prefixes)

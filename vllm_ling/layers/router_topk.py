@@ -30,7 +30,7 @@ from vllm_ling.ops.router_topk import kernel as topk_kernel
 from vllm_ling.ops.router_topk.selection import (NOT_LINGS_ROUTING, TOPK_OPTION, RouterFacts,
                                                  RouterTopkUnavailable, select_router_topk)
 from vllm_ling.options import LingOptions, RouterTopk, opt_out_setting
-from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record
+from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record, serving_platform
 
 logger = get_logger("router")
 
@@ -66,12 +66,6 @@ def decide(facts: RouterFacts, options: LingOptions, platform: Platform = Platfo
                  "grouped_topk serves them (the startup check router_topk reports it).", facts.prefix,
                  facts.num_experts, facts.n_group, facts.topk_group, facts.top_k, reason)
     return selection
-
-
-def serving_platform() -> Platform:
-    from vllm.platforms import current_platform
-
-    return Platform.CPU if current_platform.is_cpu() else Platform.CUDA
 
 
 def _ling_model() -> bool:

@@ -23,7 +23,7 @@ from vllm_ling.runtime.verification.speculative import CHECK_NAME as SPECULATIVE
 from vllm_ling.runtime.verification.speculative import Speculative, check_speculative, mtp_entry
 from vllm_ling.runtime.verification.stage import has_head, pipeline_stage
 from vllm_ling.runtime.verification.versions import check_versions, gpu_arch
-from vllm_ling.selection import Reader
+from vllm_ling.selection import Reader, serving_platform
 from vllm_ling.versions import humming_version, vllm_version
 
 
@@ -50,12 +50,6 @@ def serving_notes(vllm_config, known: dict[str, Any]) -> list[str]:
     return notes
 
 
-def _platform() -> str:
-    from vllm.platforms import current_platform
-
-    return "cpu" if current_platform.is_cpu() else "cuda"
-
-
 def build_report(target, draft, vllm_config, options: LingOptions, spec: Speculative | None = None,
                  platform: str | None = None, readers: tuple[Reader, ...] | None = None) -> dict[str, Any]:
     """This rank's report. ``spec``, ``platform`` and ``readers`` default to what is in force."""
@@ -64,7 +58,7 @@ def build_report(target, draft, vllm_config, options: LingOptions, spec: Specula
 
         readers = layer_readers()
     spec = spec or Speculative.in_force(vllm_config)
-    platform = platform or _platform()
+    platform = platform or serving_platform().value
     config = vllm_config.model_config.hf_config
     stage = pipeline_stage(target, config.num_hidden_layers)
     census = take_census(target, draft, readers)
