@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
@@ -58,14 +59,17 @@ def test_cpu_with_allow_cpu_reports_shapes_and_exits_0(tmp_path):
     assert "MoE W4A8" in w4a8.stdout
 
 
+def _plan(tmp_path, config, env, **changes):
+    """The warm-up plan for ``config`` changed by ``changes``, under the environment ``env``."""
+    model = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**config, **changes}))
+    return warmup.plan_warmup(warmup.build_warmup_parser().parse_args([str(model)]), env)
+
+
 def test_router_gemv_plan_follows_the_switch_and_the_gate_shape(tmp_path):
     config = json.loads(FLASH_CONFIG.read_text())
-
-    def plan(env, **changes):
-        model = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
-        model.mkdir()
-        (model / "config.json").write_text(json.dumps({**config, **changes}))
-        return warmup.plan_warmup(warmup.build_warmup_parser().parse_args([str(model)]), env)
+    plan = functools.partial(_plan, tmp_path, config)
 
     on = plan({})
     assert on.router and f"router GEMV {config['num_experts']} x {config['hidden_size']}" in on.describe()
@@ -85,12 +89,7 @@ def test_router_gemv_plan_follows_the_switch_and_the_gate_shape(tmp_path):
 
 def test_router_topk_plan_follows_the_switch_and_the_routing(tmp_path):
     config = json.loads(FLASH_CONFIG.read_text())
-
-    def plan(env, **changes):
-        model = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
-        model.mkdir()
-        (model / "config.json").write_text(json.dumps({**config, **changes}))
-        return warmup.plan_warmup(warmup.build_warmup_parser().parse_args([str(model)]), env)
+    plan = functools.partial(_plan, tmp_path, config)
 
     on = plan({})
     assert on.router_topk and (f"router top-k {config['num_experts']} experts, {config['n_group']} groups keep "
