@@ -86,6 +86,7 @@ def test_other_routing_keeps_vllms_router_without_a_warning(records, change, wor
     ({"top_k": 40}, "top_k=40 is outside 1..32"),
     ({"eplb": True}, "expert-parallel load balancing"),
     ({"skip_padding": True}, "skip_padding"),
+    ({"fused_shared_experts": 1}, "1 shared expert(s) fused into the picks"),
 ])
 def test_lings_routing_the_kernel_cannot_hold_is_one_warning(records, change, words, monkeypatch):
     monkeypatch.setattr(topk_kernel, "unavailable_reason", lambda device=None: "sm_75: needs sm_80+")  # not asked

@@ -88,7 +88,8 @@ def router_facts(router, prefix: str, ling_model: bool) -> RouterFacts:
                        has_bias=attr("e_score_correction_bias", None) is not None,
                        num_experts=int(attr("global_num_experts")), n_group=int(attr("num_expert_group") or 0),
                        topk_group=int(attr("topk_group") or 0), top_k=int(attr("top_k")),
-                       eplb=attr("eplb_state", None) is not None, skip_padding=bool(attr("skip_padding", False)))
+                       eplb=attr("eplb_state", None) is not None, skip_padding=bool(attr("skip_padding", False)),
+                       fused_shared_experts=int(attr("num_fused_shared_experts") or 0))
 
 
 @functools.cache

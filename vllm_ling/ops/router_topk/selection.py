@@ -37,6 +37,7 @@ class RouterFacts:
     top_k: int
     eplb: bool = False         # expert-parallel load balancing maps the ids after the routing
     skip_padding: bool = False  # vLLM masks padded tokens' picks (DeepEP v2 kernels)
+    fused_shared_experts: int = 0  # shared experts appended to the picks (ROCm AITER's fusion)
 
 
 def select_router_topk(options: LingOptions, platform: Platform, facts: RouterFacts,
@@ -69,6 +70,8 @@ def select_router_topk(options: LingOptions, platform: Platform, facts: RouterFa
         problems.append("expert-parallel load balancing is on")
     if facts.skip_padding:
         problems.append("vLLM masks padded tokens' picks here (skip_padding)")
+    if facts.fused_shared_experts:
+        problems.append(f"{facts.fused_shared_experts} shared expert(s) fused into the picks")
     if problems:
         return vllm("; ".join(problems))
     why = kernel.unavailable_reason() if unavailable_reason is None else unavailable_reason()
