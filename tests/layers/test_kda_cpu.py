@@ -643,9 +643,9 @@ def _vllm_kernel_standins(monkeypatch) -> list[int]:
     return launches
 
 
-def _fused_and_vllms(vllm_config, monkeypatch, num_spec):
+def _fused_and_vllms(vllm_config, monkeypatch, num_spec, twin=True):
     """Two vLLM-kernel layers with the same weights, as built on CUDA: the fused convolutions and,
-    opted out, vLLM's three launches; their state caches hold the same random states."""
+    opted out, vLLM's three launches (``twin``); their state caches hold the same random states."""
     from vllm_ling.layers import kda_merged_in_proj as M
     from vllm_ling.layers.kda_merged_in_proj import vllm_merged_class
     from vllm_ling.models.kda_fused_conv import KdaConv
@@ -653,7 +653,7 @@ def _fused_and_vllms(vllm_config, monkeypatch, num_spec):
 
     monkeypatch.setattr(M, "serving_platform", lambda: Platform.CUDA)
     layers = []
-    for fused in (True, False):
+    for fused in (True, False)[:2 if twin else 1]:
         monkeypatch.setenv("VLLM_LING_KDA_FUSED_CONV", "1" if fused else "0")
         layer = build_fp8_layer(vllm_config, True, monkeypatch, seed=5, num_spec=num_spec, cls=vllm_merged_class())
         assert recorded(layer, Feature.KDA_FUSED_CONV).choice is (KdaConv.FUSED if fused else KdaConv.SEPARATE)
@@ -723,3 +723,32 @@ def test_a_batch_with_a_prefill_goes_to_vllms_forward_with_q_k_v(vllm_config, mo
     assert md.num_prefills == 1
     run_layer(fused, vllm_config, md, hidden_states(7, 40))
     assert seen == [(HEADS * HEAD_DIM,) * 3]
+
+
+def test_the_fused_forward_traces_whole_under_torch_compile(vllm_config, monkeypatch):
+    """vLLM compiles the model with torch.compile(fullgraph=True): the fused forward, its opaque op
+    (the fake implementation's shape and dtype) and the op's result traced in one graph, functionalized
+    (aot_eager, as Inductor's front end), equal to the eager forward."""
+    from vllm_ling.layers.kda_merged_in_proj import vllm_merged_class
+
+    launches = _vllm_kernel_standins(monkeypatch)
+    [fused] = _fused_and_vllms(vllm_config, monkeypatch, num_spec=0, twin=False)
+    assert type(fused) is vllm_merged_class()
+    builder = metadata_builder(fused, vllm_config, monkeypatch=monkeypatch)
+    md = build_metadata(builder, [1, 1], [5, 9], [[3], [5]])
+    hidden = hidden_states(2, 50)
+    saved = [t.clone() for t in fused.kv_cache]
+    eager = run_layer(fused, vllm_config, md, hidden)
+    with torch.no_grad():
+        for t, s in zip(fused.kv_cache, saved):
+            t.copy_(s)
+    launches.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(fused.forward, fullgraph=True, backend="aot_eager", dynamic=False)
+    from vllm.forward_context import set_forward_context
+
+    out = torch.empty_like(hidden)
+    with torch.no_grad(), set_forward_context({fused.prefix: md}, vllm_config):
+        compiled(hidden, torch.zeros(2, dtype=torch.long), out)
+    assert launches == [3 * HEADS * HEAD_DIM]  # the fused op ran, once
+    torch.testing.assert_close(out, eager, atol=1e-6, rtol=1e-6)
