@@ -30,7 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.timeline import covered_us
+from benchmarks.timeline import covered_us, wall_shares
 
 # (op class, regex on the kernel name); the first match wins. Classes with a byte floor in the plan
 # are named as in FLOOR_COMPONENTS.
@@ -165,24 +165,10 @@ def busy_and_gaps(kernels: list[dict]) -> tuple[float, float]:
     return busy, span - busy
 
 
-def wall_us(kernels: list[dict]) -> list[float]:
-    """Each kernel's share of the time covered by the step's kernels, in GPU start order: what it adds
-    to the covered timeline beyond the kernels that started before it. Overlapping kernels (a
-    programmatic-dependent launch started early and waiting, another stream's work) are counted once,
-    so the shares sum to the busy time, where the durations sum to more."""
-    out = [0.0] * len(kernels)
-    covered = None
-    for i in sorted(range(len(kernels)), key=lambda i: kernels[i]["ts"]):
-        start, end = kernels[i]["ts"], kernels[i]["ts"] + kernels[i]["dur"]
-        out[i] = end - start if covered is None else max(0.0, end - max(start, covered))
-        covered = end if covered is None else max(covered, end)
-    return out
-
-
 def step_figures(step: dict) -> dict:
     ks = step["kernels"]
     classes = label_classes(ks)
-    walls = wall_us(ks)
+    walls = wall_shares(ks)
     per_class = collections.Counter()
     per_class_wall = collections.Counter()
     launches = collections.Counter()

@@ -81,7 +81,7 @@ def test_overlapping_kernels_count_once_in_the_wall_column():
           {"name": "ling_dense_w8a16_wave", "ts": 0.5, "dur": 4.0, "stream": 2},  # the shared expert, inside
           {"name": "ling_moe_hl_down", "ts": 1.5, "dur": 16.0, "stream": 1},     # waits in the GPU, ends at 17.5
           {"name": "triton_red_fused_add_rms_norm_1", "ts": 20.0, "dur": 2.0, "stream": 1}]
-    assert V.wall_us(ks) == [11.0, 0.0, 6.5, 2.0]
+    assert V.wall_shares(ks) == [11.0, 0.0, 6.5, 2.0]
     figures = V.step_figures({"annotation": "execute_context_0(0)_generation_1(1)", "context_tokens": 0,
                               "generation_tokens": 1, "iteration_us": 25.0, "kernels": ks})
     assert figures["classes"]["moe_routed"] == 27.0 and figures["wall"]["moe_routed"] == 17.5

@@ -35,6 +35,13 @@ def cuda_capability(device: torch.device | str | None) -> tuple[int, int] | str:
 
 
 @functools.cache
+def pdl_available(device: torch.device) -> bool:
+    """Programmatic dependent launch takes effect on ``device`` (sm_90+: below it the kernels compile
+    their griddepcontrol out and launch without the attribute)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
 def ptx_loads() -> str:
     """The global-load helpers every kernel of this package shares (``ptx_loads.cuh``): each
     kernel's source puts them after its ``#define`` lines."""

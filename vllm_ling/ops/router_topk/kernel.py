@@ -64,11 +64,6 @@ def source(num_experts: int, n_group: int, topk_group: int, top_k: int, renormal
 _COMPILED: dict[tuple, object] = {}
 
 
-@functools.cache
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch where the kernel's griddepcontrol runs (sm_90+; compiled out below)."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
 
 def compiled(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool, device: torch.device):
     key = (num_experts, n_group, topk_group, top_k, renormalize, device)
@@ -85,7 +80,7 @@ def grouped_topk_cuda(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gr
                       renormalize: bool = True, routed_scaling_factor: float = 1.0, *,
                       weights: torch.Tensor | None = None, ids: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    from vllm_ling.ops.cuda_jit import launch
+    from vllm_ling.ops.cuda_jit import launch, pdl_available
 
     t, e = logits.shape
     problems = shape_problems(e, n_group, topk_group, top_k)
@@ -104,5 +99,5 @@ def grouped_topk_cuda(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gr
     kernel = compiled(e, n_group, topk_group, top_k, renormalize, logits.device)
     launch(kernel, (t, 1), e, (logits.data_ptr(), bias.data_ptr(), weights.data_ptr(), ids.data_ptr(),
                                logits.stride(0), float(routed_scaling_factor)),
-           _ARG_TYPES, torch.cuda.current_stream(logits.device).cuda_stream, pdl=_pdl(logits.device))
+           _ARG_TYPES, torch.cuda.current_stream(logits.device).cuda_stream, pdl=pdl_available(logits.device))
     return weights, ids

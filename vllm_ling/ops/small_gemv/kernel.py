@@ -136,7 +136,7 @@ def launch_row_counts(n: int, max_rows: int = MAX_ROWS) -> tuple[int, ...]:
 def small_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, *, out: torch.Tensor | None = None,
                warps: int | None = None, tokens_per_pass: int | None = None, pdl: bool = True) -> torch.Tensor:
     """``out_dtype`` [T, N] = BF16 ``x`` [T, K] @ ``weight`` [N, K].T (fp32 accumulation)."""
-    from vllm_ling.ops.cuda_jit import launch
+    from vllm_ling.ops.cuda_jit import launch, pdl_available
 
     (n, k), t = weight.shape, x.shape[0]
     problems = shape_problems(n, k, weight.dtype)
@@ -160,7 +160,7 @@ def small_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, *,
     default_warps, default_tokens = default_launch(t, n)
     warps, tokens_per_pass = warps or default_warps, tokens_per_pass or default_tokens
     kernel = compiled(k, weight.dtype, out_dtype, warps, tokens_per_pass, x.device)
-    pdl = pdl and torch.cuda.get_device_capability(x.device)[0] >= 9
+    pdl = pdl and pdl_available(x.device)
     launch(kernel, (-(-n // warps), 1), 32 * warps, (weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, t, x.stride(0)),
            _ARG_TYPES, torch.cuda.current_stream(x.device).cuda_stream, pdl=pdl)
     return out
