@@ -401,9 +401,24 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-def same_size_upstream(run: dict, by_name: dict[str, dict]) -> dict | None:
+def role(run: dict) -> str:
+    """What a run is, whatever switches its name carries: ``ours``, ``ours-mtp``, ``ours-dspark`` or
+    ``upstream``, with ``-L<n>`` for a slice (a lease serves a failed cut switched off under a longer name)."""
+    kind = run["composition"] + ("-mtp" if run.get("mtp") else "") + ("-dspark" if run.get("dspark") else "")
+    return kind + (f"-L{run['layers']}" if run.get("layers") else "")
+
+
+def by_role(runs: list[dict]) -> dict[str, dict]:
+    """Role -> the first run of that role."""
+    out: dict[str, dict] = {}
+    for r in runs:
+        out.setdefault(role(r), r)
+    return out
+
+
+def same_size_upstream(run: dict, roles: dict[str, dict]) -> dict | None:
     """The upstream composition's run of the same model size (a slice compares with its own)."""
-    return by_name.get("upstream" + (f"-L{run['layers']}" if run.get("layers") else ""))
+    return roles.get("upstream" + (f"-L{run['layers']}" if run.get("layers") else ""))
 
 
 def ttft_medians(run: dict) -> dict[int, float]:
@@ -424,7 +439,7 @@ def _s(v: float | None) -> str:
 
 def render(args) -> int:
     runs = [json.loads(Path(p).read_text()) for p in args.files]
-    by_name = {r["name"]: r for r in runs}
+    roles = by_role(runs)
     copy = [r["copy_gbs"] for r in runs if r.get("copy_gbs")]
     copy_gbs = statistics.median(copy) if copy else None
     plans = {c: plan_bytes(c) for c in sorted({c["context"] for r in runs for c in r.get("contexts", [])})}
@@ -445,7 +460,7 @@ def render(args) -> int:
         if r.get("mtp") or r.get("dspark"):
             continue
         head = "bf16" if r["composition"] == "upstream" else "fp8"
-        peer = same_size_upstream(r, by_name)
+        peer = same_size_upstream(r, roles)
         for c in r.get("contexts", []):
             # the plan's floor is the whole model's: a slice (--layers) has none
             floor = plans[c["context"]]["heads"][head]["bytes_per_token_batch1"] / (copy_gbs * 1e9) * 1e3 \
@@ -470,12 +485,12 @@ def render(args) -> int:
             mine = ttft[r["name"]]
             if not mine:
                 continue
-            up_ttft = ttft.get((same_size_upstream(r, by_name) or {}).get("name"), {})
+            up_ttft = ttft.get((same_size_upstream(r, roles) or {}).get("name"), {})
             lines.append(f"| {r['name']} | " + " | ".join(_s(mine.get(n)) for n in ttft_lengths) + " | "
                          + " | ".join(f"{up_ttft[n] / mine[n]:.2f}x" if mine.get(n) and up_ttft.get(n) else "-"
                                       for n in ttft_lengths) + " |")
-    mtp = by_name.get("ours-mtp")
-    plain = by_name.get("ours")
+    mtp = roles.get("ours-mtp")
+    plain = roles.get("ours")
     if mtp:
         lines += ["", "MTP (3 draft tokens): one draft + verify iteration, and the TPOT it gives at the study's "
                   "accept lengths (iteration / L). Dummy weights accept almost nothing, so the measured TPOT is the "
@@ -494,7 +509,7 @@ def render(args) -> int:
                          + (f"{it / one:.2f}x" if it and one else "-") + " | "
                          + (f"{c['accept_length']:.2f}" if c.get("accept_length") else "-") + " | "
                          + " | ".join(_ms(it / a if it else None) for a in ACCEPT_LENGTHS) + " |")
-    lines += dspark_lines(by_name, plans, copy_gbs)
+    lines += dspark_lines(roles, plans, copy_gbs)
     lines += ["", "Start-up (seconds, from launch to /health; parts from vLLM's and vllm-ling's own log lines and "
               "report) and memory:", "",
               "| composition | to /health | load weights | torch.compile | graph capture | engine init | "
@@ -522,14 +537,14 @@ def render(args) -> int:
     return 0
 
 
-def dspark_lines(by_name: dict[str, Any], plans: dict[int, Any], copy_gbs: float | None) -> list[str]:
+def dspark_lines(roles: dict[str, Any], plans: dict[int, Any], copy_gbs: float | None) -> list[str]:
     """The DSpark iteration (draft cycle + verify of draft tokens + 1) beside its byte floor, and the
     TPOT it gives at the published accept lengths, against NEXTN MTP's at the study's GSM8K 2.68
     (the issue's target: DSpark at 4.0 at most half of NEXTN at 2.68)."""
-    run = by_name.get("ours-dspark")
+    run = roles.get("ours-dspark")
     if not run:
         return []
-    mtp, plain = by_name.get("ours-mtp"), by_name.get("ours")
+    mtp, plain = roles.get("ours-mtp"), roles.get("ours")
     lines = ["", "DSpark (the drafter's block of 8 draft tokens, verify 9): one draft + verify iteration and the TPOT "
              "it gives at the published accept lengths (iteration / L); dummy weights accept almost nothing, so "
              "the measured TPOT is the iteration time.", "",

@@ -63,6 +63,23 @@ def test_table_puts_each_tpot_beside_its_floor_at_the_measured_bandwidth(tmp_pat
     assert f"| 64 | 3.000 | 2.125 | 1.50x | 1.10 | {3.0 / 2.68:.3f} | {3.0 / 3.90:.3f} |" in text
 
 
+def test_runs_served_with_a_cut_switched_off_keep_their_roles(tmp_path, monkeypatch):
+    """A lease serves a cut that failed its GPU tests switched off, under a longer name
+    (``ours-mtp-router_topk=vllm``): the run still compares with upstream and its MTP iteration with
+    the plain step, by what it is, not by its name."""
+    plans = {64: {"heads": {"fp8": {"bytes_per_token_batch1": 4.0e9, "bytes_per_verify_step": 7.0e9,
+                                    "head_bytes": 4.0e8},
+                            "bf16": {"bytes_per_token_batch1": 4.4e9}},
+                  "draft_tokens": 3, "mtp_draft_step_bytes_without_head": 1.0e8}}
+    monkeypatch.setattr(S, "plan_bytes", lambda context: plans[context])
+    text = _render(tmp_path, (_run("ours-router_topk=vllm", "ours", False, [{"context": 64, "tpot_ms": 2.5}]),
+                              _run("upstream", "upstream", False, [{"context": 64, "tpot_ms": 5.0}]),
+                              _run("ours-mtp-router_topk=vllm", "ours", True,
+                                   [{"context": 64, "tpot_ms": 4.0, "iteration_ms": 4.0}])))
+    assert "| ours-router_topk=vllm | 64 | 2.500 | 1.000 | 2.50x | 0.40 | 2.00x |" in text
+    assert f"| 64 | 4.000 | 2.125 | 1.60x | - | {4.0 / 2.68:.3f} | {4.0 / 3.90:.3f} |" in text
+
+
 def test_dspark_iteration_beside_its_floor_and_against_nextn(tmp_path, monkeypatch):
     plans = {64: {"heads": {"fp8": {"bytes_per_token_batch1": 4.0e9, "bytes_per_verify_step": 7.0e9,
                                     "head_bytes": 4.0e8},
