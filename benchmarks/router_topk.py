@@ -23,9 +23,11 @@ import torch
 
 from benchmarks.lm_head import copy_bandwidth_gbs
 from benchmarks.timing import stacked_time_us
+from vllm_ling.ops.known_answer.router_topk import Routing, decision_margins
 
 CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_config.json").read_text())
 LAYERS = 40
+NEAR_TIE = 1e-6  # fp32 sigmoid and sums round at ~6e-8 near 1: a margin below this is a tie either way
 
 
 def vllm_kernel():
@@ -42,6 +44,23 @@ def vllm_kernel():
     return run
 
 
+def tokens_off(got: list[torch.Tensor], want: list[torch.Tensor], logits: list[torch.Tensor],
+               biases: list[torch.Tensor], routing: Routing) -> tuple[int, int]:
+    """Over every layer: tokens whose picked set differs from the reference's, and how many of them sit
+    at a near tie (an fp32 rounding apart, where either pick is right)."""
+    off = near = 0
+    for g, w, lg, b in zip(got, want, logits, biases):
+        bad = (g.sort(dim=-1).values != w.sort(dim=-1).values).any(dim=-1).cpu()
+        off += int(bad.sum())
+        if bad.any():
+            near += int((decision_margins(lg.cpu()[bad], b.cpu(), routing) < NEAR_TIE).sum())
+    return off, near
+
+
+def _off(counts: tuple[int, int] | None) -> str:
+    return "-" if counts is None else f"{counts[0]} ({counts[1]})"
+
+
 def main(argv: list[str] | None = None) -> int:
     from vllm_ling.ops.moe.routing import grouped_topk
     from vllm_ling.ops.router_topk.kernel import grouped_topk_cuda
@@ -54,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     e, n_group, topk_group, top_k = (CONFIG["num_experts"], CONFIG["n_group"], CONFIG["topk_group"],
                                      CONFIG["num_experts_per_tok"])
     scale = CONFIG["routed_scaling_factor"]
+    routing = Routing(e, n_group, topk_group, top_k, True, scale)
     bw, how = copy_bandwidth_gbs()
     theirs = vllm_kernel()
     rows = []
@@ -67,15 +87,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                               scale, weights=o[0], ids=o[1])
                                    for lg, b, o in zip(logits, biases, outs)], args.iters)
         want = [grouped_topk(lg, top_k, n_group, topk_group, b, True, scale)[1] for lg, b in zip(logits, biases)]
-        ours_ok = all(torch.equal(o[1], w) for o, w in zip(outs, want))
-        their_us, their_ok = None, None
+        ours_off = tokens_off([o[1] for o in outs], want, logits, biases, routing)
+        their_us, their_off = None, None
         if theirs is not None:
             their_us = stacked_time_us([lambda lg=lg, b=b: theirs(lg, b, top_k, n_group, topk_group, scale)
                                         for lg, b in zip(logits, biases)], args.iters)
             got = [theirs(lg, b, top_k, n_group, topk_group, scale)[1] for lg, b in zip(logits, biases)]
-            # vLLM's picks may come in another order: compare the sets
-            their_ok = all(torch.equal(g.sort().values, w.sort().values) for g, w in zip(got, want))
-        rows.append((t, ours_us, their_us, nbytes, ours_ok, their_ok))
+            their_off = tokens_off(got, want, logits, biases, routing)
+        rows.append((t, ours_us, their_us, nbytes, ours_off, their_off))
         print(f"T={t}: ours {ours_us:.2f} us, vLLM {their_us if their_us is None else f'{their_us:.2f}'} us",
               file=sys.stderr)
     lines = [f"# Ling's router top-k, one MoE layer ({torch.cuda.get_device_name()})", "",
@@ -83,18 +102,20 @@ def main(argv: list[str] | None = None) -> int:
              f"renormalised x {scale}. CUDA-graph medians ({args.iters} replays) of {LAYERS} distinct layers, "
              f"us per layer. Copy bandwidth in this run: {bw:,.0f} GB/s ({how}).", "",
              "| tokens | vllm-ling kernel (us) | vLLM grouped_topk (us) | vLLM / ours | bytes | fraction of copy BW (ours) "
-             "| ids = reference (ours / vLLM) |", "|---|---|---|---|---|---|---|"]
-    for t, ours_us, their_us, nbytes, ours_ok, their_ok in rows:
+             f"| tokens picking other experts than the reference, of {LAYERS} x tokens (ours / vLLM; in brackets "
+             f"those at a near tie, decision margin < {NEAR_TIE:g}) |", "|---|---|---|---|---|---|---|"]
+    for t, ours_us, their_us, nbytes, ours_off, their_off in rows:
         ratio = f"{their_us / ours_us:.2f}x" if their_us else "-"
         frac = nbytes / (ours_us * 1e-6) / (bw * 1e9)
         lines.append(f"| {t} | {ours_us:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} | {nbytes:,} "
-                     f"| {frac:.4f} | {ours_ok} / {'-' if their_ok is None else their_ok} |")
+                     f"| {frac:.4f} | {_off(ours_off)} / {_off(their_off)} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
-    return 0 if all(r[4] for r in rows) else 1
+    # a pick that differs away from a near tie is a wrong kernel; at a tie either side is right
+    return 0 if all(off == near for _, _, _, _, (off, near), _ in rows) else 1
 
 
 if __name__ == "__main__":

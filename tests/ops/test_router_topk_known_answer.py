@@ -12,17 +12,27 @@ import pytest
 import torch
 
 import known_answer_faults as faults
+from vllm_ling.models.tiny_checkpoint import routable_variant
 from vllm_ling.ops.known_answer import router_topk as K
 from vllm_ling.ops.moe.routing import grouped_topk
 
 
-def _routing(config_file: str) -> K.Routing:
-    c = json.loads(resources.files("vllm_ling").joinpath(f"data/{config_file}").read_text())
+def _config(config_file: str) -> dict:
+    return json.loads(resources.files("vllm_ling").joinpath(f"data/{config_file}").read_text())
+
+
+def _routing(c: dict) -> K.Routing:
     return K.Routing(c["num_experts"], c["n_group"], c["topk_group"], c["num_experts_per_tok"], True,
                      c["routed_scaling_factor"])
 
 
-ROUTINGS = {"ling": _routing("ling3_flash_fp4_config.json"), "tiny": _routing("ling3_tiny_fp4_config.json")}
+# Ling's, the tiny model's, the routable tiny model's (two groups keeping one: only the flip group is
+# left out of the decoy token's kept groups, the layout the first GPU run of the cut tripped on), and
+# four groups keeping three (one group left out, more than two groups)
+ROUTINGS = {"ling": _routing(_config("ling3_flash_fp4_config.json")),
+            "tiny": _routing(_config("ling3_tiny_fp4_config.json")),
+            "routable": _routing(routable_variant(_config("ling3_tiny_fp4_config.json"))),
+            "four_keep_three": K.Routing(128, 4, 3, 6, True, 2.5)}
 FAULTS = ("no_bias", "no_groups", "group_max", "biased_weights", "no_renormalize", "no_scale")
 
 
@@ -68,7 +78,7 @@ def test_the_designed_tokens_alone_catch_the_routing_faults(routing, fault):
 def test_random_tokens_leave_no_near_tie_to_decide(routing):
     problem = K.router_topk_problem(routing)
     for case in problem.cases:
-        assert (K._margins(case.inputs["logits"], problem.bias, routing) > K.MARGIN).all(), case.label
+        assert (K.decision_margins(case.inputs["logits"], problem.bias, routing) > K.MARGIN).all(), case.label
 
 
 def test_a_router_that_raises_fails_the_check_named():

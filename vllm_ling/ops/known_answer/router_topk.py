@@ -64,7 +64,7 @@ def _reference(logits: torch.Tensor, bias: torch.Tensor, r: Routing) -> torch.Te
     return dense_weights(w, ids, r.num_experts)
 
 
-def _margins(logits: torch.Tensor, bias: torch.Tensor, r: Routing) -> torch.Tensor:
+def decision_margins(logits: torch.Tensor, bias: torch.Tensor, r: Routing) -> torch.Tensor:
     """Per token, the least gap at its group cut and at its expert cut (inf where nothing is cut)."""
     t, per = logits.shape[0], r.num_experts // r.n_group
     choice = logits.double().sigmoid() + bias.double()
@@ -85,7 +85,7 @@ def _random_tokens(count: int, bias: torch.Tensor, r: Routing, gen: torch.Genera
     rows = []
     while len(rows) < count:
         batch = (torch.randn((4 * count, r.num_experts), generator=gen) * 3).float()
-        rows += [row for row, m in zip(batch, _margins(batch, bias, r)) if m > MARGIN]
+        rows += [row for row, m in zip(batch, decision_margins(batch, bias, r)) if m > MARGIN]
     return torch.stack(rows[:count])
 
 
@@ -93,27 +93,40 @@ def _logit(u: torch.Tensor) -> torch.Tensor:
     return (u / (1 - u)).log()
 
 
+def _decoy_layout(g: int, tg: int, flip_group: int) -> tuple[list[int], int]:
+    """The decoy token's kept groups and its decoy group (never kept). The flip group stays out of
+    both where a third group allows; where only one group is left out (two groups keeping one, as in
+    the routable tiny model) the flip group is kept and the other group is the decoy."""
+    others = [x for x in range(g) if x != flip_group]
+    if g - tg >= 2:
+        return others[:tg], others[tg]
+    decoy = others[-1]
+    return [x for x in range(g) if x != decoy][:tg], decoy
+
+
 def _designed_tokens(bias: torch.Tensor, flips: tuple[int, int], r: Routing,
                      gen: torch.Generator) -> torch.Tensor | None:
     """The decoy-group and bias-flip tokens (None where the configuration has no group to leave out
     or fewer than two experts a group). Unbiased scores: background 0.02-0.10, top_k or more of the
-    kept groups' experts 0.60-0.85, the decoy 0.97; the flip experts 0.95 (out) and 0.30 (in)."""
+    kept groups' experts 0.60-0.85, the decoy 0.97; the flip experts 0.95 (out) and 0.30 (in). A kept
+    flip group's ``+FLIP`` expert (0.62-0.70 with its bias) may take the last pick from a 0.60 one: the
+    reference says so, with a margin of 0.02."""
     g, tg, per = r.n_group, r.topk_group, r.num_experts // r.n_group
     if tg >= g or per < 2 or g < 2:
         return None
     flip_group = flips[0] // per
+    decoy_kept, decoy_group = _decoy_layout(g, tg, flip_group)
+    flip_kept = [flip_group] + [x for x in range(g) if x != flip_group][:tg - 1]
     tokens = []
-    for kept in ([x for x in range(g) if x != flip_group][:tg],  # decoy: the flip group is not kept
-                 [flip_group] + [x for x in range(g) if x != flip_group][:tg - 1]):  # flips: it is
+    for kept, decoy in ((decoy_kept, decoy_group), (flip_kept, None)):
         u = 0.02 + 0.08 * torch.rand((r.num_experts,), generator=gen, dtype=torch.float64)
         # round robin over the kept groups (two or more each), the flip experts left to the bias
         highs = [e for j in range(per) for x in kept if (e := x * per + j) not in flips][:max(r.top_k, 2 * tg)]
         u[highs] = torch.linspace(0.85, 0.60, len(highs), dtype=torch.float64)
-        if kept[0] == flip_group:  # the bias decides: best unbiased score out, a poor one in
+        if decoy is None:  # the bias decides: best unbiased score out, a poor one in
             u[flips[0]], u[flips[1]] = 0.95, 0.30
         else:
-            decoy_group = next(x for x in range(g) if x not in kept and x != flip_group)
-            u[decoy_group * per] = 0.97
+            u[decoy * per] = 0.97
         tokens.append(_logit(u).float())
     return torch.stack(tokens)
 
