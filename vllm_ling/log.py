@@ -8,6 +8,8 @@ handler, format and ``VLLM_LOGGING_LEVEL`` in every process, without importing v
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 
 ROOT = "vllm.ling"
 _once: set[tuple[str, str]] = set()
@@ -35,3 +37,13 @@ def one_line(exc: BaseException, limit: int = 400) -> str:
         text += f" ... {lines[-1]}" if len(lines) > 2 else f" {lines[-1]}"
     text = f"{type(exc).__name__}: {text}"
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def raised(exc: BaseException) -> str:
+    """``Type: message at file.py:line in function``: :func:`one_line` plus where it was raised, so an
+    exception with no message (a bare ``StopIteration``) still names its place."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return one_line(exc)
+    last = frames[-1]
+    return f"{one_line(exc)} at {os.path.basename(last.filename)}:{last.lineno} in {last.name}"

@@ -99,6 +99,25 @@ def test_planted_faults_in_serving_kernels_are_named(loaded_tiny_models, monkeyp
     assert all(r.passed for r in run_kernel_checks(_census(loaded_tiny_models)))
 
 
+def test_a_check_that_raises_while_preparing_fails_alone_named_with_its_place(loaded_tiny_models, monkeypatch):
+    """The first GPU run of the router top-k check raised a bare StopIteration while building its problem,
+    and the whole row read "finding the serving kernels: raised StopIteration: " with no kernel checked.
+    Now that check fails alone, naming its kernel and where it raised, and the others still run."""
+    from vllm_ling.layers import known_answer as layer_checks
+    from vllm_ling.runtime.verification.known_answers import run_kernel_checks
+
+    def no_decoy_group(method, device="cpu"):
+        return next(g for g in range(2) if g > 1)  # as the decoy search did for two groups keeping one
+
+    monkeypatch.setattr(layer_checks, "check_moe_method", no_decoy_group)
+    results = run_kernel_checks(_census(loaded_tiny_models))
+    assert [(r.name, r.passed) for r in results] == [("dense_fp8", True), ("moe_mxfp4", False), ("fp8_head", True),
+                                                     ("kda", True)]
+    [why] = results[1].failing_inputs
+    assert why.startswith("preparing the check raised StopIteration: ") and "in no_decoy_group" in why
+    assert "LingMxfp4MoEMethod" in results[1].kernel
+
+
 def test_vllms_own_moe_method_is_named_unchecked_with_its_other_swiglu_clamp(loaded_tiny_models, monkeypatch):
     """Issue 43: a routed-expert layer served by vLLM's own MoE method (the upstream composition)
     has no known-answer runner; its row in the report and the startup table says why its logits

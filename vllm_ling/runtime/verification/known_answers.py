@@ -11,12 +11,13 @@ The result is the report's ``kernel_checks`` section and its ``kernel_known_answ
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from vllm_ling.log import one_line
+from vllm_ling.log import raised
 from vllm_ling.ops.known_answer import KernelCheckResult, check_kda, skipped_result
 from vllm_ling.models.kda_fused_conv import KdaConv
 from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, VLLM_ROUTED_EXPERT_CLAMP
@@ -71,9 +72,20 @@ def dense_fp8_kernels(census: Census) -> dict[str, int]:
     return counts
 
 
+def _guarded(name: str, kernel: str, check: Callable[[], KernelCheckResult]) -> KernelCheckResult:
+    """``check()``, where raising before its cases run (building the problem, preparing the scratch
+    layer) is that kernel's failure, named with where it was raised; the other kernels are still checked."""
+    t0 = time.perf_counter()
+    try:
+        return check()
+    except Exception as exc:  # noqa: BLE001 - a check's exception is its failure, never a crash
+        return KernelCheckResult(name, kernel, False, math.inf, 0.0, [f"preparing the check raised {raised(exc)}"],
+                                 time.perf_counter() - t0)
+
+
 def run_kernel_checks(census: Census) -> list[KernelCheckResult]:
     """One known-answer result per distinct serving kernel of the loaded models."""
-    from vllm_ling.layers import kda_cpu
+    from vllm_ling.layers import kda_cpu, kda_fused_conv, router_gate_cuda, router_topk
     from vllm_ling.layers import known_answer as layer_checks
     from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
     from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
@@ -107,17 +119,28 @@ def run_kernel_checks(census: Census) -> list[KernelCheckResult]:
         if e.served.key[0] is KdaConv.FUSED:
             w = e.module.ling_qkv_conv_weight
             conv.setdefault((e.module.projection_size_per_partition, w.shape[-1], w.device), (e.module, w.device))
-    results = [layer_checks.check_dense_fp8_method(qm, dev) for qm, dev in dense.values()]
-    results += [layer_checks.check_moe_method(qm, dev) for qm, dev in moe.values()]
-    results += [layer_checks.check_router_gate(gate, dev) for gate, dev in router.values()]
-    results += [layer_checks.check_router_topk(runner, dev) for runner, dev in topk.values()]
-    results += [layer_checks.check_kda_conv(layer, dev) for layer, dev in conv.values()]
+    results = [_guarded("dense_fp8", label, lambda qm=qm, dev=dev: layer_checks.check_dense_fp8_method(qm, dev))
+               for label, (qm, dev) in dense.items()]
+    results += [_guarded("moe_mxfp4", f"{type(qm).__name__} {key}",
+                         lambda qm=qm, dev=dev: layer_checks.check_moe_method(qm, dev))
+                for key, (qm, dev) in moe.items()]
+    results += [_guarded("router_gemv", router_gate_cuda.KERNEL_LABEL,
+                         lambda gate=gate, dev=dev: layer_checks.check_router_gate(gate, dev))
+                for gate, dev in router.values()]
+    results += [_guarded("router_topk", router_topk.KERNEL_LABEL,
+                         lambda runner=runner, dev=dev: layer_checks.check_router_topk(runner, dev))
+                for runner, dev in topk.values()]
+    results += [_guarded("kda_conv", kda_fused_conv.KERNEL_LABEL,
+                         lambda layer=layer, dev=dev: layer_checks.check_kda_conv(layer, dev))
+                for layer, dev in conv.values()]
     heads = [e.module for e in census.of(Feature.FP8_HEAD) if isinstance(e.module.quant_method, Fp8LmHeadMethod)]
-    results += [layer_checks.check_head_method(h.quant_method, h.weight.device) for h in heads[:1]]
+    results += [_guarded("fp8_head", type(h.quant_method).__name__,
+                         lambda h=h: layer_checks.check_head_method(h.quant_method, h.weight.device))
+                for h in heads[:1]]
     if any(isinstance(e.module, kda_cpu.cpu_kda_class()) for e in census.of(Feature.KDA_MERGED_IN_PROJ)):
         # the functions the layer calls, looked up as it looks them up
-        results.append(check_kda(kda_cpu.kda_ops.kda_prefill_pooled, kda_cpu.kda_ops.kda_decode_pooled,
-                                 KDA_CPU_KERNEL))
+        results.append(_guarded("kda", KDA_CPU_KERNEL, lambda: check_kda(
+            kda_cpu.kda_ops.kda_prefill_pooled, kda_cpu.kda_ops.kda_decode_pooled, KDA_CPU_KERNEL)))
     return results + [skipped_result("moe_mxfp4", k, why) for k, why in unchecked.items()]
 
 
@@ -148,7 +171,7 @@ def report_section(census: Census) -> dict[str, Any]:
         results = run_kernel_checks(census)
     except Exception as exc:  # finding the kernels failed: the check fails, the server does not crash
         results = [KernelCheckResult(CHECK_NAME, "finding the serving kernels", False, float("inf"), 0.0,
-                                     [f"raised {one_line(exc)}"], 0.0)]
+                                     [f"raised {raised(exc)}"], 0.0)]
     ok, line = summary(results)
     return {"passed": ok, "summary": line, "seconds": round(time.perf_counter() - t0, 4),
             "results": [r.as_dict() for r in results],
