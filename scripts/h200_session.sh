@@ -86,7 +86,9 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   greedy-eager) VLLM_DEEP_GEMM_WARMUP=skip part greedy-eager "$limit" "$e2e" -k "greedy and eager_mode" ;;
   opt-out-each) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-each "$limit" "$e2e" -k "each_opt_out_alone" ;;
   opt-out-all) VLLM_DEEP_GEMM_WARMUP=skip part opt-out-all "$limit" "$e2e" -k "every_opt_out_at_once" ;;
-  dspark) VLLM_DEEP_GEMM_WARMUP=skip part dspark "$limit" "$e2e" -k "dspark" ;;
+  # two servers one after the other took more than 320 s in lease 2026-12-06c: one process each
+  dspark) VLLM_DEEP_GEMM_WARMUP=skip part dspark "$limit" "$e2e::test_dspark_agreeing_drafter_end_to_end"
+          VLLM_DEEP_GEMM_WARMUP=skip part dspark-parsers "$limit" "$e2e::test_dspark_keeps_tool_calls_and_reasoning_parsed" ;;
   cuts-e2e) VLLM_DEEP_GEMM_WARMUP=skip part cuts-e2e "$limit" "$e2e" -k "decode_cuts" ;;
   kernels-a) part kernels-a "$limit" -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \
     tests/ops/test_known_answer_gpu.py tests/ops/test_router_topk_gpu.py ;;
@@ -119,7 +121,9 @@ tests)
   tiny_test kernels-a 540
   tiny_test kernels-b 540
   wait "${pids[@]}"
-  for name in scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark; do record gpu-e2e:$name "$out/$name.log"; done
+  for name in scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark dspark-parsers; do
+    record gpu-e2e:$name "$out/$name.log"
+  done
   for name in kernels-a kernels-b; do record gpu:$name "$out/$name.log"; done
   ;;
 ours|upstream|ours-mtp|ours-dspark)
@@ -134,7 +138,10 @@ ours|upstream|ours-mtp|ours-dspark)
     (export TORCHINDUCTOR_COMPILE_THREADS=1
      for name in $WITH_TESTS; do tiny_test "$name" "$tiny_s"; done
      wait "${pids[@]}"; touch "$quiet"
-     for name in ${WITH_TESTS/demo/}; do record "$(suite_of "$name")" "$out/$name.log"; done) &
+     for name in ${WITH_TESTS/demo/}; do
+       record "$(suite_of "$name")" "$out/$name.log"
+       [ "$name" = dspark ] && record gpu-e2e:dspark-parsers "$out/dspark-parsers.log"
+     done) &
     tiny=$!
     wait_for=(--wait-for "$quiet" --wait-for-s "$tiny_s")
   fi
