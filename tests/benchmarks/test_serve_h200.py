@@ -44,12 +44,15 @@ def _render(tmp_path, runs) -> str:
     return out.read_text()
 
 
-def test_table_puts_each_tpot_beside_its_floor_at_the_measured_bandwidth(tmp_path, monkeypatch):
-    plans = {64: {"heads": {"fp8": {"bytes_per_token_batch1": 4.0e9, "bytes_per_verify_step": 7.0e9,
-                                    "head_bytes": 4.0e8},
-                            "bf16": {"bytes_per_token_batch1": 4.4e9}},
+# a plan at 64 tokens of context: 1-token steps of both heads, the verify window and an MTP draft step
+MTP_PLANS = {64: {"heads": {"fp8": {"bytes_per_token_batch1": 4.0e9, "bytes_per_verify_step": 7.0e9,
+                                   "head_bytes": 4.0e8},
+                           "bf16": {"bytes_per_token_batch1": 4.4e9}},
                   "draft_tokens": 3, "mtp_draft_step_bytes_without_head": 1.0e8}}
-    monkeypatch.setattr(S, "plan_bytes", lambda context: plans[context])
+
+
+def test_table_puts_each_tpot_beside_its_floor_at_the_measured_bandwidth(tmp_path, monkeypatch):
+    monkeypatch.setattr(S, "plan_bytes", lambda context: MTP_PLANS[context])
     text = _render(tmp_path, (_run("ours", "ours", False, [{"context": 64, "tpot_ms": 2.0}]),
                               _run("upstream", "upstream", False, [{"context": 64, "tpot_ms": 4.4}]),
                               _run("ours-mtp", "ours", True, [{"context": 64, "tpot_ms": 3.0, "iteration_ms": 3.0,
@@ -67,11 +70,7 @@ def test_runs_served_with_a_cut_switched_off_keep_their_roles(tmp_path, monkeypa
     """A lease serves a cut that failed its GPU tests switched off, under a longer name
     (``ours-mtp-router_topk=vllm``): the run still compares with upstream and its MTP iteration with
     the plain step, by what it is, not by its name."""
-    plans = {64: {"heads": {"fp8": {"bytes_per_token_batch1": 4.0e9, "bytes_per_verify_step": 7.0e9,
-                                    "head_bytes": 4.0e8},
-                            "bf16": {"bytes_per_token_batch1": 4.4e9}},
-                  "draft_tokens": 3, "mtp_draft_step_bytes_without_head": 1.0e8}}
-    monkeypatch.setattr(S, "plan_bytes", lambda context: plans[context])
+    monkeypatch.setattr(S, "plan_bytes", lambda context: MTP_PLANS[context])
     text = _render(tmp_path, (_run("ours-router_topk=vllm", "ours", False, [{"context": 64, "tpot_ms": 2.5}]),
                               _run("upstream", "upstream", False, [{"context": 64, "tpot_ms": 5.0}]),
                               _run("ours-mtp-router_topk=vllm", "ours", True,
@@ -81,11 +80,7 @@ def test_runs_served_with_a_cut_switched_off_keep_their_roles(tmp_path, monkeypa
 
 
 def test_dspark_iteration_beside_its_floor_and_against_nextn(tmp_path, monkeypatch):
-    plans = {64: {"heads": {"fp8": {"bytes_per_token_batch1": 4.0e9, "bytes_per_verify_step": 7.0e9,
-                                    "head_bytes": 4.0e8},
-                            "bf16": {"bytes_per_token_batch1": 4.4e9}},
-                  "draft_tokens": 3, "mtp_draft_step_bytes_without_head": 1.0e8,
-                  "dspark": {"verify_step_bytes": 1.1e10, "draft_cycle_bytes": 2.0e9}}}
+    plans = {64: {**MTP_PLANS[64], "dspark": {"verify_step_bytes": 1.1e10, "draft_cycle_bytes": 2.0e9}}}
     monkeypatch.setattr(S, "plan_bytes", lambda context: plans[context])
     text = _render(tmp_path, (_run("ours", "ours", False, [{"context": 64, "tpot_ms": 2.0}]),
                               _run("ours-mtp", "ours", True, [{"context": 64, "tpot_ms": 3.0, "iteration_ms": 3.0}]),
