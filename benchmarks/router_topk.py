@@ -2,7 +2,8 @@
 (``vllm_ling.ops.router_topk``) against vLLM 0.32's ``grouped_topk_fused_kernel`` (the kernel vLLM's
 ``GroupedTopk`` runs for Ling: 12.5 us per MoE layer for one token in the real decode step,
 ``benchmarks/results/step_profile_real_h100.md``), in CUDA graphs of 40 distinct layers (a step's),
-plus the ids each picks against the plain-PyTorch reference.
+plus the tokens whose picked experts differ from the plain-PyTorch reference's, and how many of those
+sit at a near tie (where either pick is right).
 
     python -m benchmarks.router_topk --out benchmarks/results/router_topk_h100.md   # on the GPU
 
