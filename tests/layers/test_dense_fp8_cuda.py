@@ -107,6 +107,28 @@ def test_kernel_choice_happens_inside_one_traceable_op(monkeypatch):
     assert torch.allclose(compiled(small).float(), small.float() @ w.t(), atol=0.1)
 
 
+def test_a_strided_prefill_input_reaches_vllms_kernel_contiguous(monkeypatch):
+    """MLA's kv_b_proj runs over a slice of the cached context's latents (row stride 576 for 512
+    columns): handed on as it is, vLLM quantizes it with its Triton fallback, JIT-compiled inside a
+    served prompt. The op copies it once, values unchanged."""
+    w = torch.randn(8, 16)
+    layer = _Layer(output_size_per_partition=8, ling_w8a16=(w, None), ling_dense_fp8_method=None,
+                   ling_dense_fp8_key="test.strided#1", ling_w8a16_max_rows=2)
+    monkeypatch.setitem(D._LAYERS, "test.strided#1", layer)
+    seen = []
+
+    def vllm_apply(self, lyr, x, bias=None):
+        seen.append(x.is_contiguous())
+        return (x.float() @ w.t()).to(x.dtype)
+
+    monkeypatch.setattr(D.Fp8LinearMethod, "apply", vllm_apply)
+    wide = torch.randn(5, 20).to(torch.bfloat16)
+    latents = wide[:, :16]  # 5 rows > 2: vLLM's kernel
+    assert not latents.is_contiguous()
+    out = D.dense_fp8_linear_op(latents, "test.strided#1")
+    assert seen == [True] and torch.allclose(out.float(), latents.float() @ w.t(), atol=0.1)
+
+
 def _loaded_layer():
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(torch.randn(256, 256).to(torch.float8_e4m3fn), requires_grad=False)

@@ -59,8 +59,11 @@ def _dense_fp8_linear_impl(x: torch.Tensor, layer_name: str) -> torch.Tensor:
     layer = _LAYERS[layer_name]
     rows = x.numel() // x.shape[-1]
     if getattr(layer, "ling_w8a16", None) is None or rows > layer.ling_w8a16_max_rows or x.dtype != torch.bfloat16:
-        # the method that prepared the layer (a known-answer scratch layer has no quant_method)
-        return Fp8LinearMethod.apply(layer.ling_dense_fp8_method, layer, x)
+        # the method that prepared the layer (a known-answer scratch layer has no quant_method). A strided
+        # view (MLA's kv_b_proj over the cached context's latents, a slice of a wider buffer) is copied:
+        # vLLM quantizes a non-contiguous input with its Triton fallback instead of its CUDA kernel, and
+        # JIT-compiled it in the first long prompt of every fresh server (lease 2026-12-06c's logs)
+        return Fp8LinearMethod.apply(layer.ling_dense_fp8_method, layer, x.contiguous())
     return LingW8A16Fp8LinearMethod.apply_w8a16(layer, x)
 
 
