@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from importlib import resources
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -74,6 +74,21 @@ def compiled_kernel(name: str, source: str, device: torch.device):
             name, [], bases=(_KERNEL_BASE[0],), kw_only=True, namespace={"name": name})
     with torch.cuda.device(device):
         return _KERNEL_CLASSES[name](source=source)
+
+
+def define_lines(values: dict[str, object]) -> str:
+    """``#define NAME VALUE`` lines: a kernel's configuration ahead of its text."""
+    return "".join(f"#define {name} {value}\n" for name, value in values.items())
+
+
+def cached_kernel(cache: dict[tuple, object], name: str, key: tuple, source: Callable[[], str],
+                  device: torch.device):
+    """The kernel ``name`` for ``key`` from ``cache``, compiled from ``source()`` on first use (the source
+    is built only then: launches look the kernel up by the key alone)."""
+    kernel = cache.get(key)
+    if kernel is None:
+        kernel = cache[key] = compiled_kernel(name, source(), device)
+    return kernel
 
 
 _DYNAMIC_SMEM_SET: dict[int, int] = {}  # CUfunction handle -> dynamic shared memory allowed

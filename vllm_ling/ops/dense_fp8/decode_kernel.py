@@ -93,25 +93,20 @@ def _kernel_text() -> str:
 def source(config: DecodeConfig, k: int, rows: int) -> str:
     """The CUDA text handed to NVRTC: the launch shape as ``#define`` lines, the shared loads, then
     the kernel."""
-    from vllm_ling.ops.cuda_jit import ptx_loads
+    from vllm_ling.ops.cuda_jit import define_lines, ptx_loads
 
-    defines = dict(WARPS_N=config.warps_n, KSPLIT=config.ksplit, STEPS=config.steps(k), TG=row_groups(rows),
-                   MINB=config.min_blocks)
-    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + ptx_loads() + _kernel_text()
+    return define_lines(dict(WARPS_N=config.warps_n, KSPLIT=config.ksplit, STEPS=config.steps(k),
+                             TG=row_groups(rows), MINB=config.min_blocks)) + ptx_loads() + _kernel_text()
 
 
 _COMPILED: dict[tuple, object] = {}
 
 
 def _compiled(config: DecodeConfig, k: int, rows: int, device: torch.device):
+    from vllm_ling.ops.cuda_jit import cached_kernel
+
     key = (config.warps_n, config.ksplit, config.min_blocks, config.steps(k), row_groups(rows), config.stream, device)
-    kernel = _COMPILED.get(key)
-    if kernel is None:
-        from vllm_ling.ops.cuda_jit import compiled_kernel
-
-        kernel = _COMPILED[key] = compiled_kernel(KERNEL_NAMES[config.stream], source(config, k, rows), device)
-    return kernel
-
+    return cached_kernel(_COMPILED, KERNEL_NAMES[config.stream], key, lambda: source(config, k, rows), device)
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,

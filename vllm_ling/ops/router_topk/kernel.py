@@ -57,23 +57,20 @@ def _kernel_text() -> str:
 
 def source(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool) -> str:
     """The CUDA text handed to NVRTC: the configuration as ``#define`` lines, then the kernel."""
-    defines = dict(E_=num_experts, NG=n_group, TG=topk_group, K_=top_k, RENORM=int(renormalize))
-    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + _kernel_text()
+    from vllm_ling.ops.cuda_jit import define_lines
+
+    return define_lines(dict(E_=num_experts, NG=n_group, TG=topk_group, K_=top_k, RENORM=int(renormalize))) \
+        + _kernel_text()
 
 
 _COMPILED: dict[tuple, object] = {}
 
 
-
 def compiled(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool, device: torch.device):
-    key = (num_experts, n_group, topk_group, top_k, renormalize, device)
-    kernel = _COMPILED.get(key)
-    if kernel is None:
-        from vllm_ling.ops.cuda_jit import compiled_kernel
+    from vllm_ling.ops.cuda_jit import cached_kernel
 
-        kernel = _COMPILED[key] = compiled_kernel(
-            KERNEL_NAME, source(num_experts, n_group, topk_group, top_k, renormalize), device)
-    return kernel
+    return cached_kernel(_COMPILED, KERNEL_NAME, (num_experts, n_group, topk_group, top_k, renormalize, device),
+                         lambda: source(num_experts, n_group, topk_group, top_k, renormalize), device)
 
 
 def grouped_topk_cuda(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,

@@ -92,11 +92,11 @@ def _kernel_text() -> str:
 
 def source(k: int, weight_dtype: torch.dtype, out_dtype: torch.dtype, warps: int, tokens_per_pass: int) -> str:
     """The CUDA text handed to NVRTC: the shape as ``#define`` lines, the shared loads, then the kernel."""
-    from vllm_ling.ops.cuda_jit import ptx_loads
+    from vllm_ling.ops.cuda_jit import define_lines, ptx_loads
 
-    defines = dict(K_=k, WARPS=warps, TB=tokens_per_pass, XS_T=staged_tokens(k), W_BF16=_WEIGHT_DTYPES[weight_dtype],
-                   OUT_BF16=_OUT_DTYPES[out_dtype])
-    return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + ptx_loads() + _kernel_text()
+    return define_lines(dict(K_=k, WARPS=warps, TB=tokens_per_pass, XS_T=staged_tokens(k),
+                             W_BF16=_WEIGHT_DTYPES[weight_dtype], OUT_BF16=_OUT_DTYPES[out_dtype])) \
+        + ptx_loads() + _kernel_text()
 
 
 _COMPILED: dict[tuple, object] = {}
@@ -105,14 +105,10 @@ _COMPILED: dict[tuple, object] = {}
 def compiled(k: int, weight_dtype: torch.dtype, out_dtype: torch.dtype, warps: int, tokens_per_pass: int,
              device: torch.device):
     """The kernel for one shape (compiled on first use; warm-up calls this ahead of serving)."""
-    key = (k, weight_dtype, out_dtype, warps, tokens_per_pass, device)
-    kernel = _COMPILED.get(key)
-    if kernel is None:
-        from vllm_ling.ops.cuda_jit import compiled_kernel
+    from vllm_ling.ops.cuda_jit import cached_kernel
 
-        kernel = _COMPILED[key] = compiled_kernel(
-            KERNEL_NAME, source(k, weight_dtype, out_dtype, warps, tokens_per_pass), device)
-    return kernel
+    return cached_kernel(_COMPILED, KERNEL_NAME, (k, weight_dtype, out_dtype, warps, tokens_per_pass, device),
+                         lambda: source(k, weight_dtype, out_dtype, warps, tokens_per_pass), device)
 
 
 def kernel_rows(x: torch.Tensor) -> torch.Tensor:

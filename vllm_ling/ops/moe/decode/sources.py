@@ -45,7 +45,9 @@ def read(name: str) -> str:
 
 
 def defines(**values: int) -> str:
-    return "".join(f"#define {k} {int(v)}\n" for k, v in values.items())
+    from vllm_ling.ops.cuda_jit import define_lines
+
+    return define_lines({k: int(v) for k, v in values.items()})
 
 
 def packed_layout_source(hidden: int, intermediate: int, top_k: int, config, clamp_flag: int) -> str:
