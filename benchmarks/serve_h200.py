@@ -63,6 +63,8 @@ STARTUP_PATTERNS = {
     "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
 }
 WEIGHTS_GIB = r"Model loading took ([\d.]+) GiB memory"
+# vLLM's JIT monitor: a Triton kernel compiled while serving requests (a latency spike the user sees)
+JIT_DURING_INFERENCE = r"Triton kernel JIT compilation during inference: (\w+)"
 KV_TOKENS = r"GPU KV cache size: ([\d,]+) tokens"
 
 
@@ -142,6 +144,14 @@ def parse_startup(log: str) -> dict[str, float | None]:
     for key, pattern in STARTUP_PATTERNS.items():
         found = re.findall(pattern, log)
         out[key] = float(found[-1]) if found else None
+    return out
+
+
+def jit_during_inference(log: str) -> dict[str, int]:
+    """Kernel name -> how often vLLM's JIT monitor saw it compiled while requests were served."""
+    out: dict[str, int] = {}
+    for name in re.findall(JIT_DURING_INFERENCE, log):
+        out[name] = out.get(name, 0) + 1
     return out
 
 
@@ -377,6 +387,8 @@ def run(args) -> int:
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         result["stop_rc"] = server.stop(timeout=120)
+        result["jit_during_inference"] = jit_during_inference(log_path.read_text(errors="replace")
+                                                              if log_path.exists() else "")
         if args.done_file:
             Path(args.done_file).touch()
     Path(args.json).write_text(json.dumps(result, indent=1))
@@ -530,6 +542,9 @@ def render(args) -> int:
                      + (f"; error: {r['error'][:300]}" if r.get("error") else ""))
         if v.get("dense_fp8"):
             lines.append(f"  - dense block-FP8 linears: {v['dense_fp8']}")
+        if r.get("jit_during_inference"):
+            lines.append("  - Triton kernels JIT-compiled while serving requests (vLLM's JIT monitor): "
+                         + ", ".join(f"{k} x{n}" for k, n in sorted(r["jit_during_inference"].items())))
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

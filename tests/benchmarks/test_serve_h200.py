@@ -141,3 +141,25 @@ def test_an_ab_runs_switch_must_be_a_known_well_formed_vllm_ling_variable():
     for bad in ("VLLM_LING_PREFIL_GRAPH_TOKENS=0", "VLLM_LING_PREFILL_GRAPH_TOKENS=many", "VLLM_LING_DENSE_FP8=fast"):
         with pytest.raises(argparse.ArgumentTypeError):
             _switch(bad)
+
+
+def test_kernels_jit_compiled_while_serving_are_counted_and_listed(tmp_path, monkeypatch):
+    """vLLM's JIT monitor lines (as lease 2026-12-06c's servers logged them) become a count per kernel
+    in the run's JSON and a line under its verification in the table: a spike a user's request pays."""
+    log = "\n".join([
+        "(EngineCore pid=4579) WARNING 12-06 14:06:49 [jit_monitor.py:140] Triton kernel JIT compilation during "
+        "inference: _per_token_group_quant_fp8_colmajor. This causes a latency spike; consider extending warmup",
+        "(EngineCore pid=8530) WARNING 12-06 14:17:57 [jit_monitor.py:140] Triton kernel JIT compilation during "
+        "inference: _rejection_kernel. This causes a latency spike; consider extending warmup to cover this",
+        "(EngineCore pid=4579) WARNING 12-06 14:07:49 [jit_monitor.py:140] Triton kernel JIT compilation during "
+        "inference: _per_token_group_quant_fp8_colmajor. This causes a latency spike",
+        "INFO 12-06 14:04:42 [kv_cache_utils.py:2327] GPU KV cache size: 326,701 tokens"])
+    counts = S.jit_during_inference(log)
+    assert counts == {"_per_token_group_quant_fp8_colmajor": 2, "_rejection_kernel": 1}
+    monkeypatch.setattr(S, "plan_bytes", lambda context: MTP_PLANS[context])
+    text = _render(tmp_path, (_run("ours", "ours", False, [{"context": 64, "tpot_ms": 2.0}]) |
+                              {"jit_during_inference": counts},
+                              _run("upstream", "upstream", False, [{"context": 64, "tpot_ms": 4.4}])))
+    assert ("  - Triton kernels JIT-compiled while serving requests (vLLM's JIT monitor): "
+            "_per_token_group_quant_fp8_colmajor x2, _rejection_kernel x1") in text
+    assert text.count("JIT-compiled while serving") == 1  # upstream's run logged none
