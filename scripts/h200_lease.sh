@@ -62,6 +62,8 @@ collect)
   [ -e "$lease/done" ] && echo "lease job: done" || echo "lease job: running"
   cat "$lease/driver.log"
   for f in /tmp/gpu-run-*/rc.txt; do [ -e "$f" ] && { echo "== $f"; cat "$f"; }; done
+  # kernels vLLM's JIT monitor saw compiled while requests were served (a spike a user's request pays)
+  grep -ho "JIT compilation during inference: [A-Za-z0-9_]*" /tmp/gpu-run-*/logs/* 2>/dev/null | sort | uniq -c
   for f in /tmp/gpu-run-*/*.txt /tmp/gpu-run-*/logs/*; do
     [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f" | cut -c1-300; }
   done
