@@ -108,6 +108,77 @@ def test_speculation_keeps_a_kda_state_per_verify_position_and_the_drafter_count
     assert mg.drafter_weight_bytes(fields, 2) == param_count(fields, shared=True) * 2 // 2
 
 
+def _full_config() -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_config.json").read_text())
+
+
+LEASE_RUNS = "benchmarks/results/serve_h200_runs/lease-2026-12-06c"
+
+
+@pytest.mark.parametrize("run, mtp, logged", [("ours", False, "9.89x"), ("ours-mtp", True, "5.40x")])
+def test_cuda_kv_need_is_what_vllm_allocated_on_the_h100(run, mtp, logged):
+    """Known answers from real vLLM: lease 2026-12-06c's full-size servers logged how many
+    33,024-token sequences their KV cache holds ("Maximum concurrency ..."); the KV bytes they had
+    over the guard's need for one sequence gives the same number. The byte model alone (MLA latents
+    and KDA states, no pages) gave 27-31 % less."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    result = json.loads((repo / LEASE_RUNS / f"{run}.json").read_text())
+    log = (repo / LEASE_RUNS / f"{run}-server.log").read_text(errors="replace")
+    [(tokens, said)] = re.findall(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+x)", log)
+    assert said == logged
+    config = _full_config()
+    args = dict(max_model_len=int(tokens.replace(",", "")), max_num_seqs=1, mtp=mtp, tensor_parallel_size=1,
+                spec_tokens=3 if mtp else 0)
+    need = mg.cuda_kv_and_state_bytes(config, **args)
+    assert f"{result['memory']['kv_cache_bytes'] / need:.2f}x" == logged
+    assert need > 1.25 * mg.kv_and_state_bytes(config, **args)
+
+
+def test_the_cuda_need_grows_by_whole_pages_and_the_estimate_picks_it_on_cuda(tiny_checkpoint, config):
+    """Pages: one more token past a block takes a whole page per MLA group slot; the KDA state pages
+    do not grow with length; sequences multiply. The estimate uses it on CUDA, the byte model on CPU."""
+    full = _full_config()
+    args = dict(max_num_seqs=1, mtp=False, tensor_parallel_size=1)
+    block_tokens = 1920  # the MLA block vLLM logged for the full size without MTP
+    at_block = mg.cuda_kv_and_state_bytes(full, max_model_len=block_tokens, **args)
+    assert mg.cuda_kv_and_state_bytes(full, max_model_len=1, **args) == at_block
+    one_more = mg.cuda_kv_and_state_bytes(full, max_model_len=block_tokens + 1, **args)
+    assert one_more - at_block == 7 * block_tokens * (512 + 64) * 2  # a page in each of the 7 slots of the MLA group
+    assert mg.cuda_kv_and_state_bytes(full, max_model_len=4000, max_num_seqs=3, mtp=False,
+                                      tensor_parallel_size=1) == 3 * mg.cuda_kv_and_state_bytes(
+        full, max_model_len=4000, **args)
+    common = dict(max_model_len=1000, max_num_seqs=2, mtp=True, spec_tokens=3)
+    on_cuda = mg.estimate(tiny_checkpoint, config, device="cuda", **common)
+    on_cpu = mg.estimate(tiny_checkpoint, config, device="cpu", **common)
+    assert on_cuda.kv_and_state == mg.cuda_kv_and_state_bytes(config, tensor_parallel_size=1, **common)
+    assert on_cpu.kv_and_state == mg.kv_and_state_bytes(config, tensor_parallel_size=1, **common)
+
+
+def test_a_dspark_drafter_on_cuda_pads_the_groups_and_takes_its_own_pages():
+    """With the full-size drafter (5 attention layers), 8 draft tokens: vLLM's block is 2176 tokens
+    (dspark_blocks' docstring), the drafter's 144, and the groups shrink to 5 layers (the drafter's
+    count), so the 7 MLA layers take 2 groups; a sequence of 33K needs about 4 GiB, 5x MTP's."""
+    from importlib import resources
+
+    from vllm_ling.models.dspark_format import read_fields
+
+    full = _full_config()
+    drafter = read_fields(json.loads(resources.files("vllm_ling").joinpath(
+        "data/ling3_flash_dspark_config.json").read_text()), "test")
+    args = dict(max_model_len=33024, max_num_seqs=1, mtp=True, tensor_parallel_size=1)
+    dspark = mg.cuda_kv_and_state_bytes(full, **args, spec_tokens=8, drafter=drafter)
+    mtp = mg.cuda_kv_and_state_bytes(full, **args, spec_tokens=3)
+    page = 2176 * (512 + 64) * 2
+    # KDA: 7 groups x (2 + 8) pages; MLA: 2 groups x 16 blocks; drafter: 1 group x ceil(33024 / 144)
+    assert dspark == (7 * 10 + 2 * 16 + 230) * 5 * page
+    assert 4.5 < dspark / mtp < 5.5
+
+
 def test_serve_counts_the_speculation_it_will_run(tmp_path, config):
     from vllm_ling.cli.serve import speculation_for_memory
 

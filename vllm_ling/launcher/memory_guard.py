@@ -8,7 +8,8 @@ device can give:
 - **need** = weights as the server holds them (from the safetensors headers, after our load
   transforms: FP8 head, BF16 dequantization of FP8 linears on CPU, the second expert copy of
   ``VLLM_LING_MOE_DECODE=copy``, the NEXTN layer or the DSpark drafter that drafts; per
-  tensor-parallel rank) + KV cache and KDA state at ``--max-model-len`` x ``--max-num-seqs`` (one
+  tensor-parallel rank) + KV cache and KDA state at ``--max-model-len`` x ``--max-num-seqs`` (on CUDA
+  in vLLM's hybrid page layout: :func:`cuda_kv_and_state_bytes`; on the CPU build the bytes alone, one
   KDA state per verify position under speculation, the drafter's own K/V) + a JIT/workspace margin;
 - **can give**: on unified memory (GB10, and the CPU build) the system's available memory
   (``MemAvailable``); on a discrete GPU its free memory. On a GPU the need must also fit in
@@ -43,6 +44,10 @@ WORKSPACE_MARGIN_BYTES = {"cuda": 6 * GIB, "cpu": GIB // 2}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1,
                 "float8_e8m0fnu": 1, "int32": 4, "int64": 8, "bool": 1}
 BF16, FP32 = 2, 4
+# vLLM 0.32 makes a hybrid MLA model's block a multiple of 128 tokens (its TRTLLM/FlashInfer MLA decode
+# kernels' alignment, ``Platform`` block-size update), the smallest whose page holds a KDA state
+MLA_BLOCK_ALIGNMENT = 128
+DRAFT_KERNEL_BLOCK = 16  # FlashAttention's kernel block, which a DSpark drafter's layers take on CUDA
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,51 @@ def kv_and_state_bytes(config: dict[str, Any], *, max_model_len: int, max_num_se
     return per_sequence * max_num_seqs
 
 
+def _kv_group_size(counts: list[int]) -> int:
+    """vLLM 0.32's layers per KV cache group for a hybrid model (``kv_cache_utils``): the smallest layer
+    count of a kind, or the largest where it is less than 1.5x the smallest (a drafter's extra layer)."""
+    smallest, largest = min(counts), max(counts)
+    return largest if largest < smallest * 1.5 else smallest
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def cuda_kv_and_state_bytes(config: dict[str, Any], *, max_model_len: int, max_num_seqs: int, mtp: bool,
+                            tensor_parallel_size: int, spec_tokens: int = 0,
+                            drafter: DSparkFields | None = None) -> int:
+    """What vLLM 0.32 on CUDA allocates for ``max_num_seqs`` sequences of ``max_model_len`` tokens: the
+    hybrid model's pages. The MLA block grows (in steps of ``MLA_BLOCK_ALIGNMENT`` tokens) until one
+    layer's page holds a KDA layer's state, which is padded to it; a DSpark drafter's attention layers
+    take as many tokens a page as fit it (``models/dspark_blocks.py``); layers go in groups of equal
+    size (vLLM's rule on the layer counts of each kind, padding the others); and with prefix caching
+    (vLLM's ``align`` mamba mode) each sequence holds 2 + ``spec_tokens`` KDA state pages per KDA group,
+    and per attention group one page per block of its tokens. Each page counts once per layer slot of
+    its group. Known answers: lease 2026-12-06c's logs (H100, 4 GiB, 33,024-token sequences) give 9.89
+    sequences without MTP and 5.40 with MTP x 3 (tests/launcher/test_memory_guard.py)."""
+    from vllm_ling.models.dspark_blocks import draft_block_tokens
+
+    tp = max(tensor_parallel_size, 1)
+    layers = range(config["num_hidden_layers"])
+    n_kda = sum(1 for i in layers if is_kda_layer(i, config))
+    n_mla = len(layers) - n_kda + ((config.get("num_nextn_predict_layers") or 0) if mtp and drafter is None else 0)
+    heads, head_dim = config["num_attention_heads"] // tp, config["head_dim"]
+    mla_token = (config.get("kv_lora_rank", 512) + config.get("qk_rope_head_dim", 64)) * BF16
+    kda_state = (heads * head_dim * head_dim * FP32
+                 + 3 * heads * head_dim * (config.get("short_conv_kernel_size", 4) - 1 + spec_tokens) * BF16)
+    block = MLA_BLOCK_ALIGNMENT * _ceil_div(kda_state, MLA_BLOCK_ALIGNMENT * mla_token)
+    page = block * mla_token
+    tokens_a_page = [(n_mla, block)]  # (layers, tokens a page) of each attention kind
+    if drafter is not None:
+        draft_token = 2 * max(drafter.num_kv_heads // tp, 1) * drafter.head_dim * BF16
+        tokens_a_page.append((drafter.num_layers, draft_block_tokens(page, draft_token, DRAFT_KERNEL_BLOCK) or 1))
+    group = _kv_group_size([n for n in (n_kda, *(n for n, _ in tokens_a_page)) if n])
+    pages = _ceil_div(n_kda, group) * (2 + spec_tokens) + sum(
+        _ceil_div(n, group) * _ceil_div(max_model_len, tokens) for n, tokens in tokens_a_page if n)
+    return pages * group * page * max_num_seqs
+
+
 def drafter_weight_bytes(drafter: DSparkFields, tensor_parallel_size: int) -> int:
     """The DSpark drafter's own BF16 weights per rank: its checkpoint without the two vocabulary
     matrices, which it takes from the target (vllm-ling never loads its copies)."""
@@ -138,9 +188,11 @@ def estimate(model_dir: Path, config: dict[str, Any], *, device: str, max_model_
     """``kv_reserved``: a KV space allocated whatever the need (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE);
     ``spec_tokens``: draft tokens per step (0: no speculation); ``drafter``: the DSpark drafter that
     drafts them (its weights and KV count; the NEXTN layer's do not)."""
-    kv = kv_and_state_bytes(config, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                            mtp=mtp, tensor_parallel_size=tensor_parallel_size, spec_tokens=spec_tokens,
-                            drafter=drafter)
+    # on CUDA vLLM's paged layout (a third more than the bytes themselves for Ling); vLLM-CPU keeps no
+    # prefix cache for this model and sizes its KV space itself (kv_reserved)
+    kv_bytes = cuda_kv_and_state_bytes if device == "cuda" else kv_and_state_bytes
+    kv = kv_bytes(config, max_model_len=max_model_len, max_num_seqs=max_num_seqs, mtp=mtp,
+                  tensor_parallel_size=tensor_parallel_size, spec_tokens=spec_tokens, drafter=drafter)
     weights = weight_bytes(model_dir, config, device=device, fp8_head=fp8_head, mtp=mtp and drafter is None,
                            expert_copy=expert_copy, tensor_parallel_size=tensor_parallel_size)
     if drafter is not None:
