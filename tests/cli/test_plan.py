@@ -198,3 +198,22 @@ def test_dspark_plan_cli(capsys, tmp_path):
     assert tpot["tpot_ms"] == pytest.approx(result["floor_tpot_ms"] * result["break_even_accept_length"] / 6.40)
     assert "verify window 9 tokens" in text and "model card, GSM8K" in text
     assert plan_cli.main(["--drafter", "dspark", "--dspark-tokens", "9"]) == 2  # more than its block
+
+
+def test_kv_per_request_in_vllms_pages_for_each_speculation_mode(capsys, tmp_path):
+    """`plan` prints what one request of the context takes in vLLM's pages on CUDA (the memory guard's
+    model, whose known answers are the H100 servers' logged capacities): 0.43 GB without speculation and
+    0.79 GB with MTP x 3 at 33,024 tokens, DSpark's row with --drafter dspark; the JSON has the bytes."""
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--device", "h100", "--context", "33024", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert ("KV cache + KDA state per 33024-token request on CUDA (vLLM's pages, TP 1): no speculation 0.43 GB, "
+            "MTP x 3 0.79 GB") in text and "DSpark" not in text.split("KV cache + KDA state")[1]
+    assert json.loads(out.read_text())["kv_bytes_per_request_cuda"] == {"no speculation": 433520640,
+                                                                      "MTP x 3": 792723456}
+    assert plan_cli.main(["--device", "h100", "--context", "33024", "--drafter", "dspark"]) == 0
+    assert "MTP x 3 0.79 GB, DSpark x 8 4.16 GB" in capsys.readouterr().out
+    # a config without KDA layers (make-tiny --all-mla) keeps vLLM's plain block: no state pages
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "layer_group_size": 1}))
+    assert plan_cli.main([str(tmp_path), "--draft-tokens", "0"]) == 0
+    assert "no speculation" in capsys.readouterr().out

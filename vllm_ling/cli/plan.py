@@ -140,6 +140,26 @@ def load_dspark_fields(path: str | None):
         raise PlanError(str(exc)) from None
 
 
+def kv_section(cfg: dict, context: int, draft_tokens: int, dspark: tuple[Any, int] | None) -> tuple[list[str], dict]:
+    """KV cache and KDA state one request of ``context`` tokens takes on CUDA, in vLLM's page layout
+    (the memory guard's :func:`~vllm_ling.launcher.memory_guard.cuda_kv_and_state_bytes`): what sizes
+    ``--max-num-seqs`` at a given KV budget, per speculation mode."""
+    from vllm_ling.launcher.memory_guard import cuda_kv_and_state_bytes
+
+    def need(mtp: bool, tokens: int, drafter=None) -> int:
+        return cuda_kv_and_state_bytes(cfg, max_model_len=context, max_num_seqs=1, mtp=mtp, tensor_parallel_size=1,
+                                       spec_tokens=tokens, drafter=drafter)
+
+    rows = {"no speculation": need(False, 0)}
+    if draft_tokens:
+        rows[f"MTP x {draft_tokens}"] = need(True, draft_tokens)
+    if dspark is not None:
+        rows[f"DSpark x {dspark[1]}"] = need(True, dspark[1], dspark[0])
+    lines = [f"  KV cache + KDA state per {context}-token request on CUDA (vLLM's pages, TP 1): "
+             + ", ".join(f"{name} {b / GB:.2f} GB" for name, b in rows.items())]
+    return lines, {name: b for name, b in rows.items()}
+
+
 def dspark_section(cfg: dict, fields, context: int, draft_tokens: int, head: str, bandwidth_gbs: float,
                    mtp_result: dict) -> tuple[list[str], dict]:
     """The DSpark cycle next to NEXTN MTP's: draft bytes, verify window, break-even and TPOT at the
@@ -277,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vllm-ling plan: error: {exc}", file=sys.stderr)
             return 2
         text += "\n\n" + "\n".join(lines)
+    dspark = (fields, args.dspark_tokens or fields.block_size) if args.drafter == "dspark" else None
+    kv_lines, result["kv_bytes_per_request_cuda"] = kv_section(cfg, args.context, args.draft_tokens, dspark)
+    text += "\n\n" + "\n".join(kv_lines)
     print(text)
     if study_lines:
         print()

@@ -163,7 +163,7 @@ def cuda_kv_and_state_bytes(config: dict[str, Any], *, max_model_len: int, max_n
     mla_token = (config.get("kv_lora_rank", 512) + config.get("qk_rope_head_dim", 64)) * BF16
     kda_state = (heads * head_dim * head_dim * FP32
                  + 3 * heads * head_dim * (config.get("short_conv_kernel_size", 4) - 1 + spec_tokens) * BF16)
-    block = MLA_BLOCK_ALIGNMENT * _ceil_div(kda_state, MLA_BLOCK_ALIGNMENT * mla_token)
+    block = MLA_BLOCK_ALIGNMENT * (_ceil_div(kda_state, MLA_BLOCK_ALIGNMENT * mla_token) if n_kda else 1)
     page = block * mla_token
     tokens_a_page = [(n_mla, block)]  # (layers, tokens a page) of each attention kind
     if drafter is not None:
