@@ -15,11 +15,12 @@ def test_each_key_compiles_once_from_a_source_built_only_then(monkeypatch):
     cache: dict[tuple, object] = {}
     dev = torch.device("cuda", 0)
 
-    def source(n: int):
-        return lambda: built.append(n) or cuda_jit.define_lines({"N_": n, "FLAG": int(n > 1)})
+    def source(n: int) -> str:
+        built.append(n)
+        return cuda_jit.define_lines({"N_": n, "FLAG": int(n > 1)})
 
-    first = cuda_jit.cached_kernel(cache, "k", (1, dev), source(1), dev)
-    assert cuda_jit.cached_kernel(cache, "k", (1, dev), source(1), dev) is first
-    other = cuda_jit.cached_kernel(cache, "k", (2, dev), source(2), dev)
+    first = cuda_jit.cached_kernel(cache, "k", (1, dev), dev, source, 1)
+    assert cuda_jit.cached_kernel(cache, "k", (1, dev), dev, source, 1) is first
+    other = cuda_jit.cached_kernel(cache, "k", (2, dev), dev, source, 2)
     assert other is not first and built == [1, 2]
     assert compiled == [("k", "#define N_ 1\n#define FLAG 0\n"), ("k", "#define N_ 2\n#define FLAG 1\n")]

@@ -105,6 +105,28 @@ def weight_bytes(model_dir: Path, config: dict[str, Any], *, device: str, fp8_he
     return total // max(tensor_parallel_size, 1)
 
 
+@dataclass(frozen=True)
+class _StateTerms:
+    """What a sequence's KV and KDA state are made of, whole model (tensor parallelism not applied)."""
+    n_kda: int
+    n_mla: int          # the NEXTN layer's included where MTP drafts
+    mla_token: int      # latent KV bytes per token per MLA layer (replicated across ranks)
+    recurrent: int      # one KDA layer's fp32 recurrent state
+    conv: int           # one KDA layer's BF16 conv state, widened by the draft tokens
+
+
+def _state_terms(config: dict[str, Any], mtp: bool, spec_tokens: int, drafter: DSparkFields | None) -> _StateTerms:
+    layers = range(config["num_hidden_layers"])
+    n_kda = sum(1 for i in layers if is_kda_layer(i, config))
+    heads, head_dim = config["num_attention_heads"], config["head_dim"]
+    return _StateTerms(
+        n_kda=n_kda,
+        n_mla=len(layers) - n_kda + ((config.get("num_nextn_predict_layers") or 0) if mtp and drafter is None else 0),
+        mla_token=(config.get("kv_lora_rank", 512) + config.get("qk_rope_head_dim", 64)) * BF16,
+        recurrent=heads * head_dim * head_dim * FP32,
+        conv=3 * heads * head_dim * (config.get("short_conv_kernel_size", 4) - 1 + spec_tokens) * BF16)
+
+
 def kv_and_state_bytes(config: dict[str, Any], *, max_model_len: int, max_num_seqs: int,
                        mtp: bool, tensor_parallel_size: int, spec_tokens: int = 0,
                        drafter: DSparkFields | None = None) -> int:
@@ -114,19 +136,14 @@ def kv_and_state_bytes(config: dict[str, Any], *, max_model_len: int, max_num_se
     draft rolls back) and widens the conv window by ``spec_tokens``; a DSpark drafter adds the K/V of
     its own attention layers for every token."""
     tp = max(tensor_parallel_size, 1)
-    layers = range(config["num_hidden_layers"])
-    n_kda = sum(1 for i in layers if is_kda_layer(i, config))
-    n_mla = len(layers) - n_kda + ((config.get("num_nextn_predict_layers") or 0) if mtp and drafter is None else 0)
-    heads, head_dim = config["num_attention_heads"], config["head_dim"]
-    kv_per_token = (config.get("kv_lora_rank", 512) + config.get("qk_rope_head_dim", 64)) * BF16
+    t = _state_terms(config, mtp, spec_tokens, drafter)
     if drafter is not None:
         kv_per_token_drafter = drafter.num_layers * 2 * drafter.num_kv_heads * drafter.head_dim * BF16 // tp
     else:
         kv_per_token_drafter = 0
-    kda_state = ((1 + spec_tokens) * heads * head_dim * head_dim * FP32
-                 + 3 * heads * head_dim * (config.get("short_conv_kernel_size", 4) - 1 + spec_tokens) * BF16)
-    per_sequence = ((n_mla * kv_per_token + kv_per_token_drafter) * max_model_len
-                    + n_kda * kda_state // tp)
+    kda_state = (1 + spec_tokens) * t.recurrent + t.conv
+    per_sequence = ((t.n_mla * t.mla_token + kv_per_token_drafter) * max_model_len
+                    + t.n_kda * kda_state // tp)
     return per_sequence * max_num_seqs
 
 
@@ -156,13 +173,9 @@ def cuda_kv_and_state_bytes(config: dict[str, Any], *, max_model_len: int, max_n
     from vllm_ling.models.dspark_blocks import draft_block_tokens
 
     tp = max(tensor_parallel_size, 1)
-    layers = range(config["num_hidden_layers"])
-    n_kda = sum(1 for i in layers if is_kda_layer(i, config))
-    n_mla = len(layers) - n_kda + ((config.get("num_nextn_predict_layers") or 0) if mtp and drafter is None else 0)
-    heads, head_dim = config["num_attention_heads"] // tp, config["head_dim"]
-    mla_token = (config.get("kv_lora_rank", 512) + config.get("qk_rope_head_dim", 64)) * BF16
-    kda_state = (heads * head_dim * head_dim * FP32
-                 + 3 * heads * head_dim * (config.get("short_conv_kernel_size", 4) - 1 + spec_tokens) * BF16)
+    t = _state_terms(config, mtp, spec_tokens, drafter)
+    n_kda, n_mla, mla_token = t.n_kda, t.n_mla, t.mla_token
+    kda_state = (t.recurrent + t.conv) // tp  # a rank's heads
     block = MLA_BLOCK_ALIGNMENT * (_ceil_div(kda_state, MLA_BLOCK_ALIGNMENT * mla_token) if n_kda else 1)
     page = block * mla_token
     tokens_a_page = [(n_mla, block)]  # (layers, tokens a page) of each attention kind

@@ -81,13 +81,13 @@ def define_lines(values: dict[str, object]) -> str:
     return "".join(f"#define {name} {value}\n" for name, value in values.items())
 
 
-def cached_kernel(cache: dict[tuple, object], name: str, key: tuple, source: Callable[[], str],
-                  device: torch.device):
-    """The kernel ``name`` for ``key`` from ``cache``, compiled from ``source()`` on first use (the source
-    is built only then: launches look the kernel up by the key alone)."""
+def cached_kernel(cache: dict[tuple, object], name: str, key: tuple, device: torch.device,
+                  source: Callable[..., str], *source_args):
+    """The kernel ``name`` for ``key`` from ``cache``, compiled from ``source(*source_args)`` on first use
+    (launches look the kernel up by the key alone: no source text is built on the hot path)."""
     kernel = cache.get(key)
     if kernel is None:
-        kernel = cache[key] = compiled_kernel(name, source(), device)
+        kernel = cache[key] = compiled_kernel(name, source(*source_args), device)
     return kernel
 
 

@@ -17,6 +17,7 @@ from importlib import resources
 
 import torch
 
+from vllm_ling.ops.cuda_jit import cached_kernel, define_lines
 from vllm_ling.options import DENSE_FP8_DECODE_MAX_ROWS as MAX_ROWS
 
 # by ``stream``; neither name contains the other (humming finds a kernel by substring)
@@ -93,7 +94,7 @@ def _kernel_text() -> str:
 def source(config: DecodeConfig, k: int, rows: int) -> str:
     """The CUDA text handed to NVRTC: the launch shape as ``#define`` lines, the shared loads, then
     the kernel."""
-    from vllm_ling.ops.cuda_jit import define_lines, ptx_loads
+    from vllm_ling.ops.cuda_jit import ptx_loads
 
     return define_lines(dict(WARPS_N=config.warps_n, KSPLIT=config.ksplit, STEPS=config.steps(k),
                              TG=row_groups(rows), MINB=config.min_blocks)) + ptx_loads() + _kernel_text()
@@ -103,10 +104,8 @@ _COMPILED: dict[tuple, object] = {}
 
 
 def _compiled(config: DecodeConfig, k: int, rows: int, device: torch.device):
-    from vllm_ling.ops.cuda_jit import cached_kernel
-
     key = (config.warps_n, config.ksplit, config.min_blocks, config.steps(k), row_groups(rows), config.stream, device)
-    return cached_kernel(_COMPILED, KERNEL_NAMES[config.stream], key, lambda: source(config, k, rows), device)
+    return cached_kernel(_COMPILED, KERNEL_NAMES[config.stream], key, device, source, config, k, rows)
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,

@@ -18,6 +18,8 @@ from importlib import resources
 
 import torch
 
+from vllm_ling.ops.cuda_jit import cached_kernel, define_lines
+
 KERNEL_NAME = "ling_grouped_topk"
 MAX_EXPERTS = 1024  # one thread per expert, one CTA per token
 MAX_TOP_K = 32
@@ -57,8 +59,6 @@ def _kernel_text() -> str:
 
 def source(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool) -> str:
     """The CUDA text handed to NVRTC: the configuration as ``#define`` lines, then the kernel."""
-    from vllm_ling.ops.cuda_jit import define_lines
-
     return define_lines(dict(E_=num_experts, NG=n_group, TG=topk_group, K_=top_k, RENORM=int(renormalize))) \
         + _kernel_text()
 
@@ -67,10 +67,8 @@ _COMPILED: dict[tuple, object] = {}
 
 
 def compiled(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool, device: torch.device):
-    from vllm_ling.ops.cuda_jit import cached_kernel
-
     return cached_kernel(_COMPILED, KERNEL_NAME, (num_experts, n_group, topk_group, top_k, renormalize, device),
-                         lambda: source(num_experts, n_group, topk_group, top_k, renormalize), device)
+                         device, source, num_experts, n_group, topk_group, top_k, renormalize)
 
 
 def grouped_topk_cuda(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,

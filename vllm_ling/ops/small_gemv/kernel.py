@@ -19,6 +19,7 @@ from importlib import resources
 
 import torch
 
+from vllm_ling.ops.cuda_jit import cached_kernel, define_lines
 from vllm_ling.options import BF16_GEMV_MAX_ROWS as BF16_MAX_ROWS  # noqa: F401 (Ling's BF16 linears; measured: why there)
 from vllm_ling.options import SMALL_GEMV_MAX_ROWS as MAX_ROWS  # the kernel's tokens (measured: why there)
 
@@ -92,7 +93,7 @@ def _kernel_text() -> str:
 
 def source(k: int, weight_dtype: torch.dtype, out_dtype: torch.dtype, warps: int, tokens_per_pass: int) -> str:
     """The CUDA text handed to NVRTC: the shape as ``#define`` lines, the shared loads, then the kernel."""
-    from vllm_ling.ops.cuda_jit import define_lines, ptx_loads
+    from vllm_ling.ops.cuda_jit import ptx_loads
 
     return define_lines(dict(K_=k, WARPS=warps, TB=tokens_per_pass, XS_T=staged_tokens(k),
                              W_BF16=_WEIGHT_DTYPES[weight_dtype], OUT_BF16=_OUT_DTYPES[out_dtype])) \
@@ -105,10 +106,8 @@ _COMPILED: dict[tuple, object] = {}
 def compiled(k: int, weight_dtype: torch.dtype, out_dtype: torch.dtype, warps: int, tokens_per_pass: int,
              device: torch.device):
     """The kernel for one shape (compiled on first use; warm-up calls this ahead of serving)."""
-    from vllm_ling.ops.cuda_jit import cached_kernel
-
     return cached_kernel(_COMPILED, KERNEL_NAME, (k, weight_dtype, out_dtype, warps, tokens_per_pass, device),
-                         lambda: source(k, weight_dtype, out_dtype, warps, tokens_per_pass), device)
+                         device, source, k, weight_dtype, out_dtype, warps, tokens_per_pass)
 
 
 def kernel_rows(x: torch.Tensor) -> torch.Tensor:

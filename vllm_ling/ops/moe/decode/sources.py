@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
-from vllm_ling.ops.cuda_jit import ptx_loads
+from vllm_ling.ops.cuda_jit import define_lines, ptx_loads
 
 
 @functools.cache
@@ -45,8 +45,6 @@ def read(name: str) -> str:
 
 
 def defines(**values: int) -> str:
-    from vllm_ling.ops.cuda_jit import define_lines
-
     return define_lines({k: int(v) for k, v in values.items()})
 
 
