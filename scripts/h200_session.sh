@@ -12,7 +12,8 @@
 #   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark  # those tiny end-to-end tests beside it first
 #   LAYERS=6 TREE_COMMIT=<sha> bash scripts/h200_session.sh slices  # A/B of each switch on a 6-layer slice
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh cuts   # the decode-step cuts' GPU tests (each cut that fails
-#                                                         # is switched off in the later phases), router bench
+#                                                         # is switched off in the later phases), router bench;
+#                                                         # WITH_TESTS="dspark" runs tiny tests beside them
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
 #
@@ -217,10 +218,16 @@ cuts)
   part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py
   part kda-conv 300 -m gpu tests/layers/test_kda_fused_conv.py
   tiny_test cuts-e2e 420  # both cuts through torch.compile and CUDA graphs on the routable tiny model
+  # WITH_TESTS="dspark ...": tiny end-to-end tests beside them (the GPU holds no full-size server yet)
+  for name in ${WITH_TESTS:-}; do tiny_test "$name" 420; done
   wait "${pids[@]}"
   record gpu:router-topk "$out/router-topk.log"
   record gpu:kda-conv "$out/kda-conv.log"
   record gpu-e2e:cuts "$out/cuts-e2e.log"
+  for name in ${WITH_TESTS/demo/}; do
+    record "$(suite_of "$name")" "$out/$name.log"
+    [ "$name" = dspark ] && record gpu-e2e:dspark-parsers "$out/dspark-parsers.log"
+  done
   timeout 200 python3 -m benchmarks.router_topk --out "$OUT/router-topk.md" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
   ;;
