@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ STARTUP_PATTERNS = {
     "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
     "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
 }
+VLLM_TIMESTAMP = r"(\d\d-\d\d \d\d:\d\d:\d\d)"  # vLLM's log lines: "INFO 12-06 16:51:04 [file.py:line] ..."
 WEIGHTS_GIB = r"Model loading took ([\d.]+) GiB memory"
 # vLLM's JIT monitor: a Triton kernel compiled while serving requests (a latency spike the user sees)
 JIT_DURING_INFERENCE = r"Triton kernel JIT compilation during inference: (\w+)"
@@ -144,7 +146,22 @@ def parse_startup(log: str) -> dict[str, float | None]:
     for key, pattern in STARTUP_PATTERNS.items():
         found = re.findall(pattern, log)
         out[key] = float(found[-1]) if found else None
+    out["warmup_steps_s"] = warmup_steps_s(log)
     return out
+
+
+def warmup_steps_s(log: str) -> float | None:
+    """vLLM's scheduler-realistic warm-up steps before the graph capture (v1/worker/gpu/warmup.py, which
+    logs nothing: the kernels a first prefill and decode build): from the kernel warm-up's last line to
+    the end of the capture, less the capture. Whole seconds (vLLM's timestamps)."""
+    last_warmup = None
+    for line in log.splitlines():
+        if (m := re.search(VLLM_TIMESTAMP + r" \[kernel_warmup\.py", line)):
+            last_warmup = m.group(1)
+        elif last_warmup and (c := re.search(VLLM_TIMESTAMP + r" \[[^\]]*\] " + STARTUP_PATTERNS["graph_capture_s"], line)):
+            span = datetime.strptime(c.group(1), "%m-%d %H:%M:%S") - datetime.strptime(last_warmup, "%m-%d %H:%M:%S")
+            return max(span.total_seconds() - float(c.group(2)), 0.0)
+    return None
 
 
 def jit_during_inference(log: str) -> dict[str, int]:
@@ -524,13 +541,14 @@ def render(args) -> int:
     lines += dspark_lines(roles, plans, copy_gbs)
     lines += ["", "Start-up (seconds, from launch to /health; parts from vLLM's and vllm-ling's own log lines and "
               "report) and memory:", "",
-              "| composition | to /health | load weights | torch.compile | graph capture | engine init | "
+              "| composition | to /health | load weights | torch.compile | warm-up steps | graph capture | engine init | "
               "known-answer checks | humming JIT | weights GiB | KV cache tokens | exit after SIGTERM |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s, m = r.get("startup") or {}, r.get("memory") or {}
-        cells = [r.get("startup_s"), s.get("load_weights_s"), s.get("torch_compile_s"), s.get("graph_capture_s"),
-                 s.get("engine_init_s"), s.get("kernel_checks_s"), s.get("humming_jit_compile_s")]
+        cells = [r.get("startup_s"), s.get("load_weights_s"), s.get("torch_compile_s"), s.get("warmup_steps_s"),
+                 s.get("graph_capture_s"), s.get("engine_init_s"), s.get("kernel_checks_s"),
+                 s.get("humming_jit_compile_s")]
         lines.append(f"| {r['name']} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells)
                      + f" | {m.get('weights_gib', '-')} | {m.get('kv_cache_tokens', '-')} | {r.get('stop_rc')} |")
     lines += ["", "Verification per run:", ""]

@@ -46,6 +46,14 @@ export VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0
 # for minutes there (a fresh full-size start ran out of its 480 s in that build). The benchmarks and
 # tests decode greedily; vLLM's PyTorch sampler serves them the same.
 export VLLM_USE_FLASHINFER_SAMPLER=0
+# vLLM's warm-up steps before the graph capture took 84-144 s in every full-size start so far, the second
+# start of a lease too (serve_h200's "warm-up steps"). A likely part: the vendored fla KDA kernels'
+# triton.autotune (compile and time every config at first use). vLLM keeps Triton's cache beside each
+# model's compile cache (compiler_interface.initialize_cache), so each composition, and each tiny test
+# process with its own VLLM_CACHE_ROOT, rebuilt the same kernels, and autotune results are not kept at
+# all by default. Here one cache serves every server of the lease (carried to the next with the others)
+# and keeps the autotune results: the next lease's warm-up column says what that saves.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/root/.triton/cache} TRITON_CACHE_AUTOTUNING=1
 # Servers run in their own sessions, which outlive a command stopped at its limit: whatever holds the
 # GPU when a phase begins or ends is from this session's earlier work, and goes; so does every
 # process of a server started here (they carry vllm_ling.processes' marker in their environment;
@@ -103,10 +111,25 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   *) echo "unknown tiny test $name" >&2 ;;
   esac
 }
+abort_stalled() {  # path: the servers whose launcher's command line holds it write their stacks to their logs
+  # (vllm_ling.launcher.local_server.abort_with_stacks: youngest process first), before free_gpu takes them
+  local markers
+  markers=$(for e in $(grep -lz '^_VLLM_LING_SERVER=' /proc/[0-9]*/environ 2>/dev/null); do
+              tr '\0' ' ' < "${e%/environ}/cmdline" 2>/dev/null | grep -qF "$1" &&
+                tr '\0' '\n' < "$e" | sed -n 's/^_VLLM_LING_SERVER=//p'
+            done | sort -u)
+  [ -n "$markers" ] && python3 -c "import sys
+from vllm_ling.launcher.local_server import abort_with_stacks
+for m in sys.argv[1:]: abort_with_stacks(m)" $markers
+}
 part() {  # name, time limit (s), pytest arguments...: one pytest process in the background
   local name=$1 limit=$2; shift 2
-  (timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider --basetemp "$out/pt-$name" "$@" \
-     > "$out/$name.log" 2>&1; echo "$name rc $?" >> "$out/rc.txt") &
+  (timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider --basetemp "$out/pt-$name" "$@" > "$out/$name.log" 2>&1
+   rc=$?
+   # out of time: the stacks of a server still starting say where (lease 2026-12-06d: three tiny starts
+   # beside each other ran out of 420 s with their logs silent for minutes)
+   [ "$rc" = 124 ] && abort_stalled "$out/pt-$name/"
+   echo "$name rc $rc" >> "$out/rc.txt") &
   pids+=($!)
 }
 case "$phase" in
@@ -217,9 +240,12 @@ cuts)
   # grouped_topk_fused_kernel (benchmarks/router_topk.py; kernel-only, minutes)
   part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py
   part kda-conv 300 -m gpu tests/layers/test_kda_fused_conv.py
-  tiny_test cuts-e2e 420  # both cuts through torch.compile and CUDA graphs on the routable tiny model
-  # WITH_TESTS="dspark ...": tiny end-to-end tests beside them (the GPU holds no full-size server yet)
-  for name in ${WITH_TESTS:-}; do tiny_test "$name" 420; done
+  # both cuts through torch.compile and CUDA graphs on the routable tiny model (alone: about 4 minutes)
+  tiny_test cuts-e2e 540
+  # WITH_TESTS="dspark ...": tiny end-to-end tests beside them (the GPU holds no full-size server yet). Not
+  # free: in lease 2026-12-06d cuts-e2e, dspark and dspark-parsers started together all ran out of 420 s
+  # (each built the same Triton kernels then; TRITON_CACHE_DIR above now shares them)
+  for name in ${WITH_TESTS:-}; do tiny_test "$name" 540; done
   wait "${pids[@]}"
   record gpu:router-topk "$out/router-topk.log"
   record gpu:kda-conv "$out/kda-conv.log"

@@ -13,6 +13,8 @@ INFO 12-02 05:00:01 [default_loader.py:502] Loading weights took 17.95 seconds
 INFO 12-02 05:00:02 [gpu_model_runner.py:5150] Model loading took 63.81 GiB memory and 18.402113 seconds
 INFO 12-02 05:01:41 [monitor.py:20] torch.compile took 99.12 s in total
 INFO 12-02 05:02:00 [kv_cache_utils.py:1] GPU KV cache size: 1,234,560 tokens
+INFO 12-02 05:01:45 [kernel_warmup.py:367] Running FlashInfer autotune with 2048 tokens
+2026-12-02 05:01:46,628 - INFO - autotuner.py:1069 - flashinfer.jit: [Autotuner]: Autotuning process ends
 INFO 12-02 05:02:10 [gpu_model_runner.py:6582] Graph capturing finished in 12 secs, took 0.52 GiB
 INFO 12-02 05:02:11 [core.py:403] init engine (profile, create kv cache, warmup model) took 141.20 s
 """
@@ -21,8 +23,20 @@ INFO 12-02 05:02:11 [core.py:403] init engine (profile, create kv cache, warmup 
 def test_startup_split_is_read_from_vllms_own_lines():
     got = S.parse_startup(LOG)
     assert got == {"load_weights_s": 17.95, "model_load_s": 18.402113, "torch_compile_s": 99.12,
-                   "graph_capture_s": 12.0, "engine_init_s": 141.2}
-    assert S.parse_startup("nothing here") == dict.fromkeys(S.STARTUP_PATTERNS)
+                   "graph_capture_s": 12.0, "engine_init_s": 141.2,
+                   # 05:01:45 (the kernel warm-up's last line) to 05:02:10, less the 12 s capture
+                   "warmup_steps_s": 13.0}
+    assert S.parse_startup("nothing here") == {**dict.fromkeys(S.STARTUP_PATTERNS), "warmup_steps_s": None}
+
+
+def test_warmup_steps_are_read_from_the_real_lease_log():
+    """Lease 2026-12-06d's ours-mtp start: kernel warm-up's last line 16:51:04, capture finished
+    16:53:26 in 13 s (the MTP speculator's own capture comes after and is not counted)."""
+    from pathlib import Path
+
+    log = (Path(S.__file__).parent / "results" / "serve_h200_runs" / "lease-2026-12-06d"
+           / "ours-mtp-server.log").read_text()
+    assert S.parse_startup(log)["warmup_steps_s"] == 129.0
 
 
 def _run(name, composition, mtp, contexts):

@@ -18,9 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
-from vllm_ling.processes import SERVER_MARKER_ENV, new_marker
+from vllm_ling.processes import SERVER_MARKER_ENV, marked, new_marker
 
 STARTUP_TIMEOUT_S = 900
+# A server that never became healthy is stopped with its Python stacks in its log: every process of it
+# runs with faulthandler on for fatal signals (PYTHONFAULTHANDLER), and SIGABRT makes each dump its
+# threads, so a stalled start says where it stalled. Seconds given to the dumps before SIGTERM/SIGKILL.
+STACKS_GRACE_S = 10.0
 CPU_SERVE_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
                   "--max-num-seqs", "4", "--seed", "0"]
 # A tiny checkpoint on a CUDA GPU, with CUDA graphs and torch.compile: a small share of the GPU
@@ -109,6 +113,42 @@ class Server:
             self._log = None
         return self.proc.returncode
 
+    def stop_with_stacks(self, grace: float = STACKS_GRACE_S) -> int | None:
+        """:func:`abort_with_stacks` this server's processes, then :meth:`stop` what is left."""
+        if self.proc.poll() is None:
+            abort_with_stacks(self.marker, grace, reap=self.proc.poll)
+            try:  # whatever did not abort (a process without Python's faulthandler)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return self.stop()
+
+
+def abort_with_stacks(marker: str, grace: float = STACKS_GRACE_S, reap: Callable[[], object] | None = None) -> None:
+    """SIGABRT each process carrying ``marker``, youngest first and one at a time: with
+    ``PYTHONFAULTHANDLER`` (set by :func:`start_server`) each Python process writes its threads'
+    stacks into the server's log (all at once they would interleave there). ``reap``: the caller's
+    poll of a child among them (a zombie's environ reads empty, so it no longer counts)."""
+    for pid in sorted(marked(marker), key=_start_ticks, reverse=True):
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except ProcessLookupError:
+            continue
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and marked(marker, among=[pid]):
+            if reap is not None:
+                reap()
+            time.sleep(0.1)
+
+
+def _start_ticks(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot; 0: gone)."""
+    try:
+        # the fields after the command name, which may hold spaces and parentheses
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
 
 def group_alive(pgid: int, grace: float = 60.0) -> bool:
     """Whether any process of the group is still there after ``grace`` seconds.
@@ -129,7 +169,7 @@ def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int,
                  wait: bool = True, timeout: float = STARTUP_TIMEOUT_S) -> Server:
     """Start ``cmd`` in its own session, logging to ``log_path``; OSError if it cannot start."""
     marker = new_marker()
-    env = {**env, SERVER_MARKER_ENV: marker}
+    env = {"PYTHONFAULTHANDLER": "1", **env, SERVER_MARKER_ENV: marker}
     log = open(log_path, "wb")  # noqa: SIM115 (closed by Server.stop)
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -163,9 +203,9 @@ def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S,
         except OSError:
             pass
         if time.monotonic() > deadline:
-            server.stop()
-            raise ServerError(f"server not healthy after {timeout:g} s; last lines of "
-                              f"{server.log_path}:\n{log_tail(server.log_path)}")
+            server.stop_with_stacks()
+            raise ServerError(f"server not healthy after {timeout:g} s (its processes' Python stacks at that "
+                              f"moment are in its log); last lines of {server.log_path}:\n{log_tail(server.log_path)}")
         time.sleep(0.5)
 
 
