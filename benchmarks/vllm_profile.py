@@ -119,6 +119,7 @@ def steps_of(data: dict) -> list[dict]:
     ann = sorted(data["steps"], key=lambda s: s[1])
     starts = [s[1] for s in ann]
     per_step: dict[int, list] = collections.defaultdict(list)
+    calls: dict[int, dict] = collections.defaultdict(dict)  # step -> {correlation: (API, launch ts, kernel)}
     unowned = []
     for name, ts, dur, stream, corr in data["kernels"]:
         launch = data["launches"].get(str(corr))
@@ -126,6 +127,7 @@ def steps_of(data: dict) -> list[dict]:
         k = {"name": name, "ts": ts, "dur": dur, "stream": stream}
         if i >= 0 and launch[1] <= ann[i][1] + ann[i][2]:
             per_step[i].append(k)
+            calls[i].setdefault(corr, (launch[0], launch[1], name))
         else:
             unowned.append(k)
     out = []
@@ -133,7 +135,9 @@ def steps_of(data: dict) -> list[dict]:
         m = STEP.match(ann[i][0])
         ks = sorted(per_step[i], key=lambda k: k["ts"])
         out.append({"annotation": ann[i][0], "context_tokens": int(m.group(2)) if m else None,
-                    "generation_tokens": int(m.group(4)) if m else None, "first_ts": ks[0]["ts"], "kernels": ks})
+                    "generation_tokens": int(m.group(4)) if m else None, "first_ts": ks[0]["ts"], "kernels": ks,
+                    "launch_calls": dict(collections.Counter(api for api, _, _ in calls[i].values())),
+                    "syncs": _syncs_in(data.get("host", []), ann[i], sorted(calls[i].values(), key=lambda c: c[1]))})
     # an iteration: from a step's first kernel to the next step's; kernels launched outside any step
     # (sampling, the drafter) join the step whose iteration they fall in
     firsts = [s["first_ts"] for s in out]
@@ -156,6 +160,19 @@ def label_classes(kernels: list[dict]) -> list[str]:
             if classes[i] in ("bf16_gemm", "dense_fp8", "other") and GEMM_LIKE.search(kernels[i]["name"]):
                 classes[i] = "head"
     return classes
+
+
+def _syncs_in(host: list, step: list, calls: list[tuple]) -> list[tuple[float, str]]:
+    """The step's long host synchronisations (each drains the GPU's queue: the launches after it start
+    with the GPU idle): (us waited, the kernel launched just before it, past the copy that synchronises),
+    in order."""
+    name, t0, dur = step
+    out = []
+    for call, ts, wait in host:
+        if "Synchronize" in call and t0 <= ts <= t0 + dur:
+            before = [c for c in calls if c[1] < ts and not c[2].startswith("Memcpy")]
+            out.append((wait, before[-1][2] if before else "-"))
+    return out
 
 
 def busy_and_gaps(kernels: list[dict]) -> tuple[float, float]:
@@ -191,7 +208,8 @@ def step_figures(step: dict) -> dict:
             "generation_tokens": step["generation_tokens"], "iteration_us": step["iteration_us"],
             "kernels": len(ks), "busy_us": busy, "gaps_us": gaps, "classes": dict(per_class),
             "wall": dict(per_class_wall), "streams": len({k.get("stream") for k in ks}),
-            "launches": dict(launches), "by_name": {n: v for n, v in by_name.items()}}
+            "launches": dict(launches), "by_name": {n: v for n, v in by_name.items()},
+            "launch_calls": step.get("launch_calls", {}), "syncs": step.get("syncs", [])}
 
 
 def analyse(data: dict) -> dict:
@@ -300,6 +318,20 @@ def render_window(result: dict, floors: dict | None = None, top: int = 25) -> li
             short = name if len(name) <= 100 else name[:97] + "..."
             lines.append(f"| `{short.replace('|', '/')}` | {cls} | {n} | {us:.0f} | {_wall_of(row):.0f} | "
                          f"{us / max(n, 1):.2f} |")
+    hosted = [s for s in steps if s.get("launch_calls") or s.get("syncs")]
+    if hosted:
+        lines += ["", "Host side per step: the launch calls behind its kernels (one graph launch runs many "
+                  "kernels; every other call is a kernel launched from Python), and its long host "
+                  "synchronisations (each drains the GPU's queue) with the kernel launched just before:", "",
+                  "| step | graph launches | other launch calls | syncs | us waited | launched before them |",
+                  "|---|---|---|---|---|---|"]
+        for i, s in enumerate(steps[:40]):
+            calls, syncs = s.get("launch_calls", {}), s.get("syncs", [])
+            before = collections.Counter(name for _, name in syncs).most_common(2)
+            lines.append(f"| {i} | {calls.get('cudaGraphLaunch', 0)} | "
+                         f"{sum(n for api, n in calls.items() if api != 'cudaGraphLaunch')} | {len(syncs)} | "
+                         f"{sum(w for w, _ in syncs):.0f} | "
+                         + ("; ".join(f"`{n[:60]}` x{c}" for n, c in before) or "-") + " |")
     if result.get("long_host_calls_us"):
         lines += ["", "Host calls of 200 us or more (summed us): "
                   + ", ".join(f"`{n}` {us:.0f}" for n, us in result["long_host_calls_us"].items())]

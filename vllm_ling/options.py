@@ -305,9 +305,10 @@ OPTIONS: tuple[Option, ...] = (
            serve_flag=True, compile_factor=True, opt_out="0", warmup_flag=True,
            former_name="VLLM_LING_KDA_MERGED_PROJ"),
     Option("VLLM_LING_KDA_FUSED_CONV", "bool", True,
-           "`1`: at decode (plain and speculative) each KDA layer runs its q, k and v short convolutions as one "
-           "launch of vLLM's `causal_conv1d_update` over the three channel blocks (CUDA; needs the merged "
-           "in-projection); `0`: vLLM's three launches (one WARNING, reported). Prefill is unchanged",
+           "`1`: each KDA layer runs its q, k and v short convolutions as one launch of vLLM's "
+           "`causal_conv1d_update` (decode, verify windows) or `causal_conv1d_fn` (prefill) over the three channel "
+           "blocks, and starts a prefill's new sequences from zero states without vLLM's host sync per layer (CUDA; "
+           "needs the merged in-projection); `0`: vLLM's KDA forward (one WARNING, reported)",
            serve_flag=True, compile_factor=True, opt_out="0"),
     Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
            "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "

@@ -116,3 +116,40 @@ def test_a_kernel_serving_two_classes_shows_both_most_launches_first():
     figures = V.step_figures(step)
     assert figures["by_name"]["ling_dense_w8a16_stream"] == [3, 3.0, "dense_fp8+head", 3.0]  # + wall us
     assert figures["classes"] == {"dense_fp8": 2.0, "moe_routed": 1.0, "head": 1.0}
+
+
+def test_a_steps_host_side_counts_graph_and_eager_launches_and_names_what_each_sync_waited_after(tmp_path):
+    """A prefill step whose pieces are graph launches (one call, several kernels) and eager launches,
+    with a mask index's synchronisation inside it (a reduce, the copy to the host, the long sync), as
+    vLLM's KDA prefill makes one per layer: the step's row counts 1 graph launch, 3 other calls, and
+    names the reduce (not the copy) before its one sync; a sync outside the step is not its."""
+    ev = []
+
+    def launch(api, corr, ts):
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": api, "ts": ts, "dur": 3, "args": {"correlation": corr}})
+
+    def kernel(name, corr, ts):
+        ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": 5, "args": {"correlation": corr, "stream": 7}})
+
+    ev.append({"ph": "X", "cat": "user_annotation", "name": "execute_context_1(64)_generation_0(0)", "ts": 0, "dur": 500})
+    launch("cudaGraphLaunch", 1, 10)
+    kernel("triton_poi_fused_0", 1, 100)
+    kernel("triton_red_fused_1", 1, 110)
+    launch("cudaLaunchKernel", 2, 20)
+    kernel("void at_cuda_detail::cub::detail::reduce::DeviceReduceSingleTileKernel", 2, 120)
+    launch("cudaMemcpyAsync", 3, 30)
+    kernel("Memcpy DtoH (Device -> Pinned)", 3, 130)
+    ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 40, "dur": 300, "args": {}})
+    launch("cuLaunchKernelEx", 4, 350)
+    kernel("chunk_kda_fwd_kernel", 4, 360)
+    ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 900, "dur": 250, "args": {}})
+    path = tmp_path / "prefill-64_rank0.1.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    result = V.analyse(V.load(V.write_compact(tmp_path, "prefill-64", tmp_path)))
+    [step] = result["steps"]
+    assert step["launch_calls"] == {"cudaGraphLaunch": 1, "cudaLaunchKernel": 1, "cudaMemcpyAsync": 1,
+                                    "cuLaunchKernelEx": 1}
+    assert step["syncs"] == [(300.0, "void at_cuda_detail::cub::detail::reduce::DeviceReduceSingleTileKernel")]
+    text = "\n".join(V.render_window(result))
+    assert "| 0 | 1 | 3 | 1 | 300 | `void at_cuda_detail::cub::detail::reduce::DeviceReduceSingle` x1 |" in text

@@ -41,31 +41,36 @@ def test_the_option_defaults_on_and_is_hashed_into_the_compile_cache():
 
 
 def _plain_fused(call: ConvCall) -> torch.Tensor:
+    if call.initial is not None:
+        return kda_ops.causal_conv1d_prefill(call.x, call.weight, None, call.state, call.cu_seqlens, call.indices,
+                                             call.initial)
     return kda_ops.causal_conv1d_update(call.x, call.weight, None, call.state, call.indices,
                                         cu_seqlens=call.cu_seqlens, num_accepted_tokens=call.accepted)
 
 
-def test_one_update_over_the_three_blocks_passes_the_known_answers():
+def test_one_conv_over_the_three_blocks_passes_the_known_answers():
     result = check_kda_conv(_plain_fused, "plain", 16)
-    assert result.passed and result.cases == 4, result.message()
+    assert result.passed and result.cases == 6, result.message()
 
 
 @pytest.mark.parametrize("fault,words", [
     ("weights of k for q", "outputs"),
     ("state not written", "states after"),
     ("accepted tokens ignored", "verify window"),
+    ("a new sequence continues its slot's stale state", "prefill"),
 ])
-def test_a_fused_update_that_mixes_the_blocks_up_fails_named(fault, words):
+def test_a_fused_conv_that_mixes_the_blocks_up_fails_named(fault, words):
     def wrong(call: ConvCall) -> torch.Tensor:
-        w, state, accepted = call.weight, call.state, call.accepted
+        w, state, accepted, initial = call.weight, call.state, call.accepted, call.initial
         if fault == "weights of k for q":
             w = torch.cat([w[16:32], w[:16], w[32:]])
         if fault == "state not written":
             state = state.clone()
         if fault == "accepted tokens ignored" and accepted is not None:
             accepted = torch.ones_like(accepted)
-        return kda_ops.causal_conv1d_update(call.x, w, None, state, call.indices, cu_seqlens=call.cu_seqlens,
-                                            num_accepted_tokens=accepted)
+        if fault == "a new sequence continues its slot's stale state" and initial is not None:
+            initial = torch.ones_like(initial)
+        return _plain_fused(ConvCall(call.x, state, w, call.indices, call.cu_seqlens, accepted, call.max_len, initial))
 
     result = check_kda_conv(wrong, fault, 16)
     assert not result.passed and any(words in f for f in result.failing_inputs), result.failing_inputs
@@ -92,23 +97,24 @@ def test_the_weights_become_views_of_one_buffer_that_loading_fills():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (gpu marker)")
 def test_on_the_gpu_vllms_kernel_over_three_blocks_passes_and_equals_its_three_launches():
-    """vLLM's causal_conv1d_update as the layer calls it (layers/kda_fused_conv.conv_update) on the
-    known answers at Ling's width, then against three launches, one per block (vLLM's own decode
-    path), on the same inputs and state. Run on the device with
-    `python -m pytest -m gpu tests/layers/test_kda_fused_conv.py` (the lease's `cuts` phase)."""
+    """vLLM's causal_conv1d_update and causal_conv1d_fn as the layer calls them
+    (layers/kda_fused_conv.short_conv) on the known answers at Ling's width (decode, verify window,
+    prefill), then against three launches, one per block (vLLM's own paths), on the same inputs and
+    state. Run on the device with `python -m pytest -m gpu tests/layers/test_kda_fused_conv.py` (the
+    lease's `cuts` phase)."""
     pytest.importorskip("vllm")
     from vllm_ling.layers import kda_fused_conv as F
     from vllm_ling.ops.known_answer import kda_conv
 
-    result = check_kda_conv(F.conv_update, F.KERNEL_LABEL, LING_WIDTH, device="cuda")
+    result = check_kda_conv(F.short_conv, F.KERNEL_LABEL, LING_WIDTH, device="cuda")
     assert result.passed, result.message()
 
     for name, call in kda_conv._calls(LING_WIDTH, 4, 3, torch.Generator().manual_seed(1)).items():
         cuda = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in vars(call).items()}
         fused = ConvCall(**{**cuda, "x": cuda["x"].clone(), "state": cuda["state"].clone()})
         split = ConvCall(**{**cuda, "x": cuda["x"].clone(), "state": cuda["state"].clone()})
-        fused_out = F.conv_update(fused)
-        split_out = torch.cat([F.conv_update(ConvCall(**{**vars(split), "x": split.x[:, cols],
+        fused_out = F.short_conv(fused)
+        split_out = torch.cat([F.short_conv(ConvCall(**{**vars(split), "x": split.x[:, cols],
                                                          "state": split.state[:, cols], "weight": split.weight[cols]}))
                                for cols in (slice(b * LING_WIDTH, (b + 1) * LING_WIDTH) for b in range(3))], dim=1)
         assert torch.equal(fused_out, split_out) and torch.equal(fused.state, split.state), name

@@ -1,23 +1,31 @@
-"""Ling-3.0's KDA short convolutions at decode as one launch per layer (CUDA).
+"""Ling-3.0's KDA short convolutions as one launch per layer (CUDA), and its prefill without a host sync.
 
-vLLM 0.32's KDA decode runs ``causal_conv1d_update`` three times per layer, for q, k and v, each
-over its own third of the layer's conv state (``conv_state.chunk(3)``): 105 launches of 2.7 us in
-the real H100 decode step (``benchmarks/results/step_profile_real_h100.md``). The convolution is
-depthwise, and q, k, v are adjacent columns of the merged in-projection's output and adjacent
-channel blocks of the state, so one launch over the [tokens, 3 P] view with the three weights as
-one [3 P, W] tensor computes exactly the three.
+vLLM 0.32's KDA runs its causal convolution three times per layer, for q, k and v, each over its own
+third of the layer's conv state (``conv_state.chunk(3)``): 105 launches of 2.7 us in the real H100
+decode step (``benchmarks/results/step_profile_real_h100.md``). The convolution is depthwise, and q,
+k, v are adjacent columns of the merged in-projection's output and adjacent channel blocks of the
+state, so one launch over the [tokens, 3 P] view with the three weights as one [3 P, W] tensor
+computes exactly the three.
+
+vLLM's prefill also zeroes the state of each new sequence through a boolean-mask index
+(``state_indices[~has_initial_state]``): a ``nonzero``, so one host sync per KDA layer and prefill
+step, which drains the GPU's queue and leaves the next kernels' launch time exposed (33 syncs in a
+1920-token step of the real H100 prefill, ``benchmarks/results/prefill_profile_h100.md``). Here a
+new sequence's initial recurrent state is a ``torch.where`` on the gathered states instead: the same
+values, no sync.
 
 - The weights: :func:`fuse_conv_weights` (at construction, before loading) makes the three conv
   weight parameters views of one buffer, so the checkpoint loads into it and nothing is copied.
 - The forward: :func:`kda_attention` behind the opaque op ``vllm_ling::kda_attention`` (a graph
   splitting point, as vLLM's ``bailing_v3_kda_attention``), taking the [tokens, 3 P] view. A batch of
-  plain decodes or of speculative verify windows only runs the fused update and then vLLM's
-  recurrent KDA kernel with vLLM's arguments; any batch with a prefill goes to vLLM's ``_forward``
-  unchanged. vLLM's kernels are looked up on vLLM's model module at call time, as its forward does.
+  plain decodes, of speculative verify windows, or of prefills (with decodes, without speculation)
+  runs the fused conv and then vLLM's recurrent or chunked KDA kernel with vLLM's arguments; a batch
+  mixing verify windows with prefills goes to vLLM's ``_forward`` unchanged. vLLM's kernels are looked
+  up on vLLM's model module at call time, as its forward does.
 
 The layer records its selection (:func:`~vllm_ling.models.kda_fused_conv.select_kda_fused_conv`);
 :data:`READER` reads back whether its weights are the views and its forward the fused one, and the
-known answers run :func:`conv_update` on a scratch state (:mod:`vllm_ling.ops.known_answer.kda_conv`).
+known answers run :func:`short_conv` on a scratch state (:mod:`vllm_ling.ops.known_answer.kda_conv`).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, re
 logger = get_logger("kda")
 
 OP_NAME = "vllm_ling::kda_attention"
-KERNEL_LABEL = "vLLM's causal_conv1d_update over q, k and v in one launch"
+KERNEL_LABEL = "vLLM's causal_conv1d_update / causal_conv1d_fn over q, k and v in one launch"
 WEIGHT_ATTR = "ling_qkv_conv_weight"  # on the layer: the [3 P, W] weight the fused launch reads
 _CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
@@ -68,8 +76,9 @@ def decide(layer, merged_in_proj: bool, platform: Platform) -> Selection:
         pass
     elif selection.fallback_from is None:
         log_once(logger, logging.WARNING, "kda-fused-conv-opt-out",
-                 "KDA fused convolutions are OFF by explicit choice (%s): three causal_conv1d_update launches per "
-                 "layer at decode; the startup report marks kda_fused_conv inactive.", opt_out_setting(OPTION))
+                 "KDA fused convolutions are OFF by explicit choice (%s): vLLM's KDA forward, three conv launches "
+                 "per layer and a host sync per layer at prefill; the startup report marks kda_fused_conv inactive.",
+                 opt_out_setting(OPTION))
     else:
         log_once(logger, logging.WARNING, f"kda-fused-conv-off-{selection.reason}",
                  "KDA fused convolutions off for %s and similar layers: %s; vLLM's three launches serve them "
@@ -119,6 +128,23 @@ def conv_update(call: ConvCall) -> torch.Tensor:
     return out
 
 
+def conv_prefill(call: ConvCall) -> torch.Tensor:
+    """The fused prefill conv: vLLM's ``causal_conv1d_fn`` as its prefill path calls it (channel-last
+    [3 P, tokens] views), on all three blocks, into a new [n, 3 P] tensor; ``call.state`` in place.
+    ``call.metadata``: vLLM's precomputed launch grid (None: the kernel derives it, with a host copy)."""
+    from vllm.model_executor.models import bailing_moe_v3 as vllm_model
+
+    return vllm_model.causal_conv1d_fn(call.x.transpose(0, 1), call.weight, None, activation="silu",
+                                       conv_states=call.state, has_initial_state=call.initial,
+                                       cache_indices=call.indices, query_start_loc=call.cu_seqlens,
+                                       metadata=call.metadata).transpose(0, 1)
+
+
+def short_conv(call: ConvCall) -> torch.Tensor:
+    """The fused conv the layer runs for ``call``: a prefill's (``call.initial`` given) or an update's."""
+    return conv_prefill(call) if call.initial is not None else conv_update(call)
+
+
 def _heads(layer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q, k, v of the [n, 3 P] conv output as [1, n, heads, head_dim] views."""
     return tuple(t.unflatten(-1, (-1, layer.head_dim)).unsqueeze(0)
@@ -127,8 +153,8 @@ def _heads(layer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """The layer's KDA core for one step, [1, tokens, heads, head_dim]: the fused paths for batches of
-    plain decodes or of verify windows only (the recurrent kernel's own output where it covers every
-    token: no zero fill, no copy), vLLM's ``_forward`` for the rest."""
+    plain decodes, of verify windows only, or with prefills and no verify window (the kernel's own
+    output where it covers every token: no zero fill, no copy), vLLM's ``_forward`` for the rest."""
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.models import bailing_moe_v3 as vllm_model
@@ -139,7 +165,8 @@ def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor
     decode_only = md is not None and md.spec_sequence_masks is None and md.num_prefills == 0 and md.num_decodes > 0
     verify_only = (md is not None and md.spec_sequence_masks is not None and md.num_prefills == 0
                    and md.num_decodes == 0)
-    if not (decode_only or verify_only):
+    with_prefill = md is not None and md.spec_sequence_masks is None and md.num_prefills > 0
+    if not (decode_only or verify_only or with_prefill):
         # profile / warm-up runs carry no mamba metadata (vLLM's forward leaves the zeros too)
         core_attn_out = qkv.new_zeros(_core_shape(layer, qkv))
         if md is not None:
@@ -153,7 +180,18 @@ def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor
     n = md.num_actual_tokens
     x, g1, beta = qkv[:n], g1[:, :n], beta[:, :n]
     weight = getattr(layer, WEIGHT_ATTR)
-    if decode_only:
+    if with_prefill:  # vLLM's chunked path, which takes the batch's decodes along (has_initial_state True)
+        slots, cu, initial = md.non_spec_state_indices_tensor, md.non_spec_query_start_loc, md.has_initial_state
+        x = conv_prefill(ConvCall(x, conv_state, weight, slots, cu_seqlens=cu, initial=initial, metadata=md))
+        q, k, v = (t.contiguous() for t in _heads(layer, x))
+        # a new sequence starts from zeros: selected, not zeroed in the pool through a mask index (a sync);
+        # its pool row is overwritten with its final state below either way
+        start = torch.where(initial[:, None, None, None], recurrent_state[slots], 0)
+        out, final = vllm_model.chunk_kda(
+            q=q, k=k, v=v, g=g1, beta=beta, initial_state=start, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, safe_gate=layer.safe_gate, lower_bound=layer.lower_bound, cu_seqlens=cu)
+        recurrent_state[slots] = final
+    elif decode_only:
         slots = md.non_spec_state_indices_tensor
         q, k, v = _heads(layer, conv_update(ConvCall(x, conv_state, weight, slots[:n])))
         out, _ = vllm_model.fused_recurrent_kda(

@@ -183,11 +183,11 @@ def check_router_topk(runner, device: torch.device | str = "cpu") -> ka.KernelCh
 
 
 def check_kda_conv(layer, device: torch.device | str = "cpu") -> ka.KernelCheckResult:
-    """A KDA layer's fused convolution (the function its decode paths call) on
+    """A KDA layer's fused convolution (the function its forward calls) on
     :func:`~vllm_ling.ops.known_answer.check_kda_conv` at the layer's block width and conv width,
     on scratch inputs and state (the served conv state is not touched)."""
     from vllm_ling.layers import kda_fused_conv
 
     weight = getattr(layer, kda_fused_conv.WEIGHT_ATTR)
-    return ka.check_kda_conv(kda_fused_conv.conv_update, kda_fused_conv.KERNEL_LABEL,
+    return ka.check_kda_conv(kda_fused_conv.short_conv, kda_fused_conv.KERNEL_LABEL,
                              layer.projection_size_per_partition, kernel_width=weight.shape[-1], device=device)

@@ -1,7 +1,8 @@
-"""The fused KDA short convolutions (``kda_fused_conv``): at decode, each KDA layer's q, k and v
-causal convolutions as one launch of vLLM's ``causal_conv1d_update`` over the three channel blocks
-(the convolution is depthwise: each channel reads only its own weights and state, so one launch
-over [q | k | v] computes exactly the three). Its names and its selector live here
+"""The fused KDA short convolutions (``kda_fused_conv``): each KDA layer's q, k and v causal
+convolutions as one launch of vLLM's ``causal_conv1d_update`` (decode, verify windows) or
+``causal_conv1d_fn`` (prefill) over the three channel blocks (the convolution is depthwise: each
+channel reads only its own weights and state, so one launch over [q | k | v] computes exactly the
+three), and at prefill the new sequences' zero states chosen without vLLM's host sync. Its names and its selector live here
 (:func:`select_kda_fused_conv`); the layer is :mod:`vllm_ling.layers.kda_fused_conv`. No vLLM import.
 """
 
@@ -11,13 +12,14 @@ from vllm_ling.options import Choice, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Selection
 
 OPTION = "VLLM_LING_KDA_FUSED_CONV"
-FUSED_DESCRIPTION = "q, k and v short convolutions as one causal_conv1d_update launch per KDA layer at decode"
+FUSED_DESCRIPTION = ("q, k and v short convolutions as one launch per KDA layer (decode, verify windows, prefill); "
+                     "a prefill's new sequences start from zero states without a host sync")
 
 
 class KdaConv(Choice):
     """How a KDA layer runs its q, k and v short convolutions at decode."""
 
-    FUSED = "fused"        # one launch over the three channel blocks (prefill and mixed batches: vLLM's three)
+    FUSED = "fused"        # one launch over the three channel blocks (verify windows with prefills: vLLM's three)
     SEPARATE = "separate"  # three launches (vLLM's forward; the CPU layer's plain PyTorch)
 
 

@@ -1,14 +1,15 @@
-"""The fused KDA short-convolution problem: one causal conv update over a KDA layer's q, k and v
-channel blocks at once, as served (a [tokens, 3 P] view inside the wider in-projection output row,
-the layer's whole conv state, the three weights as one [3 P, W] tensor), for plain decode and for a
-speculative verify window.
+"""The fused KDA short-convolution problem: one causal conv over a KDA layer's q, k and v channel
+blocks at once, as served (a [tokens, 3 P] view inside the wider in-projection output row, the
+layer's whole conv state, the three weights as one [3 P, W] tensor), for plain decode, for a
+speculative verify window, and for a prefill batch of a new sequence and a continued one.
 
-The answer is the plain-PyTorch conv update (:func:`vllm_ling.ops.kda.causal_conv1d_update`, the
-CPU layer's, tested against a direct convolution in tests/ops/test_kda.py) run on each block alone
-with that block's weights and state: a launch that pairs a block with another block's weights or
-state, or writes its state elsewhere, fails. Each block's weights and state differ (block b is
-scaled by b + 1). Judged: the outputs row by row (BF16 inputs and state, fp32 accumulation:
-``KDA_CONV_RTOL``) and the states after the update exactly (copies of BF16 values: ``STATE_RTOL``).
+The answer is the plain-PyTorch conv (:func:`vllm_ling.ops.kda.causal_conv1d_update` and
+:func:`~vllm_ling.ops.kda.causal_conv1d_prefill`, the CPU layer's, tested against a direct convolution
+in tests/ops/test_kda.py) run on each block alone with that block's weights and state: a launch that
+pairs a block with another block's weights or state, writes its state elsewhere, or starts a new
+sequence from a stale state, fails. Each block's weights and state differ (block b is scaled by
+b + 1). Judged: the outputs row by row (BF16 inputs and state, fp32 accumulation: ``KDA_CONV_RTOL``)
+and the states after exactly (copies of BF16 values: ``STATE_RTOL``).
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ ROW_BLOCKS = 5  # the merged in-projection's row: [q, k, v, f, g]
 
 @dataclasses.dataclass(frozen=True)
 class ConvCall:
-    """One conv update as the layer makes it. ``x`` [T, 3 P] (a view inside the projection row),
-    ``state`` [slots, 3 P, L] (updated in place), ``weight`` [3 P, W]; ``indices`` one slot per
-    sequence; for a verify window also ``cu_seqlens``, ``accepted`` and ``max_len``."""
+    """One conv as the layer makes it. ``x`` [T, 3 P] (a view inside the projection row), ``state``
+    [slots, 3 P, L] (updated in place), ``weight`` [3 P, W]; ``indices`` one slot per sequence; for
+    a verify window also ``cu_seqlens``, ``accepted`` and ``max_len``; for a prefill ``cu_seqlens``
+    and ``initial`` (per sequence: continue from its slot's state, else from zeros; a prefill call
+    is one with ``initial``) and, served, vLLM's ``metadata`` (its precomputed launch grid)."""
 
     x: torch.Tensor
     state: torch.Tensor
@@ -40,6 +43,8 @@ class ConvCall:
     cu_seqlens: torch.Tensor | None = None
     accepted: torch.Tensor | None = None
     max_len: int = -1
+    initial: torch.Tensor | None = None
+    metadata: object | None = None
 
 
 def _reference(call: ConvCall, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,9 +53,14 @@ def _reference(call: ConvCall, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     for b in range(BLOCKS):
         cols = slice(b * width, (b + 1) * width)
         state = call.state[:, cols].clone()
-        outs.append(kda_ops.causal_conv1d_update(call.x[:, cols].clone(), call.weight[cols], None, state,
-                                                 call.indices, cu_seqlens=call.cu_seqlens,
-                                                 num_accepted_tokens=call.accepted).double())
+        if call.initial is not None:
+            out = kda_ops.causal_conv1d_prefill(call.x[:, cols].clone(), call.weight[cols], None, state,
+                                                call.cu_seqlens, call.indices, call.initial)
+        else:
+            out = kda_ops.causal_conv1d_update(call.x[:, cols].clone(), call.weight[cols], None, state,
+                                               call.indices, cu_seqlens=call.cu_seqlens,
+                                               num_accepted_tokens=call.accepted)
+        outs.append(out.double())
         states.append(state.double())
     return torch.cat(outs, dim=1), torch.cat(states, dim=1)
 
@@ -73,13 +83,18 @@ def _calls(width: int, kernel_width: int, num_spec: int, gen: torch.Generator) -
             rows(2 * window), state(), weight, torch.tensor([2, 5], dtype=torch.int32),
             cu_seqlens=torch.tensor([0, window, 2 * window], dtype=torch.int32),
             accepted=torch.tensor([1, window - 1], dtype=torch.int32), max_len=window),
+        # a new sequence of 5 tokens (its slot's stale state must not leak in) and one continued for 9
+        "prefill (5 new + 9 continued tokens)": ConvCall(
+            rows(14), state(), weight, torch.tensor([3, 5], dtype=torch.int32),
+            cu_seqlens=torch.tensor([0, 5, 14], dtype=torch.int32), initial=torch.tensor([False, True])),
     }
 
 
 def check_kda_conv(conv: Callable[[ConvCall], torch.Tensor], label: str, width: int, kernel_width: int = 4,
                    num_spec: int = 3, device: torch.device | str = "cpu", seed: int = 0) -> KernelCheckResult:
-    """``conv(call)`` -> the outputs [T, 3 P], the served fused update (``call.state`` in place), on a
-    decode batch and a verify window at the layer's block width ``width`` (P) and conv width."""
+    """``conv(call)`` -> the outputs [T, 3 P], the served fused conv (``call.state`` in place), on a
+    decode batch, a verify window and a prefill batch at the layer's block width ``width`` (P) and
+    conv width."""
     gen = torch.Generator().manual_seed(seed)
     cases = []
     for name, call in _calls(width, kernel_width, num_spec, gen).items():
@@ -101,7 +116,8 @@ def check_kda_conv(conv: Callable[[ConvCall], torch.Tensor], label: str, width: 
             call, x=row.to(device)[:, :BLOCKS * width], state=call.state.clone().to(device),
             weight=call.weight.to(device), indices=call.indices.to(device),
             cu_seqlens=None if call.cu_seqlens is None else call.cu_seqlens.to(device),
-            accepted=None if call.accepted is None else call.accepted.to(device))
+            accepted=None if call.accepted is None else call.accepted.to(device),
+            initial=None if call.initial is None else call.initial.to(device))
         out = conv(served)
         if inputs["what"] == "outputs":
             return out
