@@ -29,7 +29,7 @@ gpu marker: skipped without CUDA. On the GPU device (H100/H200; no vLLM in its i
 
     bash .gpuvllm/device-install.sh && TREE_COMMIT=<sha> bash scripts/h200_session.sh tests
 
-runs these tests one process each, in parallel, with the rest of the ``gpu`` suite (``make test-gpu``
+runs these tests one process each, three at a time, with the rest of the ``gpu`` suite (``make test-gpu``
 runs the same set in one process; ``tests/README.md``).
 """
 
