@@ -64,6 +64,7 @@ STARTUP_PATTERNS = {
     "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
 }
 VLLM_TIMESTAMP = r"(\d\d-\d\d \d\d:\d\d:\d\d)"  # vLLM's log lines: "INFO 12-06 16:51:04 [file.py:line] ..."
+CAPTURE_LINE = VLLM_TIMESTAMP + r" \[[^\]]*\] " + STARTUP_PATTERNS["graph_capture_s"]
 WEIGHTS_GIB = r"Model loading took ([\d.]+) GiB memory"
 # vLLM's JIT monitor: a Triton kernel compiled while serving requests (a latency spike the user sees)
 JIT_DURING_INFERENCE = r"Triton kernel JIT compilation during inference: (\w+)"
@@ -158,7 +159,7 @@ def warmup_steps_s(log: str) -> float | None:
     for line in log.splitlines():
         if (m := re.search(VLLM_TIMESTAMP + r" \[kernel_warmup\.py", line)):
             last_warmup = m.group(1)
-        elif last_warmup and (c := re.search(VLLM_TIMESTAMP + r" \[[^\]]*\] " + STARTUP_PATTERNS["graph_capture_s"], line)):
+        elif last_warmup and (c := re.search(CAPTURE_LINE, line)):
             span = datetime.strptime(c.group(1), "%m-%d %H:%M:%S") - datetime.strptime(last_warmup, "%m-%d %H:%M:%S")
             return max(span.total_seconds() - float(c.group(2)), 0.0)
     return None

@@ -129,9 +129,11 @@ def test_a_steps_host_side_counts_graph_and_eager_launches_and_names_what_each_s
         ev.append({"ph": "X", "cat": "cuda_runtime", "name": api, "ts": ts, "dur": 3, "args": {"correlation": corr}})
 
     def kernel(name, corr, ts):
-        ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": 5, "args": {"correlation": corr, "stream": 7}})
+        ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": 5,
+                   "args": {"correlation": corr, "stream": 7}})
 
-    ev.append({"ph": "X", "cat": "user_annotation", "name": "execute_context_1(64)_generation_0(0)", "ts": 0, "dur": 500})
+    ev.append({"ph": "X", "cat": "user_annotation", "name": "execute_context_1(64)_generation_0(0)", "ts": 0,
+               "dur": 500})
     launch("cudaGraphLaunch", 1, 10)
     kernel("triton_poi_fused_0", 1, 100)
     kernel("triton_red_fused_1", 1, 110)
