@@ -360,7 +360,7 @@ def run(args) -> int:
                                   "VLLM_USE_DEEP_GEMM", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER")}}
     t0 = time.perf_counter()
     try:
-        server = start_server(cmd, env, log_path, port, timeout=args.startup_timeout)
+        server = start_server(cmd, env, log_path, port, timeout=args.startup_timeout, stall_s=args.stall_timeout or None)
     except ServerError as exc:
         result.update(error=str(exc)[-4000:], startup_s=time.perf_counter() - t0)
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -640,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     r.add_argument("--kv-cache-gib", type=float, default=3.0)
     r.add_argument("--startup-timeout", type=float, default=540)
+    # vLLM's longest silences in a healthy full-size start so far: ~150 s (torch.compile, the warm-up steps)
+    r.add_argument("--stall-timeout", type=float, default=300,
+                   help="stop a start whose log has not grown for this long, with its stacks in its log (0: never)")
     r.add_argument("--vllm-arg", action="append", default=[], help="one more vllm serve argument (repeatable)")
     r.add_argument("--tag", default=None, help="appended to the run's name (an A/B run's vLLM argument)")
     r.add_argument("--ttft-contexts", type=lambda v: [int(x) for x in v.split(",")] if v else [],

@@ -156,7 +156,8 @@ ours|upstream|ours-mtp|ours-dspark)
   # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
   # full-size start, which measures only once they are done (the timings stay that server's own).
   # STARTUP_S (480) and TINY_S (420): the start-up and beside-test limits; scripts/h200_lease.sh, whose
-  # phases outlive a call, raises them for a fresh machine's JIT builds.
+  # phases outlive a call, raises them for a fresh machine's JIT builds. A start whose log stays silent
+  # for 300 s (serve_h200 --stall-timeout) is stopped early with its stacks, freeing the lease's minutes.
   startup_s=${STARTUP_S:-480} tiny_s=${TINY_S:-420}
   wait_for=()
   if [ -n "${WITH_TESTS:-}" ]; then

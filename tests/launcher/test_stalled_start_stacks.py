@@ -97,3 +97,23 @@ def _wait_for(condition, timeout: float = 60) -> None:
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_a_start_whose_log_stops_growing_is_stopped_early_with_its_stacks(tmp_path):
+    """``stall_s``: the log grows for a while (a start making progress), then stays silent: stopped
+    after ``stall_s`` of silence, long before ``timeout``, with the stacks of where it stalled."""
+    import time
+
+    talker = ("import sys, time\n"
+              "def loading():\n    for i in range(6):\n        print('step', i, flush=True); time.sleep(0.5)\n"
+              "def compiling_forever():\n    time.sleep(600)\n"
+              "loading(); compiling_forever()\n")
+    log = tmp_path / "server.log"
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="log silent for 2 s"):
+        start_server([sys.executable, "-c", talker], {"PATH": "/usr/bin:/bin"}, log, free_port(), timeout=120,
+                     stall_s=2)
+    waited = time.monotonic() - t0
+    text = log.read_text()
+    assert "step 5" in text and "in compiling_forever" in text, text
+    assert 4.5 < waited < 60, waited  # after the 3 s of steps and 2 s of silence; not the 120 s timeout

@@ -166,8 +166,9 @@ def group_alive(pgid: int, grace: float = 60.0) -> bool:
 
 
 def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int, host: str = "127.0.0.1",
-                 wait: bool = True, timeout: float = STARTUP_TIMEOUT_S) -> Server:
-    """Start ``cmd`` in its own session, logging to ``log_path``; OSError if it cannot start."""
+                 wait: bool = True, timeout: float = STARTUP_TIMEOUT_S, stall_s: float | None = None) -> Server:
+    """Start ``cmd`` in its own session, logging to ``log_path``; OSError if it cannot start.
+    ``stall_s``: see :func:`wait_healthy`."""
     marker = new_marker()
     env = {"PYTHONFAULTHANDLER": "1", **env, SERVER_MARKER_ENV: marker}
     log = open(log_path, "wb")  # noqa: SIM115 (closed by Server.stop)
@@ -179,17 +180,21 @@ def start_server(cmd: list[str], env: dict[str, str], log_path: Path, port: int,
         raise
     server = Server(proc, f"http://{host}:{port}", log_path, log, marker)
     if wait:
-        wait_healthy(server, timeout)
+        wait_healthy(server, timeout, stall_s=stall_s)
     return server
 
 
 def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S,
-                 progress: Callable[[float], None] | None = None, every_s: float = 15.0) -> None:
-    """Poll /health; ServerError (with the log tail) if the server exits or times out.
+                 progress: Callable[[float], None] | None = None, every_s: float = 15.0,
+                 stall_s: float | None = None) -> None:
+    """Poll /health; ServerError (with the log tail) if the server exits or times out, or, with
+    ``stall_s``, once its log has not grown for that long (a start that stalls is stopped with its
+    stacks early, instead of holding a GPU until ``timeout``).
     ``progress(seconds waited)`` is called every ``every_s`` seconds while it waits."""
     start = time.monotonic()
     deadline = start + timeout
     next_progress = start + every_s
+    log_size, grew_at = -1, start
     while True:
         if progress is not None and time.monotonic() >= next_progress:
             progress(time.monotonic() - start)
@@ -202,6 +207,15 @@ def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S,
                 return
         except OSError:
             pass
+        if stall_s:
+            size = server.log_path.stat().st_size if server.log_path.exists() else 0
+            if size != log_size:
+                log_size, grew_at = size, time.monotonic()
+            elif time.monotonic() - grew_at > stall_s:
+                server.stop_with_stacks()
+                raise ServerError(f"server log silent for {stall_s:g} s before it was healthy (its processes' "
+                                  f"Python stacks at that moment are in its log); last lines of "
+                                  f"{server.log_path}:\n{log_tail(server.log_path)}")
         if time.monotonic() > deadline:
             server.stop_with_stacks()
             raise ServerError(f"server not healthy after {timeout:g} s (its processes' Python stacks at that "
