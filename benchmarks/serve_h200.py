@@ -32,6 +32,7 @@ On the H200 (vLLM from ``../shared/tools/device-vllm.sh``)::
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -64,6 +65,7 @@ STARTUP_PATTERNS = {
     "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
 }
 VLLM_TIMESTAMP = r"(\d\d-\d\d \d\d:\d\d:\d\d)"  # vLLM's log lines: "INFO 12-06 16:51:04 [file.py:line] ..."
+WARMUP_LINE = VLLM_TIMESTAMP + r" \[kernel_warmup\.py"
 CAPTURE_LINE = VLLM_TIMESTAMP + r" \[[^\]]*\] " + STARTUP_PATTERNS["graph_capture_s"]
 WEIGHTS_GIB = r"Model loading took ([\d.]+) GiB memory"
 # vLLM's JIT monitor: a Triton kernel compiled while serving requests (a latency spike the user sees)
@@ -157,7 +159,7 @@ def warmup_steps_s(log: str) -> float | None:
     the end of the capture, less the capture. Whole seconds (vLLM's timestamps)."""
     last_warmup = None
     for line in log.splitlines():
-        if (m := re.search(VLLM_TIMESTAMP + r" \[kernel_warmup\.py", line)):
+        if (m := re.search(WARMUP_LINE, line)):
             last_warmup = m.group(1)
         elif last_warmup and (c := re.search(CAPTURE_LINE, line)):
             span = datetime.strptime(c.group(1), "%m-%d %H:%M:%S") - datetime.strptime(last_warmup, "%m-%d %H:%M:%S")
@@ -167,10 +169,7 @@ def warmup_steps_s(log: str) -> float | None:
 
 def jit_during_inference(log: str) -> dict[str, int]:
     """Kernel name -> how often vLLM's JIT monitor saw it compiled while requests were served."""
-    out: dict[str, int] = {}
-    for name in re.findall(JIT_DURING_INFERENCE, log):
-        out[name] = out.get(name, 0) + 1
-    return out
+    return dict(collections.Counter(re.findall(JIT_DURING_INFERENCE, log)))
 
 
 def metric_sum(base: str, prefix: str) -> float:
@@ -435,7 +434,11 @@ def role(run: dict) -> str:
     """What a run is, whatever switches its name carries: ``ours``, ``ours-mtp``, ``ours-dspark`` or
     ``upstream``, with ``-L<n>`` for a slice (a lease serves a failed cut switched off under a longer name)."""
     kind = run["composition"] + ("-mtp" if run.get("mtp") else "") + ("-dspark" if run.get("dspark") else "")
-    return kind + (f"-L{run['layers']}" if run.get("layers") else "")
+    return kind + _slice_suffix(run)
+
+
+def _slice_suffix(run: dict) -> str:
+    return f"-L{run['layers']}" if run.get("layers") else ""
 
 
 def by_role(runs: list[dict]) -> dict[str, dict]:
@@ -448,7 +451,7 @@ def by_role(runs: list[dict]) -> dict[str, dict]:
 
 def same_size_upstream(run: dict, roles: dict[str, dict]) -> dict | None:
     """The upstream composition's run of the same model size (a slice compares with its own)."""
-    return roles.get("upstream" + (f"-L{run['layers']}" if run.get("layers") else ""))
+    return roles.get("upstream" + _slice_suffix(run))
 
 
 def ttft_medians(run: dict) -> dict[int, float]:

@@ -166,7 +166,7 @@ def _syncs_in(host: list, step: list, calls: list[tuple]) -> list[tuple[float, s
     """The step's long host synchronisations (each drains the GPU's queue: the launches after it start
     with the GPU idle): (us waited, the kernel launched just before it, past the copy that synchronises),
     in order."""
-    name, t0, dur = step
+    _, t0, dur = step
     out = []
     for call, ts, wait in host:
         if "Synchronize" in call and t0 <= ts <= t0 + dur:
@@ -318,8 +318,7 @@ def render_window(result: dict, floors: dict | None = None, top: int = 25) -> li
             short = name if len(name) <= 100 else name[:97] + "..."
             lines.append(f"| `{short.replace('|', '/')}` | {cls} | {n} | {us:.0f} | {_wall_of(row):.0f} | "
                          f"{us / max(n, 1):.2f} |")
-    hosted = [s for s in steps if s.get("launch_calls") or s.get("syncs")]
-    if hosted:
+    if any(s.get("launch_calls") or s.get("syncs") for s in steps):
         lines += ["", "Host side per step: the launch calls behind its kernels (one graph launch runs many "
                   "kernels; every other call is a kernel launched from Python), and its long host "
                   "synchronisations (each drains the GPU's queue) with the kernel launched just before:", "",

@@ -83,6 +83,13 @@ full_size=(--logs "$out/logs" --gpu-memory-utilization 0.5 --kv-cache-gib 4
            --vllm-arg=--max-num-batched-tokens --vllm-arg=2048)
 pids=()
 suite_of() { case "$1" in kernels-*|moe-clamp) echo "gpu:$1" ;; *) echo "gpu-e2e:$1" ;; esac; }
+record_tiny() {  # tiny test names (as tiny_test takes them): a verified.csv row for each process they ran
+  local name
+  for name in ${1/demo/}; do
+    record "$(suite_of "$name")" "$out/$name.log"
+    [ "$name" = dspark ] && record gpu-e2e:dspark-parsers "$out/dspark-parsers.log"
+  done
+}
 tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its short name
   local name=$1 limit=$2
   case "$name" in
@@ -147,10 +154,7 @@ tests)
     tiny_test "$name" 540
   done
   wait "${pids[@]}"
-  for name in scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark dspark-parsers; do
-    record gpu-e2e:$name "$out/$name.log"
-  done
-  for name in kernels-a kernels-b; do record gpu:$name "$out/$name.log"; done
+  record_tiny "scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark kernels-a kernels-b"
   ;;
 ours|upstream|ours-mtp|ours-dspark)
   # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
@@ -165,10 +169,7 @@ ours|upstream|ours-mtp|ours-dspark)
     (export TORCHINDUCTOR_COMPILE_THREADS=1
      for name in $WITH_TESTS; do tiny_test "$name" "$tiny_s"; done
      wait "${pids[@]}"; touch "$quiet"
-     for name in ${WITH_TESTS/demo/}; do
-       record "$(suite_of "$name")" "$out/$name.log"
-       [ "$name" = dspark ] && record gpu-e2e:dspark-parsers "$out/dspark-parsers.log"
-     done) &
+     record_tiny "$WITH_TESTS") &
     tiny=$!
     wait_for=(--wait-for "$quiet" --wait-for-s "$tiny_s")
   fi
@@ -253,10 +254,7 @@ cuts)
   record gpu:router-topk "$out/router-topk.log"
   record gpu:kda-conv "$out/kda-conv.log"
   record gpu-e2e:cuts "$out/cuts-e2e.log"
-  for name in ${WITH_TESTS/demo/}; do
-    record "$(suite_of "$name")" "$out/$name.log"
-    [ "$name" = dspark ] && record gpu-e2e:dspark-parsers "$out/dspark-parsers.log"
-  done
+  record_tiny "${WITH_TESTS:-}"
   timeout 200 python3 -m benchmarks.router_topk --out "$OUT/router-topk.md" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
   ;;
@@ -281,7 +279,7 @@ short)
   quiet=/tmp/gpu-quiet-$$
   (for name in scripted agreeing greedy-off; do tiny_test "$name" 300; done
    wait "${pids[@]}"; touch "$quiet"
-   for name in scripted agreeing greedy-off; do record gpu-e2e:$name "$out/$name.log"; done) &
+   record_tiny "scripted agreeing greedy-off") &
   tiny=$!
   start=$SECONDS
   (unset TORCHINDUCTOR_COMPILE_THREADS; export VLLM_USE_DEEP_GEMM=0

@@ -157,7 +157,7 @@ def kv_section(cfg: dict, context: int, draft_tokens: int, dspark: tuple[Any, in
         rows[f"DSpark x {dspark[1]}"] = need(True, dspark[1], dspark[0])
     lines = [f"  KV cache + KDA state per {context}-token request on CUDA (vLLM's pages, TP 1): "
              + ", ".join(f"{name} {b / GB:.2f} GB" for name, b in rows.items())]
-    return lines, {name: b for name, b in rows.items()}
+    return lines, rows
 
 
 def dspark_section(cfg: dict, fields, context: int, draft_tokens: int, head: str, bandwidth_gbs: float,

@@ -212,15 +212,17 @@ def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S,
             if size != log_size:
                 log_size, grew_at = size, time.monotonic()
             elif time.monotonic() - grew_at > stall_s:
-                server.stop_with_stacks()
-                raise ServerError(f"server log silent for {stall_s:g} s before it was healthy (its processes' "
-                                  f"Python stacks at that moment are in its log); last lines of "
-                                  f"{server.log_path}:\n{log_tail(server.log_path)}")
+                _give_up(server, f"server log silent for {stall_s:g} s before it was healthy")
         if time.monotonic() > deadline:
-            server.stop_with_stacks()
-            raise ServerError(f"server not healthy after {timeout:g} s (its processes' Python stacks at that "
-                              f"moment are in its log); last lines of {server.log_path}:\n{log_tail(server.log_path)}")
+            _give_up(server, f"server not healthy after {timeout:g} s")
         time.sleep(0.5)
+
+
+def _give_up(server: Server, why: str) -> None:
+    """Stop a start that will not become healthy, its stacks in its log, and raise ServerError."""
+    server.stop_with_stacks()
+    raise ServerError(f"{why} (its processes' Python stacks at that moment are in its log); last lines of "
+                      f"{server.log_path}:\n{log_tail(server.log_path)}")
 
 
 def serve_cpu(model: Path, log_path: Path, extra_args: list[str] | None = None,
