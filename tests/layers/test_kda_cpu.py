@@ -720,6 +720,30 @@ def test_fused_convolutions_verify_windows_as_vllms_three_launches(vllm_config, 
     _steps_agree(vllm_config, layers, steps, launches)
 
 
+def test_fused_forward_through_an_mtp_request_as_vllms(vllm_config, monkeypatch):
+    """A speculating model's request as the GPU's cuts test served it (lease 2026-12-06e): its prompt
+    through the fused prefill (state slots of a model with 2 drafts per window), a verify window alone
+    (1 accepted: the prefill's state), a verify window beside a new prompt (vLLM's forward), then
+    verify windows of both with 3 and 2 accepted: each step's outputs and both state caches equal
+    vLLM's forward."""
+    launches = _vllm_kernel_standins(monkeypatch)
+    layers = _fused_and_vllms(vllm_config, monkeypatch, num_spec=2)
+    builder = metadata_builder(layers[0], vllm_config, num_spec=2, monkeypatch=monkeypatch)
+    rows_a, rows_b = [1, 2, 3], [4, 5, 6]
+    prefill = build_metadata(builder, [5], [0], [rows_a], drafts=[-1], accepted=[1])
+    assert prefill.spec_sequence_masks is None and prefill.num_prefills == 1
+    verify = build_metadata(builder, [3], [5], [rows_a], drafts=[2], accepted=[1])
+    assert verify.num_spec_decodes == 1 and verify.num_prefills == 0
+    _steps_agree(vllm_config, layers, [(prefill, hidden_states(5, 70)), (verify, hidden_states(3, 71))], launches)
+    mixed = build_metadata(builder, [3, 7], [8, 0], [rows_a, rows_b], drafts=[2, -1], accepted=[3, 1])
+    assert mixed.num_spec_decodes == 1 and mixed.num_prefills == 1
+    outs = [run_layer(layer, vllm_config, mixed, hidden_states(10, 72)) for layer in layers]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    both = build_metadata(builder, [3, 3], [11, 7], [rows_a, rows_b], drafts=[2, 2], accepted=[3, 1])
+    again = build_metadata(builder, [3, 3], [14, 9], [rows_a, rows_b], drafts=[2, 2], accepted=[2, 3])
+    _steps_agree(vllm_config, layers, [(both, hidden_states(6, 73)), (again, hidden_states(6, 74))], launches)
+
+
 class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """The aten ops a forward dispatches, and how many of them index with a boolean mask (on CUDA a
     ``nonzero`` inside the op: a host sync)."""
@@ -778,6 +802,38 @@ def test_fused_prefill_equals_vllms_forward_without_its_mask_index(vllm_config, 
         assert sum(counter.seen.values()) > 20  # it saw the forward's ops
         counts.append(counter.seen["mask index"])
     assert counts[0] == 0 and counts[1] > 0, counts
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_the_fused_op_writes_the_buffer_the_next_piece_reads(vllm_config, monkeypatch, step):
+    """The splitting op's contract with vLLM's piecewise CUDA graphs: a piece replays the addresses its
+    inputs had at capture, so what the layer's next piece reads (o_norm's input) must be a buffer the
+    compiled code allocated before the op, written in place by it, never a tensor the eager op returns
+    (lease 2026-12-06e's tiny MTP server: garbage, then a drafted token outside the vocabulary)."""
+    from vllm_ling.layers import kda_fused_conv as F
+
+    _vllm_kernel_standins(monkeypatch)
+    [fused] = _fused_and_vllms(vllm_config, monkeypatch, num_spec=0, twin=False)
+    builder = metadata_builder(fused, vllm_config, monkeypatch=monkeypatch)
+    md = (build_metadata(builder, [1, 6], [7, 0], [[3], [5]]) if step == "prefill"
+          else build_metadata(builder, [1, 1], [5, 9], [[3], [5]]))
+    written, read = [], []
+    op = F.kda_attention
+
+    def spy_op(layer, qkv, g1, beta, core_attn_out):
+        written.append((core_attn_out.data_ptr(), op(layer, qkv, g1, beta, core_attn_out)))
+
+    norm = fused.o_norm.forward
+
+    def spy_norm(x, *args, **kwargs):
+        read.append(x.data_ptr())
+        return norm(x, *args, **kwargs)
+
+    monkeypatch.setattr(F, "kda_attention", spy_op)
+    monkeypatch.setattr(fused.o_norm, "forward", spy_norm)
+    out = run_layer(fused, vllm_config, md, hidden_states(md.num_actual_tokens + 1, 80))  # one padding row
+    assert [ptr for ptr, _ in written] == read and [result for _, result in written] == [None]
+    assert out[:-1].abs().max() > 1e-3
 
 
 def test_a_batch_of_verify_windows_and_a_prefill_goes_to_vllms_forward_with_q_k_v(vllm_config, monkeypatch):

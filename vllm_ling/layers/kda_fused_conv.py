@@ -22,6 +22,11 @@ values, no sync.
   runs the fused conv and then vLLM's recurrent or chunked KDA kernel with vLLM's arguments; a batch
   mixing verify windows with prefills goes to vLLM's ``_forward`` unchanged. vLLM's kernels are looked
   up on vLLM's model module at call time, as its forward does.
+- The op writes its result into the caller's ``core_attn_out``, which the compiled code allocated
+  before it, and returns nothing, as every vLLM splitting op does: a piecewise CUDA graph replays
+  the addresses its inputs had at capture, so a tensor the eager op allocated and returned would be
+  read from where the capture's one was (lease 2026-12-06e: the tiny MTP server's first verify
+  drafted a token outside the vocabulary after prefills served that way).
 
 The layer records its selection (:func:`~vllm_ling.models.kda_fused_conv.select_kda_fused_conv`);
 :data:`READER` reads back whether its weights are the views and its forward the fused one, and the
@@ -151,15 +156,14 @@ def _heads(layer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
                  for t in x.split(layer.projection_size_per_partition, dim=-1))
 
 
-def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """The layer's KDA core for one step, [1, tokens, heads, head_dim]: the fused paths for batches of
-    plain decodes, of verify windows only, or with prefills and no verify window (the kernel's own
-    output where it covers every token: no zero fill, no copy), vLLM's ``_forward`` for the rest."""
+def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, core_attn_out: torch.Tensor) -> None:
+    """The layer's KDA core for one step into ``core_attn_out`` [1, tokens, heads, head_dim] (rows past
+    the batch's tokens, CUDA-graph padding, zero): the fused paths for batches of plain decodes, of
+    verify windows only, or with prefills and no verify window, vLLM's ``_forward`` for the rest."""
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.models import bailing_moe_v3 as vllm_model
 
-    core_attn_out = None
     metadata = get_forward_context().attn_metadata  # {layer name: metadata}, as vLLM's forward asserts
     md = None if metadata is None else metadata.get(layer.prefix)
     decode_only = md is not None and md.spec_sequence_masks is None and md.num_prefills == 0 and md.num_decodes > 0
@@ -168,11 +172,11 @@ def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor
     with_prefill = md is not None and md.spec_sequence_masks is None and md.num_prefills > 0
     if not (decode_only or verify_only or with_prefill):
         # profile / warm-up runs carry no mamba metadata (vLLM's forward leaves the zeros too)
-        core_attn_out = qkv.new_zeros(_core_shape(layer, qkv))
+        core_attn_out.zero_()
         if md is not None:
             q, k, v = qkv.split(layer.projection_size_per_partition, dim=-1)
             layer._forward(q, k, v, g1, beta, core_attn_out)
-        return core_attn_out
+        return
     conv_state, recurrent_state = layer.kv_cache
     recurrent_state = recurrent_state[..., :layer.head_dim]
     if not is_conv_state_dim_first():
@@ -207,31 +211,21 @@ def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor
             q=q, k=k, v=v, g=g1.contiguous(), beta=beta.contiguous(), scale=layer.head_dim ** -0.5,
             initial_state=recurrent_state, inplace_final_state=True, cu_seqlens=cu[:md.num_spec_decodes + 1],
             ssm_state_indices=slots, num_accepted_tokens=md.num_accepted_tokens, use_qk_l2norm_in_kernel=True)
-    if n == qkv.shape[0]:  # every token (no CUDA-graph padding): the kernel's output is the answer
-        return out
-    core_attn_out = qkv.new_zeros(_core_shape(layer, qkv))
-    core_attn_out[0, :n] = out[0, :n]
-    return core_attn_out
+    core_attn_out[0, :n].copy_(out[0, :n])
+    if n < core_attn_out.shape[1]:
+        core_attn_out[0, n:].zero_()
 
 
-def _core_shape(layer, qkv: torch.Tensor) -> tuple[int, ...]:
-    return (1, qkv.shape[0], layer.local_num_heads, layer.head_dim)
-
-
-def _kda_attention_op(qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, layer_name: str) -> torch.Tensor:
+def _kda_attention_op(qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, core_attn_out: torch.Tensor,
+                      layer_name: str) -> None:
     from vllm.forward_context import get_forward_context
 
-    return kda_attention(get_forward_context().no_compile_layers[layer_name], qkv, g1, beta)
+    kda_attention(get_forward_context().no_compile_layers[layer_name], qkv, g1, beta, core_attn_out)
 
 
-def _kda_attention_fake(qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, layer_name: str) -> torch.Tensor:
-    return g1.new_empty(g1.shape, dtype=qkv.dtype)  # [1, tokens, heads, head_dim]: the gate's shape
-
-
-# mutates no input: the conv's outputs go to a new tensor (vLLM's op writes them into its q, k and v
-# inputs undeclared) and the result is returned, not written into a zero-filled buffer
-kda_attention_op = torch.library.custom_op(OP_NAME, _kda_attention_op, mutates_args=())
-kda_attention_op.register_fake(_kda_attention_fake)
+# writes core_attn_out only (the caller's buffer: a piecewise graph's next piece reads it where the capture
+# did); the conv's outputs go to a new tensor (vLLM's op writes them into its q, k and v inputs undeclared)
+kda_attention_op = torch.library.custom_op(OP_NAME, _kda_attention_op, mutates_args=("core_attn_out",))
 
 
 def served(layer) -> Served:

@@ -129,11 +129,12 @@ def vllm_merged_class():
             g1 = bailing_moe_v3.fused_kda_gate(f.contiguous(), self.A_log, self.head_dim, g_bias=self.dt_bias,
                                                lower_bound=self.lower_bound if self.safe_gate else None).unsqueeze(0)
             g2 = rearrange(g, "... (h d) -> ... h d", d=self.head_dim)
-            if fused:
-                core_attn_out = torch.ops.vllm_ling.kda_attention(qkv, g1, beta, self.prefix)
+            shape = (1, num_tokens, self.local_num_heads, self.head_dim)
+            if fused:  # the op writes every row (the padding's zeros too)
+                core_attn_out = torch.empty(shape, dtype=hidden_states.dtype, device=hidden_states.device)
+                torch.ops.vllm_ling.kda_attention(qkv, g1, beta, core_attn_out, self.prefix)
             else:
-                core_attn_out = torch.zeros((1, num_tokens, self.local_num_heads, self.head_dim),
-                                            dtype=hidden_states.dtype, device=hidden_states.device)
+                core_attn_out = torch.zeros(shape, dtype=hidden_states.dtype, device=hidden_states.device)
                 torch.ops.vllm.bailing_v3_kda_attention(q, k, v, g1, beta, core_attn_out, self.prefix)
             core_attn_out = self.o_norm(core_attn_out, g2)
             output[:] = self.o_proj(rearrange(core_attn_out, "1 n h d -> n (h d)"))[0]
