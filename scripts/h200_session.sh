@@ -105,7 +105,12 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   # two servers one after the other took more than 320 s in lease 2026-12-06c: one process each
   dspark) VLLM_DEEP_GEMM_WARMUP=skip part dspark "$limit" "$e2e::test_dspark_agreeing_drafter_end_to_end"
           VLLM_DEEP_GEMM_WARMUP=skip part dspark-parsers "$limit" "$e2e::test_dspark_keeps_tool_calls_and_reasoning_parsed" ;;
-  cuts-e2e) VLLM_DEEP_GEMM_WARMUP=skip part cuts-e2e "$limit" "$e2e" -k "decode_cuts" ;;
+  # issue 29's two decode cuts served together on the routable tiny model; cuts-bisect: each alone and
+  # neither, side by side (after cuts-e2e, from the kernels it built), to name the cut at fault
+  cuts-e2e) VLLM_DEEP_GEMM_WARMUP=skip part cuts-e2e "$limit" "$e2e" -k "decode_cuts and both" ;;
+  cuts-bisect) for set in router_topk_only kda_fused_conv_only neither; do
+                 VLLM_DEEP_GEMM_WARMUP=skip part "cuts-$set" "$limit" "$e2e" -k "decode_cuts and $set"
+               done ;;
   kernels-a) part kernels-a "$limit" -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \
     tests/ops/test_known_answer_gpu.py tests/ops/test_router_topk_gpu.py ;;
   kernels-b) part kernels-b "$limit" -m gpu tests/ops/moe tests/ops/lm_head tests/ops/test_humming_jit.py tests/benchmarks ;;
@@ -128,6 +133,26 @@ abort_stalled() {  # path: the servers whose launcher's command line holds it wr
   [ -n "$markers" ] && python3 -c "import sys
 from vllm_ling.launcher.local_server import abort_with_stacks
 for m in sys.argv[1:]: abort_with_stacks(m)" $markers
+}
+# a pytest log's summary line: passed (nothing failed), or failed (a failure counted, not a time-out)
+passed() { [ -e "$1" ] && grep -qE '^[0-9]+ passed' "$1" && ! grep -qE '^[0-9]+ (failed|error)' "$1"; }
+failed() { [ -e "$1" ] && grep -qE '^[0-9]+ (failed|error)' "$1"; }
+cuts_off() {  # cut (router_topk | kda_fused_conv): why a later phase serves it off after phase cuts (empty: on)
+  local dir=/tmp/gpu-run-cuts cut=$1 other kernel_log
+  other=$([ "$cut" = router_topk ] && echo kda_fused_conv || echo router_topk)
+  kernel_log=$dir/$([ "$cut" = router_topk ] && echo router-topk || echo kda-conv).log
+  if [ -e "$kernel_log" ] && ! passed "$kernel_log"; then echo "its kernel tests did not pass"; return; fi
+  if [ ! -e "$dir/cuts-e2e.log" ] || passed "$dir/cuts-e2e.log"; then return; fi
+  # both together failed: the bisect's servers say which
+  if passed "$dir/cuts-${cut}_only.log"; then
+    passed "$dir/cuts-${other}_only.log" && [ "$cut" = kda_fused_conv ] &&
+      echo "each cut alone passed, both together failed: the KDA cut goes"
+    return
+  fi
+  if failed "$dir/cuts-neither.log" && failed "$dir/cuts-${cut}_only.log" && failed "$dir/cuts-${other}_only.log"; then
+    return  # every set failed (a summary, not a time-out), with neither cut too: not the cuts' failure
+  fi
+  echo "the tiny server with both cuts failed and the one with this cut alone did not pass"
 }
 part() {  # name, time limit (s), pytest arguments...: one pytest process in the background
   local name=$1 limit=$2; shift 2
@@ -185,27 +210,11 @@ ours|upstream|ours-mtp|ours-dspark)
   [ "${PROFILE:-0}" = 1 ] && [ -n "${PROFILE_PREFILLS:-}" ] && composition+=(--profile-prefills "$PROFILE_PREFILLS")
   [ "$phase" = ours-dspark ] && composition+=(--dspark)
   # a decode-step cut (default on, never served on a GPU before) that did not pass its GPU tests earlier
-  # in this lease (phase cuts) is served off, rather than lose the phase to its failed known answers
-  if [ "$phase" != upstream ]; then
-    # (cuts-e2e serves both together: where it fails, the cut its known answers name goes, or both where
-    # the failure names neither; the known-answer row names a failed kernel as "router_topk [" / "kda_conv [")
-    e2e_log=/tmp/gpu-run-cuts/cuts-e2e.log
-    e2e_named=""
-    [ -e "$e2e_log" ] && e2e_named=$(grep -oE '(router_topk|kda_conv) \[[^]]*\]: max relative error' "$e2e_log" | cut -d' ' -f1 | sort -u | tr '\n' ' ')
-    for cut in router-topk:router_topk:VLLM_LING_ROUTER_TOPK=vllm kda-conv:kda_conv:VLLM_LING_KDA_FUSED_CONV=0; do
-      IFS=: read -r test_name row setting <<< "$cut"
-      for log in /tmp/gpu-run-cuts/$test_name.log "$e2e_log"; do
-        if [ -e "$log" ] && { grep -qE '[0-9]+ (failed|error)' "$log" || ! grep -qE '^[0-9]+ passed' "$log"; }; then
-          if [ "$log" = "$e2e_log" ] && [ -n "$e2e_named" ] && [[ " $e2e_named" != *" $row "* ]]; then
-            continue  # the tiny server failed on the other cut's known answers
-          fi
-          composition+=(--switch "$setting")
-          echo "$phase: $(basename "$log" .log) did not pass, served with $setting" >> "$out/rc.txt"
-          break
-        fi
-      done
-    done
-  fi
+  # in this lease (phase cuts) is served off (cuts_off), rather than lose the phase to it
+  [ "$phase" != upstream ] && for cut in router_topk:VLLM_LING_ROUTER_TOPK=vllm kda_fused_conv:VLLM_LING_KDA_FUSED_CONV=0; do
+    why=$(cuts_off "${cut%%:*}")
+    [ -n "$why" ] && composition+=(--switch "${cut#*:}") && echo "$phase: ${cut#*:} ($why)" >> "$out/rc.txt"
+  done
   # LAYERS=N: a full-width slice of N decoder layers (benchmarks/serve_h200.py --layers): starts in a
   # fraction of the full size's time, for A/B runs of one switch; its JSON is <phase>-L<N>.json
   run=$phase
@@ -244,8 +253,12 @@ cuts)
   # grouped_topk_fused_kernel (benchmarks/router_topk.py; kernel-only, minutes)
   part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py
   part kda-conv 300 -m gpu tests/layers/test_kda_fused_conv.py
-  # both cuts through torch.compile and CUDA graphs on the routable tiny model (alone: about 4 minutes)
-  tiny_test cuts-e2e 540
+  # both cuts through torch.compile and CUDA graphs on the routable tiny model (alone, prefill graphs to
+  # 128 tokens: about 6 minutes on a fresh device); where it fails, each cut alone and neither, side by
+  # side from the kernels it built (cuts_off reads them for the later phases)
+  tiny_test cuts-e2e 480
+  wait "${pids[@]}"; pids=()
+  passed "$out/cuts-e2e.log" || tiny_test cuts-bisect 420
   # WITH_TESTS="dspark ...": tiny end-to-end tests beside them (the GPU holds no full-size server yet). Not
   # free: in lease 2026-12-06d cuts-e2e, dspark and dspark-parsers started together all ran out of 420 s
   # (each built the same Triton kernels then; TRITON_CACHE_DIR above now shares them)
@@ -254,6 +267,9 @@ cuts)
   record gpu:router-topk "$out/router-topk.log"
   record gpu:kda-conv "$out/kda-conv.log"
   record gpu-e2e:cuts "$out/cuts-e2e.log"
+  for set in router_topk_only kda_fused_conv_only neither; do
+    [ -e "$out/cuts-$set.log" ] && record "gpu-e2e:cuts-$set" "$out/cuts-$set.log"
+  done
   record_tiny "${WITH_TESTS:-}"
   timeout 200 python3 -m benchmarks.router_topk --out "$OUT/router-topk.md" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
