@@ -19,12 +19,17 @@
 #                           defaults to 0 (monitor off): on unified memory (DGX Spark) the
 #                           model's GPU memory counts as host memory, and Ray's OOM monitor
 #                           would kill the workers that hold the weights.
+#   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
+#                           defaults to 0 (no drain): on SIGTERM Ray would first ask the head to
+#                           drain this node for up to 30 s, which quiesces Ray Serve proxies (a vLLM
+#                           cluster has none) and, with the head stopping too, only waits for it.
 set -euo pipefail
 
 die() { echo "vllm-ling-ray: error: $*" >&2; exit 2; }
 
 export RAY_memory_monitor_refresh_ms="${RAY_memory_monitor_refresh_ms:-0}"
 export RAY_USAGE_STATS_ENABLED="${RAY_USAGE_STATS_ENABLED:-0}"
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}"
 
 role="${1:-}"; shift || true
 nodes=""; port=6379; wait_s=900; head=""; workers=""

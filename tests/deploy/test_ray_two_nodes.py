@@ -63,6 +63,9 @@ MARKER = "LING_RAY_TEST_CLUSTER"
 # Both nodes: CPU stand-ins for what a DGX Spark node has (one device, its own address).
 NODE_ENV = {"VLLM_LING_RAY_NUM_GPUS": "1", "VLLM_LING_RAY_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
             "RAY_USAGE_STATS_ENABLED": "0"}
+# a node's exit after SIGTERM: the leader drains vLLM for at most its --shutdown-timeout (30 s) with
+# nothing in flight; Ray's own SIGTERM drain on the worker would wait 30 s for a head that is stopping
+STOP_S = 25
 # what the other CPU server tests pass (serve_cpu), beyond the CPU defaults vllm-ling serve adds
 CPU_SERVE_ARGS = ["--seed=0"]
 
@@ -276,17 +279,23 @@ def serve_two_nodes(checkpoint: Path, tmp: Path, sets: tuple[str, ...] = ()):
               f"{started['server']:.0f} s")
         yield TwoNodes(leader, worker, base, report_path, marker, started)
     finally:
+        stopped = time.monotonic()
         for node in (leader, worker):
             if node is not None and node.proc.poll() is None:
                 os.killpg(node.proc.pid, signal.SIGTERM)
-        for node in (leader, worker):
+        took = {}
+        for name, node in (("leader", leader), ("worker", worker)):
             if node is not None:
                 try:
                     node.wait(60)
                 except subprocess.TimeoutExpired:
                     pass
+                took[name] = time.monotonic() - stopped
         survivors = kill_all(marker, tuple(n.proc.pid for n in (leader, worker) if n is not None))
         assert not survivors, f"processes left after teardown: {survivors}"
+        # both nodes stop together (a LeaderWorkerSet group going): the worker's Ray node must not wait
+        # out a 30 s drain request to the head that is stopping too (vllm-ling-ray turns that drain off)
+        assert all(s < STOP_S for s in took.values()), f"seconds from SIGTERM to exit: {took} (limit {STOP_S})"
 
 
 def test_outputs_equal_the_agreeing_checkpoints_continuation(two_nodes, expected_outputs):
