@@ -16,12 +16,25 @@
 set -u
 mode=${1:?mode}; shift
 lease=/tmp/lease
+# The caches that do not depend on our tree (Triton's kernels and autotune results, humming's kernels,
+# FlashInfer's), packed after every phase as 15 MB parts quick/cache-NN: `collect` brings them back beside
+# the results where the call's 8 files leave room, so a lease that ends mid-phase still returns them
+# (the full pack below, vLLM's compile caches included, needs every phase done and calls of its own).
+# Kept in .gpucache/ here, they come back in calls of their own as before; `start` restores them.
+pack_quick() {
+  local dirs
+  dirs=$(cd / && ls -d root/.triton/cache root/.cache/vllm-ling root/.humming root/.cache/flashinfer 2>/dev/null)
+  [ -n "$dirs" ] || return 0
+  rm -rf "$lease/quick.new" && mkdir -p "$lease/quick.new"
+  (cd / && tar cf - $dirs 2>/dev/null | gzip -1 | split -b 15000000 -d -a 2 - "$lease/quick.new/cache-")
+  rm -rf "$lease/quick" && mv "$lease/quick.new" "$lease/quick"
+}
 case "$mode" in
 start)
   rm -rf "$lease" && mkdir -p "$lease/out"
   # caches an earlier lease brought back (.gpucache/, git-excluded; 92 MB is more than one call carries, so
   # they come in calls of their own and are moved to /root/gc as the parts are to /root/gv): restored in place
-  for d in /root/gc .gpucache; do
+  for d in /root/gc .gpucache .gpucache/quick-cache; do
     ls "$d"/cache-* >/dev/null 2>&1 && cat "$d"/cache-* | tar -xzf - -C / && echo "caches restored from $d" && break
   done
   # a private copy: the device refreshes the working tree at every call, under a running job
@@ -42,6 +55,7 @@ run)
     echo "$(date +%T) phase $phase (beside: ${tests:-none})"
     WITH_TESTS="$tests" OUT="$lease/out" bash scripts/h200_session.sh "$phase" > "$lease/phase-$phase.log" 2>&1
     echo "$(date +%T) phase $phase done"
+    pack_quick
   done
   # the device's JIT and compile caches, measured and packed for the next lease
   # (root/.cache/vllm-ling: our humming kernel cache, 95 kernels and 52 s of a fresh full-size start)
@@ -60,6 +74,14 @@ collect)
   cp "$lease"/out/*.json "$OUT"/ 2>/dev/null
   tar czf "$OUT/lease.tgz" -C /tmp --exclude='*.safetensors' --exclude='*.bin' --exclude='pt-*/**/model*' \
     lease/out lease/driver.log $(cd /tmp && ls -d lease/phase-*.log gpu-run-* 2>/dev/null) 2>/dev/null
+  # the quick caches (pack_quick) where the call's 8 files and 64 MiB leave room for all of them
+  parts=$(ls "$lease"/quick/cache-* 2>/dev/null | wc -l)
+  if [ "$parts" -gt 0 ] && [ $(( $(ls "$OUT" | wc -l) + parts )) -le 8 ] &&
+     [ $(( $(du -cb "$OUT"/* "$lease"/quick/cache-* | tail -n 1 | cut -f1) )) -le 60000000 ]; then
+    mkdir -p "$OUT/quick-cache" && cp "$lease"/quick/cache-* "$OUT/quick-cache/" && echo "quick caches: $parts part(s) back"
+  else
+    echo "quick caches: $parts part(s), not back in this call (no room)"
+  fi
   [ -e "$lease/done" ] && echo "lease job: done" || echo "lease job: running"
   cat "$lease/driver.log"
   for f in /tmp/gpu-run-*/rc.txt; do [ -e "$f" ] && { echo "== $f"; cat "$f"; }; done
