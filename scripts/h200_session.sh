@@ -230,7 +230,8 @@ slices)
   # opt-out, ours on FlashMLA, and the upstream composition; `name:--vllm-flag=value` passes a vLLM argument instead, e.g.
   # flashmla:--attention-backend=FLASHMLA); each gets STARTUP_S (default 330: a slice compiles in ~30 s
   # but captures every graph size), short measurements, its JSON slice-<name>-L<n>.json and its own
-  # server log folder.
+  # server log folder. A slice's TPOT is host-paced (lease 2026-12-06e: 1.2-3.5 ms per token, run to run,
+  # for 0.6 ms of GPU work): it tells prefill-time switches (TTFT) and start-ups apart, not decode cuts.
   n=${LAYERS:-6} startup_s=${STARTUP_S:-330}
   for spec in ${SLICES:-ours: graphs0:VLLM_LING_PREFILL_GRAPH_TOKENS=0 routing-torch:VLLM_LING_MOE_ROUTING=torch kda0:VLLM_LING_KDA_MERGED_IN_PROJ=0 dense-vllm:VLLM_LING_DENSE_FP8=vllm topk-vllm:VLLM_LING_ROUTER_TOPK=vllm conv0:VLLM_LING_KDA_FUSED_CONV=0 flashmla:--attention-backend=FLASHMLA upstream:}; do
     name=${spec%%:*} setting=${spec#*:} comp=ours ab=()
