@@ -232,8 +232,9 @@ def routable(tmp_path_factory) -> Path:
 # Which of issue 29's decode cuts a cuts test serves (the other switched off): both, then each alone. The
 # lease runs `both` first and, where it fails, the three others side by side, which name the cut at fault
 # (lease 2026-12-06e: `both` died at its first MTP verify window, a drafted token outside the vocabulary).
-CUTS = {"router_topk": "VLLM_LING_ROUTER_TOPK", "kda_fused_conv": "VLLM_LING_KDA_FUSED_CONV"}
-CUT_OFF = {"VLLM_LING_ROUTER_TOPK": "vllm", "VLLM_LING_KDA_FUSED_CONV": "0"}
+# optimization -> (its switch, its known-answer check)
+CUTS = {"router_topk": ("VLLM_LING_ROUTER_TOPK", "router_topk"),
+        "kda_fused_conv": ("VLLM_LING_KDA_FUSED_CONV", "kda_conv")}
 CUT_SETS = {"both": ("router_topk", "kda_fused_conv"), "router_topk_only": ("router_topk",),
             "kda_fused_conv_only": ("kda_fused_conv",), "neither": ()}
 # The tiny server's prompts are under 100 tokens: prefill graphs up to 128 tokens are 9 capture sizes where
@@ -251,9 +252,10 @@ def test_the_decode_cuts_serve_verified_on_a_tiny_model_the_top_k_kernel_routes(
     expectation. The lease's `cuts` phase runs ``both`` before any full-size start, the other sets where
     it fails."""
     from vllm_ling.models.agreeing_checkpoint import expected_continuation
+    from vllm_ling.options import BY_NAME
 
     served = CUT_SETS[cut_set]
-    env = {var: CUT_OFF[var] for name, var in CUTS.items() if name not in served}
+    env = {var: BY_NAME[var].opt_out for name, (var, _) in CUTS.items() if name not in served}
     env["VLLM_LING_PREFILL_GRAPH_TOKENS"] = TINY_PREFILL_GRAPH_TOKENS
     server, report_path = serve(routable, tmp_path, env=env)
     try:
@@ -263,9 +265,9 @@ def test_the_decode_cuts_serve_verified_on_a_tiny_model_the_top_k_kernel_routes(
         for name in CUTS:
             assert opts[name]["active"] is (name in served), (name, opts[name])
         checked = {r["name"]: r for r in report["kernel_checks"]["results"]}
-        for name, kernel in (("router_topk", "router_topk"), ("kda_fused_conv", "kda_conv")):
-            if name in served:
-                assert checked[kernel]["passed"], checked[kernel]
+        for name in served:
+            kernel = CUTS[name][1]
+            assert checked[kernel]["passed"], checked[kernel]
         assert graphs_and_compile_ran(server.log())
         want = expected_continuation(PROMPT[-1], MAX_TOKENS, json.loads((routable / "config.json").read_text()))
         assert complete(server.base_url) == want

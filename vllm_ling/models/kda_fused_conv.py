@@ -2,8 +2,9 @@
 convolutions as one launch of vLLM's ``causal_conv1d_update`` (decode, verify windows) or
 ``causal_conv1d_fn`` (prefill) over the three channel blocks (the convolution is depthwise: each
 channel reads only its own weights and state, so one launch over [q | k | v] computes exactly the
-three), and at prefill the new sequences' zero states chosen without vLLM's host sync. Its names and its selector live here
-(:func:`select_kda_fused_conv`); the layer is :mod:`vllm_ling.layers.kda_fused_conv`. No vLLM import.
+three), and at prefill the new sequences' zero states chosen without vLLM's host sync. Its names
+and its selector live here (:func:`select_kda_fused_conv`); the layer is
+:mod:`vllm_ling.layers.kda_fused_conv`. No vLLM import.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ FUSED_DESCRIPTION = ("q, k and v short convolutions as one launch per KDA layer 
 
 
 class KdaConv(Choice):
-    """How a KDA layer runs its q, k and v short convolutions at decode."""
+    """How a KDA layer runs its q, k and v short convolutions."""
 
     FUSED = "fused"        # one launch over the three channel blocks (verify windows with prefills: vLLM's three)
     SEPARATE = "separate"  # three launches (vLLM's forward; the CPU layer's plain PyTorch)
