@@ -9,7 +9,8 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh upstream   # full-size: the upstream composition
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-mtp   # full-size: vllm-ling defaults (MTP x3)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-dspark # full-size: DSpark, a dummy full-size drafter
-#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark  # those tiny end-to-end tests beside it first
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-flashmla # full-size: ours with vLLM's FlashMLA decode backend
+#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark|ours-flashmla  # those tiny end-to-end tests beside it first
 #   LAYERS=6 TREE_COMMIT=<sha> bash scripts/h200_session.sh slices  # A/B of each switch on a 6-layer slice
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh cuts   # the decode-step cuts' GPU tests (each cut that fails
 #                                                         # is switched off in the later phases), router bench;
@@ -181,7 +182,7 @@ tests)
   wait "${pids[@]}"
   record_tiny "scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark kernels-a kernels-b"
   ;;
-ours|upstream|ours-mtp|ours-dspark)
+ours|upstream|ours-mtp|ours-dspark|ours-flashmla)
   # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
   # full-size start, which measures only once they are done (the timings stay that server's own).
   # STARTUP_S (480) and TINY_S (420): the start-up and beside-test limits; scripts/h200_lease.sh, whose
@@ -209,6 +210,9 @@ ours|upstream|ours-mtp|ours-dspark)
   # PROFILE_PREFILLS=64,2048: fewer profiled prefills (a 32K window's trace takes minutes to compact)
   [ "${PROFILE:-0}" = 1 ] && [ -n "${PROFILE_PREFILLS:-}" ] && composition+=(--profile-prefills "$PROFILE_PREFILLS")
   [ "$phase" = ours-dspark ] && composition+=(--dspark)
+  # issue 29's MLA decode candidate at full size (a slice's TPOT is host-paced): vLLM picks FlashAttention 3
+  # for MLA decode on sm_90 (the real step's 0.30 ms at 32K, 3.5x its floor); FlashMLA against ours' TPOT
+  [ "$phase" = ours-flashmla ] && composition+=(--vllm-arg=--attention-backend=FLASHMLA --tag flashmla)
   # a decode-step cut (default on, never served on a GPU before) that did not pass its GPU tests earlier
   # in this lease (phase cuts) is served off (cuts_off), rather than lose the phase to it
   [ "$phase" != upstream ] && for cut in router_topk:VLLM_LING_ROUTER_TOPK=vllm kda_fused_conv:VLLM_LING_KDA_FUSED_CONV=0; do
