@@ -381,7 +381,9 @@ def run(args) -> int:
                                   "failed": [c for c in report["checks"] if not c["passed"]],
                                   "optimizations": {n: o["active"] for n, o in report["optimizations"].items()},
                                   "kernels": (report.get("kernel_checks") or {}).get("summary"),
-                                  "dense_fp8": ((report.get("kernel_checks") or {}).get("dense_fp8") or {}).get("kernels")}
+                                  "dense_fp8": ((report.get("kernel_checks") or {}).get("dense_fp8") or {}).get("kernels"),
+                                  # what MLA decode ran on (an --attention-backend A/B shows it took)
+                                  "attention_backends": report.get("attention_backends")}
         short, long = min(args.contexts), max(args.contexts)
         if args.healthy_file:
             Path(args.healthy_file).touch()

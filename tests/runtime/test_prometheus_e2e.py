@@ -257,6 +257,12 @@ def test_optimization_and_verification_state_through_prometheus(server, promethe
     assert kernels == {(r["name"], r["kernel"]): float(r["passed"])
                        for r in report["kernel_checks"]["results"] if not r["skipped"]}
     assert report["kernel_checks"]["passed"] and kernels
+    # What each attention layer class holds, as the real worker read its layers (MLA: vLLM-CPU's).
+    backends = {(r["metric"]["model"], r["metric"]["layer"], r["metric"]["backend"], r["metric"]["prefill"]):
+                float(r["value"][1]) for r in prometheus.query("vllm_ling:attention_backend_layers")}
+    assert backends == {(e["model"], e["layer"], e["backend"], e["prefill"] or "none"): e["layers"]
+                        for e in report["attention_backends"]}
+    assert {k[:2] for k in backends} >= {("target", "MLAAttention"), ("draft", "MLAAttention")}, backends
     [info] = prometheus.query("vllm_ling:info")
     assert info["metric"]["moe_backend"] == report["moe_backend"]
     assert info["metric"]["head_dtype"] == report["head_dtype"]

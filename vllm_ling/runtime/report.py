@@ -106,6 +106,22 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "dense_fp8": {"type": "object", "required": ["kernels", "path_choice"]},
             },
         },
+        # What each kind of attention layer holds (vllm_ling.runtime.verification.attention_backends):
+        # the whole server's layers; each rank entry has its own.
+        "attention_backends": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["model", "layer", "layers", "backend", "prefill"],
+                "properties": {
+                    "model": {"enum": ["target", "draft"]},
+                    "layer": {"type": "string"},
+                    "layers": {"type": "integer", "minimum": 1},
+                    "backend": {"type": "string"},
+                    "prefill": {"type": ["string", "null"]},
+                },
+            },
+        },
         # One entry per rank of the server (vllm_ling.runtime.verification.ranks.rank_entry).
         "ranks": {
             "type": "array",

@@ -26,6 +26,10 @@ Exported (``model_name`` label on all; ``engine`` on the accept metrics, as vLLM
                                                              router_topk, kda_conv; ``impl``: what
                                                              serves)
 ``vllm_ling:rank_verification_passed{rank,node}``            1/0 per rank of the server (its node)
+``vllm_ling:attention_backend_layers{model,layer,backend,    attention layers of that class holding
+prefill}``                                                    that backend (the report's
+                                                             attention_backends: e.g. MLA decode
+                                                             FLASH_ATTN_MLA or FLASHMLA)
 ``vllm_ling:chat_roundtrip{status}``                         1 for the chat template / parser
                                                              round-trip check's status (passed,
                                                              failed, off_by_request)
@@ -166,6 +170,10 @@ class LingStatLogger(AggregateStatLoggerBase):
             "vllm_ling:rank_verification_passed",
             "1 when every startup verification check passed on this rank (label node: its host).",
             labelnames=["model_name", "rank", "node"], multiprocess_mode="mostrecent")
+        self.g_attention = Gauge(
+            "vllm_ling:attention_backend_layers",
+            "Attention layers of a class holding a backend, as vLLM chose it (report's attention_backends).",
+            labelnames=["model_name", "model", "layer", "backend", "prefill"], multiprocess_mode="mostrecent")
         self.g_roundtrip = Gauge(
             "vllm_ling:chat_roundtrip",
             "Chat template / parser round-trip check at startup: 1 on its status label.",
@@ -276,6 +284,10 @@ class LingStatLogger(AggregateStatLoggerBase):
         for rank in report.get("ranks") or []:
             self.g_rank_verification.labels(self.model_name, str(rank.get("rank")),
                                             _label(rank.get("node_ip"))).set(1 if rank.get("passed") else 0)
+        self.g_attention.clear()
+        for e in report.get("attention_backends") or []:
+            self.g_attention.labels(self.model_name, _label(e.get("model")), _label(e.get("layer")),
+                                    _label(e.get("backend")), _label(e.get("prefill"))).set(e.get("layers", 0))
         self.g_roundtrip.clear()
         roundtrip = report.get("chat_roundtrip")
         if isinstance(roundtrip, dict) and isinstance(roundtrip.get("status"), str):

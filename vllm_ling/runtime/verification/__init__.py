@@ -12,7 +12,8 @@ proof reads the records; it never derives a choice again:
 - the other families, one module each: :mod:`.known_answers` (every serving kernel on scratch
   layers) and :mod:`.vllm_agreement` (our kernels against vLLM's on a served layer),
   :mod:`.draft_sharing`, :mod:`.speculative`, :mod:`.model_classes`, :mod:`.versions`,
-  :mod:`.ranks` (gather and merge every rank's entry), :mod:`.assembly` (the report),
+  :mod:`.ranks` (gather and merge every rank's entry), :mod:`.attention_backends` (a fact, not a
+  check: the backend each attention layer holds), :mod:`.assembly` (the report),
   :mod:`.policy` (strict / warn / off), :mod:`.formatting` (the INFO table);
 - :mod:`.checks` (the one result type, and an exception inside a check is its failure),
   :mod:`.stage` (this process's pipeline stage), :mod:`.negative_control` (tests).

@@ -10,6 +10,7 @@ import torch
 
 from vllm_ling.options import LingOptions
 from vllm_ling.runtime.verification import known_answers, vllm_agreement
+from vllm_ling.runtime.verification.attention_backends import attention_backends, describe
 from vllm_ling.runtime.verification.census import take_census
 from vllm_ling.runtime.verification.checks import guarded
 from vllm_ling.runtime.verification.draft_sharing import CHECK_NAME as SHARING
@@ -79,6 +80,7 @@ def build_report(target, draft, vllm_config, options: LingOptions, spec: Specula
     optimizations["moe_decode_kernels"] = moe_decode_entry(census)
     optimizations["mtp"] = mtp_entry(spec, sharing)
     optimizations["prefill_graphs"] = prefill_graphs_entry(vllm_config, by_name[PREFILL_GRAPHS])
+    backends = attention_backends(target, draft)
     return {
         "passed": all(c.passed for c in checks),
         "policy": options.verify,
@@ -94,6 +96,7 @@ def build_report(target, draft, vllm_config, options: LingOptions, spec: Specula
         "checks": [dataclasses.asdict(c) for c in checks],
         "smoke": {"accept_length": None, "threshold": 0.0, "passed": None},
         "kernel_checks": known,
-        "notes": serving_notes(vllm_config, known),
+        "attention_backends": backends,
+        "notes": serving_notes(vllm_config, known) + ([describe(backends)] if backends else []),
         "memory": {"weights_bytes": weights_bytes(target, draft)},
     }

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from vllm_ling.options import plugin_options
+from vllm_ling.runtime.verification.attention_backends import NOTE_PREFIX, describe, merge_stages
 from vllm_ling.runtime.verification.checks import Check
 
 
@@ -43,6 +44,7 @@ def rank_entry(report: dict[str, Any]) -> dict[str, Any]:
                                   **({"on_stage": False} if e.get("on_stage") is False else {})}
                               for n, e in report["optimizations"].items()},
             "checks": report["checks"],
+            "attention_backends": report.get("attention_backends", []),
             # the switches as this process saw them (propagation: vllm_ling/runtime/ray_env.py)
             "options": {o.name: os.environ.get(o.name, "") for o in plugin_options()}}
 
@@ -83,6 +85,11 @@ def merge_ranks(report: dict[str, Any], ranks: list[dict[str, Any]]) -> Check:
     report["ranks"] = ranks
     report["checks"] = report["checks"] + [dataclasses.asdict(agree)]
     report["passed"] = all(r["passed"] for r in ranks) and agree.passed
+    # the whole server's layers (a pipeline stage holds only its own), in place of this rank's note
+    backends = merge_stages(ranks)
+    report["attention_backends"] = backends
+    report["notes"] = [n for n in report.get("notes", []) if not n.startswith(NOTE_PREFIX)] + (
+        [describe(backends)] if backends else [])
     for name, entry in report["optimizations"].items():
         off = [r for r in ranks if not r["optimizations"].get(name, {}).get("active", False)
                and r["optimizations"].get(name, {}).get("on_stage", True)]
