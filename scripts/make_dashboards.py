@@ -160,7 +160,19 @@ def overview() -> dict:
              "transformations": [{"id": "organize", "options": {
                  "excludeByName": {"Time": True, "Value": True, "__name__": True, "job": True}}}],
              "fieldConfig": {"defaults": {}, "overrides": []},
-             "options": {"showHeader": True}}, 24, 4)
+             "options": {"showHeader": True}}, 14, 4)
+    lay.add({"type": "table", "title": "Attention backends",
+             "description": "vllm_ling:attention_backend_layers: the backend vLLM chose for each attention layer "
+                            "class of the target and draft (MLA decode: FLASH_ATTN_MLA on sm_90 unless "
+                            "--attention-backend says otherwise; prefill: the MLA prefill backend), and how many "
+                            "layers hold it, read from the loaded layers.",
+             "targets": [target(f"vllm_ling:attention_backend_layers{{{SEL}}}", instant=True, table=True)],
+             "transformations": [{"id": "organize", "options": {
+                 "excludeByName": {"Time": True, "__name__": True, "job": True, "instance": True,
+                                   "model_name": True},
+                 "renameByName": {"Value": "layers"}}}],
+             "fieldConfig": {"defaults": {}, "overrides": []},
+             "options": {"showHeader": True}}, 10, 4)
 
     lay.row("Startup and memory")
     lay.add(stat("Launch to ready", "vllm_ling:startup_seconds: this API server's start to the "
