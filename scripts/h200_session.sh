@@ -15,6 +15,7 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh cuts   # the decode-step cuts' GPU tests (each cut that fails
 #                                                         # is switched off in the later phases), router bench;
 #                                                         # WITH_TESTS="dspark" runs tiny tests beside them
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh gate-bench # the router gate at prefill sizes (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
 #
@@ -278,6 +279,12 @@ cuts)
   record_tiny "${WITH_TESTS:-}"
   timeout 200 python3 -m benchmarks.router_topk --out "$OUT/router-topk.md" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
+  ;;
+gate-bench)
+  # The MoE router gate at prefill sizes on an idle GPU (kernel-only, about a minute): vLLM's fp32 SIMT path
+  # against the fp32 weight as BF16 parts through one tensor-core GEMM (benchmarks/router_gate_prefill.py)
+  timeout 300 python3 -m benchmarks.router_gate_prefill --out "$OUT/router-gate-prefill.md" > "$out/router-gate-prefill.txt" 2>&1
+  echo "router-gate-prefill rc $?" >> "$out/rc.txt"
   ;;
 moe-bench)
   # Issue 43 on an idle GPU: the clamp-mode kernel tests, then one MoE layer, decode kernels vs humming's
