@@ -22,15 +22,13 @@ those at a near tie, where either pick is right).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from importlib import resources
 
 import torch
 import torch.nn.functional as F
 
-CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_config.json").read_text())
-LAYERS = 40
+from benchmarks.router_topk import CONFIG, LAYERS, NEAR_TIE, ling_routing, tokens_off
+
 PARTS = (2, 3)
 
 
@@ -68,9 +66,7 @@ def max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.lm_head import copy_bandwidth_gbs
-    from benchmarks.router_topk import NEAR_TIE, tokens_off
     from benchmarks.timing import stacked_time_us
-    from vllm_ling.ops.known_answer.router_topk import Routing
     from vllm_ling.ops.moe.routing import grouped_topk
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -78,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    e, k = CONFIG["num_experts"], CONFIG["hidden_size"]
-    routing = Routing(e, CONFIG["n_group"], CONFIG["topk_group"], CONFIG["num_experts_per_tok"], True,
-                      CONFIG["routed_scaling_factor"])
+    routing = ling_routing()
+    e, k = routing.num_experts, CONFIG["hidden_size"]
     bw, how = copy_bandwidth_gbs()
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = [torch.randn(e, k, device="cuda", generator=gen) * 0.02 for _ in range(LAYERS)]

@@ -31,6 +31,12 @@ LAYERS = 40
 NEAR_TIE = 1e-6  # fp32 sigmoid and sums round at ~6e-8 near 1: a margin below this is a tie either way
 
 
+def ling_routing() -> Routing:
+    """The full-size model's router configuration (the packaged config)."""
+    return Routing(CONFIG["num_experts"], CONFIG["n_group"], CONFIG["topk_group"], CONFIG["num_experts_per_tok"],
+                   True, CONFIG["routed_scaling_factor"])
+
+
 def vllm_kernel():
     """vLLM's fused grouped top-k (None where this vLLM has none)."""
     try:
@@ -71,10 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    e, n_group, topk_group, top_k = (CONFIG["num_experts"], CONFIG["n_group"], CONFIG["topk_group"],
-                                     CONFIG["num_experts_per_tok"])
-    scale = CONFIG["routed_scaling_factor"]
-    routing = Routing(e, n_group, topk_group, top_k, True, scale)
+    routing = ling_routing()
+    e, n_group, topk_group, top_k, scale = (routing.num_experts, routing.n_group, routing.topk_group,
+                                            routing.top_k, routing.scale)
     bw, how = copy_bandwidth_gbs()
     theirs = vllm_kernel()
     rows = []
