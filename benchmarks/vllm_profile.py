@@ -48,6 +48,9 @@ CLASS_RULES: tuple[tuple[str, str], ...] = (
     ("norms_residual", r"rms|norm|rsqrt|fused_add"),
     ("sampling", r"argmax|sample|softmax|top_p|top_k|penalt|gumbel|exponential|logit"),
     ("small_bf16", r"ling_small_gemv"),
+    # cuBLAS's fp32 SIMT GEMM (no tensor cores): in Ling's step the MoE router gates above the router
+    # GEMV's 16 tokens (vLLM's GateLinear casts to fp32 and runs F.linear on sm_90 / sm_121)
+    ("fp32_gemm", r"f32f32_f32f32|sgemm"),
     ("bf16_gemm", r"gemm|gemv|nvjet|xmma|cutlass|sm90_|splitk|cublas"),
     ("memcpy", r"^Memcpy|^Memset|memcpy|memset"),
 )

@@ -101,6 +101,8 @@ def test_names_of_the_kernels_vllm_runs_land_in_their_classes():
         "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "norms_residual",
         "ling_small_gemv": "small_bf16",
         "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "bf16_gemm",
+        "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma_aligna4_alignc4_execute_"
+        "kernel__5x_cublas": "fp32_gemm",
     }
     assert {n: V.classify(n) for n in cases} == cases
 
