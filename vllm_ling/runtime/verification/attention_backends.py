@@ -31,13 +31,12 @@ def _name(get) -> str:
 def _prefill_name(module) -> str | None:
     """An MLA layer's prefill backend (None: the layer has none, e.g. not an MLA layer)."""
     prefill = getattr(module, "prefill_backend", None)
-    if prefill is None:
-        return None
-    get = getattr(prefill, "get_name", None)
-    try:
-        return get() if callable(get) else type(prefill).__name__
-    except Exception as exc:
-        return f"unreadable ({one_line(exc)})"
+    return None if prefill is None else _name(lambda: type(prefill))
+
+
+def _entries(counts: Counter) -> list[dict[str, Any]]:
+    return [{"model": role, "layer": layer, "layers": n, "backend": backend, "prefill": prefill}
+            for (role, layer, backend, prefill), n in counts.items()]
 
 
 def attention_backends(target, draft) -> list[dict[str, Any]]:
@@ -52,8 +51,7 @@ def attention_backends(target, draft) -> list[dict[str, Any]]:
                 continue
             seen.add(id(module))
             groups[(role, type(module).__name__, _name(get), _prefill_name(module))] += 1
-    return [{"model": role, "layer": layer, "layers": n, "backend": backend, "prefill": prefill}
-            for (role, layer, backend, prefill), n in groups.items()]
+    return _entries(groups)
 
 
 def merge_stages(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -65,8 +63,7 @@ def merge_stages(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         for e in rank.get("attention_backends") or ():
             total[(e["model"], e["layer"], e["backend"], e["prefill"])] += e["layers"]
-    return [{"model": role, "layer": layer, "layers": n, "backend": backend, "prefill": prefill}
-            for (role, layer, backend, prefill), n in total.items()]
+    return _entries(total)
 
 
 def describe(entries: list[dict[str, Any]]) -> str:
