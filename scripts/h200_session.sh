@@ -107,10 +107,11 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   # two servers one after the other took more than 320 s in lease 2026-12-06c: one process each
   dspark) VLLM_DEEP_GEMM_WARMUP=skip part dspark "$limit" "$e2e::test_dspark_agreeing_drafter_end_to_end"
           VLLM_DEEP_GEMM_WARMUP=skip part dspark-parsers "$limit" "$e2e::test_dspark_keeps_tool_calls_and_reasoning_parsed" ;;
-  # issue 29's two decode cuts served together on the routable tiny model; cuts-bisect: each alone and
-  # neither, side by side (after cuts-e2e, from the kernels it built), to name the cut at fault
-  cuts-e2e) VLLM_DEEP_GEMM_WARMUP=skip part cuts-e2e "$limit" "$e2e" -k "decode_cuts and both" ;;
-  cuts-bisect) for set in router_topk_only kda_fused_conv_only neither; do
+  # issue 29's decode cuts served together on the routable tiny model; cuts-bisect: without the newest cut
+  # (the one-launch KDA decode) and with none, side by side (after cuts-e2e, from the kernels it built), to
+  # name the cut at fault (the router top-k and the fused convolutions passed together in lease 06f)
+  cuts-e2e) VLLM_DEEP_GEMM_WARMUP=skip part cuts-e2e "$limit" "$e2e" -k "decode_cuts and every_cut" ;;
+  cuts-bisect) for set in kda_decode_off neither; do
                  VLLM_DEEP_GEMM_WARMUP=skip part "cuts-$set" "$limit" "$e2e" -k "decode_cuts and $set"
                done ;;
   kernels-a) part kernels-a "$limit" -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \
@@ -139,22 +140,14 @@ for m in sys.argv[1:]: abort_with_stacks(m)" $markers
 # a pytest log's summary line: passed (nothing failed), or failed (a failure counted, not a time-out)
 passed() { [ -e "$1" ] && grep -qE '^[0-9]+ passed' "$1" && ! grep -qE '^[0-9]+ (failed|error)' "$1"; }
 failed() { [ -e "$1" ] && grep -qE '^[0-9]+ (failed|error)' "$1"; }
-cuts_off() {  # cut (router_topk | kda_fused_conv): why a later phase serves it off after phase cuts (empty: on)
-  local dir=/tmp/gpu-run-cuts cut=$1 other kernel_log
-  other=$([ "$cut" = router_topk ] && echo kda_fused_conv || echo router_topk)
-  kernel_log=$dir/$([ "$cut" = router_topk ] && echo router-topk || echo kda-conv).log
-  if [ -e "$kernel_log" ] && ! passed "$kernel_log"; then echo "its kernel tests did not pass"; return; fi
+cuts_off() {  # cut (kda_decode): why a later phase serves it off after phase cuts (empty: on)
+  local dir=/tmp/gpu-run-cuts cut=$1
+  if [ -e "$dir/kda-decode.log" ] && ! passed "$dir/kda-decode.log"; then echo "its kernel tests did not pass"; return; fi
   if [ ! -e "$dir/cuts-e2e.log" ] || passed "$dir/cuts-e2e.log"; then return; fi
-  # both together failed: the bisect's servers say which
-  if passed "$dir/cuts-${cut}_only.log"; then
-    passed "$dir/cuts-${other}_only.log" && [ "$cut" = kda_fused_conv ] &&
-      echo "each cut alone passed, both together failed: the KDA cut goes"
-    return
-  fi
-  if failed "$dir/cuts-neither.log" && failed "$dir/cuts-${cut}_only.log" && failed "$dir/cuts-${other}_only.log"; then
-    return  # every set failed (a summary, not a time-out), with neither cut too: not the cuts' failure
-  fi
-  echo "the tiny server with both cuts failed and the one with this cut alone did not pass"
+  # every cut together failed: the bisect's servers say whether without this one it passes
+  if passed "$dir/cuts-kda_decode_off.log"; then
+    echo "the tiny server with every cut failed and the one without $cut passed"
+  fi  # else not this cut's failure alone (the earlier cuts, or the server, failed too)
 }
 part() {  # name, time limit (s), pytest arguments...: one pytest process in the background
   local name=$1 limit=$2; shift 2
@@ -216,7 +209,7 @@ ours|upstream|ours-mtp|ours-dspark|ours-flashmla)
   [ "$phase" = ours-flashmla ] && composition+=(--vllm-arg=--attention-backend=FLASHMLA --tag flashmla)
   # a decode-step cut (default on, never served on a GPU before) that did not pass its GPU tests earlier
   # in this lease (phase cuts) is served off (cuts_off), rather than lose the phase to it
-  [ "$phase" != upstream ] && for cut in router_topk:VLLM_LING_ROUTER_TOPK=vllm kda_fused_conv:VLLM_LING_KDA_FUSED_CONV=0; do
+  [ "$phase" != upstream ] && for cut in kda_decode:VLLM_LING_KDA_DECODE=0; do
     why=$(cuts_off "${cut%%:*}")
     [ -n "$why" ] && composition+=(--switch "${cut#*:}") && echo "$phase: ${cut#*:} ($why)" >> "$out/rc.txt"
   done
@@ -238,7 +231,7 @@ slices)
   # server log folder. A slice's TPOT is host-paced (lease 2026-12-06e: 1.2-3.5 ms per token, run to run,
   # for 0.6 ms of GPU work): it tells prefill-time switches (TTFT) and start-ups apart, not decode cuts.
   n=${LAYERS:-6} startup_s=${STARTUP_S:-330}
-  for spec in ${SLICES:-ours: graphs0:VLLM_LING_PREFILL_GRAPH_TOKENS=0 routing-torch:VLLM_LING_MOE_ROUTING=torch kda0:VLLM_LING_KDA_MERGED_IN_PROJ=0 dense-vllm:VLLM_LING_DENSE_FP8=vllm topk-vllm:VLLM_LING_ROUTER_TOPK=vllm conv0:VLLM_LING_KDA_FUSED_CONV=0 flashmla:--attention-backend=FLASHMLA upstream:}; do
+  for spec in ${SLICES:-ours: graphs0:VLLM_LING_PREFILL_GRAPH_TOKENS=0 routing-torch:VLLM_LING_MOE_ROUTING=torch kda0:VLLM_LING_KDA_MERGED_IN_PROJ=0 dense-vllm:VLLM_LING_DENSE_FP8=vllm topk-vllm:VLLM_LING_ROUTER_TOPK=vllm conv0:VLLM_LING_KDA_FUSED_CONV=0 kdadecode0:VLLM_LING_KDA_DECODE=0 flashmla:--attention-backend=FLASHMLA upstream:}; do
     name=${spec%%:*} setting=${spec#*:} comp=ours ab=()
     [ "$name" = upstream ] && comp=upstream
     case "$setting" in
@@ -259,6 +252,7 @@ cuts)
   # grouped_topk_fused_kernel (benchmarks/router_topk.py; kernel-only, minutes)
   part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py
   part kda-conv 300 -m gpu tests/layers/test_kda_fused_conv.py
+  part kda-decode 300 -m gpu tests/ops/test_kda_decode.py tests/benchmarks/test_kda_decode_bench.py
   # both cuts through torch.compile and CUDA graphs on the routable tiny model (alone, prefill graphs to
   # 128 tokens: about 6 minutes on a fresh device); where it fails, each cut alone and neither, side by
   # side from the kernels it built (cuts_off reads them for the later phases)
@@ -272,13 +266,16 @@ cuts)
   wait "${pids[@]}"
   record gpu:router-topk "$out/router-topk.log"
   record gpu:kda-conv "$out/kda-conv.log"
+  record gpu:kda-decode "$out/kda-decode.log"
   record gpu-e2e:cuts "$out/cuts-e2e.log"
-  for set in router_topk_only kda_fused_conv_only neither; do
+  for set in kda_decode_off neither; do
     [ -e "$out/cuts-$set.log" ] && record "gpu-e2e:cuts-$set" "$out/cuts-$set.log"
   done
   record_tiny "${WITH_TESTS:-}"
   timeout 200 python3 -m benchmarks.router_topk --out "$OUT/router-topk.md" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
+  timeout 240 python3 -m benchmarks.kda_decode --out "$OUT/kda-decode.md" > "$out/kda-decode-bench.txt" 2>&1
+  echo "kda-decode-bench rc $?" >> "$out/rc.txt"
   ;;
 gate-bench)
   # The MoE router gate at prefill sizes on an idle GPU (kernel-only, about a minute): vLLM's fp32 SIMT path

@@ -286,3 +286,19 @@ def exported_samples(report: dict, tmp_path: Path, monkeypatch, samples: dict[st
                 for name, labels in samples.items()}
     finally:
         metrics.unregister_vllm_ling_metrics()
+
+
+@pytest.fixture
+def interpreted_kda_decode(monkeypatch):
+    """vllm-ling's Triton KDA decode kernel under Triton's interpreter (CPU tensors): its module imported
+    afresh with ``TRITON_INTERPRET=1`` (Triton decides at decoration), and dropped again afterwards, so a
+    GPU test in the same process compiles it."""
+    import importlib
+    import sys
+
+    name = "vllm_ling.ops.kda_decode_kernel"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sys.modules.pop(name, None)
+    importlib.import_module(name)
+    yield
+    sys.modules.pop(name, None)

@@ -310,6 +310,11 @@ OPTIONS: tuple[Option, ...] = (
            "blocks, and starts a prefill's new sequences from zero states without vLLM's host sync per layer (CUDA; "
            "needs the merged in-projection); `0`: vLLM's KDA forward (one WARNING, reported)",
            serve_flag=True, compile_factor=True, opt_out="0"),
+    Option("VLLM_LING_KDA_DECODE", "bool", True,
+           "`1`: at decode and in verify windows each KDA layer runs its short convolutions, gate, beta, L2 norms "
+           "and delta-rule recurrence as one vllm-ling Triton launch (CUDA; needs the fused convolutions); `0`: "
+           "vLLM's three kernels (one WARNING, reported)",
+           serve_flag=True, compile_factor=True, opt_out="0"),
     Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
            "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
            f"small GEMV for batches of at most {BF16_GEMV_MAX_ROWS} tokens on CUDA (vLLM's GEMM above; an error where it cannot "
@@ -566,6 +571,7 @@ class LingOptions:
     dense_fp8: DenseFp8 = BY_NAME["VLLM_LING_DENSE_FP8"].default
     kda_merged_in_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_IN_PROJ"].default
     kda_fused_conv: bool = BY_NAME["VLLM_LING_KDA_FUSED_CONV"].default
+    kda_decode: bool = BY_NAME["VLLM_LING_KDA_DECODE"].default
     bf16_gemv: Bf16Gemv = BY_NAME["VLLM_LING_BF16_GEMV"].default
     router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
     router_topk: RouterTopk = BY_NAME["VLLM_LING_ROUTER_TOPK"].default

@@ -155,7 +155,7 @@ def test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs(scripted, tmp_p
         assert not inactive, inactive
         requested = {n for n, o in report["optimizations"].items() if o["requested"]}
         assert requested >= {"moe_humming", "fp8_head", "dense_fp8_decode", "small_bf16_decode", "router_gemv",
-                             "kda_merged_in_proj", "kda_fused_conv", "mtp"}, requested
+                             "kda_merged_in_proj", "kda_fused_conv", "kda_decode", "mtp"}, requested
         assert graphs_and_compile_ran(server.log())
         print(f"scripted checkpoint on the GPU: dense block-FP8 kernels {dense_kernels(report)}")
         drafts, accepted = parsed_tool_call_drafts(server.base_url)
@@ -229,13 +229,16 @@ def routable(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("gpu-routable") / "tiny-routable", seed=0, agreeing=True, routable=True)
 
 
-# Which of issue 29's decode cuts a cuts test serves (the other switched off): both, then each alone. The
-# lease runs `both` first and, where it fails, the three others side by side, which name the cut at fault
-# (lease 2026-12-06e: `both` died at its first MTP verify window, a drafted token outside the vocabulary).
-# optimization -> (its switch, its known-answer check)
+# Which of issue 29's decode cuts a cuts test serves (the others switched off): every one, then without the
+# newest (the one-launch KDA decode, which needs the fused convolutions), then each earlier one alone. The
+# lease runs `every_cut` first and, where it fails, the others side by side, which name the cut at fault
+# (lease 2026-12-06e: both earlier cuts died at their first MTP verify window, a drafted token outside the
+# vocabulary). optimization -> (its switch, its known-answer check)
 CUTS = {"router_topk": ("VLLM_LING_ROUTER_TOPK", "router_topk"),
-        "kda_fused_conv": ("VLLM_LING_KDA_FUSED_CONV", "kda_conv")}
-CUT_SETS = {"both": ("router_topk", "kda_fused_conv"), "router_topk_only": ("router_topk",),
+        "kda_fused_conv": ("VLLM_LING_KDA_FUSED_CONV", "kda_conv"),
+        "kda_decode": ("VLLM_LING_KDA_DECODE", "kda_decode")}
+CUT_SETS = {"every_cut": ("router_topk", "kda_fused_conv", "kda_decode"),
+            "kda_decode_off": ("router_topk", "kda_fused_conv"), "router_topk_only": ("router_topk",),
             "kda_fused_conv_only": ("kda_fused_conv",), "neither": ()}
 # The tiny server's prompts are under 100 tokens: prefill graphs up to 128 tokens are 9 capture sizes where
 # the default 2048 makes 24 (about 8 s each on a fresh device: most of the test's 9 minutes)
@@ -246,11 +249,11 @@ TINY_PREFILL_GRAPH_TOKENS = "128"
 def test_the_decode_cuts_serve_verified_on_a_tiny_model_the_top_k_kernel_routes(routable, tmp_path, cut_set):
     """Issue 29's cuts through vLLM's torch.compile and CUDA graphs (FULL decode graphs of the MTP verify
     windows): the agreeing tiny checkpoint with 64 experts in 2 groups (``make-tiny --routable``), so the
-    router top-k kernel serves it beside the fused KDA convolutions. ``cut_set`` names the cuts served
-    (the others opted out). Strict verification passes with each served cut active and its known answers
-    passed on the GPU, each other one inactive, and the greedy output (MTP on) is the independent
-    expectation. The lease's `cuts` phase runs ``both`` before any full-size start, the other sets where
-    it fails."""
+    router top-k kernel serves it beside the fused KDA convolutions and the one-launch KDA decode.
+    ``cut_set`` names the cuts served (the others opted out). Strict verification passes with each served
+    cut active and its known answers passed on the GPU, each other one inactive, and the greedy output
+    (MTP on) is the independent expectation. The lease's `cuts` phase runs ``every_cut`` before any
+    full-size start, the other sets where it fails."""
     from vllm_ling.models.agreeing_checkpoint import expected_continuation
     from vllm_ling.options import BY_NAME
 
@@ -283,8 +286,10 @@ SWITCHED_OFF = {
     "VLLM_LING_MOE_BACKEND": {"moe_humming", "moe_decode_kernels"},
     "VLLM_LING_MOE_DECODE": {"moe_decode_kernels"},
     "VLLM_LING_DENSE_FP8": {"dense_fp8_decode"},
-    "VLLM_LING_KDA_MERGED_IN_PROJ": {"kda_merged_in_proj", "kda_fused_conv"},  # the fused convs need the merge
-    "VLLM_LING_KDA_FUSED_CONV": {"kda_fused_conv"},
+    # the fused convs need the merge, the one-launch decode the fused convs
+    "VLLM_LING_KDA_MERGED_IN_PROJ": {"kda_merged_in_proj", "kda_fused_conv", "kda_decode"},
+    "VLLM_LING_KDA_FUSED_CONV": {"kda_fused_conv", "kda_decode"},
+    "VLLM_LING_KDA_DECODE": {"kda_decode"},
     "VLLM_LING_BF16_GEMV": {"small_bf16_decode"},
     "VLLM_LING_ROUTER_GEMV": {"router_gemv"},
     "VLLM_LING_ROUTER_TOPK": set(),  # never requested on the tiny model (NOT_REQUESTED_HERE)
@@ -348,7 +353,7 @@ def test_every_opt_out_at_once_serves_verified_and_says_what_is_off(agreeing, ex
         assert report["passed"], [c for c in report["checks"] if not c["passed"]]
         opts = report["optimizations"]
         for name in ("moe_humming", "moe_decode_kernels", "fp8_head", "dense_fp8_decode", "small_bf16_decode",
-                     "router_gemv", "kda_merged_in_proj", "kda_fused_conv", "mtp"):
+                     "router_gemv", "kda_merged_in_proj", "kda_fused_conv", "kda_decode", "mtp"):
             assert not opts[name]["active"], (name, opts[name])
         assert report["head_dtype"] == "bfloat16" and report["spec_method"] is None
         assert complete(server.base_url) == expected

@@ -656,26 +656,33 @@ def _vllm_kernel_standins(monkeypatch) -> list[int]:
     return launches
 
 
-def _fused_and_vllms(vllm_config, monkeypatch, num_spec, twin=True):
+def _fused_and_vllms(vllm_config, monkeypatch, num_spec, twin=True, decode=False):
     """Two vLLM-kernel layers with the same weights, as built on CUDA: the fused convolutions and,
-    opted out, vLLM's three launches (``twin``); their state caches hold the same random states."""
+    opted out, vLLM's three launches (``twin``); their state caches hold the same random states. With
+    ``decode`` the first serves the one-launch KDA decode (vllm_ling.layers.kda_decode) and the second
+    the fused convolutions with vLLM's kernels; without, neither serves the one launch."""
     from vllm_ling.layers import kda_merged_in_proj as M
     from vllm_ling.layers.kda_merged_in_proj import vllm_merged_class
+    from vllm_ling.models.kda_decode import KdaDecode
     from vllm_ling.models.kda_fused_conv import KdaConv
     from vllm_ling.selection import Feature, Platform, recorded
 
     monkeypatch.setattr(M, "serving_platform", lambda: Platform.CUDA)
     layers = []
-    for fused in (True, False)[:2 if twin else 1]:
+    for first in (True, False)[:2 if twin else 1]:
+        fused = first or decode
         monkeypatch.setenv("VLLM_LING_KDA_FUSED_CONV", "1" if fused else "0")
+        monkeypatch.setenv("VLLM_LING_KDA_DECODE", "1" if decode and first else "0")
         layer = build_fp8_layer(vllm_config, True, monkeypatch, seed=5, num_spec=num_spec, cls=vllm_merged_class())
         assert recorded(layer, Feature.KDA_FUSED_CONV).choice is (KdaConv.FUSED if fused else KdaConv.SEPARATE)
+        assert recorded(layer, Feature.KDA_DECODE).choice is (KdaDecode.LING if decode and first else KdaDecode.VLLM)
         gen = torch.Generator().manual_seed(11)
         with torch.no_grad():
             for state in layer.kv_cache:
                 state.copy_(torch.randn(state.shape, generator=gen) * 0.5)
         layers.append(layer)
     monkeypatch.delenv("VLLM_LING_KDA_FUSED_CONV")
+    monkeypatch.delenv("VLLM_LING_KDA_DECODE")
     return layers
 
 
@@ -718,6 +725,64 @@ def test_fused_convolutions_verify_windows_as_vllms_three_launches(vllm_config, 
                              accepted=[1 + t, 3 - t]), hidden_states(6, 30 + t)) for t in range(3)]
     assert steps[0][0].num_spec_decodes == 2 and steps[0][0].num_decodes == 0 and steps[0][0].num_prefills == 0
     _steps_agree(vllm_config, layers, steps, launches)
+
+
+def _op_steps_agree(vllm_config, layers, steps):
+    """The layers' KDA op (vllm_ling::kda_attention's function) on each step's BF16 rows: the core outputs
+    (to BF16 rounding) and both state caches (conv states exactly) equal; CUDA-graph padding rows zero."""
+    from vllm.forward_context import set_forward_context
+
+    from vllm_ling.layers import kda_fused_conv as F
+
+    width = HEADS * HEAD_DIM
+    for i, (md, rows) in enumerate(steps):
+        gen = torch.Generator().manual_seed(100 + i)
+        row = (torch.randn(rows, 5 * width, generator=gen) * 2).bfloat16()
+        beta_logits = torch.randn(rows, HEADS, generator=gen).bfloat16()
+        outs = []
+        for layer in layers:
+            out = torch.full((1, rows, HEADS, HEAD_DIM), float("nan"), dtype=torch.bfloat16)
+            with torch.no_grad(), set_forward_context({layer.prefix: md}, vllm_config):
+                F.kda_attention(layer, row[:, :3 * width], row[:, 3 * width:4 * width], beta_logits, out)
+            outs.append(out[0].float())
+        n = md.num_actual_tokens
+        assert torch.equal(outs[0][n:], torch.zeros_like(outs[0][n:])), f"padding rows, step {i}"
+        err = (outs[0][:n] - outs[1][:n]).norm(dim=-1) / outs[1][:n].norm(dim=-1)
+        assert float(err.max()) < 2 ** -7, f"step {i}: {float(err.max())}"
+        (conv_a, rec_a), (conv_b, rec_b) = layers[0].kv_cache, layers[1].kv_cache
+        assert torch.equal(conv_a, conv_b), f"conv states after step {i}"
+        torch.testing.assert_close(rec_a, rec_b, atol=1e-5, rtol=1e-5, msg=f"recurrent states after step {i}")
+
+
+def test_the_one_launch_decode_steps_as_the_fused_conv_and_vllms_kernels(vllm_config, monkeypatch,
+                                                                        interpreted_kda_decode):
+    """The layer's one-launch KDA decode (the Triton kernel, interpreted) against the fused convolutions
+    with vLLM's kernels (plain-PyTorch stand-ins) on the same metadata: plain decodes (one step
+    CUDA-graph padded), then a speculating layer's verify windows resuming after 1, 2 and 3 accepted."""
+    _vllm_kernel_standins(monkeypatch)
+    layers = _fused_and_vllms(vllm_config, monkeypatch, num_spec=0, decode=True)
+    builder = metadata_builder(layers[0], vllm_config, monkeypatch=monkeypatch)
+    steps = [(build_metadata(builder, [1, 1, 1], [5 + t, 9 + t, 2 + t], [[3], [5], [6]]), 3) for t in range(2)]
+    steps.append((build_metadata(builder, [1, 1, 1], [8, 12, 5], [[3], [5], [6]]), 4))  # a padding row
+    _op_steps_agree(vllm_config, layers, steps)
+    layers = _fused_and_vllms(vllm_config, monkeypatch, num_spec=2, decode=True)
+    builder = metadata_builder(layers[0], vllm_config, num_spec=2, monkeypatch=monkeypatch)
+    steps = [(build_metadata(builder, [3, 3], [10 + 3 * t, 12 + 3 * t], [[1, 2, 3], [4, 5, 6]], drafts=[2, 2],
+                             accepted=[1 + t, 3 - t]), 6) for t in range(3)]
+    assert steps[0][0].num_spec_decodes == 2 and steps[0][0].num_decodes == 0
+    _op_steps_agree(vllm_config, layers, steps)
+
+
+def test_a_batch_with_a_prefill_keeps_vllms_kernels_under_the_one_launch_decode(vllm_config, monkeypatch):
+    """Prefill steps (with a decode beside) go to the fused conv and vLLM's chunked kernel, the gate and
+    beta computed in the op from the raw rows: equal to the layer without the one launch."""
+    from vllm_ling.layers import kda_decode
+
+    _vllm_kernel_standins(monkeypatch)
+    layers = _fused_and_vllms(vllm_config, monkeypatch, num_spec=0, decode=True)
+    monkeypatch.setattr(kda_decode, "step", lambda *a, **k: pytest.fail("the one launch ran on a prefill step"))
+    builder = metadata_builder(layers[0], vllm_config, monkeypatch=monkeypatch)
+    _op_steps_agree(vllm_config, layers, [(build_metadata(builder, [1, 6], [7, 0], [[3], [5]]), 8)])
 
 
 def test_fused_forward_through_an_mtp_request_as_vllms(vllm_config, monkeypatch):
@@ -820,8 +885,8 @@ def test_the_fused_op_writes_the_buffer_the_next_piece_reads(vllm_config, monkey
     written, read = [], []
     op = F.kda_attention
 
-    def spy_op(layer, qkv, g1, beta, core_attn_out):
-        written.append((core_attn_out.data_ptr(), op(layer, qkv, g1, beta, core_attn_out)))
+    def spy_op(layer, qkv, f, beta_logits, core_attn_out):
+        written.append((core_attn_out.data_ptr(), op(layer, qkv, f, beta_logits, core_attn_out)))
 
     norm = fused.o_norm.forward
 

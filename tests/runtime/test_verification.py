@@ -84,7 +84,7 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert [c["name"] for c in report["checks"]] == [
         "model_classes", "moe_layers", "lm_head", "dense_fp8_layers", "small_bf16_layers", "kda_merged_in_proj",
-        "kda_fused_conv", "router_gates", "router_topk", "dspark_drafter", "draft_shares_target_modules",
+        "kda_fused_conv", "kda_decode", "router_gates", "router_topk", "dspark_drafter", "draft_shares_target_modules",
         "speculative_config", "prefill_graphs", "versions", "kernel_known_answers"]
     assert _check(report, "moe_layers")["actual"] == "5 x reference"
     assert _check(report, "moe_layers")["expected"] == (
@@ -113,7 +113,8 @@ def test_the_census_reads_every_served_module_once(loaded_tiny_models):
     count = {f: len(census.of(f)) for f in Feature if f not in (Feature.SPECULATIVE, Feature.PREFILL_GRAPHS)}
     assert count == {Feature.MOE: 5, Feature.DENSE_FP8: 33, Feature.BF16_GEMV: 7, Feature.ROUTER_GEMV: 5,
                      Feature.ROUTER_TOPK: 5, Feature.FP8_HEAD: 1, Feature.HEAD_KERNEL: 1,
-                     Feature.KDA_MERGED_IN_PROJ: 5, Feature.KDA_FUSED_CONV: 5, Feature.DRAFTER: 0}
+                     Feature.KDA_MERGED_IN_PROJ: 5, Feature.KDA_FUSED_CONV: 5, Feature.KDA_DECODE: 5,
+                     Feature.DRAFTER: 0}
     assert [e.name for e in census.of(Feature.FP8_HEAD)] == ["target.lm_head"]
     assert all(e.recorded is not None and e.served.key == e.recorded.served_as() for e in census.entries)
 
@@ -199,6 +200,14 @@ def _plant_kda_conv(models, monkeypatch):
     return "kda_fused_conv", f"not the recorded selection: ['{e.name} (selected fused, serves separate)']"
 
 
+def _plant_kda_decode(models, monkeypatch):
+    from vllm_ling.models.kda_decode import DECODE_DESCRIPTION, KdaDecode
+
+    e = _first(models, Feature.KDA_DECODE)
+    _plant(monkeypatch, e.module, Selection(Feature.KDA_DECODE, KdaDecode.LING, DECODE_DESCRIPTION))
+    return "kda_decode", f"not the recorded selection: ['{e.name} (selected ling, serves vllm)']"
+
+
 def _plant_speculative(models, monkeypatch):
     monkeypatch.setattr(models[0].model_config.hf_config, "vllm_ling_speculation",
                         {"choice": "off", "reason": "VLLM_LING_MTP=0"})  # P5 recorded off; MTP serves
@@ -229,7 +238,7 @@ PLANTED = {Feature.MOE: _plant_moe, Feature.DENSE_FP8: _plant_dense, Feature.BF1
            Feature.ROUTER_GEMV: _plant_router, Feature.ROUTER_TOPK: _plant_router_topk,
            Feature.FP8_HEAD: _plant_fp8_head,
            Feature.HEAD_KERNEL: _plant_head_kernel, Feature.KDA_MERGED_IN_PROJ: _plant_kda,
-           Feature.KDA_FUSED_CONV: _plant_kda_conv,
+           Feature.KDA_FUSED_CONV: _plant_kda_conv, Feature.KDA_DECODE: _plant_kda_decode,
            Feature.SPECULATIVE: _plant_speculative, Feature.DRAFTER: _plant_drafter,
            Feature.PREFILL_GRAPHS: _plant_prefill_graphs}
 # The models each feature's divergence is planted in (the NEXTN pair unless named here)

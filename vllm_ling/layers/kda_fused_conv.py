@@ -42,7 +42,7 @@ import torch
 from vllm_ling.models.kda_merged_in_proj import MERGED_NAME
 from vllm_ling.models.layer_kinds import is_kda_module, kda_layers
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.models.kda_fused_conv import FUSED_DESCRIPTION, OPTION, KdaConv, select_kda_fused_conv
+from vllm_ling.models.kda_fused_conv import FUSED_DESCRIPTION, OPTION, WEIGHT_ATTR, KdaConv, select_kda_fused_conv
 from vllm_ling.ops.known_answer.kda_conv import ConvCall
 from vllm_ling.options import LingOptions, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record
@@ -51,7 +51,6 @@ logger = get_logger("kda")
 
 OP_NAME = "vllm_ling::kda_attention"
 KERNEL_LABEL = "vLLM's causal_conv1d_update / causal_conv1d_fn over q, k and v in one launch"
-WEIGHT_ATTR = "ling_qkv_conv_weight"  # on the layer: the [3 P, W] weight the fused launch reads
 _CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
@@ -156,13 +155,30 @@ def _heads(layer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
                  for t in x.split(layer.projection_size_per_partition, dim=-1))
 
 
-def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, core_attn_out: torch.Tensor) -> None:
+def _gate_and_beta(layer, f: torch.Tensor, beta_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g [1, tokens, heads, head_dim] float32, beta [1, tokens, heads] float32) as vLLM's forward computes
+    them: its ``fused_kda_gate`` kernel (looked up on vLLM's model module, as its forward does; rows packed)
+    and a sigmoid."""
+    from vllm.model_executor.models import bailing_moe_v3 as vllm_model
+
+    g = vllm_model.fused_kda_gate(f.contiguous(), layer.A_log, layer.head_dim, g_bias=layer.dt_bias,
+                                  lower_bound=layer.lower_bound if layer.safe_gate else None)
+    return g.unsqueeze(0), beta_logits.float().sigmoid().unsqueeze(0)
+
+
+def kda_attention(layer, qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
+                  core_attn_out: torch.Tensor) -> None:
     """The layer's KDA core for one step into ``core_attn_out`` [1, tokens, heads, head_dim] (rows past
-    the batch's tokens, CUDA-graph padding, zero): the fused paths for batches of plain decodes, of
-    verify windows only, or with prefills and no verify window, vLLM's ``_forward`` for the rest."""
+    the batch's tokens, CUDA-graph padding, zero), from the rows' conv inputs ``qkv`` [tokens, 3 P], raw
+    gate projection ``f`` [tokens, P] and beta logits [tokens, heads]: the layer's one-launch decode
+    (:mod:`vllm_ling.layers.kda_decode`, where it serves) or the fused conv and vLLM's recurrent kernels
+    for batches of plain decodes or of verify windows only, the fused conv and vLLM's chunked kernel for
+    prefills with decodes and no verify window, vLLM's ``_forward`` for the rest."""
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.models import bailing_moe_v3 as vllm_model
+
+    from vllm_ling.layers import kda_decode
 
     metadata = get_forward_context().attn_metadata  # {layer name: metadata}, as vLLM's forward asserts
     md = None if metadata is None else metadata.get(layer.prefix)
@@ -175,15 +191,22 @@ def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor
         core_attn_out.zero_()
         if md is not None:
             q, k, v = qkv.split(layer.projection_size_per_partition, dim=-1)
-            layer._forward(q, k, v, g1, beta, core_attn_out)
+            layer._forward(q, k, v, *_gate_and_beta(layer, f, beta_logits), core_attn_out)
         return
     conv_state, recurrent_state = layer.kv_cache
     recurrent_state = recurrent_state[..., :layer.head_dim]
     if not is_conv_state_dim_first():
         conv_state = conv_state.transpose(-1, -2)
     n = md.num_actual_tokens
-    x, g1, beta = qkv[:n], g1[:, :n], beta[:, :n]
+    x, f, beta_logits = qkv[:n], f[:n], beta_logits[:n]
     weight = getattr(layer, WEIGHT_ATTR)
+    if n < core_attn_out.shape[1]:
+        core_attn_out[0, n:].zero_()
+    if getattr(layer, kda_decode.ACTIVE_ATTR, False) and not with_prefill:
+        kda_decode.step(layer, md, x, f, beta_logits, conv_state, recurrent_state, weight, core_attn_out[0, :n],
+                        verify=verify_only)
+        return
+    g1, beta = _gate_and_beta(layer, f, beta_logits)
     if with_prefill:  # vLLM's chunked path, which takes the batch's decodes along (has_initial_state True)
         slots, cu, initial = md.non_spec_state_indices_tensor, md.non_spec_query_start_loc, md.has_initial_state
         x = conv_prefill(ConvCall(x, conv_state, weight, slots, cu_seqlens=cu, initial=initial, metadata=md))
@@ -212,15 +235,13 @@ def kda_attention(layer, qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor
             initial_state=recurrent_state, inplace_final_state=True, cu_seqlens=cu[:md.num_spec_decodes + 1],
             ssm_state_indices=slots, num_accepted_tokens=md.num_accepted_tokens, use_qk_l2norm_in_kernel=True)
     core_attn_out[0, :n].copy_(out[0, :n])
-    if n < core_attn_out.shape[1]:
-        core_attn_out[0, n:].zero_()
 
 
-def _kda_attention_op(qkv: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor, core_attn_out: torch.Tensor,
+def _kda_attention_op(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, core_attn_out: torch.Tensor,
                       layer_name: str) -> None:
     from vllm.forward_context import get_forward_context
 
-    kda_attention(get_forward_context().no_compile_layers[layer_name], qkv, g1, beta, core_attn_out)
+    kda_attention(get_forward_context().no_compile_layers[layer_name], qkv, f, beta_logits, core_attn_out)
 
 
 # writes core_attn_out only (the caller's buffer: a piecewise graph's next piece reads it where the capture

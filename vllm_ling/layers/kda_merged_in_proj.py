@@ -30,9 +30,10 @@ import logging
 
 import torch
 
-from vllm_ling.layers import kda_fused_conv
+from vllm_ling.layers import kda_decode, kda_fused_conv
 from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
+from vllm_ling.models.kda_fused_conv import KdaConv
 from vllm_ling.models.kda_merged_in_proj import (MEMBERS, MERGED_DESCRIPTION, MERGED_NAME, OPTION, KdaInProj,
                                                  select_kda_merged_in_proj)
 from vllm_ling.models.layer_kinds import is_kda_module, kda_layers
@@ -64,7 +65,9 @@ class MergedInProjection:
         arguments.apply_defaults()
         quant_config, prefix = arguments.arguments["quant_config"], arguments.arguments["prefix"]
         chosen = record(self, selection(self, quant_config, prefix))
-        kda_fused_conv.install(self, chosen.choice is KdaInProj.MERGED, serving_platform())
+        platform = serving_platform()
+        conv = kda_fused_conv.install(self, chosen.choice is KdaInProj.MERGED, platform)
+        kda_decode.install(self, conv.choice is KdaConv.FUSED, platform)
         if chosen.choice is not KdaInProj.MERGED:
             log_once(logger, logging.WARNING, f"kda-unmerged-{chosen.reason}",
                      "KDA in-projections NOT merged (%s and similar layers): %s; vLLM's qkv_proj, f_proj and "
@@ -119,23 +122,21 @@ def vllm_merged_class():
             num_tokens = hidden_states.size(0)
             width = self.projection_size_per_partition
             fused = getattr(self, kda_fused_conv.WEIGHT_ATTR, None) is not None
-            if fused:  # q, k, v stay one [tokens, 3 P] view for the fused convolution
+            shape = (1, num_tokens, self.local_num_heads, self.head_dim)
+            if fused:  # q, k, v stay one [tokens, 3 P] view; the op takes the raw gate and beta logits
                 qkv, f, g = getattr(self, MERGED_NAME)(hidden_states)[0].split([3 * width, width, width], dim=-1)
-                beta_logits = self.b_proj(hidden_states)[0]
+                # the op writes every row (the padding's zeros too)
+                core_attn_out = torch.empty(shape, dtype=hidden_states.dtype, device=hidden_states.device)
+                torch.ops.vllm_ling.kda_attention(qkv, f, self.b_proj(hidden_states)[0], core_attn_out, self.prefix)
             else:
                 q, k, v, beta_logits, f, g = merged_in_projections(self, hidden_states)
-            beta = beta_logits.float().sigmoid().unsqueeze(0)
-            # the kernel vLLM's forward calls, looked up as it does (its rows must be packed)
-            g1 = bailing_moe_v3.fused_kda_gate(f.contiguous(), self.A_log, self.head_dim, g_bias=self.dt_bias,
-                                               lower_bound=self.lower_bound if self.safe_gate else None).unsqueeze(0)
-            g2 = rearrange(g, "... (h d) -> ... h d", d=self.head_dim)
-            shape = (1, num_tokens, self.local_num_heads, self.head_dim)
-            if fused:  # the op writes every row (the padding's zeros too)
-                core_attn_out = torch.empty(shape, dtype=hidden_states.dtype, device=hidden_states.device)
-                torch.ops.vllm_ling.kda_attention(qkv, g1, beta, core_attn_out, self.prefix)
-            else:
+                beta = beta_logits.float().sigmoid().unsqueeze(0)
+                # the kernel vLLM's forward calls, looked up as it does (its rows must be packed)
+                g1 = bailing_moe_v3.fused_kda_gate(f.contiguous(), self.A_log, self.head_dim, g_bias=self.dt_bias,
+                                                   lower_bound=self.lower_bound if self.safe_gate else None)
                 core_attn_out = torch.zeros(shape, dtype=hidden_states.dtype, device=hidden_states.device)
-                torch.ops.vllm.bailing_v3_kda_attention(q, k, v, g1, beta, core_attn_out, self.prefix)
+                torch.ops.vllm.bailing_v3_kda_attention(q, k, v, g1.unsqueeze(0), beta, core_attn_out, self.prefix)
+            g2 = rearrange(g, "... (h d) -> ... h d", d=self.head_dim)
             core_attn_out = self.o_norm(core_attn_out, g2)
             output[:] = self.o_proj(rearrange(core_attn_out, "1 n h d -> n (h d)"))[0]
 

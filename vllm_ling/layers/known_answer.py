@@ -191,3 +191,15 @@ def check_kda_conv(layer, device: torch.device | str = "cpu") -> ka.KernelCheckR
     weight = getattr(layer, kda_fused_conv.WEIGHT_ATTR)
     return ka.check_kda_conv(kda_fused_conv.short_conv, kda_fused_conv.KERNEL_LABEL,
                              layer.projection_size_per_partition, kernel_width=weight.shape[-1], device=device)
+
+
+def check_kda_decode(layer, device: torch.device | str = "cpu") -> ka.KernelCheckResult:
+    """A KDA layer's one-launch decode (what its op launches) on
+    :func:`~vllm_ling.ops.known_answer.check_kda_decode` at the layer's heads, head size, conv width and
+    dtype and gate, on scratch pools (the served pools are not touched)."""
+    from vllm_ling.layers import kda_decode, kda_fused_conv
+
+    weight = getattr(layer, kda_fused_conv.WEIGHT_ATTR)
+    return ka.check_kda_decode(kda_decode.launch, kda_decode.KERNEL_LABEL, layer.local_num_heads, layer.head_dim,
+                               width=weight.shape[-1], conv_dtype=weight.dtype,
+                               lower_bound=layer.lower_bound if layer.safe_gate else None, device=device)

@@ -13,6 +13,7 @@ from vllm_ling.options import Choice, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Selection
 
 OPTION = "VLLM_LING_KDA_FUSED_CONV"
+WEIGHT_ATTR = "ling_qkv_conv_weight"  # on a KDA layer: the [3 P, W] weight the fused launch reads (None: not fused)
 FUSED_DESCRIPTION = ("q, k and v short convolutions as one launch per KDA layer (decode, verify windows, prefill); "
                      "a prefill's new sequences start from zero states without a host sync")
 

@@ -5,7 +5,8 @@ through the functions the layer calls) against the independent answers of
 :mod:`vllm_ling.ops.known_answer`: every distinct dense block-FP8 method/kernel, every distinct
 vllm-ling MXFP4 MoE configuration, the FP8 LM head's prepared kernel, the plain-PyTorch KDA ops
 where the CPU KDA layer serves, the router GEMV per hidden size and expert count it serves, and the
-router top-k per routing configuration it serves, and the fused KDA convolution per block width.
+router top-k per routing configuration it serves, the fused KDA convolution per block width, and
+the one-launch KDA decode per head count, head size, conv width and gate.
 The result is the report's ``kernel_checks`` section and its ``kernel_known_answers`` row.
 """
 
@@ -19,6 +20,7 @@ import torch
 
 from vllm_ling.log import raised
 from vllm_ling.ops.known_answer import KernelCheckResult, check_kda, skipped_result
+from vllm_ling.models.kda_decode import KdaDecode
 from vllm_ling.models.kda_fused_conv import KdaConv
 from vllm_ling.ops.moe.activation import ROUTED_EXPERT_CLAMP, VLLM_ROUTED_EXPERT_CLAMP
 from vllm_ling.ops.small_gemv.selection import GemvPath
@@ -41,7 +43,7 @@ EXPECTED = "every serving kernel matches its known answers"
 FIX = ("a kernel computes wrong numbers on this machine (named above with the inputs that failed): force "
        f"another kernel where one exists (VLLM_LING_LM_HEAD_KERNEL, {opt_out_setting('VLLM_LING_MOE_DECODE')}, "
        f"{opt_out_setting('VLLM_LING_ROUTER_GEMV')}, {opt_out_setting('VLLM_LING_ROUTER_TOPK')}, "
-       f"{opt_out_setting('VLLM_LING_KDA_FUSED_CONV')}), "
+       f"{opt_out_setting('VLLM_LING_KDA_FUSED_CONV')}, {opt_out_setting('VLLM_LING_KDA_DECODE')}), "
        "install the tested versions, or serve anyway with "
        "VLLM_LING_VERIFY=warn")
 
@@ -85,7 +87,7 @@ def _guarded(name: str, kernel: str, check: Callable[[], KernelCheckResult]) -> 
 
 def run_kernel_checks(census: Census) -> list[KernelCheckResult]:
     """One known-answer result per distinct serving kernel of the loaded models."""
-    from vllm_ling.layers import kda_cpu, kda_fused_conv, router_gate_cuda, router_topk
+    from vllm_ling.layers import kda_cpu, kda_decode, kda_fused_conv, router_gate_cuda, router_topk
     from vllm_ling.layers import known_answer as layer_checks
     from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
     from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
@@ -119,6 +121,13 @@ def run_kernel_checks(census: Census) -> list[KernelCheckResult]:
         if e.served.key[0] is KdaConv.FUSED:
             w = e.module.ling_qkv_conv_weight
             conv.setdefault((e.module.projection_size_per_partition, w.shape[-1], w.device), (e.module, w.device))
+    decode: dict[tuple, tuple[Any, torch.device]] = {}
+    for e in census.of(Feature.KDA_DECODE):  # one per head count, head size, conv width and gate
+        if e.served.key[0] is KdaDecode.LING:
+            m = e.module
+            w = getattr(m, kda_fused_conv.WEIGHT_ATTR)
+            decode.setdefault((m.local_num_heads, m.head_dim, w.shape[-1], w.dtype, m.safe_gate, m.lower_bound,
+                               w.device), (m, w.device))
     results = [_guarded("dense_fp8", label, lambda qm=qm, dev=dev: layer_checks.check_dense_fp8_method(qm, dev))
                for label, (qm, dev) in dense.items()]
     results += [_guarded("moe_mxfp4", f"{type(qm).__name__} {key}",
@@ -133,6 +142,9 @@ def run_kernel_checks(census: Census) -> list[KernelCheckResult]:
     results += [_guarded("kda_conv", kda_fused_conv.KERNEL_LABEL,
                          lambda layer=layer, dev=dev: layer_checks.check_kda_conv(layer, dev))
                 for layer, dev in conv.values()]
+    results += [_guarded("kda_decode", kda_decode.KERNEL_LABEL,
+                         lambda layer=layer, dev=dev: layer_checks.check_kda_decode(layer, dev))
+                for layer, dev in decode.values()]
     heads = [e.module for e in census.of(Feature.FP8_HEAD) if isinstance(e.module.quant_method, Fp8LmHeadMethod)]
     results += [_guarded("fp8_head", type(h.quant_method).__name__,
                          lambda h=h: layer_checks.check_head_method(h.quant_method, h.weight.device))

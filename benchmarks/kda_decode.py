@@ -1,0 +1,152 @@
+"""A KDA layer's decode step after its in-projection, at Ling-3.0-flash's shape (32 heads of 128, conv
+width 4, safe gate): vllm-ling's one Triton launch (``vllm_ling.ops.kda_decode``, each block size and warp
+count tried) against vLLM 0.32's three kernels as the fused-conv layer runs them (the conv update over q, k
+and v in one launch, ``fused_kda_gate``, ``fused_recurrent_kda`` or ``_fwd`` for verify windows), in CUDA
+graphs of 35 distinct layers (a step's KDA layers, each its own state pool: 70 MB of states, more than
+the 60 MB L2), for plain decode batches and MTP verify windows of 4 tokens.
+
+    python -m benchmarks.kda_decode --out benchmarks/results/kda_decode_h100.md   # on the GPU
+
+Bytes per layer: the recurrent state read and written (32 x 128 x 128 fp32 = 2 MB per sequence; a verify
+window writes one state per position), the conv state read and written, the inputs and the output. In the
+real H100 step vLLM's three took 2.6 + 3.3 + 4.2 us per layer at one token
+(``benchmarks/results/step_profile_real_h100.md``, fourth reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from importlib import resources
+
+import torch
+
+from benchmarks.lm_head import copy_bandwidth_gbs
+from benchmarks.timing import stacked_time_us
+from vllm_ling.ops.kda_decode import KdaDecodeCall, kda_decode
+
+CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_config.json").read_text())
+HEADS, HEAD_DIM, WIDTH = CONFIG["num_attention_heads"], CONFIG["head_dim"], CONFIG["short_conv_kernel_size"]
+LAYERS = 35  # Ling-3.0-flash's KDA layers
+NUM_SPEC = 3
+CONFIGS = [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (128, 16)]  # (block_v, num_warps)
+
+
+def layer_calls(seqs: int, window: int) -> list[KdaDecodeCall]:
+    """One call per layer, each with its own pools; ``window`` 1: plain decode, else verify windows."""
+    proj = HEADS * HEAD_DIM
+    spec = window > 1
+    slots_per_seq = window if spec else 1
+    pool = seqs * slots_per_seq + 1
+    state_len = WIDTH - 1 + (NUM_SPEC if spec else 0)
+    calls = []
+    for _ in range(LAYERS):
+        tokens = seqs * window
+        row = torch.randn(tokens, 5 * proj, device="cuda").bfloat16()
+        slots = (torch.arange(seqs * slots_per_seq, device="cuda", dtype=torch.int32) + 1).view(seqs, slots_per_seq)
+        calls.append(KdaDecodeCall(
+            row[:, :3 * proj], row[:, 3 * proj:4 * proj], torch.randn(tokens, HEADS, device="cuda").bfloat16(),
+            torch.randn(3 * proj, WIDTH, device="cuda") * 0.3,
+            torch.randn(pool, 3 * proj, state_len, device="cuda").bfloat16(),
+            torch.linspace(-2, 1, HEADS, device="cuda"), torch.randn(proj, device="cuda") * 0.5,
+            torch.randn(pool, HEADS, HEAD_DIM, HEAD_DIM, device="cuda") * 0.1,
+            slots if spec else slots[:, 0], HEAD_DIM ** -0.5, CONFIG.get("kda_lower_bound", -5.0),
+            torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * window if spec else None,
+            torch.full((seqs,), window - 1, device="cuda", dtype=torch.int32) if spec else None))
+    return calls
+
+
+def step_bytes(seqs: int, window: int) -> int:
+    proj = HEADS * HEAD_DIM
+    state = HEADS * HEAD_DIM * HEAD_DIM * 4
+    states = seqs * state * (1 + window)  # read once, written per position (plain: once)
+    conv = seqs * 3 * proj * 2 * ((WIDTH - 1) + (WIDTH - 2 + window))
+    rows = seqs * window * (3 * proj * 2 + proj * 2 + HEADS * 2 + proj * 2)  # qkv, f, beta logits in; output
+    return states + conv + rows
+
+
+def vllm_step(call: KdaDecodeCall):
+    """vLLM's kernels for ``call`` as the fused-conv layer runs them (None without vLLM)."""
+    try:
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+        from vllm.third_party.flash_linear_attention.ops.kda import (fused_kda_gate, fused_recurrent_kda,
+                                                                      fused_recurrent_kda_fwd)
+    except Exception:  # noqa: BLE001 - kernel-only device bundles carry no vLLM
+        return None
+    n = call.x.shape[0]
+    out = torch.empty_like(call.x)
+    cu_plain = torch.arange(n + 1, device="cuda", dtype=torch.int32)
+
+    def run():
+        if call.spec:
+            y = causal_conv1d_update(call.x, call.conv_state, call.conv_weight, None, activation="silu",
+                                     conv_state_indices=call.slots[:, 0], num_accepted_tokens=call.accepted,
+                                     query_start_loc=call.cu_seqlens, max_query_len=call.slots.shape[1],
+                                     validate_data=False, out=out)
+        else:
+            y = causal_conv1d_update(call.x, call.conv_state, call.conv_weight, None, activation="silu",
+                                     conv_state_indices=call.slots, validate_data=False, out=out)
+        q, k, v = (t.unflatten(-1, (HEADS, HEAD_DIM)).unsqueeze(0) for t in y.split(HEADS * HEAD_DIM, dim=-1))
+        g = fused_kda_gate(call.f.contiguous(), call.A_log, HEAD_DIM, g_bias=call.dt_bias,
+                           lower_bound=call.lower_bound).unsqueeze(0)
+        beta = call.beta_logits.float().sigmoid().unsqueeze(0)
+        if call.spec:
+            fused_recurrent_kda_fwd(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g, beta=beta,
+                                    scale=call.scale, initial_state=call.state, inplace_final_state=True,
+                                    cu_seqlens=call.cu_seqlens, ssm_state_indices=call.slots,
+                                    num_accepted_tokens=call.accepted, use_qk_l2norm_in_kernel=True)
+        else:
+            fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=call.scale, initial_state=call.state,
+                                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_plain, ssm_state_indices=call.slots)
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="1x1,2x1,4x1,8x1,1x4,2x4", help="sequences x window tokens")
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    bw, how = copy_bandwidth_gbs()
+    rows = []
+    for case in args.cases.split(","):
+        seqs, window = (int(v) for v in case.split("x"))
+        calls = layer_calls(seqs, window)
+        outs = [torch.empty(seqs * window, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in calls]
+        nbytes = step_bytes(seqs, window)
+        timed = {}
+        for block_v, warps in CONFIGS:
+            timed[(block_v, warps)] = stacked_time_us(
+                [lambda c=c, o=o, b=block_v, w=warps: kda_decode(c, o, block_v=b, num_warps=w)
+                 for c, o in zip(calls, outs)], args.iters)
+        theirs = [vllm_step(dataclasses.replace(c)) for c in calls]
+        their_us = None if theirs[0] is None else stacked_time_us(theirs, args.iters)
+        best = min(timed, key=timed.get)
+        rows.append((seqs, window, nbytes, timed, best, their_us))
+        print(f"{case}: best {best} {timed[best]:.2f} us, vLLM {their_us} us", file=sys.stderr)
+    header = " | ".join(f"ours bv{b} w{w} (us)" for b, w in CONFIGS)
+    lines = [f"# A KDA layer's decode step ({torch.cuda.get_device_name()})", "",
+             f"{HEADS} heads of {HEAD_DIM}, conv width {WIDTH}, safe gate; verify windows of {NUM_SPEC + 1} tokens "
+             f"resume after {NUM_SPEC} accepted. CUDA-graph medians ({args.iters} replays) of {LAYERS} distinct layers "
+             f"(own pools each), us per layer. Copy bandwidth in this run: {bw:,.0f} GB/s ({how}).", "",
+             f"| sequences x tokens | bytes | {header} | best ours (us) | fraction of copy BW (best) "
+             "| vLLM's three kernels (us) | vLLM / best ours |",
+             "|---|---|" + "---|" * len(CONFIGS) + "---|---|---|---|"]
+    for seqs, window, nbytes, timed, best, their_us in rows:
+        cells = " | ".join(f"{timed[c]:.2f}" for c in CONFIGS)
+        frac = nbytes / (timed[best] * 1e-6) / (bw * 1e9)
+        ratio = f"{their_us / timed[best]:.2f}x" if their_us else "-"
+        lines.append(f"| {seqs} x {window} | {nbytes:,} | {cells} | {timed[best]:.2f} (bv{best[0]} w{best[1]}) "
+                     f"| {frac:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

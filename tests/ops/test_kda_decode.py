@@ -1,0 +1,155 @@
+"""The one-launch KDA decode kernel (vllm_ling.ops.kda_decode): on CPU under Triton's interpreter
+against the plain-PyTorch functions of vllm_ling.ops.kda (the known answer the server runs), with
+faults it must catch and the shapes it refuses; on the GPU (``gpu`` marker) compiled, at Ling's
+shape, against the known answer and against vLLM's own three kernels (conv update, fused_kda_gate,
+fused_recurrent_kda) on the same inputs. The GPU tests run in the lease's ``cuts`` phase
+(scripts/h200_session.sh): ``python -m pytest -m gpu tests/ops/test_kda_decode.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from vllm_ling.ops.kda_decode import KdaDecodeCall, kda_decode
+from vllm_ling.ops.known_answer.kda_decode import KDA_DECODE_RTOL, check_kda_decode, decode_calls, reference
+
+
+@pytest.mark.parametrize("lower_bound,block_v", [(-5.0, 16), (None, 32)])
+def test_interpreted_kernel_passes_the_known_answer(interpreted_kda_decode, lower_bound, block_v):
+    """Both gates (Ling's safe gate and softplus), the value channels in one and in two blocks."""
+    result = check_kda_decode(lambda call, out: kda_decode(call, out, block_v=block_v), "interpreted", heads=2,
+                              head_dim=32, lower_bound=lower_bound)
+    assert result.passed, result.failing_inputs
+    assert result.cases == 6 and result.max_error < KDA_DECODE_RTOL / 4
+
+
+def _faulty(fault):
+    def launch(call: KdaDecodeCall, out: torch.Tensor) -> torch.Tensor:
+        return kda_decode(fault(call), out, block_v=16)
+    return launch
+
+
+FAULTS = {
+    # a kernel resuming every verify window after one accepted token (conv history and state slot)
+    "accepted ignored": lambda c: dataclasses.replace(c, accepted=None if c.accepted is None
+                                                      else torch.ones_like(c.accepted)),
+    # the gate of another formula: softplus where Ling's safe gate serves
+    "wrong gate": lambda c: dataclasses.replace(c, lower_bound=None),
+    # heads' decay rates exchanged
+    "heads' A_log swapped": lambda c: dataclasses.replace(c, A_log=c.A_log.flip(0)),
+    # q unscaled
+    "scale 1": lambda c: dataclasses.replace(c, scale=1.0),
+    # the conv weight's taps in the other order
+    "taps reversed": lambda c: dataclasses.replace(c, conv_weight=c.conv_weight.flip(1).contiguous()),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_the_known_answer_fails_a_faulty_step(interpreted_kda_decode, fault):
+    result = check_kda_decode(_faulty(FAULTS[fault]), "faulty", heads=2, head_dim=32, lower_bound=-5.0)
+    assert not result.passed and result.max_error > 10 * KDA_DECODE_RTOL, (fault, result.max_error)
+    assert not any("raised" in f for f in result.failing_inputs), result.failing_inputs  # wrong numbers, not a crash
+
+
+def test_padded_sequences_get_zero_rows_and_leave_every_state_alone(interpreted_kda_decode):
+    call = decode_calls(2, 32, 4, 3, -5.0)["decode (3 sequences, the second padded)"]
+    conv_state, state = call.conv_state.clone(), call.state.clone()
+    served = dataclasses.replace(call, conv_state=conv_state, state=state,
+                                 slots=torch.zeros_like(call.slots))  # every sequence padded
+    out = torch.full((3, 2, 32), float("nan"), dtype=torch.bfloat16)
+    kda_decode(served, out)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(conv_state, call.conv_state) and torch.equal(state, call.state)
+
+
+def test_the_answer_itself_moves_the_state_it_should():
+    """The reference writes exactly the slots named (plain: each sequence's; verify: one per position),
+    nothing else, and resumes a window after its accepted prefix (two accepted counts differ)."""
+    calls = decode_calls(2, 32, 4, 3, -5.0)
+    plain = calls["decode (3 sequences, the second padded)"]
+    _, conv_state, state = reference(plain)
+    changed = {int(s) for s in range(state.shape[0]) if not torch.equal(state[s], plain.state[s])}
+    assert changed == {3, 4}
+    verify = next(c for name, c in calls.items() if name.startswith("verify"))
+    _, _, state = reference(verify)
+    changed = {int(s) for s in range(state.shape[0]) if not torch.equal(state[s], verify.state[s])}
+    assert changed == set(verify.slots.flatten().tolist())
+    other = dataclasses.replace(verify, accepted=verify.accepted.flip(0))
+    assert not torch.allclose(reference(other)[0].float(), reference(verify)[0].float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda c: dataclasses.replace(c, x=c.x.float()), "BF16 activations only"),
+    (lambda c: dataclasses.replace(c, conv_weight=c.conv_weight.t().contiguous().t()), "contiguous"),
+    (lambda c: dataclasses.replace(c, conv_state=c.conv_state[..., :1]), "conv state of 1 columns"),
+    (lambda c: dataclasses.replace(c, accepted=None), "needs cu_seqlens and accepted"),
+])
+def test_the_launcher_refuses_what_the_kernel_cannot_take(change, words):
+    call = next(c for name, c in decode_calls(2, 32, 4, 3, -5.0).items() if name.startswith("verify"))
+    with pytest.raises(ValueError, match=words):
+        kda_decode(change(call), torch.empty((8, 2, 32), dtype=torch.bfloat16))
+
+
+# ---- on the GPU
+
+
+def _vllm_step(call: KdaDecodeCall, heads: int, head_dim: int) -> torch.Tensor:
+    """vLLM 0.32's decode kernels on the same inputs (the pools of ``call`` in place), as its KDA
+    forward calls them: the conv update over the three blocks, fused_kda_gate, sigmoid, the recurrence."""
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+    from vllm.third_party.flash_linear_attention.ops.kda import (fused_kda_gate, fused_recurrent_kda,
+                                                                  fused_recurrent_kda_fwd)
+
+    n = call.x.shape[0]
+    if call.spec:
+        y = causal_conv1d_update(call.x, call.conv_state, call.conv_weight, None, activation="silu",
+                                 conv_state_indices=call.slots[:, 0], num_accepted_tokens=call.accepted,
+                                 query_start_loc=call.cu_seqlens, max_query_len=call.slots.shape[1],
+                                 validate_data=False, out=torch.empty_like(call.x))
+    else:
+        y = causal_conv1d_update(call.x, call.conv_state, call.conv_weight, None, activation="silu",
+                                 conv_state_indices=call.slots, validate_data=True, out=torch.empty_like(call.x))
+    q, k, v = (t.reshape(1, n, heads, head_dim).contiguous() for t in y.split(heads * head_dim, dim=-1))
+    g = fused_kda_gate(call.f.contiguous(), call.A_log, head_dim, g_bias=call.dt_bias,
+                       lower_bound=call.lower_bound).unsqueeze(0)
+    beta = call.beta_logits.float().sigmoid().unsqueeze(0)
+    if call.spec:
+        out, _ = fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=call.scale, initial_state=call.state,
+                                         inplace_final_state=True, cu_seqlens=call.cu_seqlens, ssm_state_indices=call.slots,
+                                         num_accepted_tokens=call.accepted, use_qk_l2norm_in_kernel=True)
+    else:
+        out, _ = fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=call.scale, initial_state=call.state,
+                                     use_qk_l2norm_in_kernel=True, cu_seqlens=torch.arange(n + 1, device=q.device,
+                                                                                           dtype=torch.int32),
+                                     ssm_state_indices=call.slots)
+    return out[0]
+
+
+def _on(call: KdaDecodeCall, device: str) -> KdaDecodeCall:
+    return KdaDecodeCall(**{f.name: (v.clone().to(device) if torch.is_tensor(v := getattr(call, f.name)) else v)
+                            for f in dataclasses.fields(call)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,head_dim", [(32, 128), (16, 64)])  # Ling-3.0-flash at TP=1; the tiny model
+def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head_dim):
+    result = check_kda_decode(kda_decode, "compiled", heads, head_dim, lower_bound=-5.0, device="cuda")
+    assert result.passed, result.failing_inputs
+    for name, call in decode_calls(heads, head_dim, 4, 3, -5.0, seed=1).items():
+        ours, theirs = _on(call, "cuda"), _on(call, "cuda")
+        out = torch.zeros((call.x.shape[0], heads, head_dim), dtype=torch.bfloat16, device="cuda")
+        kda_decode(ours, out)
+        want = _vllm_step(theirs, heads, head_dim)
+        live = (ours.slots[:, 0] if ours.spec else ours.slots) > 0  # vLLM leaves a padded row unwritten
+        rows = live.repeat_interleave(call.x.shape[0] // live.numel()) if ours.spec else live
+        err = (out[rows].float() - want[rows].float()).norm(dim=-1) / want[rows].float().norm(dim=-1)
+        assert float(err.max()) < KDA_DECODE_RTOL, (name, float(err.max()))
+        assert torch.equal(ours.conv_state, theirs.conv_state), name
+        written = torch.zeros(ours.state.shape[0], dtype=torch.bool, device="cuda")
+        written[ours.slots.long().flatten()] = True
+        written[0] = False
+        state_err = ((ours.state - theirs.state)[written].norm(dim=(-1, -2))
+                     / theirs.state[written].norm(dim=(-1, -2)))
+        assert float(state_err.max()) < KDA_DECODE_RTOL, (name, float(state_err.max()))

@@ -1,0 +1,122 @@
+"""One Triton launch for a KDA layer's decode step: short convolutions, gate, beta, L2 norms and the
+delta-rule recurrence, for plain decodes and for speculative verify windows; no vLLM import.
+
+vLLM 0.32 runs a KDA layer's decode as three kernels after the in-projection (the real H100 step,
+``benchmarks/results/step_profile_real_h100.md``, fourth reading): the fused causal conv over q, k, v
+(2.6 us), flash-linear-attention's ``kda_gate_fwd_kernel`` (3.3 us) and its recurrence (4.2 us), for a
+state read and written once (2 MB per layer at Ling's 32 heads of 128 x 128 fp32: 1.3 us at the copy
+bandwidth). Here one program per (head, sequence) does all of it: every quantity the recurrence needs
+for a head (q, k, the gate over the head's 128 key channels) is computed from the layer's raw inputs
+in the program that uses it, so nothing goes through memory between the steps, and each program owns
+its head's conv channels and state rows, so it reads them before it writes them without a race. The
+value channels are taken ``block_v`` at a time (the state tile of one step is [block_v, head_dim]).
+
+Semantics are vLLM's kernels', which :mod:`vllm_ling.ops.kda` restates in plain PyTorch (the tests
+compare against those references):
+
+* conv (``causal_conv1d_update``): the window is the conv state's ``W - 1`` columns from ``accepted - 1``
+  (0 for a plain decode) followed by the sequence's new tokens; output ``silu(sum w * window)`` rounded
+  to the input dtype; the state afterwards holds the window without its oldest column
+  (``W - 2 + tokens`` columns), so a verify window can resume after any accepted prefix;
+* gate (``fused_kda_gate``): ``lower_bound * sigmoid(exp(A_log) * (f + dt_bias))`` (safe gate) or
+  ``-exp(A_log) * softplus(f + dt_bias)``; beta ``sigmoid`` of the raw logits;
+* recurrence (``fused_recurrent_kda``): q, k L2-normalised (eps inside the sqrt), q scaled; per token
+  ``S <- S * exp(g); u = beta (v - S k); S <- S + u k^T; o = S q`` with ``S`` [V, K] per head; a plain
+  decode starts from and ends in ``slots[n]``, a verify window starts from ``slots[n, accepted - 1]``
+  and leaves the state after its t-th token in ``slots[n, t]``.
+
+A sequence whose slot is vLLM's null block (index <= 0: CUDA-graph padding) gets zero output and
+leaves every state alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+L2NORM_EPS = 1e-6  # flash-linear-attention's (inside the sqrt), as vllm_ling.ops.kda
+SOFTPLUS_THRESHOLD = 20.0  # fused_kda_gate's default: softplus is linear above it
+DEFAULT_BLOCK_V = 32
+DEFAULT_NUM_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class KdaDecodeCall:
+    """One layer's decode step as the layer makes it (tensors on one device).
+
+    ``x`` [T, >= 3 P]: the conv inputs q | k | v (a view inside the in-projection row); ``f`` [T, >= P]
+    the raw gate; ``beta_logits`` [T, >= H]; ``conv_weight`` [3 P, W]; ``conv_state`` [slots, 3 P, L]
+    (updated in place); ``A_log`` (H values), ``dt_bias`` [P] or None; ``state`` [slots, H, V, K]
+    (updated in place); ``slots`` [N] (plain decode, one token per sequence) or [N, S] with
+    ``cu_seqlens`` [N + 1] and ``accepted`` [N] (verify windows of at most S tokens)."""
+
+    x: torch.Tensor
+    f: torch.Tensor
+    beta_logits: torch.Tensor
+    conv_weight: torch.Tensor
+    conv_state: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor | None
+    state: torch.Tensor
+    slots: torch.Tensor
+    scale: float
+    lower_bound: float | None = None
+    cu_seqlens: torch.Tensor | None = None
+    accepted: torch.Tensor | None = None
+
+    @property
+    def spec(self) -> bool:
+        return self.slots.dim() == 2
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int = DEFAULT_BLOCK_V,
+               num_warps: int = DEFAULT_NUM_WARPS) -> torch.Tensor:
+    """Run the step into ``out`` [T, H, V] (rows of null-block sequences zeroed; rows past the
+    sequences' tokens untouched); the conv state and the state pool in place. Returns ``out``."""
+    heads = call.A_log.numel()
+    width = call.conv_weight.shape[1]
+    head_dim = call.state.shape[-1]
+    proj = heads * head_dim
+    if call.conv_weight.shape[0] != 3 * proj or call.conv_weight.stride(1) != 1 or call.conv_weight.stride(0) != width:
+        raise ValueError(f"conv weight {tuple(call.conv_weight.shape)} is not a contiguous [3 x {proj}, W]")
+    if call.state.shape[-2] != head_dim or head_dim % block_v or head_dim & (head_dim - 1):
+        raise ValueError(f"state {tuple(call.state.shape)}: needs square power-of-2 heads divisible by {block_v}")
+    if out.stride(-1) != 1 or call.x.stride(-1) != 1 or call.f.stride(-1) != 1:
+        raise ValueError("x, f and out need unit-stride rows")
+    if call.x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+        raise ValueError(f"BF16 activations only (x {call.x.dtype}, out {out.dtype}): the kernel rounds as BF16 stores")
+    if call.spec:
+        if call.cu_seqlens is None or call.accepted is None:
+            raise ValueError("a verify window needs cu_seqlens and accepted")
+        num_seqs, max_t = call.slots.shape[0], call.slots.shape[1]
+        cu, acc = call.cu_seqlens, call.accepted
+        stride_n, stride_t = call.slots.stride()
+    else:
+        num_seqs, max_t = call.slots.shape[0], 1
+        cu = acc = call.slots  # unread
+        stride_n, stride_t = call.slots.stride(0), 0
+    if num_seqs == 0:
+        return out
+    if width < 2 or call.conv_state.shape[-1] < width - 2 + max_t:
+        raise ValueError(f"conv state of {call.conv_state.shape[-1]} columns for width {width} and "
+                         f"{max_t}-token windows")
+    max_pow2 = _next_pow2(max_t)
+    from vllm_ling.ops.kda_decode_kernel import kda_decode_kernel
+
+    kda_decode_kernel[(heads, num_seqs)](
+        call.x, call.x.stride(0), call.f, call.f.stride(0), call.beta_logits, call.beta_logits.stride(0),
+        call.conv_weight, call.conv_state, *call.conv_state.stride(),
+        call.A_log, call.dt_bias if call.dt_bias is not None else call.A_log,
+        call.state, *call.state.stride(), call.slots, stride_n, stride_t, cu, acc,
+        out, out.stride(0), out.stride(1),
+        float(call.scale), float(call.lower_bound or 0.0), L2NORM_EPS, proj,
+        D=head_dim, W=width, MAX_T=max_pow2, WIN=_next_pow2(width - 1 + max_pow2),
+        LP=_next_pow2(width - 2 + max_pow2), BV=block_v, SPEC=call.spec,
+        SAFE_GATE=call.lower_bound is not None, HAS_BIAS=call.dt_bias is not None,
+        THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=num_warps)
+    return out

@@ -1,0 +1,146 @@
+"""The Triton kernel of :mod:`vllm_ling.ops.kda_decode` (imported only where it launches: Triton
+is a GPU dependency; the CPU tests run it under ``TRITON_INTERPRET=1``).
+
+Sums, sigmoids and zeros are written with ``tl.reduce``, ``tl.exp`` and ``tl.full`` rather than
+``tl.sum``, ``tl.sigmoid`` and ``tl.zeros``: those are jitted functions of Triton's standard library,
+which the interpreter cannot run when Triton was imported before ``TRITON_INTERPRET`` was set (vLLM
+imports it first in the tests). ``tl.reduce`` with the standard library's own sum combiner is what
+``tl.sum`` compiles to, and what the interpreter sums with numpy."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _round_bf16(v):
+    """float32 ``v`` rounded to the nearest BF16 value, ties to even (finite values), as float32: the
+    rounding of vLLM's BF16 stores, written out because Triton's interpreter truncates its casts."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
+                 chans, conv_slot, offset, bos, seqlen,
+                 W: tl.constexpr, MAX_T: tl.constexpr, WIN: tl.constexpr, LP: tl.constexpr,
+                 NC: tl.constexpr):
+    """The conv over ``chans`` [NC] for the window's tokens -> (outputs [MAX_T, NC] float32 after
+    silu, rounded to the input dtype; rows past ``seqlen`` zero), with the channels' conv state
+    moved on (read before written: the program owns these channels)."""
+    r = tl.arange(0, WIN)[:, None]
+    c = chans[None, :]
+    hist = r < W - 1
+    new = (r >= W - 1) & (r < W - 1 + seqlen)
+    base = conv_state + conv_slot * stride_cs + c * stride_cc
+    window = tl.where(hist, tl.load(base + (offset + r) * stride_cl, mask=hist, other=0.0),
+                      tl.load(x + (bos + tl.maximum(r - (W - 1), 0)) * stride_x + c, mask=new, other=0.0))
+    window = window.to(tl.float32)
+    # out[t, c] = sum_r window[r, c] * w[c, r - t] for 0 <= r - t < W
+    t3 = tl.arange(0, MAX_T)[:, None, None]
+    r3 = tl.arange(0, WIN)[None, :, None]
+    c3 = chans[None, None, :]
+    tap = r3 - t3
+    w3 = tl.load(conv_w + c3 * W + tap, mask=(tap >= 0) & (tap < W), other=0.0).to(tl.float32)
+    acc = _sum(window[None, :, :] * w3, axis=1)
+    out = acc * _sigmoid(acc)
+    out = _round_bf16(out)  # what vLLM's conv stores (BF16 activations) and its recurrence loads
+    rows = tl.arange(0, MAX_T)[:, None]
+    out = tl.where(rows < seqlen, out, 0.0)
+    # the state after: window rows 1 .. W - 2 + seqlen (the oldest dropped), to columns 0 ..
+    j = tl.arange(0, LP)[:, None]
+    keep = j < W - 2 + seqlen
+    from_hist = j < W - 2
+    moved = tl.where(from_hist, tl.load(base + (offset + j + 1) * stride_cl, mask=keep & from_hist, other=0.0),
+                     tl.load(x + (bos + tl.maximum(j - (W - 2), 0)) * stride_x + c, mask=keep & (j >= W - 2),
+                             other=0.0))
+    tl.debug_barrier()  # every load of this state above before the store below
+    tl.store(base + j * stride_cl, moved, mask=keep)
+    return out
+
+
+@triton.jit
+def _row(tile, t, MAX_T: tl.constexpr):
+    rows = tl.arange(0, MAX_T)[:, None]
+    return _sum(tl.where(rows == t, tile, 0.0), axis=0)
+
+
+@triton.jit
+def kda_decode_kernel(
+        x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
+        A_log, dt_bias, state, stride_ss, stride_sh, stride_sv, stride_sk,
+        slots, stride_slot_n, stride_slot_t, cu_seqlens, accepted, o, stride_ot, stride_oh,
+        scale, lower_bound, eps, P,
+        D: tl.constexpr, W: tl.constexpr, MAX_T: tl.constexpr, WIN: tl.constexpr, LP: tl.constexpr,
+        BV: tl.constexpr, SPEC: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        THRESHOLD: tl.constexpr):
+    h = tl.program_id(0)
+    n = tl.program_id(1)
+    if SPEC:
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        seqlen = tl.load(cu_seqlens + n + 1).to(tl.int64) - bos
+        offset = tl.load(accepted + n).to(tl.int64) - 1
+        start = tl.load(slots + n * stride_slot_n + offset * stride_slot_t).to(tl.int64)
+        conv_slot = tl.load(slots + n * stride_slot_n).to(tl.int64)
+    else:
+        bos = n.to(tl.int64)
+        seqlen = bos * 0 + 1
+        offset = bos * 0
+        start = tl.load(slots + n * stride_slot_n).to(tl.int64)
+        conv_slot = start
+    d = tl.arange(0, D)
+    rows = tl.arange(0, MAX_T)[:, None]
+    if (start <= 0) | (conv_slot <= 0):  # vLLM's null block: padding; zero output, no state touched
+        for t in tl.static_range(MAX_T):
+            tl.store(o + (bos + t) * stride_ot + h * stride_oh + d, tl.full([D], 0.0, tl.float32).to(o.dtype.element_ty),
+                     mask=(d < D) & (d * 0 + seqlen > t))
+        return
+    q = _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, h * D + d,
+                     conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP, D)
+    k = _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d,
+                     conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP, D)
+    q = q / tl.sqrt(_sum(q * q, axis=1)[:, None] + eps) * scale
+    k = k / tl.sqrt(_sum(k * k, axis=1)[:, None] + eps)
+    live = rows < seqlen
+    raw = tl.load(f + (bos + rows) * stride_f + h * D + d[None, :], mask=live, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw += tl.load(dt_bias + h * D + d).to(tl.float32)[None, :]
+    a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    if SAFE_GATE:
+        g = lower_bound * _sigmoid(a * raw)
+    else:
+        g = -a * tl.where(raw > THRESHOLD, raw, tl.log(1.0 + tl.exp(raw)))
+    g = tl.where(live, g, 0.0)  # past the window: no decay, k = 0, so the state stays
+    t1 = tl.arange(0, MAX_T)
+    beta = _sigmoid(tl.load(b + (bos + t1) * stride_b + h, mask=t1 < seqlen, other=0.0).to(tl.float32))
+    for j in tl.static_range(D // BV):
+        vd = j * BV + tl.arange(0, BV)
+        v = _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd,
+                         conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP, BV)
+        tile = vd[:, None] * stride_sv + d[None, :] * stride_sk
+        S = tl.load(state + start * stride_ss + h * stride_sh + tile).to(tl.float32)
+        for t in tl.static_range(MAX_T):
+            kt = _row(k, t, MAX_T)
+            S = S * tl.exp(_row(g, t, MAX_T))[None, :]
+            u = _sum(tl.where(t1 == t, beta, 0.0), axis=0) * (_row(v, t, MAX_T) - _sum(S * kt[None, :], axis=1))
+            S = S + u[:, None] * kt[None, :]
+            out = _sum(S * _row(q, t, MAX_T)[None, :], axis=1)
+            tl.store(o + (bos + t) * stride_ot + h * stride_oh + vd, _round_bf16(out).to(o.dtype.element_ty), mask=(vd < D) & (vd * 0 + seqlen > t))
+            if SPEC:
+                dst = tl.load(slots + n * stride_slot_n + tl.minimum(seqlen - 1, t) * stride_slot_t).to(tl.int64)
+                dst = tl.where(seqlen > t, dst, 0)
+                tl.store(state + dst * stride_ss + h * stride_sh + tile, S.to(state.dtype.element_ty),
+                         mask=tile * 0 + dst > 0)
+        if not SPEC:
+            tl.store(state + start * stride_ss + h * stride_sh + tile, S.to(state.dtype.element_ty))
+
