@@ -617,6 +617,7 @@ def _vllm_kernel_standins(monkeypatch) -> list[int]:
     conv update writes its output into ``out``, else into its input, as vLLM's does). Returns the
     channel count of every conv launch."""
     from vllm.model_executor.models import bailing_moe_v3
+    from vllm.third_party.flash_linear_attention.ops import kda as fla_kda
 
     from vllm_ling.ops import kda as kda_ops
 
@@ -649,10 +650,16 @@ def _vllm_kernel_standins(monkeypatch) -> list[int]:
                                          q.shape[-1] ** -0.5)
         return out.unsqueeze(0), final.to(initial_state.dtype)
 
+    def chunked_fused_gate(q, k, v, raw_g, beta, A_log, g_bias, initial_state, output_final_state, lower_bound,
+                           cu_seqlens, **_):  # the gate inside the chunk cumsum: vLLM's Kimi path (fla module)
+        g = kda_ops.kda_gate(raw_g[0].flatten(-2), A_log, g_bias, lower_bound=lower_bound)
+        return chunked(q, k, v, g.unsqueeze(0), beta, initial_state, output_final_state, cu_seqlens)
+
     for name, fn in (("causal_conv1d_update", conv), ("fused_recurrent_kda", recurrent),
                      ("fused_recurrent_kda_fwd", recurrent), ("fused_kda_gate", _gate_standin),
                      ("causal_conv1d_fn", conv_fn), ("chunk_kda", chunked)):
         monkeypatch.setattr(bailing_moe_v3, name, fn)
+    monkeypatch.setattr(fla_kda, "chunk_kda_with_fused_gate", chunked_fused_gate)
     return launches
 
 

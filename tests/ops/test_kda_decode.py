@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from vllm_ling.ops.kda_decode import KdaDecodeCall, kda_decode
+from vllm_ling.ops.kda_decode import KdaDecodeCall, kda_decode, launch_config
 from vllm_ling.ops.known_answer.kda_decode import KDA_DECODE_RTOL, check_kda_decode, decode_calls, reference
 
 
@@ -62,6 +62,14 @@ def test_padded_sequences_get_zero_rows_and_leave_every_state_alone(interpreted_
     kda_decode(served, out)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(conv_state, call.conv_state) and torch.equal(state, call.state)
+
+
+def test_the_launch_configuration_follows_the_batch_and_fits_the_head():
+    """The measured choice (benchmarks/results/kda_decode_h100.md): a head's whole state per step for small
+    batches, 64 value channels above; never wider than the head."""
+    assert launch_config(1, False, 128) == (128, 8) and launch_config(8, False, 128) == (64, 8)
+    assert launch_config(2, True, 128) == (128, 16) and launch_config(3, True, 128) == (64, 8)
+    assert launch_config(1, False, 64) == (64, 8) and launch_config(1, True, 32) == (32, 16)
 
 
 def test_the_answer_itself_moves_the_state_it_should():
@@ -137,6 +145,12 @@ def _on(call: KdaDecodeCall, device: str) -> KdaDecodeCall:
 def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head_dim):
     result = check_kda_decode(kda_decode, "compiled", heads, head_dim, lower_bound=-5.0, device="cuda")
     assert result.passed, result.failing_inputs
+    # every configuration launch_config hands out, on both steps (the check above: the ones its batches get)
+    configs = {launch_config(n, spec, head_dim) for n in (1, 2, 3, 4, 5, 8, 64) for spec in (False, True)}
+    for block_v, warps in configs:
+        result = check_kda_decode(lambda c, o: kda_decode(c, o, block_v=block_v, num_warps=warps),
+                                  f"bv{block_v} w{warps}", heads, head_dim, lower_bound=-5.0, device="cuda")
+        assert result.passed, (block_v, warps, result.failing_inputs)
     for name, call in decode_calls(heads, head_dim, 4, 3, -5.0, seed=1).items():
         ours, theirs = _on(call, "cuda"), _on(call, "cuda")
         out = torch.zeros((call.x.shape[0], heads, head_dim), dtype=torch.bfloat16, device="cuda")

@@ -23,7 +23,7 @@ from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.kda_decode import DECODE_DESCRIPTION, OPTION, KdaDecode, select_kda_decode
 from vllm_ling.models.kda_fused_conv import WEIGHT_ATTR
 from vllm_ling.models.layer_kinds import is_kda_module, kda_layers
-from vllm_ling.ops.kda_decode import DEFAULT_BLOCK_V, KdaDecodeCall, kda_decode
+from vllm_ling.ops.kda_decode import MIN_BLOCK_V, KdaDecodeCall, kda_decode
 from vllm_ling.options import LingOptions, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record
 
@@ -37,8 +37,8 @@ def kernel_problems(layer) -> list[str]:
     """Why the kernel cannot serve the layer (empty when it can), from what vLLM built."""
     problems = []
     head_dim = getattr(layer, "head_dim", 0)
-    if head_dim < DEFAULT_BLOCK_V or head_dim & (head_dim - 1):
-        problems.append(f"head_dim {head_dim} is not a power of 2 of at least {DEFAULT_BLOCK_V}")
+    if head_dim < MIN_BLOCK_V or head_dim & (head_dim - 1):
+        problems.append(f"head_dim {head_dim} is not a power of 2 of at least {MIN_BLOCK_V}")
     conv = getattr(layer, "q_conv1d", None)
     if conv is None or conv.weight.shape[-1] < 2:
         problems.append("the layer has no causal conv of width 2 or more")

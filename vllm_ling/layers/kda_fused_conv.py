@@ -206,19 +206,28 @@ def kda_attention(layer, qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.
         kda_decode.step(layer, md, x, f, beta_logits, conv_state, recurrent_state, weight, core_attn_out[0, :n],
                         verify=verify_only)
         return
-    g1, beta = _gate_and_beta(layer, f, beta_logits)
     if with_prefill:  # vLLM's chunked path, which takes the batch's decodes along (has_initial_state True)
+        from vllm.third_party.flash_linear_attention.ops import kda as fla_kda
+
         slots, cu, initial = md.non_spec_state_indices_tensor, md.non_spec_query_start_loc, md.has_initial_state
         x = conv_prefill(ConvCall(x, conv_state, weight, slots, cu_seqlens=cu, initial=initial, metadata=md))
         q, k, v = (t.contiguous() for t in _heads(layer, x))
         # a new sequence starts from zeros: selected, not zeroed in the pool through a mask index (a sync);
         # its pool row is overwritten with its final state below either way
         start = torch.where(initial[:, None, None, None], recurrent_state[slots], 0)
-        out, final = vllm_model.chunk_kda(
-            q=q, k=k, v=v, g=g1, beta=beta, initial_state=start, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, safe_gate=layer.safe_gate, lower_bound=layer.lower_bound, cu_seqlens=cu)
+        # the gate inside the chunk cumsum (vLLM's Kimi path, looked up on the module at call time): the
+        # gate formula of fused_kda_gate without its own launch, which from this eager op would cost a
+        # Python-side Triton launch per layer (lease 2026-12-06g: TTFT +6% at 32K)
+        out, final = fla_kda.chunk_kda_with_fused_gate(
+            q=q, k=k, v=v, raw_g=f.unflatten(-1, (-1, layer.head_dim)).unsqueeze(0),
+            beta=beta_logits.float().sigmoid().unsqueeze(0), A_log=layer.A_log, g_bias=layer.dt_bias,
+            initial_state=start, output_final_state=True, lower_bound=layer.lower_bound if layer.safe_gate else None,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
         recurrent_state[slots] = final
-    elif decode_only:
+        core_attn_out[0, :n].copy_(out[0, :n])
+        return
+    g1, beta = _gate_and_beta(layer, f, beta_logits)
+    if decode_only:
         slots = md.non_spec_state_indices_tensor
         q, k, v = _heads(layer, conv_update(ConvCall(x, conv_state, weight, slots[:n])))
         out, _ = vllm_model.fused_recurrent_kda(

@@ -37,8 +37,19 @@ import torch
 
 L2NORM_EPS = 1e-6  # flash-linear-attention's (inside the sqrt), as vllm_ling.ops.kda
 SOFTPLUS_THRESHOLD = 20.0  # fused_kda_gate's default: softplus is linear above it
-DEFAULT_BLOCK_V = 32
-DEFAULT_NUM_WARPS = 4
+MIN_BLOCK_V = 32  # the smallest value block the launch configurations use
+
+
+def launch_config(num_seqs: int, spec: bool, head_dim: int) -> tuple[int, int]:
+    """(value channels per step, warps) for a batch: the fastest of benchmarks/kda_decode.py's
+    configurations at Ling's shape on the H100 (benchmarks/results/kda_decode_h100.md): the whole
+    128 x 128 state of a head in one step up to 4 plain decodes (8 warps) or 2 verify windows (16),
+    64 channels at a time above, where the batch fills the GPU with programs anyway."""
+    if spec:
+        block_v, warps = (128, 16) if num_seqs <= 2 else (64, 8)
+    else:
+        block_v, warps = (128, 8) if num_seqs <= 4 else (64, 8)
+    return min(block_v, head_dim), warps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +85,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int = DEFAULT_BLOCK_V,
-               num_warps: int = DEFAULT_NUM_WARPS) -> torch.Tensor:
+def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = None,
+               num_warps: int | None = None) -> torch.Tensor:
     """Run the step into ``out`` [T, H, V] (rows of null-block sequences zeroed; rows past the
-    sequences' tokens untouched); the conv state and the state pool in place. Returns ``out``."""
+    sequences' tokens untouched); the conv state and the state pool in place. Returns ``out``.
+    ``block_v``, ``num_warps``: the launch configuration (default: :func:`launch_config`'s)."""
     heads = call.A_log.numel()
     width = call.conv_weight.shape[1]
     head_dim = call.state.shape[-1]
+    chosen = launch_config(call.slots.shape[0], call.spec, head_dim)
+    block_v, num_warps = block_v or chosen[0], num_warps or chosen[1]
     proj = heads * head_dim
     if call.conv_weight.shape[0] != 3 * proj or call.conv_weight.stride(1) != 1 or call.conv_weight.stride(0) != width:
         raise ValueError(f"conv weight {tuple(call.conv_weight.shape)} is not a contiguous [3 x {proj}, W]")
