@@ -102,9 +102,14 @@ def kda_decode_kernel(
     rows = tl.arange(0, MAX_T)[:, None]
     if (start <= 0) | (conv_slot <= 0):  # vLLM's null block: padding; zero output, no state touched
         for t in tl.static_range(MAX_T):
-            tl.store(o + (bos + t) * stride_ot + h * stride_oh + d, tl.full([D], 0.0, tl.float32).to(o.dtype.element_ty),
-                     mask=(d < D) & (d * 0 + seqlen > t))
+            zeros = tl.full([D], 0.0, tl.float32).to(o.dtype.element_ty)
+            tl.store(o + (bos + t) * stride_ot + h * stride_oh + d, zeros, mask=(d < D) & (d * 0 + seqlen > t))
         return
+    # the first value block's state (the largest read) issued before the convolutions, which it does not
+    # depend on: the compiler cannot move it above their conv-state stores (it cannot tell the pools apart)
+    state_base = state + start * stride_ss + h * stride_sh
+    tile = tl.arange(0, BV)[:, None] * stride_sv + d[None, :] * stride_sk
+    S_next = tl.load(state_base + tile)
     q = _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, h * D + d,
                      conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP, D)
     k = _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d,
@@ -125,22 +130,25 @@ def kda_decode_kernel(
     beta = _sigmoid(tl.load(b + (bos + t1) * stride_b + h, mask=t1 < seqlen, other=0.0).to(tl.float32))
     for j in tl.static_range(D // BV):
         vd = j * BV + tl.arange(0, BV)
+        tile = vd[:, None] * stride_sv + d[None, :] * stride_sk
+        S = S_next.to(tl.float32)
+        if j + 1 < D // BV:  # the next block's state in flight while this block computes
+            S_next = tl.load(state_base + tile + BV * stride_sv)
         v = _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd,
                          conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP, BV)
-        tile = vd[:, None] * stride_sv + d[None, :] * stride_sk
-        S = tl.load(state + start * stride_ss + h * stride_sh + tile).to(tl.float32)
         for t in tl.static_range(MAX_T):
             kt = _row(k, t, MAX_T)
             S = S * tl.exp(_row(g, t, MAX_T))[None, :]
             u = _sum(tl.where(t1 == t, beta, 0.0), axis=0) * (_row(v, t, MAX_T) - _sum(S * kt[None, :], axis=1))
             S = S + u[:, None] * kt[None, :]
             out = _sum(S * _row(q, t, MAX_T)[None, :], axis=1)
-            tl.store(o + (bos + t) * stride_ot + h * stride_oh + vd, _round_bf16(out).to(o.dtype.element_ty), mask=(vd < D) & (vd * 0 + seqlen > t))
+            tl.store(o + (bos + t) * stride_ot + h * stride_oh + vd, _round_bf16(out).to(o.dtype.element_ty),
+                     mask=(vd < D) & (vd * 0 + seqlen > t))
             if SPEC:
                 dst = tl.load(slots + n * stride_slot_n + tl.minimum(seqlen - 1, t) * stride_slot_t).to(tl.int64)
                 dst = tl.where(seqlen > t, dst, 0)
                 tl.store(state + dst * stride_ss + h * stride_sh + tile, S.to(state.dtype.element_ty),
                          mask=tile * 0 + dst > 0)
         if not SPEC:
-            tl.store(state + start * stride_ss + h * stride_sh + tile, S.to(state.dtype.element_ty))
+            tl.store(state_base + tile, S.to(state.dtype.element_ty))
 
