@@ -3,7 +3,8 @@ width 4, safe gate): vllm-ling's one Triton launch (``vllm_ling.ops.kda_decode``
 count tried) against vLLM 0.32's three kernels as the fused-conv layer runs them (the conv update over q, k
 and v in one launch, ``fused_kda_gate``, ``fused_recurrent_kda`` or ``_fwd`` for verify windows), in CUDA
 graphs of 35 distinct layers (a step's KDA layers, each its own state pool: 70 MB of states, more than
-the 60 MB L2), for plain decode batches and MTP verify windows of 4 tokens.
+the 60 MB L2), for plain decode batches and MTP verify windows of 4 tokens. A head runs in one program or
+split over 2 or 4 (each its share of the value channels; more programs at small batches).
 
     python -m benchmarks.kda_decode --out benchmarks/results/kda_decode_h100.md   # on the GPU
 
@@ -31,7 +32,8 @@ CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_
 HEADS, HEAD_DIM, WIDTH = CONFIG["num_attention_heads"], CONFIG["head_dim"], CONFIG["short_conv_kernel_size"]
 LAYERS = 35  # Ling-3.0-flash's KDA layers
 NUM_SPEC = 3
-CONFIGS = [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (128, 16)]  # (block_v, num_warps)
+# (block_v, num_warps, programs per head): one program per head, then a head split over 2 or 4
+CONFIGS = [(32, 4, 1), (64, 8, 1), (128, 8, 1), (128, 16, 1), (32, 4, 4), (32, 8, 4), (64, 4, 2), (64, 8, 2)]
 
 
 def layer_calls(seqs: int, window: int) -> list[KdaDecodeCall]:
@@ -117,16 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         outs = [torch.empty(seqs * window, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in calls]
         nbytes = step_bytes(seqs, window)
         timed = {}
-        for block_v, warps in CONFIGS:
-            timed[(block_v, warps)] = stacked_time_us(
-                [lambda c=c, o=o, b=block_v, w=warps: kda_decode(c, o, block_v=b, num_warps=w)
+        for block_v, warps, split in CONFIGS:
+            timed[(block_v, warps, split)] = stacked_time_us(
+                [lambda c=c, o=o, b=block_v, w=warps, s=split: kda_decode(c, o, block_v=b, num_warps=w, split=s)
                  for c, o in zip(calls, outs)], args.iters)
         theirs = [vllm_step(dataclasses.replace(c)) for c in calls]
         their_us = None if theirs[0] is None else stacked_time_us(theirs, args.iters)
         best = min(timed, key=timed.get)
         rows.append((seqs, window, nbytes, timed, best, their_us))
         print(f"{case}: best {best} {timed[best]:.2f} us, vLLM {their_us} us", file=sys.stderr)
-    header = " | ".join(f"ours bv{b} w{w} (us)" for b, w in CONFIGS)
+    header = " | ".join(f"ours bv{b} w{w}{f' x{s}' if s > 1 else ''} (us)" for b, w, s in CONFIGS)
     lines = [f"# A KDA layer's decode step ({torch.cuda.get_device_name()})", "",
              f"{HEADS} heads of {HEAD_DIM}, conv width {WIDTH}, safe gate; verify windows of {NUM_SPEC + 1} tokens "
              f"resume after {NUM_SPEC} accepted. CUDA-graph medians ({args.iters} replays) of {LAYERS} distinct layers "
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = " | ".join(f"{timed[c]:.2f}" for c in CONFIGS)
         frac = nbytes / (timed[best] * 1e-6) / (bw * 1e9)
         ratio = f"{their_us / timed[best]:.2f}x" if their_us else "-"
-        lines.append(f"| {seqs} x {window} | {nbytes:,} | {cells} | {timed[best]:.2f} (bv{best[0]} w{best[1]}) "
+        named = f"bv{best[0]} w{best[1]} x{best[2]}"
+        lines.append(f"| {seqs} x {window} | {nbytes:,} | {cells} | {timed[best]:.2f} ({named}) "
                      f"| {frac:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -16,13 +16,24 @@ from vllm_ling.ops.kda_decode import KdaDecodeCall, kda_decode, launch_config
 from vllm_ling.ops.known_answer.kda_decode import KDA_DECODE_RTOL, check_kda_decode, decode_calls, reference
 
 
-@pytest.mark.parametrize("lower_bound,block_v", [(-5.0, 16), (None, 32)])
-def test_interpreted_kernel_passes_the_known_answer(interpreted_kda_decode, lower_bound, block_v):
-    """Both gates (Ling's safe gate and softplus), the value channels in one and in two blocks."""
-    result = check_kda_decode(lambda call, out: kda_decode(call, out, block_v=block_v), "interpreted", heads=2,
-                              head_dim=32, lower_bound=lower_bound)
+@pytest.mark.parametrize("lower_bound,block_v,split", [(-5.0, 16, 1), (None, 32, 1), (-5.0, 16, 2)])
+def test_interpreted_kernel_passes_the_known_answer(interpreted_kda_decode, lower_bound, block_v, split):
+    """Both gates (Ling's safe gate and softplus), the value channels in one and in two blocks, and a head
+    split over two programs (the interpreter runs programs one after another, in index order, as the GPU
+    dispatches them: the q/k conv state is written by the last program of a head)."""
+    result = check_kda_decode(lambda call, out: kda_decode(call, out, block_v=block_v, split=split),
+                              "interpreted", heads=2, head_dim=32, lower_bound=lower_bound)
     assert result.passed, result.failing_inputs
     assert result.cases == 6 and result.max_error < KDA_DECODE_RTOL / 4
+
+
+def test_a_split_head_leaves_its_counters_at_zero_for_the_next_step(interpreted_kda_decode):
+    from vllm_ling.ops import kda_decode as K
+
+    call = next(c for name, c in decode_calls(2, 32, 4, 3, -5.0).items() if name.startswith("verify"))
+    kda_decode(call, torch.empty((8, 2, 32), dtype=torch.bfloat16), block_v=16, split=2)
+    counts = K._readers[torch.device("cpu")]
+    assert counts.numel() >= 2 * 2 and int(counts.abs().sum()) == 0
 
 
 def _faulty(fault):
@@ -102,6 +113,8 @@ def test_the_launcher_refuses_what_the_kernel_cannot_take(change, words):
 
 # ---- on the GPU
 
+SPLIT_CONFIGS = [(32, 4, 4), (32, 8, 4), (64, 4, 2), (64, 8, 2)]  # (block_v, warps, programs per head)
+
 
 def _vllm_step(call: KdaDecodeCall, heads: int, head_dim: int) -> torch.Tensor:
     """vLLM 0.32's decode kernels on the same inputs (the pools of ``call`` in place), as its KDA
@@ -125,8 +138,9 @@ def _vllm_step(call: KdaDecodeCall, heads: int, head_dim: int) -> torch.Tensor:
     beta = call.beta_logits.float().sigmoid().unsqueeze(0)
     if call.spec:
         out, _ = fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=call.scale, initial_state=call.state,
-                                         inplace_final_state=True, cu_seqlens=call.cu_seqlens, ssm_state_indices=call.slots,
-                                         num_accepted_tokens=call.accepted, use_qk_l2norm_in_kernel=True)
+                                         inplace_final_state=True, cu_seqlens=call.cu_seqlens,
+                                         ssm_state_indices=call.slots, num_accepted_tokens=call.accepted,
+                                         use_qk_l2norm_in_kernel=True)
     else:
         out, _ = fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=call.scale, initial_state=call.state,
                                      use_qk_l2norm_in_kernel=True, cu_seqlens=torch.arange(n + 1, device=q.device,
@@ -145,12 +159,15 @@ def _on(call: KdaDecodeCall, device: str) -> KdaDecodeCall:
 def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head_dim):
     result = check_kda_decode(kda_decode, "compiled", heads, head_dim, lower_bound=-5.0, device="cuda")
     assert result.passed, result.failing_inputs
-    # every configuration launch_config hands out, on both steps (the check above: the ones its batches get)
-    configs = {launch_config(n, spec, head_dim) for n in (1, 2, 3, 4, 5, 8, 64) for spec in (False, True)}
-    for block_v, warps in configs:
-        result = check_kda_decode(lambda c, o: kda_decode(c, o, block_v=block_v, num_warps=warps),
-                                  f"bv{block_v} w{warps}", heads, head_dim, lower_bound=-5.0, device="cuda")
-        assert result.passed, (block_v, warps, result.failing_inputs)
+    # every configuration launch_config hands out, on both steps (the check above: the ones its batches get),
+    # and the split heads the benchmark measures (its last program waits on the others' counts)
+    configs = {(*launch_config(n, spec, head_dim), 1) for n in (1, 2, 3, 4, 5, 8, 64) for spec in (False, True)}
+    configs |= {(bv, w, s) for bv, w, s in SPLIT_CONFIGS if bv * s <= head_dim}
+    for block_v, warps, split in configs:
+        result = check_kda_decode(lambda c, o: kda_decode(c, o, block_v=block_v, num_warps=warps, split=split),
+                                  f"bv{block_v} w{warps} x{split}", heads, head_dim, lower_bound=-5.0,
+                                  device="cuda")
+        assert result.passed, (block_v, warps, split, result.failing_inputs)
     for name, call in decode_calls(heads, head_dim, 4, 3, -5.0, seed=1).items():
         ours, theirs = _on(call, "cuda"), _on(call, "cuda")
         out = torch.zeros((call.x.shape[0], heads, head_dim), dtype=torch.bfloat16, device="cuda")

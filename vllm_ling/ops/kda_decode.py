@@ -5,11 +5,15 @@ vLLM 0.32 runs a KDA layer's decode as three kernels after the in-projection (th
 ``benchmarks/results/step_profile_real_h100.md``, fourth reading): the fused causal conv over q, k, v
 (2.6 us), flash-linear-attention's ``kda_gate_fwd_kernel`` (3.3 us) and its recurrence (4.2 us), for a
 state read and written once (2 MB per layer at Ling's 32 heads of 128 x 128 fp32: 1.3 us at the copy
-bandwidth). Here one program per (head, sequence) does all of it: every quantity the recurrence needs
+bandwidth). Here the programs of a (head, sequence) do all of it: every quantity the recurrence needs
 for a head (q, k, the gate over the head's 128 key channels) is computed from the layer's raw inputs
-in the program that uses it, so nothing goes through memory between the steps, and each program owns
-its head's conv channels and state rows, so it reads them before it writes them without a race. The
-value channels are taken ``block_v`` at a time (the state tile of one step is [block_v, head_dim]).
+in the program that uses it, so nothing goes through memory between the steps. By default one program
+owns a head's conv channels and state rows, reading each before writing it; with ``split`` programs per
+head each owns 1/split of the value channels (their conv channels and state rows), all of them read the
+head's q and k conv state, and the last one writes it after the others counted themselves done on an
+int32 counter per (sequence, head): blocks are dispatched in index order, so the others are running
+before it waits. The value channels are taken ``block_v`` at a time (a step's state tile is
+[block_v, head_dim]).
 
 Semantics are vLLM's kernels', which :mod:`vllm_ling.ops.kda` restates in plain PyTorch (the tests
 compare against those references):
@@ -85,16 +89,32 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+_readers: dict[torch.device, torch.Tensor] = {}
+
+
+def _reader_counts(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, head), that a split head's last program waits on and
+    zeroes again: kept per device, grown when a larger batch comes (their values are zero between
+    launches, so a CUDA graph captured with one buffer and replayed keeps working)."""
+    buffer = _readers.get(device)
+    if buffer is None or buffer.numel() < count:
+        buffer = _readers[device] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+    return buffer
+
+
 def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = None,
-               num_warps: int | None = None) -> torch.Tensor:
+               num_warps: int | None = None, split: int | None = None) -> torch.Tensor:
     """Run the step into ``out`` [T, H, V] (rows of null-block sequences zeroed; rows past the
     sequences' tokens untouched); the conv state and the state pool in place. Returns ``out``.
-    ``block_v``, ``num_warps``: the launch configuration (default: :func:`launch_config`'s)."""
+    ``block_v``, ``num_warps``, ``split`` (programs per head, each its 1/split of the value channels): the
+    launch configuration (default: :func:`launch_config`'s)."""
     heads = call.A_log.numel()
     width = call.conv_weight.shape[1]
     head_dim = call.state.shape[-1]
     chosen = launch_config(call.slots.shape[0], call.spec, head_dim)
-    block_v, num_warps = block_v or chosen[0], num_warps or chosen[1]
+    block_v, num_warps, split = block_v or chosen[0], num_warps or chosen[1], split or 1
+    if head_dim % (split * block_v):
+        raise ValueError(f"{split} programs of {block_v}-channel blocks do not tile head_dim {head_dim}")
     proj = heads * head_dim
     if call.conv_weight.shape[0] != 3 * proj or call.conv_weight.stride(1) != 1 or call.conv_weight.stride(0) != width:
         raise ValueError(f"conv weight {tuple(call.conv_weight.shape)} is not a contiguous [3 x {proj}, W]")
@@ -122,15 +142,16 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
     max_pow2 = _next_pow2(max_t)
     from vllm_ling.ops.kda_decode_kernel import kda_decode_kernel
 
-    kda_decode_kernel[(heads, num_seqs)](
+    readers = _reader_counts(out.device, num_seqs * heads) if split > 1 else call.slots  # unread unsplit
+    kda_decode_kernel[(split, heads, num_seqs)](
         call.x, call.x.stride(0), call.f, call.f.stride(0), call.beta_logits, call.beta_logits.stride(0),
         call.conv_weight, call.conv_state, *call.conv_state.stride(),
         call.A_log, call.dt_bias if call.dt_bias is not None else call.A_log,
         call.state, *call.state.stride(), call.slots, stride_n, stride_t, cu, acc,
-        out, out.stride(0), out.stride(1),
+        out, out.stride(0), out.stride(1), readers,
         float(call.scale), float(call.lower_bound or 0.0), L2NORM_EPS, proj,
         D=head_dim, W=width, MAX_T=max_pow2, WIN=_next_pow2(width - 1 + max_pow2),
-        LP=_next_pow2(width - 2 + max_pow2), BV=block_v, SPEC=call.spec,
+        LP=_next_pow2(width - 2 + max_pow2), BV=block_v, SPLIT=split, SPEC=call.spec,
         SAFE_GATE=call.lower_bound is not None, HAS_BIAS=call.dt_bias is not None,
         THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=num_warps)
     return out

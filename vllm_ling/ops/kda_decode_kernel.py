@@ -31,13 +31,11 @@ def _round_bf16(v):
 
 
 @triton.jit
-def _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
-                 chans, conv_slot, offset, bos, seqlen,
-                 W: tl.constexpr, MAX_T: tl.constexpr, WIN: tl.constexpr, LP: tl.constexpr,
-                 NC: tl.constexpr):
-    """The conv over ``chans`` [NC] for the window's tokens -> (outputs [MAX_T, NC] float32 after
-    silu, rounded to the input dtype; rows past ``seqlen`` zero), with the channels' conv state
-    moved on (read before written: the program owns these channels)."""
+def _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, chans, conv_slot, offset, bos, seqlen,
+          W: tl.constexpr, MAX_T: tl.constexpr, WIN: tl.constexpr, LP: tl.constexpr):
+    """The conv over ``chans`` for the window's tokens -> (outputs [MAX_T, len(chans)] float32 after silu,
+    rounded as BF16 stores round; rows past ``seqlen`` zero, the channels' conv state after, [LP, len(chans)]:
+    the window without its oldest column, to be stored by :func:`_conv_state_store`)."""
     r = tl.arange(0, WIN)[:, None]
     c = chans[None, :]
     hist = r < W - 1
@@ -64,9 +62,16 @@ def _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_c
     moved = tl.where(from_hist, tl.load(base + (offset + j + 1) * stride_cl, mask=keep & from_hist, other=0.0),
                      tl.load(x + (bos + tl.maximum(j - (W - 2), 0)) * stride_x + c, mask=keep & (j >= W - 2),
                              other=0.0))
-    tl.debug_barrier()  # every load of this state above before the store below
-    tl.store(base + j * stride_cl, moved, mask=keep)
-    return out
+    return out, moved
+
+
+@triton.jit
+def _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, chans, conv_slot, seqlen, moved,
+                      W: tl.constexpr, LP: tl.constexpr):
+    j = tl.arange(0, LP)[:, None]
+    tl.debug_barrier()  # every thread's loads of this state (the window, ``moved``) before the store
+    tl.store(conv_state + conv_slot * stride_cs + chans[None, :] * stride_cc + j * stride_cl, moved,
+             mask=j < W - 2 + seqlen)
 
 
 @triton.jit
@@ -79,13 +84,15 @@ def _row(tile, t, MAX_T: tl.constexpr):
 def kda_decode_kernel(
         x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
         A_log, dt_bias, state, stride_ss, stride_sh, stride_sv, stride_sk,
-        slots, stride_slot_n, stride_slot_t, cu_seqlens, accepted, o, stride_ot, stride_oh,
+        slots, stride_slot_n, stride_slot_t, cu_seqlens, accepted, o, stride_ot, stride_oh, readers,
         scale, lower_bound, eps, P,
         D: tl.constexpr, W: tl.constexpr, MAX_T: tl.constexpr, WIN: tl.constexpr, LP: tl.constexpr,
-        BV: tl.constexpr, SPEC: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-        THRESHOLD: tl.constexpr):
-    h = tl.program_id(0)
-    n = tl.program_id(1)
+        BV: tl.constexpr, SPLIT: tl.constexpr, SPEC: tl.constexpr, SAFE_GATE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, THRESHOLD: tl.constexpr):
+    # program (part, head, sequence): ``SPLIT`` programs share a head, each its D / SPLIT value channels
+    part = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
     if SPEC:
         bos = tl.load(cu_seqlens + n).to(tl.int64)
         seqlen = tl.load(cu_seqlens + n + 1).to(tl.int64) - bos
@@ -99,23 +106,45 @@ def kda_decode_kernel(
         start = tl.load(slots + n * stride_slot_n).to(tl.int64)
         conv_slot = start
     d = tl.arange(0, D)
+    own = part * (D // SPLIT) + tl.arange(0, D // SPLIT)  # this program's value channels
     rows = tl.arange(0, MAX_T)[:, None]
     if (start <= 0) | (conv_slot <= 0):  # vLLM's null block: padding; zero output, no state touched
         for t in tl.static_range(MAX_T):
-            zeros = tl.full([D], 0.0, tl.float32).to(o.dtype.element_ty)
-            tl.store(o + (bos + t) * stride_ot + h * stride_oh + d, zeros, mask=(d < D) & (d * 0 + seqlen > t))
+            zeros = tl.full([D // SPLIT], 0.0, tl.float32).to(o.dtype.element_ty)
+            tl.store(o + (bos + t) * stride_ot + h * stride_oh + own, zeros, mask=own * 0 + seqlen > t)
         return
     # the first value block's state (the largest read) issued before the convolutions, which it does not
     # depend on: the compiler cannot move it above their conv-state stores (it cannot tell the pools apart)
     state_base = state + start * stride_ss + h * stride_sh
-    tile = tl.arange(0, BV)[:, None] * stride_sv + d[None, :] * stride_sk
+    first = part * (D // SPLIT)
+    tile = (first + tl.arange(0, BV))[:, None] * stride_sv + d[None, :] * stride_sk
     S_next = tl.load(state_base + tile)
-    q = _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, h * D + d,
-                     conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP, D)
-    k = _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d,
-                     conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP, D)
+    q, moved_q = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, h * D + d,
+                       conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
+    k, moved_k = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d,
+                       conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
     q = q / tl.sqrt(_sum(q * q, axis=1)[:, None] + eps) * scale
     k = k / tl.sqrt(_sum(k * k, axis=1)[:, None] + eps)
+    # the head's q and k conv state: every program of the head reads it (above), the last one writes it
+    # once the others said they read it (they are dispatched before it: it never waits on one not started)
+    if SPLIT == 1:
+        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, h * D + d, conv_slot, seqlen, moved_q, W, LP)
+        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d, conv_slot, seqlen, moved_k,
+                          W, LP)
+    else:
+        count = readers + n * tl.num_programs(1) + h
+        if part < SPLIT - 1:
+            tl.debug_barrier()  # q and k computed from every thread's loads
+            tl.atomic_add(count, 1, sem="release")
+        else:
+            seen = tl.atomic_add(count, 0, sem="acquire")
+            while seen < SPLIT - 1:
+                seen = tl.atomic_add(count, 0, sem="acquire")
+            _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, h * D + d, conv_slot, seqlen, moved_q,
+                              W, LP)
+            _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d, conv_slot, seqlen,
+                              moved_k, W, LP)
+            tl.atomic_xchg(count, 0)  # ready for the next step (and the next replay of a CUDA graph)
     live = rows < seqlen
     raw = tl.load(f + (bos + rows) * stride_f + h * D + d[None, :], mask=live, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -128,14 +157,16 @@ def kda_decode_kernel(
     g = tl.where(live, g, 0.0)  # past the window: no decay, k = 0, so the state stays
     t1 = tl.arange(0, MAX_T)
     beta = _sigmoid(tl.load(b + (bos + t1) * stride_b + h, mask=t1 < seqlen, other=0.0).to(tl.float32))
-    for j in tl.static_range(D // BV):
-        vd = j * BV + tl.arange(0, BV)
+    for j in tl.static_range(D // SPLIT // BV):
+        vd = first + j * BV + tl.arange(0, BV)
         tile = vd[:, None] * stride_sv + d[None, :] * stride_sk
         S = S_next.to(tl.float32)
-        if j + 1 < D // BV:  # the next block's state in flight while this block computes
+        if j + 1 < D // SPLIT // BV:  # the next block's state in flight while this block computes
             S_next = tl.load(state_base + tile + BV * stride_sv)
-        v = _window_conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd,
-                         conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP, BV)
+        v, moved_v = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd,
+                           conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
+        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd, conv_slot, seqlen,
+                          moved_v, W, LP)
         for t in tl.static_range(MAX_T):
             kt = _row(k, t, MAX_T)
             S = S * tl.exp(_row(g, t, MAX_T))[None, :]
@@ -151,4 +182,3 @@ def kda_decode_kernel(
                          mask=tile * 0 + dst > 0)
         if not SPEC:
             tl.store(state_base + tile, S.to(state.dtype.element_ty))
-
