@@ -117,6 +117,8 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   kernels-a) part kernels-a "$limit" -m gpu tests/ops/dense_fp8 tests/ops/small_gemv tests/ops/test_router_known_answer_gpu.py \
     tests/ops/test_known_answer_gpu.py tests/ops/test_router_topk_gpu.py ;;
   kernels-b) part kernels-b "$limit" -m gpu tests/ops/moe tests/ops/lm_head tests/ops/test_humming_jit.py tests/benchmarks ;;
+  # the served layers' GPU tests (router top-k, fused conv, MoE routing) and the one-launch KDA decode
+  kernels-c) part kernels-c "$limit" -m gpu tests/layers tests/ops/test_kda_decode.py ;;
   # the routed-expert clamp mode (issue 43): the MoE kernels and known answers that tell the modes apart
   moe-clamp) part moe-clamp "$limit" -m gpu tests/ops/test_known_answer_gpu.py tests/ops/moe \
     tests/benchmarks/test_decode_standins.py tests/layers/test_moe_routing_gpu.py ;;
@@ -169,12 +171,13 @@ tests)
   # other down (lease 2026-12-06d: three tiny servers beside two kernel suites all ran out of 420 s in
   # vLLM's warm-up steps); the later ones start from the Triton kernels the first ones built
   at_once=${TESTS_AT_ONCE:-3}
-  for name in scripted agreeing dspark greedy-off opt-out-each greedy-eager opt-out-all trap kernels-a kernels-b demo; do
+  for name in scripted agreeing dspark greedy-off opt-out-each greedy-eager opt-out-all trap kernels-a kernels-b \
+              kernels-c demo; do
     while [ "$(jobs -rp | wc -l)" -ge "$at_once" ]; do wait -n; done
     tiny_test "$name" 540
   done
   wait "${pids[@]}"
-  record_tiny "scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark kernels-a kernels-b"
+  record_tiny "scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark kernels-a kernels-b kernels-c"
   ;;
 ours|upstream|ours-mtp|ours-dspark|ours-flashmla)
   # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
