@@ -25,6 +25,7 @@ from importlib import resources
 import torch
 
 from benchmarks.lm_head import copy_bandwidth_gbs
+from benchmarks.output import write_outputs
 from benchmarks.timing import stacked_time_us
 from vllm_ling.ops.kda_decode import KdaDecodeCall, kda_decode
 
@@ -70,18 +71,22 @@ def step_bytes(seqs: int, window: int) -> int:
 
 
 def vllm_step(call: KdaDecodeCall):
-    """vLLM's kernels for ``call`` as the fused-conv layer runs them (None without vLLM)."""
+    """vLLM's kernels for ``call`` as the fused-conv layer runs them: a function running the conv update
+    over q, k and v, ``fused_kda_gate``, the sigmoid and the recurrence (the pools of ``call`` in place)
+    and returning the output [tokens, heads, head_dim] (None without vLLM). The GPU tests compare the
+    kernel with it."""
     try:
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
         from vllm.third_party.flash_linear_attention.ops.kda import (fused_kda_gate, fused_recurrent_kda,
                                                                       fused_recurrent_kda_fwd)
     except Exception:  # noqa: BLE001 - kernel-only device bundles carry no vLLM
         return None
+    heads, head_dim = call.A_log.numel(), call.state.shape[-1]
     n = call.x.shape[0]
     out = torch.empty_like(call.x)
-    cu_plain = torch.arange(n + 1, device="cuda", dtype=torch.int32)
+    cu_plain = torch.arange(n + 1, device=call.x.device, dtype=torch.int32)
 
-    def run():
+    def run() -> torch.Tensor:
         if call.spec:
             y = causal_conv1d_update(call.x, call.conv_state, call.conv_weight, None, activation="silu",
                                      conv_state_indices=call.slots[:, 0], num_accepted_tokens=call.accepted,
@@ -90,18 +95,21 @@ def vllm_step(call: KdaDecodeCall):
         else:
             y = causal_conv1d_update(call.x, call.conv_state, call.conv_weight, None, activation="silu",
                                      conv_state_indices=call.slots, validate_data=False, out=out)
-        q, k, v = (t.unflatten(-1, (HEADS, HEAD_DIM)).unsqueeze(0) for t in y.split(HEADS * HEAD_DIM, dim=-1))
-        g = fused_kda_gate(call.f.contiguous(), call.A_log, HEAD_DIM, g_bias=call.dt_bias,
+        q, k, v = (t.unflatten(-1, (heads, head_dim)).unsqueeze(0).contiguous()
+                   for t in y.split(heads * head_dim, dim=-1))
+        g = fused_kda_gate(call.f.contiguous(), call.A_log, head_dim, g_bias=call.dt_bias,
                            lower_bound=call.lower_bound).unsqueeze(0)
         beta = call.beta_logits.float().sigmoid().unsqueeze(0)
         if call.spec:
-            fused_recurrent_kda_fwd(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g, beta=beta,
-                                    scale=call.scale, initial_state=call.state, inplace_final_state=True,
-                                    cu_seqlens=call.cu_seqlens, ssm_state_indices=call.slots,
-                                    num_accepted_tokens=call.accepted, use_qk_l2norm_in_kernel=True)
+            o, _ = fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=call.scale, initial_state=call.state,
+                                           inplace_final_state=True, cu_seqlens=call.cu_seqlens,
+                                           ssm_state_indices=call.slots, num_accepted_tokens=call.accepted,
+                                           use_qk_l2norm_in_kernel=True)
         else:
-            fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=call.scale, initial_state=call.state,
-                                use_qk_l2norm_in_kernel=True, cu_seqlens=cu_plain, ssm_state_indices=call.slots)
+            o, _ = fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=call.scale, initial_state=call.state,
+                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu_plain,
+                                       ssm_state_indices=call.slots)
+        return o[0]
     return run
 
 
@@ -143,11 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         named = f"bv{best[0]} w{best[1]} x{best[2]}"
         lines.append(f"| {seqs} x {window} | {nbytes:,} | {cells} | {timed[best]:.2f} ({named}) "
                      f"| {frac:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_outputs("\n".join(lines) + "\n", args.out)
     return 0
 
 

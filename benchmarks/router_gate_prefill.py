@@ -66,6 +66,7 @@ def max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.lm_head import copy_bandwidth_gbs
+    from benchmarks.output import write_outputs
     from benchmarks.timing import stacked_time_us
     from vllm_ling.ops.moe.routing import grouped_topk
 
@@ -115,11 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, (us, nbytes, err, (off, near)) in runs.items():
             lines.append(f"| {t} | {name} | {us:.1f} | {nbytes:,} | {nbytes / (us * 1e-6) / (bw * 1e9):.3f} | "
                          f"{runs[base][0] / us:.2f}x | {err:.1e} | {off} ({near}) |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_outputs("\n".join(lines) + "\n", args.out)
     # a pick that differs away from a near tie is wrong logits, for vLLM's path as for the candidates
     return 0 if all(off == near for _, runs in rows for *_, (off, near) in runs.values()) else 1
 

@@ -23,6 +23,7 @@ from importlib import resources
 import torch
 
 from benchmarks.lm_head import copy_bandwidth_gbs
+from benchmarks.output import write_outputs
 from benchmarks.timing import stacked_time_us
 from vllm_ling.ops.known_answer.router_topk import Routing, decision_margins
 
@@ -115,11 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         frac = nbytes / (ours_us * 1e-6) / (bw * 1e9)
         lines.append(f"| {t} | {ours_us:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} | {nbytes:,} "
                      f"| {frac:.4f} | {_off(ours_off)} / {_off(their_off)} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_outputs("\n".join(lines) + "\n", args.out)
     # a pick that differs away from a near tie is a wrong kernel; at a tie either side is right
     return 0 if all(off == near for _, _, _, _, (off, near), _ in rows) else 1
 

@@ -2,8 +2,8 @@
 against the plain-PyTorch functions of vllm_ling.ops.kda (the known answer the server runs), with
 faults it must catch and the shapes it refuses; on the GPU (``gpu`` marker) compiled, at Ling's
 shape, against the known answer and against vLLM's own three kernels (conv update, fused_kda_gate,
-fused_recurrent_kda) on the same inputs. The GPU tests run in the lease's ``cuts`` phase
-(scripts/h200_session.sh): ``python -m pytest -m gpu tests/ops/test_kda_decode.py``."""
+fused_recurrent_kda: benchmarks/kda_decode.py's ``vllm_step``) on the same inputs. The GPU tests run in
+the lease's ``cuts`` phase (scripts/h200_session.sh): ``python -m pytest -m gpu tests/ops/test_kda_decode.py``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from benchmarks.kda_decode import vllm_step
 from vllm_ling.ops.kda_decode import KdaDecodeCall, kda_decode, launch_config
 from vllm_ling.ops.known_answer.kda_decode import KDA_DECODE_RTOL, check_kda_decode, decode_calls, reference
 
@@ -116,39 +117,6 @@ def test_the_launcher_refuses_what_the_kernel_cannot_take(change, words):
 SPLIT_CONFIGS = [(32, 4, 4), (32, 8, 4), (64, 4, 2), (64, 8, 2)]  # (block_v, warps, programs per head)
 
 
-def _vllm_step(call: KdaDecodeCall, heads: int, head_dim: int) -> torch.Tensor:
-    """vLLM 0.32's decode kernels on the same inputs (the pools of ``call`` in place), as its KDA
-    forward calls them: the conv update over the three blocks, fused_kda_gate, sigmoid, the recurrence."""
-    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
-    from vllm.third_party.flash_linear_attention.ops.kda import (fused_kda_gate, fused_recurrent_kda,
-                                                                  fused_recurrent_kda_fwd)
-
-    n = call.x.shape[0]
-    if call.spec:
-        y = causal_conv1d_update(call.x, call.conv_state, call.conv_weight, None, activation="silu",
-                                 conv_state_indices=call.slots[:, 0], num_accepted_tokens=call.accepted,
-                                 query_start_loc=call.cu_seqlens, max_query_len=call.slots.shape[1],
-                                 validate_data=False, out=torch.empty_like(call.x))
-    else:
-        y = causal_conv1d_update(call.x, call.conv_state, call.conv_weight, None, activation="silu",
-                                 conv_state_indices=call.slots, validate_data=True, out=torch.empty_like(call.x))
-    q, k, v = (t.reshape(1, n, heads, head_dim).contiguous() for t in y.split(heads * head_dim, dim=-1))
-    g = fused_kda_gate(call.f.contiguous(), call.A_log, head_dim, g_bias=call.dt_bias,
-                       lower_bound=call.lower_bound).unsqueeze(0)
-    beta = call.beta_logits.float().sigmoid().unsqueeze(0)
-    if call.spec:
-        out, _ = fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=call.scale, initial_state=call.state,
-                                         inplace_final_state=True, cu_seqlens=call.cu_seqlens,
-                                         ssm_state_indices=call.slots, num_accepted_tokens=call.accepted,
-                                         use_qk_l2norm_in_kernel=True)
-    else:
-        out, _ = fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=call.scale, initial_state=call.state,
-                                     use_qk_l2norm_in_kernel=True, cu_seqlens=torch.arange(n + 1, device=q.device,
-                                                                                           dtype=torch.int32),
-                                     ssm_state_indices=call.slots)
-    return out[0]
-
-
 def _on(call: KdaDecodeCall, device: str) -> KdaDecodeCall:
     return KdaDecodeCall(**{f.name: (v.clone().to(device) if torch.is_tensor(v := getattr(call, f.name)) else v)
                             for f in dataclasses.fields(call)})
@@ -172,7 +140,7 @@ def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head
         ours, theirs = _on(call, "cuda"), _on(call, "cuda")
         out = torch.zeros((call.x.shape[0], heads, head_dim), dtype=torch.bfloat16, device="cuda")
         kda_decode(ours, out)
-        want = _vllm_step(theirs, heads, head_dim)
+        want = vllm_step(theirs)()  # vLLM's three kernels, as the benchmark times them
         live = (ours.slots[:, 0] if ours.spec else ours.slots) > 0  # vLLM leaves a padded row unwritten
         rows = live.repeat_interleave(call.x.shape[0] // live.numel()) if ours.spec else live
         err = (out[rows].float() - want[rows].float()).norm(dim=-1) / want[rows].float().norm(dim=-1)

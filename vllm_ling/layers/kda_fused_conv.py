@@ -155,7 +155,7 @@ def _heads(layer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
                  for t in x.split(layer.projection_size_per_partition, dim=-1))
 
 
-def _gate_and_beta(layer, f: torch.Tensor, beta_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_and_beta(layer, f: torch.Tensor, beta_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(g [1, tokens, heads, head_dim] float32, beta [1, tokens, heads] float32) as vLLM's forward computes
     them: its ``fused_kda_gate`` kernel (looked up on vLLM's model module, as its forward does; rows packed)
     and a sigmoid."""
@@ -191,7 +191,7 @@ def kda_attention(layer, qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.
         core_attn_out.zero_()
         if md is not None:
             q, k, v = qkv.split(layer.projection_size_per_partition, dim=-1)
-            layer._forward(q, k, v, *_gate_and_beta(layer, f, beta_logits), core_attn_out)
+            layer._forward(q, k, v, *gate_and_beta(layer, f, beta_logits), core_attn_out)
         return
     conv_state, recurrent_state = layer.kv_cache
     recurrent_state = recurrent_state[..., :layer.head_dim]
@@ -226,7 +226,7 @@ def kda_attention(layer, qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.
         recurrent_state[slots] = final
         core_attn_out[0, :n].copy_(out[0, :n])
         return
-    g1, beta = _gate_and_beta(layer, f, beta_logits)
+    g1, beta = gate_and_beta(layer, f, beta_logits)
     if decode_only:
         slots = md.non_spec_state_indices_tensor
         q, k, v = _heads(layer, conv_update(ConvCall(x, conv_state, weight, slots[:n])))

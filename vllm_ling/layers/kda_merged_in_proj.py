@@ -130,12 +130,9 @@ def vllm_merged_class():
                 torch.ops.vllm_ling.kda_attention(qkv, f, self.b_proj(hidden_states)[0], core_attn_out, self.prefix)
             else:
                 q, k, v, beta_logits, f, g = merged_in_projections(self, hidden_states)
-                beta = beta_logits.float().sigmoid().unsqueeze(0)
-                # the kernel vLLM's forward calls, looked up as it does (its rows must be packed)
-                g1 = bailing_moe_v3.fused_kda_gate(f.contiguous(), self.A_log, self.head_dim, g_bias=self.dt_bias,
-                                                   lower_bound=self.lower_bound if self.safe_gate else None)
+                g1, beta = kda_fused_conv.gate_and_beta(self, f, beta_logits)
                 core_attn_out = torch.zeros(shape, dtype=hidden_states.dtype, device=hidden_states.device)
-                torch.ops.vllm.bailing_v3_kda_attention(q, k, v, g1.unsqueeze(0), beta, core_attn_out, self.prefix)
+                torch.ops.vllm.bailing_v3_kda_attention(q, k, v, g1, beta, core_attn_out, self.prefix)
             g2 = rearrange(g, "... (h d) -> ... h d", d=self.head_dim)
             core_attn_out = self.o_norm(core_attn_out, g2)
             output[:] = self.o_proj(rearrange(core_attn_out, "1 n h d -> n (h d)"))[0]
