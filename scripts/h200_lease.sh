@@ -37,6 +37,9 @@ start)
   for d in /root/gc .gpucache .gpucache/quick-cache; do
     ls "$d"/cache-* >/dev/null 2>&1 && cat "$d"/cache-* | tar -xzf - -C / && echo "caches restored from $d" && break
   done
+  # humming keys its kernels by its headers' mtimes, which this lease's install just set: back to those the
+  # restored kernels recorded, or none of them hits (scripts/humming_cache_mtimes.py; before anything compiles)
+  python3 scripts/humming_cache_mtimes.py /root/.cache/vllm-ling/humming/kernels /root/.humming/cache || true
   # a private copy: the device refreshes the working tree at every call, under a running job
   cp -a . "$lease/tree"
   setsid nohup bash "$lease/tree/scripts/h200_lease.sh" run "$@" > "$lease/driver.log" 2>&1 < /dev/null &
