@@ -127,6 +127,10 @@ def _on(call: KdaDecodeCall, device: str) -> KdaDecodeCall:
 def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head_dim):
     result = check_kda_decode(kda_decode, "compiled", heads, head_dim, lower_bound=-5.0, device="cuda")
     assert result.passed, result.failing_inputs
+    # launched as a programmatic dependent by default on sm_90+ (its first state read before the wait): without
+    result = check_kda_decode(lambda c, o: kda_decode(c, o, pdl=False), "no PDL", heads, head_dim, lower_bound=-5.0,
+                              device="cuda")
+    assert result.passed, result.failing_inputs
     # every configuration launch_config hands out, on both steps (the check above: the ones its batches get),
     # and the split heads the benchmark measures (its last program waits on the others' counts)
     configs = {(*launch_config(n, spec, head_dim), 1) for n in (1, 2, 3, 4, 5, 8, 64) for spec in (False, True)}

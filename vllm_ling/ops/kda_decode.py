@@ -39,6 +39,8 @@ import dataclasses
 
 import torch
 
+from vllm_ling.ops.cuda_jit import pdl_available
+
 L2NORM_EPS = 1e-6  # flash-linear-attention's (inside the sqrt), as vllm_ling.ops.kda
 SOFTPLUS_THRESHOLD = 20.0  # fused_kda_gate's default: softplus is linear above it
 MIN_BLOCK_V = 32  # the smallest value block the launch configurations use
@@ -103,11 +105,13 @@ def _reader_counts(device: torch.device, count: int) -> torch.Tensor:
 
 
 def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = None,
-               num_warps: int | None = None, split: int | None = None) -> torch.Tensor:
+               num_warps: int | None = None, split: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """Run the step into ``out`` [T, H, V] (rows of null-block sequences zeroed; rows past the
     sequences' tokens untouched); the conv state and the state pool in place. Returns ``out``.
     ``block_v``, ``num_warps``, ``split`` (programs per head, each its 1/split of the value channels): the
-    launch configuration (default: :func:`launch_config`'s)."""
+    launch configuration (default: :func:`launch_config`'s). ``pdl``: launched as a programmatic dependent
+    (default: where it takes effect, sm_90+), so its programs read their first state block while the kernel
+    before finishes; every read of the step's inputs and every store waits for that kernel."""
     heads = call.A_log.numel()
     width = call.conv_weight.shape[1]
     head_dim = call.state.shape[-1]
@@ -143,6 +147,8 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
     from vllm_ling.ops.kda_decode_kernel import kda_decode_kernel
 
     readers = _reader_counts(out.device, num_seqs * heads) if split > 1 else call.slots  # unread unsplit
+    if pdl is None:
+        pdl = out.device.type == "cuda" and pdl_available(out.device)
     kda_decode_kernel[(split, heads, num_seqs)](
         call.x, call.x.stride(0), call.f, call.f.stride(0), call.beta_logits, call.beta_logits.stride(0),
         call.conv_weight, call.conv_state, *call.conv_state.stride(),
@@ -153,5 +159,5 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
         D=head_dim, W=width, MAX_T=max_pow2, WIN=_next_pow2(width - 1 + max_pow2),
         LP=_next_pow2(width - 2 + max_pow2), BV=block_v, SPLIT=split, SPEC=call.spec,
         SAFE_GATE=call.lower_bound is not None, HAS_BIAS=call.dt_bias is not None,
-        THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=num_warps)
+        THRESHOLD=SOFTPLUS_THRESHOLD, USE_PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return out

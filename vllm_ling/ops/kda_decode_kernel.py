@@ -88,7 +88,7 @@ def kda_decode_kernel(
         scale, lower_bound, eps, P,
         D: tl.constexpr, W: tl.constexpr, MAX_T: tl.constexpr, WIN: tl.constexpr, LP: tl.constexpr,
         BV: tl.constexpr, SPLIT: tl.constexpr, SPEC: tl.constexpr, SAFE_GATE: tl.constexpr,
-        HAS_BIAS: tl.constexpr, THRESHOLD: tl.constexpr):
+        HAS_BIAS: tl.constexpr, THRESHOLD: tl.constexpr, USE_PDL: tl.constexpr):
     # program (part, head, sequence): ``SPLIT`` programs share a head, each its D / SPLIT value channels
     part = tl.program_id(0)
     h = tl.program_id(1)
@@ -108,17 +108,22 @@ def kda_decode_kernel(
     d = tl.arange(0, D)
     own = part * (D // SPLIT) + tl.arange(0, D // SPLIT)  # this program's value channels
     rows = tl.arange(0, MAX_T)[:, None]
+    # the first value block's state (the largest read) issued first: before the convolutions, which it does
+    # not depend on (the compiler cannot move it above their conv-state stores: it cannot tell the pools
+    # apart), and, launched as a programmatic dependent, before the wait for the kernel before (a padding
+    # sequence's slot, <= 0, reads row 0 here and nothing after)
+    state_base = state + tl.maximum(start, 0) * stride_ss + h * stride_sh
+    first = part * (D // SPLIT)
+    tile = (first + tl.arange(0, BV))[:, None] * stride_sv + d[None, :] * stride_sk
+    S_next = tl.load(state_base + tile)
+    if USE_PDL:
+        # x, f and the beta logits are the kernels' before; so may be the memory the stores below write
+        tl.extra.cuda.gdc_wait()
     if (start <= 0) | (conv_slot <= 0):  # vLLM's null block: padding; zero output, no state touched
         for t in tl.static_range(MAX_T):
             zeros = tl.full([D // SPLIT], 0.0, tl.float32).to(o.dtype.element_ty)
             tl.store(o + (bos + t) * stride_ot + h * stride_oh + own, zeros, mask=own * 0 + seqlen > t)
         return
-    # the first value block's state (the largest read) issued before the convolutions, which it does not
-    # depend on: the compiler cannot move it above their conv-state stores (it cannot tell the pools apart)
-    state_base = state + start * stride_ss + h * stride_sh
-    first = part * (D // SPLIT)
-    tile = (first + tl.arange(0, BV))[:, None] * stride_sv + d[None, :] * stride_sk
-    S_next = tl.load(state_base + tile)
     q, moved_q = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, h * D + d,
                        conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
     k, moved_k = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d,
