@@ -23,7 +23,7 @@ from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.kda_decode import DECODE_DESCRIPTION, OPTION, KdaDecode, select_kda_decode
 from vllm_ling.models.kda_fused_conv import WEIGHT_ATTR
 from vllm_ling.models.layer_kinds import is_kda_module, kda_layers
-from vllm_ling.ops.kda_decode import MIN_BLOCK_V, KdaDecodeCall, kda_decode
+from vllm_ling.ops.kda_decode import MIN_BLOCK_V, KdaDecodeCall, kda_decode, reserve_reader_counts
 from vllm_ling.options import LingOptions, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record
 
@@ -75,9 +75,16 @@ def decide(layer, fused_conv: bool, platform: Platform) -> Selection:
 
 
 def install(layer, fused_conv: bool, platform: Platform) -> Selection:
-    """Decide and record; the op reads :data:`ACTIVE_ATTR`."""
+    """Decide and record; the op reads :data:`ACTIVE_ATTR`. Where it serves, the split heads' counters
+    for the largest batch are made now, before any CUDA graph is captured."""
     selection = record(layer, decide(layer, fused_conv, platform))
     setattr(layer, ACTIVE_ATTR, selection.choice is KdaDecode.LING)
+    device = layer.A_log.device  # where vLLM builds the layer's parameters, the pools' device
+    if selection.choice is KdaDecode.LING and device.type != "meta":
+        from vllm.config import get_current_vllm_config
+
+        max_seqs = get_current_vllm_config().scheduler_config.max_num_seqs
+        reserve_reader_counts(device, max_seqs * layer.local_num_heads)
     return selection
 
 

@@ -46,16 +46,20 @@ SOFTPLUS_THRESHOLD = 20.0  # fused_kda_gate's default: softplus is linear above 
 MIN_BLOCK_V = 32  # the smallest value block the launch configurations use
 
 
-def launch_config(num_seqs: int, spec: bool, head_dim: int) -> tuple[int, int]:
-    """(value channels per step, warps) for a batch: the fastest of benchmarks/kda_decode.py's
-    configurations at Ling's shape on the H100 (benchmarks/results/kda_decode_h100.md): the whole
-    128 x 128 state of a head in one step up to 4 plain decodes (8 warps) or 2 verify windows (16),
-    64 channels at a time above, where the batch fills the GPU with programs anyway."""
+def launch_config(num_seqs: int, spec: bool, head_dim: int) -> tuple[int, int, int]:
+    """(value channels per step, warps, programs per head) for a batch: the fastest of
+    benchmarks/kda_decode.py's configurations at Ling's shape on the H100 in its last run
+    (benchmarks/results/kda_decode_h100.md, lease 2026-12-07a): a head's value channels over 4 programs of
+    32 channels at up to 4 plain decodes or one verify window, over 2 programs of 64 at two windows; one
+    program per head above, where the batch fills the GPU with programs anyway. (The whole 128 x 128 state
+    of a head in one program, fastest before the state prefetch, now spills: 2x slower.) Smaller heads take
+    fewer programs."""
     if spec:
-        block_v, warps = (128, 16) if num_seqs <= 2 else (64, 8)
+        block_v, warps, split = (32, 4, 4) if num_seqs <= 1 else (64, 4, 2) if num_seqs <= 2 else (64, 8, 1)
     else:
-        block_v, warps = (128, 8) if num_seqs <= 4 else (64, 8)
-    return min(block_v, head_dim), warps
+        block_v, warps, split = (32, 4, 4) if num_seqs <= 4 else (32, 4, 1)
+    block_v = min(block_v, head_dim)
+    return block_v, warps, max(1, min(split, head_dim // block_v))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +96,22 @@ def _next_pow2(n: int) -> int:
 
 
 _readers: dict[torch.device, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # outgrown counters, kept: a CUDA graph captured with one replays it
 
 
-def _reader_counts(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, head), that a split head's last program waits on and
-    zeroes again: kept per device, grown when a larger batch comes (their values are zero between
-    launches, so a CUDA graph captured with one buffer and replayed keeps working)."""
+def reserve_reader_counts(device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` zeroed int32 counters on ``device``, one per (sequence, head), that a split head's
+    last program waits on and zeroes again (zero between launches, so a captured CUDA graph keeps working).
+    Reserve the largest batch's before capturing: a buffer made inside a capture would hold whatever its
+    memory held (its zeroing is a captured kernel, run at replay only)."""
+    device = torch.device(device)
     buffer = _readers.get(device)
     if buffer is None or buffer.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kda_decode: {count} split-head counters needed inside a CUDA graph capture, "
+                               f"{0 if buffer is None else buffer.numel()} reserved before it")
+        if buffer is not None:
+            _retired.append(buffer)
         buffer = _readers[device] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
     return buffer
 
@@ -115,8 +127,10 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
     heads = call.A_log.numel()
     width = call.conv_weight.shape[1]
     head_dim = call.state.shape[-1]
-    chosen = launch_config(call.slots.shape[0], call.spec, head_dim)
-    block_v, num_warps, split = block_v or chosen[0], num_warps or chosen[1], split or 1
+    if block_v is None:
+        block_v, chosen_warps, chosen_split = launch_config(call.slots.shape[0], call.spec, head_dim)
+        num_warps, split = num_warps or chosen_warps, split or chosen_split
+    num_warps, split = num_warps or 4, split or 1
     if head_dim % (split * block_v):
         raise ValueError(f"{split} programs of {block_v}-channel blocks do not tile head_dim {head_dim}")
     proj = heads * head_dim
@@ -146,7 +160,7 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
     max_pow2 = _next_pow2(max_t)
     from vllm_ling.ops.kda_decode_kernel import kda_decode_kernel
 
-    readers = _reader_counts(out.device, num_seqs * heads) if split > 1 else call.slots  # unread unsplit
+    readers = reserve_reader_counts(out.device, num_seqs * heads) if split > 1 else call.slots  # unread unsplit
     if pdl is None:
         pdl = out.device.type == "cuda" and pdl_available(out.device)
     kda_decode_kernel[(split, heads, num_seqs)](
