@@ -142,9 +142,11 @@ for m in sys.argv[1:]: abort_with_stacks(m)" $markers
 # a pytest log's summary line: passed (nothing failed), or failed (a failure counted, not a time-out)
 passed() { [ -e "$1" ] && grep -qE '^[0-9]+ passed' "$1" && ! grep -qE '^[0-9]+ (failed|error)' "$1"; }
 failed() { [ -e "$1" ] && grep -qE '^[0-9]+ (failed|error)' "$1"; }
-cuts_off() {  # cut (kda_decode): why a later phase serves it off after phase cuts (empty: on)
+cuts_off() {  # cut (kda_decode, router_topk): why a later phase serves it off after phase cuts (empty: on)
   local dir=/tmp/gpu-run-cuts cut=$1
-  if [ -e "$dir/kda-decode.log" ] && ! passed "$dir/kda-decode.log"; then echo "its kernel tests did not pass"; return; fi
+  local log="$dir/${cut//_/-}.log"  # its kernel tests' part: kda-decode, router-topk
+  if [ -e "$log" ] && ! passed "$log"; then echo "its kernel tests did not pass"; return; fi
+  [ "$cut" = kda_decode ] || return 0
   if [ ! -e "$dir/cuts-e2e.log" ] || passed "$dir/cuts-e2e.log"; then return; fi
   # every cut together failed: the bisect's servers say whether without this one it passes
   if passed "$dir/cuts-kda_decode_off.log"; then
@@ -212,7 +214,7 @@ ours|upstream|ours-mtp|ours-dspark|ours-flashmla)
   [ "$phase" = ours-flashmla ] && composition+=(--vllm-arg=--attention-backend=FLASHMLA --tag flashmla)
   # a decode-step cut (default on, never served on a GPU before) that did not pass its GPU tests earlier
   # in this lease (phase cuts) is served off (cuts_off), rather than lose the phase to it
-  [ "$phase" != upstream ] && for cut in kda_decode:VLLM_LING_KDA_DECODE=0; do
+  [ "$phase" != upstream ] && for cut in kda_decode:VLLM_LING_KDA_DECODE=0 router_topk:VLLM_LING_ROUTER_TOPK=vllm; do
     why=$(cuts_off "${cut%%:*}")
     [ -n "$why" ] && composition+=(--switch "${cut#*:}") && echo "$phase: ${cut#*:} ($why)" >> "$out/rc.txt"
   done
@@ -253,13 +255,15 @@ cuts)
   # Issue 29's cuts on an idle GPU, before any full-size start: each one's kernel and served-layer tests
   # (the ours* phases switch a failed one off), then the grouped top-k against vLLM's
   # grouped_topk_fused_kernel (benchmarks/router_topk.py; kernel-only, minutes)
-  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py
+  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py -k "not two_level"
+  # the candidate kernel variant apart: its failure does not switch the served one off (cuts_off)
+  part router-topk-two-level 300 -m gpu tests/ops/test_router_topk_gpu.py -k two_level
   part kda-conv 300 -m gpu tests/layers/test_kda_fused_conv.py
   part kda-decode 300 -m gpu tests/ops/test_kda_decode.py tests/benchmarks/test_kda_decode_bench.py
   # both cuts through torch.compile and CUDA graphs on the routable tiny model (alone, prefill graphs to
   # 128 tokens: about 6 minutes on a fresh device); where it fails, each cut alone and neither, side by
   # side from the kernels it built (cuts_off reads them for the later phases). CUTS_QUICK=1: the kernel
-  # tests and benchmarks only (2 minutes; a short lease keeps its full-size phases)
+  # tests and the two benchmarks only (3-4 minutes; a short lease keeps its full-size phases)
   if [ "${CUTS_QUICK:-0}" != 1 ]; then
     tiny_test cuts-e2e 480
     wait "${pids[@]}"; pids=()
@@ -271,6 +275,7 @@ cuts)
   for name in ${WITH_TESTS:-}; do tiny_test "$name" 540; done
   wait "${pids[@]}"
   record gpu:router-topk "$out/router-topk.log"
+  record gpu:router-topk-two-level "$out/router-topk-two-level.log"
   record gpu:kda-conv "$out/kda-conv.log"
   record gpu:kda-decode "$out/kda-decode.log"
   [ -e "$out/cuts-e2e.log" ] && record gpu-e2e:cuts "$out/cuts-e2e.log"
@@ -278,10 +283,8 @@ cuts)
     [ -e "$out/cuts-$set.log" ] && record "gpu-e2e:cuts-$set" "$out/cuts-$set.log"
   done
   record_tiny "${WITH_TESTS:-}"
-  if [ "${CUTS_QUICK:-0}" != 1 ]; then
-    timeout 200 python3 -m benchmarks.router_topk --out "$OUT/router-topk.md" > "$out/router-topk-bench.txt" 2>&1
-    echo "router-topk-bench rc $?" >> "$out/rc.txt"
-  fi
+  timeout 200 python3 -m benchmarks.router_topk --out "$OUT/router-topk.md" > "$out/router-topk-bench.txt" 2>&1
+  echo "router-topk-bench rc $?" >> "$out/rc.txt"
   timeout 240 python3 -m benchmarks.kda_decode --out "$OUT/kda-decode.md" > "$out/kda-decode-bench.txt" 2>&1
   echo "kda-decode-bench rc $?" >> "$out/rc.txt"
   ;;

@@ -161,12 +161,13 @@ def moe_decode_sources(target: Target) -> dict[str, str]:
 
 
 def router_topk_sources() -> dict[str, str]:
-    """Ling's router (its experts, groups, kept groups and picks), and one narrower configuration."""
+    """Ling's router (its experts, groups, kept groups and picks), and one narrower configuration, in each
+    kernel variant."""
     from vllm_ling.ops.router_topk import kernel as router_topk
 
     ling = (CONFIG["num_experts"], CONFIG["n_group"], CONFIG["topk_group"], CONFIG["num_experts_per_tok"])
-    return {f"experts/groups/kept/picks={cfg}": router_topk.source(*cfg, renormalize=True)
-            for cfg in (ling, (64, 2, 1, 4))}
+    return {f"{variant} experts/groups/kept/picks={cfg}": router_topk.source(*cfg, renormalize=True, variant=variant)
+            for cfg in (ling, (64, 2, 1, 4)) for variant in router_topk.VARIANTS}
 
 
 def family_sources(target: Target, family: str) -> dict[str, str]:

@@ -18,7 +18,11 @@ CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_
 LING = (CONFIG["num_experts"], CONFIG["n_group"], CONFIG["topk_group"], CONFIG["num_experts_per_tok"])
 
 
-def _check(tokens: int, experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool, seed: int):
+VARIANTS = ("rounds", "two_level")  # vllm_ling.ops.router_topk.kernel.VARIANTS: the served one and its candidate
+
+
+def _check(tokens: int, experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool, seed: int,
+           variant: str = "rounds"):
     from vllm_ling.ops.moe.routing import grouped_topk
     from vllm_ling.ops.router_topk.kernel import grouped_topk_cuda
 
@@ -27,22 +31,37 @@ def _check(tokens: int, experts: int, n_group: int, topk_group: int, top_k: int,
     bias = torch.randn(experts, device="cuda", generator=g) * 0.1
     scale = CONFIG["routed_scaling_factor"]
     want_w, want_ids = grouped_topk(logits, top_k, n_group, topk_group, bias, renormalize, scale)
-    got_w, got_ids = grouped_topk_cuda(logits, bias, top_k, n_group, topk_group, renormalize, scale)
+    got_w, got_ids = grouped_topk_cuda(logits, bias, top_k, n_group, topk_group, renormalize, scale, variant=variant)
     torch.cuda.synchronize()
     assert got_ids.dtype == torch.int32 and got_w.dtype == torch.float32
     assert torch.equal(got_ids.cpu(), want_ids.cpu()), (got_ids, want_ids)  # best first, both
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)  # the sum order of the renormalisation
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("tokens", [1, 2, 4, 16, 64])
-def test_lings_router_picks_the_references_experts_with_its_weights(tokens):
+def test_lings_router_picks_the_references_experts_with_its_weights(tokens, variant):
     for seed in range(8):
-        _check(tokens, *LING, renormalize=True, seed=seed)
+        _check(tokens, *LING, renormalize=True, seed=seed, variant=variant)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("cfg", [(64, 2, 1, 4), (256, 8, 2, 6), (1024, 32, 5, 32)], ids=str)
-def test_other_shapes_and_no_renormalisation(cfg):
-    _check(8, *cfg, renormalize=False, seed=1)
+def test_other_shapes_and_no_renormalisation(cfg, variant):
+    _check(8, *cfg, renormalize=False, seed=1, variant=variant)
+
+
+def test_the_two_level_variant_agrees_with_the_served_one_at_exact_ties():
+    """Logits rounded to a coarse grid tie often: both variants break ties by the lower expert index, at
+    both levels of the two-level one."""
+    from vllm_ling.ops.router_topk.kernel import grouped_topk_cuda
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    logits = (torch.randn(64, LING[0], device="cuda", generator=g) * 4).round() / 4
+    bias = torch.zeros(LING[0], device="cuda")
+    rounds = grouped_topk_cuda(logits, bias, LING[3], LING[1], LING[2], variant="rounds")
+    two_level = grouped_topk_cuda(logits, bias, LING[3], LING[1], LING[2], variant="two_level")
+    assert torch.equal(rounds[1], two_level[1]) and torch.equal(rounds[0], two_level[0])
 
 
 def test_a_row_stride_other_than_the_expert_count_is_read_as_such():

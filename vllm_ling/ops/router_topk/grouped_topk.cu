@@ -9,39 +9,7 @@
 // 512 experts on an H100 (benchmarks/results/step_profile_real_h100.md), 0.5 ms of a 4.2 ms step;
 // the work is 2 KB of logits. Here a token's experts sit one per thread: the group scores come
 // from warp shuffles (a group is E_ / NG / 32 whole warps), the picks from K_ block-wide argmax
-// rounds. Ties go to the lower expert index, as in a stable sort.
-
-#ifndef NEG_INF
-#define NEG_INF (-__int_as_float(0x7f800000))
-#endif
-#define WARPS (E_ / 32)
-#define WARPS_PER_GROUP (E_ / NG / 32)
-
-// (value, index) pairs: the larger value wins, then the lower index
-__device__ __forceinline__ void better(float &v, int &i, float ov, int oi) {
-  if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-}
-
-__device__ __forceinline__ void warp_argmax(float &v, int &i) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    float ov = __shfl_xor_sync(0xffffffffu, v, off);
-    int oi = __shfl_xor_sync(0xffffffffu, i, off);
-    better(v, i, ov, oi);
-  }
-}
-
-// the best two values of the warp (duplicates count twice, as a sorted top-2 does)
-__device__ __forceinline__ void warp_top2(float &a, float &b) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    float oa = __shfl_xor_sync(0xffffffffu, a, off);
-    float ob = __shfl_xor_sync(0xffffffffu, b, off);
-    float na = fmaxf(a, oa);
-    b = fmaxf(fminf(a, oa), fmaxf(b, ob));
-    a = na;
-  }
-}
+// rounds. Ties go to the lower expert index, as in a stable sort. The selection helpers are select.cuh's.
 
 extern "C" __global__ void __launch_bounds__(E_) ling_grouped_topk(
     const float *__restrict__ logits, const float *__restrict__ bias, float *__restrict__ weights,
@@ -61,32 +29,7 @@ extern "C" __global__ void __launch_bounds__(E_) ling_grouped_topk(
   const float score = 1.f / (1.f + expf(-logits[(long)t * logits_stride + e]));
   const float choice = score + expert_bias;
 
-  float a = choice, b = NEG_INF;
-  warp_top2(a, b);
-  if (lane == 0) { s_top1[warp] = a; s_top2[warp] = b; }
-  __syncthreads();
-  if (warp == 0) {  // group scores, then the TG best groups (lane g holds group g)
-    float gs = NEG_INF;
-    if (lane < NG) {
-      float ga = NEG_INF, gb = NEG_INF;
-      for (int w = lane * WARPS_PER_GROUP; w < (lane + 1) * WARPS_PER_GROUP; ++w) {
-        float oa = s_top1[w], ob = s_top2[w];
-        float na = fmaxf(ga, oa);
-        gb = fmaxf(fminf(ga, oa), fmaxf(gb, ob));
-        ga = na;
-      }
-      gs = ga + gb;
-    }
-    int keep = 0;
-    for (int r = 0; r < TG; ++r) {
-      float v = (lane < NG && !keep) ? gs : NEG_INF;
-      int i = lane;
-      warp_argmax(v, i);
-      if (lane == i) keep = 1;
-    }
-    if (lane < NG) s_keep[lane] = keep;
-  }
-  __syncthreads();
+  keep_groups(choice, lane, warp, s_top1, s_top2, s_keep);
 
   float masked = s_keep[e / (E_ / NG)] ? choice : NEG_INF;
   for (int k = 0; k < K_; ++k) {

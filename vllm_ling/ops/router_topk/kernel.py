@@ -21,6 +21,12 @@ import torch
 from vllm_ling.ops.cuda_jit import cached_kernel, define_lines
 
 KERNEL_NAME = "ling_grouped_topk"
+# kernel variants: (source file, kernel name; neither name contains the other: humming finds a kernel by
+# substring). "rounds" serves; "two_level" (three barriers instead of 2 top_k + 3) is measured against it by
+# benchmarks/router_topk.py and tested on the GPU before it is chosen
+VARIANTS = {"rounds": ("grouped_topk.cu", KERNEL_NAME),
+            "two_level": ("grouped_topk_two_level.cu", "ling_router_topk_two_level")}
+SERVED_VARIANT = "rounds"
 MAX_EXPERTS = 1024  # one thread per expert, one CTA per token
 MAX_TOP_K = 32
 _ARG_TYPES = (ctypes.c_void_p,) * 4 + (ctypes.c_int, ctypes.c_float)
@@ -53,28 +59,32 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
 
 
 @functools.cache
-def _kernel_text() -> str:
-    return resources.files(__package__).joinpath("grouped_topk.cu").read_bytes().decode()
+def _text(name: str) -> str:
+    return resources.files(__package__).joinpath(name).read_bytes().decode()
 
 
-def source(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool) -> str:
-    """The CUDA text handed to NVRTC: the configuration as ``#define`` lines, then the kernel."""
+def source(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool,
+           variant: str = SERVED_VARIANT) -> str:
+    """The CUDA text handed to NVRTC: the configuration as ``#define`` lines, the selection helpers
+    (``select.cuh``), then the variant's kernel."""
     return define_lines(dict(E_=num_experts, NG=n_group, TG=topk_group, K_=top_k, RENORM=int(renormalize))) \
-        + _kernel_text()
+        + _text("select.cuh") + _text(VARIANTS[variant][0])
 
 
 _COMPILED: dict[tuple, object] = {}
 
 
-def compiled(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool, device: torch.device):
-    return cached_kernel(_COMPILED, KERNEL_NAME, (num_experts, n_group, topk_group, top_k, renormalize, device),
-                         device, source, num_experts, n_group, topk_group, top_k, renormalize)
+def compiled(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool, device: torch.device,
+             variant: str = SERVED_VARIANT):
+    return cached_kernel(_COMPILED, VARIANTS[variant][1],
+                         (num_experts, n_group, topk_group, top_k, renormalize, device, variant),
+                         device, source, num_experts, n_group, topk_group, top_k, renormalize, variant)
 
 
 def grouped_topk_cuda(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                       renormalize: bool = True, routed_scaling_factor: float = 1.0, *,
-                      weights: torch.Tensor | None = None, ids: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      weights: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                      variant: str = SERVED_VARIANT) -> tuple[torch.Tensor, torch.Tensor]:
     from vllm_ling.ops.cuda_jit import launch, pdl_available
 
     t, e = logits.shape
@@ -91,7 +101,7 @@ def grouped_topk_cuda(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gr
         ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
     if t == 0:
         return weights, ids
-    kernel = compiled(e, n_group, topk_group, top_k, renormalize, logits.device)
+    kernel = compiled(e, n_group, topk_group, top_k, renormalize, logits.device, variant)
     launch(kernel, (t, 1), e, (logits.data_ptr(), bias.data_ptr(), weights.data_ptr(), ids.data_ptr(),
                                logits.stride(0), float(routed_scaling_factor)),
            _ARG_TYPES, torch.cuda.current_stream(logits.device).cuda_stream, pdl=pdl_available(logits.device))

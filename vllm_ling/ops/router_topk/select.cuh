@@ -1,0 +1,68 @@
+// Warp-level selection helpers of the router top-k kernels (grouped_topk.cu, grouped_topk_two_level.cu):
+// kernel.py puts them after the #define lines and before a kernel's text.
+
+#ifndef NEG_INF
+#define NEG_INF (-__int_as_float(0x7f800000))
+#endif
+
+// (value, index) pairs: the larger value wins, then the lower index
+__device__ __forceinline__ void better(float &v, int &i, float ov, int oi) {
+  if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+}
+
+__device__ __forceinline__ void warp_argmax(float &v, int &i) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, v, off);
+    int oi = __shfl_xor_sync(0xffffffffu, i, off);
+    better(v, i, ov, oi);
+  }
+}
+
+// the best two values of the warp (duplicates count twice, as a sorted top-2 does)
+__device__ __forceinline__ void warp_top2(float &a, float &b) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    float oa = __shfl_xor_sync(0xffffffffu, a, off);
+    float ob = __shfl_xor_sync(0xffffffffu, b, off);
+    float na = fmaxf(a, oa);
+    b = fmaxf(fminf(a, oa), fmaxf(b, ob));
+    a = na;
+  }
+}
+
+#define WARPS (E_ / 32)
+#define WARPS_PER_GROUP (E_ / NG / 32)
+
+// s_keep[g] = 1 for the TG groups of the best scores (a group's score: the sum of its two best choices,
+// a group being WARPS_PER_GROUP whole warps), else 0. Every thread of the CTA calls it with its expert's
+// choice: it synchronizes (s_top1, s_top2: WARPS floats each)
+__device__ __forceinline__ void keep_groups(float choice, int lane, int warp, float *s_top1, float *s_top2,
+                                            int *s_keep) {
+  float a = choice, b = NEG_INF;
+  warp_top2(a, b);
+  if (lane == 0) { s_top1[warp] = a; s_top2[warp] = b; }
+  __syncthreads();
+  if (warp == 0) {  // group scores, then the TG best groups (lane g holds group g)
+    float gs = NEG_INF;
+    if (lane < NG) {
+      float ga = NEG_INF, gb = NEG_INF;
+      for (int w = lane * WARPS_PER_GROUP; w < (lane + 1) * WARPS_PER_GROUP; ++w) {
+        float oa = s_top1[w], ob = s_top2[w];
+        float na = fmaxf(ga, oa);
+        gb = fmaxf(fminf(ga, oa), fmaxf(gb, ob));
+        ga = na;
+      }
+      gs = ga + gb;
+    }
+    int keep = 0;
+    for (int r = 0; r < TG; ++r) {
+      float v = (lane < NG && !keep) ? gs : NEG_INF;
+      int i = lane;
+      warp_argmax(v, i);
+      if (lane == i) keep = 1;
+    }
+    if (lane < NG) s_keep[lane] = keep;
+  }
+  __syncthreads();
+}
