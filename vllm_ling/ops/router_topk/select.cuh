@@ -31,6 +31,22 @@ __device__ __forceinline__ void warp_top2(float &a, float &b) {
   }
 }
 
+// this thread's expert for token t: returns its choice (score + bias), its score in `score`. The bias, a
+// constant, is read before the wait for the kernel that wrote the logits: with programmatic dependent
+// launch this grid starts while the gate GEMV finishes, and lets the routed experts' kernel (which waits
+// for this grid) start while it runs. expf, not __expf: the same float as torch.sigmoid, so a near-tie
+// picks what the reference picks
+__device__ __forceinline__ float expert_choice(const float *__restrict__ logits, const float *__restrict__ bias,
+                                               int t, int e, int logits_stride, float &score) {
+  const float expert_bias = bias[e];
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the logits are the previous kernel's output
+#endif
+  score = 1.f / (1.f + expf(-logits[(long)t * logits_stride + e]));
+  return score + expert_bias;
+}
+
 #define WARPS (E_ / 32)
 #define WARPS_PER_GROUP (E_ / NG / 32)
 
