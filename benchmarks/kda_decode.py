@@ -34,7 +34,11 @@ HEADS, HEAD_DIM, WIDTH = CONFIG["num_attention_heads"], CONFIG["head_dim"], CONF
 LAYERS = 35  # Ling-3.0-flash's KDA layers
 NUM_SPEC = 3
 # (block_v, num_warps, programs per head): one program per head, then a head split over 2 or 4
-CONFIGS = [(32, 4, 1), (64, 8, 1), (128, 8, 1), (128, 16, 1), (32, 4, 4), (32, 8, 4), (64, 4, 2), (64, 8, 2)]
+# (value channels per step, warps, programs per head, state prefetch): lease 2026-12-07a found the prefetch
+# spilling at 64 and 128 channels; those also without it, and the split heads both ways
+CONFIGS = [(32, 4, 1, True), (64, 8, 1, True), (128, 8, 1, True), (128, 16, 1, True), (32, 4, 4, True),
+           (32, 8, 4, True), (64, 4, 2, True), (64, 8, 2, True), (64, 8, 1, False), (128, 8, 1, False),
+           (128, 16, 1, False), (32, 4, 4, False), (64, 4, 2, False)]
 
 
 def layer_calls(seqs: int, window: int) -> list[KdaDecodeCall]:
@@ -113,6 +117,11 @@ def vllm_step(call: KdaDecodeCall):
     return run
 
 
+def _name(config: tuple[int, int, int, bool]) -> str:
+    block_v, warps, split, prefetch = config
+    return f"bv{block_v} w{warps}{f' x{split}' if split > 1 else ''}{'' if prefetch else ' no-pf'}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="1x1,2x1,4x1,8x1,1x4,2x4", help="sequences x window tokens")
@@ -127,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         outs = [torch.empty(seqs * window, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in calls]
         nbytes = step_bytes(seqs, window)
         timed = {}
-        for block_v, warps, split in CONFIGS:  # launched plainly, as the served configuration's first column
-            timed[(block_v, warps, split)] = stacked_time_us(
-                [lambda c=c, o=o, b=block_v, w=warps, s=split: kda_decode(c, o, block_v=b, num_warps=w, split=s,
-                                                                           pdl=False)
+        for config in CONFIGS:  # launched plainly, as the served configuration's first column
+            timed[config] = stacked_time_us(
+                [lambda c=c, o=o, b=config: kda_decode(c, o, block_v=b[0], num_warps=b[1], split=b[2], pdl=False,
+                                                       prefetch=b[3])
                  for c, o in zip(calls, outs)], args.iters)
         # the configuration launch_config serves, without and with programmatic dependent launch (each layer's
         # kernel reads its first state block while the one before finishes: here the previous layer's KDA kernel,
@@ -142,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         best = min(timed, key=timed.get)
         rows.append((seqs, window, nbytes, timed, best, their_us, served))
         print(f"{case}: best {best} {timed[best]:.2f} us, vLLM {their_us} us", file=sys.stderr)
-    header = " | ".join(f"ours bv{b} w{w}{f' x{s}' if s > 1 else ''} (us)" for b, w, s in CONFIGS)
+    header = " | ".join(_name(c) + " (us)" for c in CONFIGS)
     lines = [f"# A KDA layer's decode step ({torch.cuda.get_device_name()})", "",
              f"{HEADS} heads of {HEAD_DIM}, conv width {WIDTH}, safe gate; verify windows of {NUM_SPEC + 1} tokens "
              f"resume after {NUM_SPEC} accepted. CUDA-graph medians ({args.iters} replays) of {LAYERS} distinct layers "
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = " | ".join(f"{timed[c]:.2f}" for c in CONFIGS)
         frac = nbytes / (timed[best] * 1e-6) / (bw * 1e9)
         ratio = f"{their_us / timed[best]:.2f}x" if their_us else "-"
-        named = f"bv{best[0]} w{best[1]} x{best[2]}"
+        named = _name(best)
         lines.append(f"| {seqs} x {window} | {nbytes:,} | {cells} | {timed[best]:.2f} ({named}) "
                      f"| {frac:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} "
                      f"| {served[False]:.2f} | {served[True]:.2f} |")

@@ -12,17 +12,21 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks.kda_decode import vllm_step
+from benchmarks.kda_decode import CONFIGS as BENCHMARK_CONFIGS, vllm_step
 from vllm_ling.ops.kda_decode import KdaDecodeCall, kda_decode, launch_config
 from vllm_ling.ops.known_answer.kda_decode import KDA_DECODE_RTOL, check_kda_decode, decode_calls, reference
 
 
-@pytest.mark.parametrize("lower_bound,block_v,split", [(-5.0, 16, 1), (None, 32, 1), (-5.0, 16, 2)])
-def test_interpreted_kernel_passes_the_known_answer(interpreted_kda_decode, lower_bound, block_v, split):
-    """Both gates (Ling's safe gate and softplus), the value channels in one and in two blocks, and a head
+@pytest.mark.parametrize("lower_bound,block_v,split,prefetch", [(-5.0, 16, 1, True), (None, 32, 1, True),
+                                                               (-5.0, 16, 2, True), (-5.0, 16, 1, False),
+                                                               (-5.0, 8, 2, False)])
+def test_interpreted_kernel_passes_the_known_answer(interpreted_kda_decode, lower_bound, block_v, split, prefetch):
+    """Both gates (Ling's safe gate and softplus), the value channels in one and in two blocks, a head
     split over two programs (the interpreter runs programs one after another, in index order, as the GPU
-    dispatches them: the q/k conv state is written by the last program of a head)."""
-    result = check_kda_decode(lambda call, out: kda_decode(call, out, block_v=block_v, split=split),
+    dispatches them: the q/k conv state is written by the last program of a head), with each block's state
+    read ahead (prefetch) or where it is used."""
+    result = check_kda_decode(lambda call, out: kda_decode(call, out, block_v=block_v, split=split,
+                                                           prefetch=prefetch),
                               "interpreted", heads=2, head_dim=32, lower_bound=lower_bound)
     assert result.passed, result.failing_inputs
     assert result.cases == 6 and result.max_error < KDA_DECODE_RTOL / 4
@@ -137,7 +141,6 @@ def test_the_launcher_refuses_what_the_kernel_cannot_take(change, words):
 
 # ---- on the GPU
 
-SPLIT_CONFIGS = [(32, 4, 4), (32, 8, 4), (64, 4, 2), (64, 8, 2)]  # (block_v, warps, programs per head)
 
 
 def _on(call: KdaDecodeCall, device: str) -> KdaDecodeCall:
@@ -156,13 +159,14 @@ def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head
     assert result.passed, result.failing_inputs
     # every configuration launch_config hands out, on both steps (the check above: the ones its batches get),
     # and the split heads the benchmark measures (its last program waits on the others' counts)
-    configs = {launch_config(n, spec, head_dim) for n in (1, 2, 3, 4, 5, 8, 64) for spec in (False, True)}
-    configs |= {(bv, w, s) for bv, w, s in SPLIT_CONFIGS if bv * s <= head_dim}
-    for block_v, warps, split in configs:
-        result = check_kda_decode(lambda c, o: kda_decode(c, o, block_v=block_v, num_warps=warps, split=split),
-                                  f"bv{block_v} w{warps} x{split}", heads, head_dim, lower_bound=-5.0,
-                                  device="cuda")
-        assert result.passed, (block_v, warps, split, result.failing_inputs)
+    configs = {(*launch_config(n, spec, head_dim), True) for n in (1, 2, 3, 4, 5, 8, 64) for spec in (False, True)}
+    configs |= {(bv, w, s, pf) for bv, w, s, pf in BENCHMARK_CONFIGS if bv * s <= head_dim}
+    for block_v, warps, split, prefetch in configs:
+        result = check_kda_decode(lambda c, o: kda_decode(c, o, block_v=block_v, num_warps=warps, split=split,
+                                                          prefetch=prefetch),
+                                  f"bv{block_v} w{warps} x{split} prefetch {prefetch}", heads, head_dim,
+                                  lower_bound=-5.0, device="cuda")
+        assert result.passed, (block_v, warps, split, prefetch, result.failing_inputs)
     for name, call in decode_calls(heads, head_dim, 4, 3, -5.0, seed=1).items():
         ours, theirs = _on(call, "cuda"), _on(call, "cuda")
         out = torch.zeros((call.x.shape[0], heads, head_dim), dtype=torch.bfloat16, device="cuda")

@@ -117,13 +117,16 @@ def reserve_reader_counts(device: torch.device, count: int) -> torch.Tensor:
 
 
 def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = None,
-               num_warps: int | None = None, split: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+               num_warps: int | None = None, split: int | None = None, pdl: bool | None = None,
+               prefetch: bool = True) -> torch.Tensor:
     """Run the step into ``out`` [T, H, V] (rows of null-block sequences zeroed; rows past the
     sequences' tokens untouched); the conv state and the state pool in place. Returns ``out``.
     ``block_v``, ``num_warps``, ``split`` (programs per head, each its 1/split of the value channels): the
     launch configuration (default: :func:`launch_config`'s). ``pdl``: launched as a programmatic dependent
     (default: where it takes effect, sm_90+), so its programs read their first state block while the kernel
-    before finishes; every read of the step's inputs and every store waits for that kernel."""
+    before finishes; every read of the step's inputs and every store waits for that kernel. ``prefetch``:
+    each value block's state read before the work that precedes its use (the configurations
+    :func:`launch_config` picks were measured with it); off, each block's read where it is used."""
     heads = call.A_log.numel()
     width = call.conv_weight.shape[1]
     head_dim = call.state.shape[-1]
@@ -173,5 +176,6 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
         D=head_dim, W=width, MAX_T=max_pow2, WIN=_next_pow2(width - 1 + max_pow2),
         LP=_next_pow2(width - 2 + max_pow2), BV=block_v, SPLIT=split, SPEC=call.spec,
         SAFE_GATE=call.lower_bound is not None, HAS_BIAS=call.dt_bias is not None,
-        THRESHOLD=SOFTPLUS_THRESHOLD, USE_PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
+        THRESHOLD=SOFTPLUS_THRESHOLD, USE_PDL=pdl, PREFETCH=prefetch, num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}))
     return out

@@ -88,7 +88,7 @@ def kda_decode_kernel(
         scale, lower_bound, eps, P,
         D: tl.constexpr, W: tl.constexpr, MAX_T: tl.constexpr, WIN: tl.constexpr, LP: tl.constexpr,
         BV: tl.constexpr, SPLIT: tl.constexpr, SPEC: tl.constexpr, SAFE_GATE: tl.constexpr,
-        HAS_BIAS: tl.constexpr, THRESHOLD: tl.constexpr, USE_PDL: tl.constexpr):
+        HAS_BIAS: tl.constexpr, THRESHOLD: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # program (part, head, sequence): ``SPLIT`` programs share a head, each its D / SPLIT value channels
     part = tl.program_id(0)
     h = tl.program_id(1)
@@ -108,14 +108,17 @@ def kda_decode_kernel(
     d = tl.arange(0, D)
     own = part * (D // SPLIT) + tl.arange(0, D // SPLIT)  # this program's value channels
     rows = tl.arange(0, MAX_T)[:, None]
-    # the first value block's state (the largest read) issued first: before the convolutions, which it does
-    # not depend on (the compiler cannot move it above their conv-state stores: it cannot tell the pools
-    # apart), and, launched as a programmatic dependent, before the wait for the kernel before (a padding
-    # sequence's slot, <= 0, reads row 0 here and nothing after)
+    # PREFETCH: the first value block's state (the largest read) issued first: before the convolutions, which
+    # it does not depend on (the compiler cannot move it above their conv-state stores: it cannot tell the
+    # pools apart), and, launched as a programmatic dependent, before the wait for the kernel before (a
+    # padding sequence's slot, <= 0, reads row 0 here and nothing after); each next block's during the one
+    # before. It holds a block's state in registers across the convolutions: blocks of 64 or 128 channels
+    # spill (lease 2026-12-07a), so it is the launch configuration's choice
     state_base = state + tl.maximum(start, 0) * stride_ss + h * stride_sh
     first = part * (D // SPLIT)
     tile = (first + tl.arange(0, BV))[:, None] * stride_sv + d[None, :] * stride_sk
-    S_next = tl.load(state_base + tile)
+    if PREFETCH:
+        S_next = tl.load(state_base + tile)
     if USE_PDL:
         # x, f and the beta logits are the kernels' before; so may be the memory the stores below write
         tl.extra.cuda.gdc_wait()
@@ -165,9 +168,12 @@ def kda_decode_kernel(
     for j in tl.static_range(D // SPLIT // BV):
         vd = first + j * BV + tl.arange(0, BV)
         tile = vd[:, None] * stride_sv + d[None, :] * stride_sk
-        S = S_next.to(tl.float32)
-        if j + 1 < D // SPLIT // BV:  # the next block's state in flight while this block computes
-            S_next = tl.load(state_base + tile + BV * stride_sv)
+        if PREFETCH:
+            S = S_next.to(tl.float32)
+            if j + 1 < D // SPLIT // BV:  # the next block's state in flight while this block computes
+                S_next = tl.load(state_base + tile + BV * stride_sv)
+        else:
+            S = tl.load(state_base + tile).to(tl.float32)
         v, moved_v = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd,
                            conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
         _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd, conv_slot, seqlen,
