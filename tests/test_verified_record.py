@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import re
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,9 +37,14 @@ def test_the_committed_record_has_the_columns():
         assert next(csv.reader(f)) == R.COLUMNS
 
 
-def _fake_clone(tmp_path: Path, summary: str) -> Path:
+SIDE = "tests/deploy/test_docker_image.py"  # run_tests.sh's side process (the whole suite only)
+
+
+def _fake_clone(tmp_path: Path, summary: str, side_summary: str = "2 passed, 1 skipped in 5.00s",
+                side_rc: int = 0) -> Path:
     """A git checkout holding run_tests.sh, record_verified.py and a committed verified.csv, whose
-    `.venv/bin/python -m pytest` prints ``summary`` (the suite itself is not what is tested)."""
+    `.venv/bin/python -m pytest` prints ``summary``, or ``side_summary`` (exit ``side_rc``) when it runs the
+    side process's tests (the suite itself is not what is tested)."""
     import os
     import subprocess
     import sys
@@ -51,6 +58,8 @@ def _fake_clone(tmp_path: Path, summary: str) -> Path:
     venv_bin.mkdir(parents=True)
     (venv_bin / "python").write_text(
         "#!/usr/bin/env bash\n"
+        f'if [ "$1 $2" = "-m pytest" ] && [[ " $* " == *" {SIDE} "* ]]; then echo "=== {side_summary} ==="; '
+        f'exit {side_rc}; fi\n'
         f'if [ "$1 $2" = "-m pytest" ]; then echo "=== {summary} ==="; exit 0; fi\n'
         f'exec {sys.executable} "$@"\n')
     (venv_bin / "python").chmod(0o755)
@@ -83,7 +92,23 @@ def test_a_test_run_leaves_the_checkout_clean_unless_a_record_is_asked_for(tmp_p
     asked = _run_tests(clone, VLLM_LING_RECORD_VERIFIED="1")
     assert asked.returncode == 0, asked.stderr
     rows = list(csv.DictReader((clone / "verified.csv").open()))
-    assert rows[-1]["suite"] == "cpu" and rows[-1]["result"] == "3 passed in 1.00s"
+    # the whole suite: the side process's counts added, the wall time
+    assert rows[-1]["suite"] == "cpu" and re.fullmatch(r"5 passed, 1 skipped in \d+s \(0:\d\d, two processes\)",
+                                                       rows[-1]["result"]), rows[-1]
+    one = _run_tests(clone, VLLM_LING_RECORD_VERIFIED="1", VLLM_LING_TESTS_SIDE="0")
+    assert one.returncode == 0, one.stderr
+    assert list(csv.DictReader((clone / "verified.csv").open()))[-1]["result"] == "3 passed in 1.00s"
+
+
+def test_a_failing_side_process_fails_the_run_and_its_record(tmp_path):
+    clone = _fake_clone(tmp_path, "3 passed in 1.00s", side_summary="1 failed, 1 passed in 2.00s", side_rc=1)
+    done = _run_tests(clone, VLLM_LING_RECORD_VERIFIED="1")
+    assert done.returncode == 1 and f"==== {SIDE}, run beside the rest:" in done.stdout, done.stdout[-2000:]
+    assert list(csv.DictReader((clone / "verified.csv").open()))[-1]["result"].startswith("1 failed, 4 passed in ")
+    # a run of some tests (a path given) has no side process
+    some = subprocess.run(["bash", "scripts/run_tests.sh", "scripts"], cwd=clone, capture_output=True, text=True,
+                          timeout=300)
+    assert some.returncode == 0 and "run beside the rest" not in some.stdout, some.stdout
 
 
 def test_a_test_run_that_changes_the_checkout_says_so_and_fails_under_ci(tmp_path):
