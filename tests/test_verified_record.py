@@ -37,7 +37,7 @@ def test_the_committed_record_has_the_columns():
         assert next(csv.reader(f)) == R.COLUMNS
 
 
-SIDE = "tests/deploy/test_docker_image.py"  # run_tests.sh's side process (the whole suite only)
+SIDE = "tests/deploy/test_docker_image.py"  # one of run_tests.sh's side process's files (the whole suite only)
 
 
 def _fake_clone(tmp_path: Path, summary: str, side_summary: str = "2 passed, 1 skipped in 5.00s",
@@ -103,7 +103,7 @@ def test_a_test_run_leaves_the_checkout_clean_unless_a_record_is_asked_for(tmp_p
 def test_a_failing_side_process_fails_the_run_and_its_record(tmp_path):
     clone = _fake_clone(tmp_path, "3 passed in 1.00s", side_summary="1 failed, 1 passed in 2.00s", side_rc=1)
     done = _run_tests(clone, VLLM_LING_RECORD_VERIFIED="1")
-    assert done.returncode == 1 and f"==== {SIDE}, run beside the rest:" in done.stdout, done.stdout[-2000:]
+    assert done.returncode == 1 and f"{SIDE}, run beside the rest:" in done.stdout, done.stdout[-2000:]
     assert list(csv.DictReader((clone / "verified.csv").open()))[-1]["result"].startswith("1 failed, 4 passed in ")
     # a run of some tests (a path given) has no side process
     some = subprocess.run(["bash", "scripts/run_tests.sh", "scripts"], cwd=clone, capture_output=True, text=True,
