@@ -33,7 +33,6 @@ CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_
 HEADS, HEAD_DIM, WIDTH = CONFIG["num_attention_heads"], CONFIG["head_dim"], CONFIG["short_conv_kernel_size"]
 LAYERS = 35  # Ling-3.0-flash's KDA layers
 NUM_SPEC = 3
-# (block_v, num_warps, programs per head): one program per head, then a head split over 2 or 4
 # (value channels per step, warps, programs per head, state prefetch): lease 2026-12-07a found the prefetch
 # spilling at 64 and 128 channels; those also without it, and the split heads both ways
 CONFIGS = [(32, 4, 1, True), (64, 8, 1, True), (128, 8, 1, True), (128, 16, 1, True), (32, 4, 4, True),
@@ -163,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = " | ".join(f"{timed[c]:.2f}" for c in CONFIGS)
         frac = nbytes / (timed[best] * 1e-6) / (bw * 1e9)
         ratio = f"{their_us / timed[best]:.2f}x" if their_us else "-"
-        named = _name(best)
-        lines.append(f"| {seqs} x {window} | {nbytes:,} | {cells} | {timed[best]:.2f} ({named}) "
+        lines.append(f"| {seqs} x {window} | {nbytes:,} | {cells} | {timed[best]:.2f} ({_name(best)}) "
                      f"| {frac:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} "
                      f"| {served[False]:.2f} | {served[True]:.2f} |")
     write_outputs("\n".join(lines) + "\n", args.out)

@@ -131,9 +131,10 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
     width = call.conv_weight.shape[1]
     head_dim = call.state.shape[-1]
     if block_v is None:
-        block_v, chosen_warps, chosen_split = launch_config(call.slots.shape[0], call.spec, head_dim)
-        num_warps, split = num_warps or chosen_warps, split or chosen_split
-    num_warps, split = num_warps or 4, split or 1
+        block_v, default_warps, default_split = launch_config(call.slots.shape[0], call.spec, head_dim)
+    else:
+        default_warps, default_split = 4, 1
+    num_warps, split = num_warps or default_warps, split or default_split
     if head_dim % (split * block_v):
         raise ValueError(f"{split} programs of {block_v}-channel blocks do not tile head_dim {head_dim}")
     proj = heads * head_dim

@@ -135,11 +135,7 @@ def kda_decode_kernel(
     k = k / tl.sqrt(_sum(k * k, axis=1)[:, None] + eps)
     # the head's q and k conv state: every program of the head reads it (above), the last one writes it
     # once the others said they read it (they are dispatched before it: it never waits on one not started)
-    if SPLIT == 1:
-        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, h * D + d, conv_slot, seqlen, moved_q, W, LP)
-        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d, conv_slot, seqlen, moved_k,
-                          W, LP)
-    else:
+    if SPLIT > 1:
         count = readers + n * tl.num_programs(1) + h
         if part < SPLIT - 1:
             tl.debug_barrier()  # q and k computed from every thread's loads
@@ -148,10 +144,11 @@ def kda_decode_kernel(
             seen = tl.atomic_add(count, 0, sem="acquire")
             while seen < SPLIT - 1:
                 seen = tl.atomic_add(count, 0, sem="acquire")
-            _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, h * D + d, conv_slot, seqlen, moved_q,
-                              W, LP)
-            _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d, conv_slot, seqlen,
-                              moved_k, W, LP)
+    if part == SPLIT - 1:
+        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, h * D + d, conv_slot, seqlen, moved_q, W, LP)
+        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d, conv_slot, seqlen, moved_k,
+                          W, LP)
+        if SPLIT > 1:
             tl.atomic_xchg(count, 0)  # ready for the next step (and the next replay of a CUDA graph)
     live = rows < seqlen
     raw = tl.load(f + (bos + rows) * stride_f + h * D + d[None, :], mask=live, other=0.0).to(tl.float32)
