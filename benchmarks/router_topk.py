@@ -6,6 +6,9 @@ plus the tokens whose picked experts differ from the plain-PyTorch reference's, 
 sit at a near tie (where either pick is right).
 
     python -m benchmarks.router_topk --out benchmarks/results/router_topk_h100.md   # on the GPU
+    python -m benchmarks.router_topk --json rows.json ...   # the rows, machine-readable
+    python -m benchmarks.router_topk --candidate-wins rows.json   # exit 0: the two-level variant
+                                                                  # was right and faster at decode sizes
 
 The work reads 2 KB of logits and 2 KB of bias per layer: the copy-bandwidth column shows how far
 from a memory-bound op this is (the time is launch and synchronisation, not bytes). Ours launches with
@@ -30,6 +33,27 @@ from vllm_ling.ops.known_answer.router_topk import Routing, decision_margins
 CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_config.json").read_text())
 LAYERS = 40
 NEAR_TIE = 1e-6  # fp32 sigmoid and sums round at ~6e-8 near 1: a margin below this is a tie either way
+# the candidate replaces the served kernel only where it is this much faster at every decode size timed (a
+# lease's run to run spread of one kernel's median is about 2%)
+DECODE_TOKENS = (1, 4, 16)
+CANDIDATE_MARGIN = 0.95
+
+
+def candidate_wins(rows: list[dict]) -> tuple[bool, str]:
+    """Whether the two-level variant should serve, from :func:`main`'s JSON rows, and why: right at every
+    size (no pick off the reference away from a near tie), and faster than the served kernel by
+    ``CANDIDATE_MARGIN`` at every decode size in ``DECODE_TOKENS`` that was timed (at least one)."""
+    wrong = [r["tokens"] for r in rows if r["two_level_off"] != r["two_level_near_tie"]]
+    if wrong:
+        return False, f"two_level picked other experts than the reference at {wrong} tokens"
+    decode = [r for r in rows if r["tokens"] in DECODE_TOKENS]
+    if not decode:
+        return False, f"no decode size ({', '.join(map(str, DECODE_TOKENS))} tokens) was timed"
+    slower = [r for r in decode if r["two_level_us"] > CANDIDATE_MARGIN * r["ours_us"]]
+    said = ", ".join(f"{r['tokens']}: {r['two_level_us']:.2f} vs {r['ours_us']:.2f} us" for r in decode)
+    if slower:
+        return False, f"two_level is not {1 - CANDIDATE_MARGIN:.0%} faster at every decode size ({said})"
+    return True, f"two_level is right and faster ({said})"
 
 
 def ling_routing() -> Routing:
@@ -77,7 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 16, 256, 2048])
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--candidate-wins", metavar="ROWS_JSON", default=None,
+                        help="only judge an earlier run's rows: exit 0 where the two-level variant should serve")
     args = parser.parse_args(argv)
+    if args.candidate_wins:
+        wins, why = candidate_wins(json.loads(open(args.candidate_wins).read()))
+        print(why)
+        return 0 if wins else 1
     routing = ling_routing()
     e, n_group, topk_group, top_k, scale = (routing.num_experts, routing.n_group, routing.topk_group,
                                             routing.top_k, routing.scale)
@@ -124,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {t} | {ours_us:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} | {nbytes:,} "
                      f"| {frac:.4f} | {_off(ours_off)} / {_off(their_off)} | {two_us:.2f} | {_off(two_off)} |")
     write_outputs("\n".join(lines) + "\n", args.out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"tokens": t, "ours_us": ours_us, "vllm_us": their_us, "ours_off": ours_off[0],
+                        "ours_near_tie": ours_off[1], "two_level_us": two_us, "two_level_off": two_off[0],
+                        "two_level_near_tie": two_off[1]}
+                       for t, ours_us, their_us, _, ours_off, _, two_us, two_off in rows], f, indent=1)
     # a pick that differs away from a near tie is a wrong kernel; at a tie either side is right
     return 0 if all(off == near and two[0] == two[1] for _, _, _, _, (off, near), _, _, two in rows) else 1
 
