@@ -34,10 +34,10 @@ HEADS, HEAD_DIM, WIDTH = CONFIG["num_attention_heads"], CONFIG["head_dim"], CONF
 LAYERS = 35  # Ling-3.0-flash's KDA layers
 NUM_SPEC = 3
 # (value channels per step, warps, programs per head, state prefetch): lease 2026-12-07a found the prefetch
-# spilling at 64 and 128 channels; those also without it, and the split heads both ways
+# spilling at 64 and 128 channels; those also without it, the split heads both ways, and 8 programs per head
 CONFIGS = [(32, 4, 1, True), (64, 8, 1, True), (128, 8, 1, True), (128, 16, 1, True), (32, 4, 4, True),
            (32, 8, 4, True), (64, 4, 2, True), (64, 8, 2, True), (64, 8, 1, False), (128, 8, 1, False),
-           (128, 16, 1, False), (32, 4, 4, False), (64, 4, 2, False)]
+           (128, 16, 1, False), (32, 4, 4, False), (64, 4, 2, False), (16, 4, 8, True), (16, 2, 8, True)]
 
 
 def layer_calls(seqs: int, window: int) -> list[KdaDecodeCall]:

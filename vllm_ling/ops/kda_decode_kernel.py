@@ -127,10 +127,23 @@ def kda_decode_kernel(
             zeros = tl.full([D // SPLIT], 0.0, tl.float32).to(o.dtype.element_ty)
             tl.store(o + (bos + t) * stride_ot + h * stride_oh + own, zeros, mask=own * 0 + seqlen > t)
         return
+    # Every load no store of this step can change, issued together: the q, k and first value block's conv
+    # windows, the gate, A and beta (one memory round trip rather than one per stage: the compiler keeps a
+    # load below any earlier store to a pool it cannot tell apart, such as the conv state's q/k channels)
     q, moved_q = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, h * D + d,
                        conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
     k, moved_k = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d,
                        conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
+    v_first, moved_v_first = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
+                                   2 * P + h * D + first + tl.arange(0, BV), conv_slot, offset, bos, seqlen, W,
+                                   MAX_T, WIN, LP)
+    live = rows < seqlen
+    raw = tl.load(f + (bos + rows) * stride_f + h * D + d[None, :], mask=live, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw += tl.load(dt_bias + h * D + d).to(tl.float32)[None, :]
+    a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    t1 = tl.arange(0, MAX_T)
+    beta = _sigmoid(tl.load(b + (bos + t1) * stride_b + h, mask=t1 < seqlen, other=0.0).to(tl.float32))
     q = q / tl.sqrt(_sum(q * q, axis=1)[:, None] + eps) * scale
     k = k / tl.sqrt(_sum(k * k, axis=1)[:, None] + eps)
     # the head's q and k conv state: every program of the head reads it (above), the last one writes it
@@ -150,18 +163,11 @@ def kda_decode_kernel(
                           W, LP)
         if SPLIT > 1:
             tl.atomic_xchg(count, 0)  # ready for the next step (and the next replay of a CUDA graph)
-    live = rows < seqlen
-    raw = tl.load(f + (bos + rows) * stride_f + h * D + d[None, :], mask=live, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        raw += tl.load(dt_bias + h * D + d).to(tl.float32)[None, :]
-    a = tl.exp(tl.load(A_log + h).to(tl.float32))
     if SAFE_GATE:
         g = lower_bound * _sigmoid(a * raw)
     else:
         g = -a * tl.where(raw > THRESHOLD, raw, tl.log(1.0 + tl.exp(raw)))
     g = tl.where(live, g, 0.0)  # past the window: no decay, k = 0, so the state stays
-    t1 = tl.arange(0, MAX_T)
-    beta = _sigmoid(tl.load(b + (bos + t1) * stride_b + h, mask=t1 < seqlen, other=0.0).to(tl.float32))
     for j in tl.static_range(D // SPLIT // BV):
         vd = first + j * BV + tl.arange(0, BV)
         tile = vd[:, None] * stride_sv + d[None, :] * stride_sk
@@ -171,8 +177,11 @@ def kda_decode_kernel(
                 S_next = tl.load(state_base + tile + BV * stride_sv)
         else:
             S = tl.load(state_base + tile).to(tl.float32)
-        v, moved_v = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd,
-                           conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
+        if j == 0:
+            v, moved_v = v_first, moved_v_first
+        else:
+            v, moved_v = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd,
+                               conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
         _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd, conv_slot, seqlen,
                           moved_v, W, LP)
         for t in tl.static_range(MAX_T):
