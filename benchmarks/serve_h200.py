@@ -314,7 +314,7 @@ def run(args) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     name = f"{args.composition}{'-mtp' if args.mtp else '-dspark' if args.dspark else ''}"
     name += f"-L{args.layers}" if args.layers else ""
-    name += "".join(f"-{k[len('VLLM_LING_'):].lower()}={v}" for k, v in args.switch)
+    name += "".join(f"-{k[len('VLLM_LING_'):].lower()}={v}" for k, v in dict(args.switch).items())  # once each
     name += f"-{args.tag}" if args.tag else ""
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     # one path for every run: vLLM's torch.compile cache is keyed by the model path, so a second

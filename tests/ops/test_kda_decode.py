@@ -81,18 +81,18 @@ def test_padded_sequences_get_zero_rows_and_leave_every_state_alone(interpreted_
 
 
 def test_the_launch_configuration_follows_the_batch_and_fits_the_head():
-    """The measured choice (benchmarks/results/kda_decode_h100.md, lease 2026-12-07a): a head over 4 programs
-    of 32 value channels for small batches, 2 of 64 at two verify windows, one program above; every choice
-    tiles the head, however small."""
-    assert launch_config(1, False, 128) == (32, 4, 4) and launch_config(4, False, 128) == (32, 4, 4)
-    assert launch_config(5, False, 128) == (32, 4, 1) and launch_config(64, False, 128) == (32, 4, 1)
-    assert launch_config(1, True, 128) == (32, 4, 4) and launch_config(2, True, 128) == (64, 4, 2)
-    assert launch_config(3, True, 128) == (64, 8, 1)
-    assert launch_config(1, False, 64) == (32, 4, 2) and launch_config(2, True, 64) == (64, 4, 1)
+    """The measured choice (benchmarks/results/kda_decode_h200.md, lease 2026-12-07b): a head over 4 programs
+    of 32 value channels for small batches, 2 of 64 at two verify windows, one program of 64-channel blocks
+    above, each block's state read where it is used; every choice tiles the head, however small."""
+    assert launch_config(1, False, 128) == (32, 4, 4, False) and launch_config(4, False, 128) == (32, 4, 4, False)
+    assert launch_config(5, False, 128) == (64, 8, 1, False) and launch_config(64, False, 128) == (64, 8, 1, False)
+    assert launch_config(1, True, 128) == (32, 4, 4, False) and launch_config(2, True, 128) == (64, 4, 2, False)
+    assert launch_config(3, True, 128) == (64, 8, 1, False)
+    assert launch_config(1, False, 64)[:3] == (32, 4, 2) and launch_config(2, True, 64)[:3] == (64, 4, 1)
     for head_dim in (32, 64, 128, 256):
         for seqs in (1, 2, 3, 4, 5, 8, 256):
             for spec in (False, True):
-                block_v, _, split = launch_config(seqs, spec, head_dim)
+                block_v, _, split, _ = launch_config(seqs, spec, head_dim)
                 assert block_v <= head_dim and head_dim % (block_v * split) == 0, (head_dim, seqs, spec)
 
 
@@ -153,13 +153,13 @@ def _on(call: KdaDecodeCall, device: str) -> KdaDecodeCall:
 def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head_dim):
     result = check_kda_decode(kda_decode, "compiled", heads, head_dim, lower_bound=-5.0, device="cuda")
     assert result.passed, result.failing_inputs
-    # launched as a programmatic dependent by default on sm_90+ (its first state read before the wait): without
+    # launched as a programmatic dependent by default on sm_90+: without
     result = check_kda_decode(lambda c, o: kda_decode(c, o, pdl=False), "no PDL", heads, head_dim, lower_bound=-5.0,
                               device="cuda")
     assert result.passed, result.failing_inputs
     # every configuration launch_config hands out, on both steps (the check above: the ones its batches get),
     # and the split heads the benchmark measures (its last program waits on the others' counts)
-    configs = {(*launch_config(n, spec, head_dim), True) for n in (1, 2, 3, 4, 5, 8, 64) for spec in (False, True)}
+    configs = {launch_config(n, spec, head_dim) for n in (1, 2, 3, 4, 5, 8, 64) for spec in (False, True)}
     configs |= {(bv, w, s, pf) for bv, w, s, pf in BENCHMARK_CONFIGS if bv * s <= head_dim}
     for block_v, warps, split, prefetch in configs:
         result = check_kda_decode(lambda c, o: kda_decode(c, o, block_v=block_v, num_warps=warps, split=split,

@@ -26,8 +26,8 @@ FLOATS = {"scale", "lower_bound", "eps"}
 
 
 def _served_configs() -> set[tuple[int, int, int, bool, bool]]:
-    """(block_v, warps, split, prefetch, spec): what serves at every batch (the state prefetch on)."""
-    return {(*launch_config(seqs, spec, HEAD_DIM), True, spec) for seqs in range(1, 257) for spec in (False, True)}
+    """(block_v, warps, split, prefetch, spec): what serves at every batch."""
+    return {(*launch_config(seqs, spec, HEAD_DIM), spec) for seqs in range(1, 257) for spec in (False, True)}
 
 
 def _compile(block_v: int, warps: int, split: int, prefetch: bool, spec: bool, pdl: bool, capability: int):

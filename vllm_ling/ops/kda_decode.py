@@ -46,20 +46,21 @@ SOFTPLUS_THRESHOLD = 20.0  # fused_kda_gate's default: softplus is linear above 
 MIN_BLOCK_V = 32  # the smallest value block the launch configurations use
 
 
-def launch_config(num_seqs: int, spec: bool, head_dim: int) -> tuple[int, int, int]:
-    """(value channels per step, warps, programs per head) for a batch: the fastest of
-    benchmarks/kda_decode.py's configurations at Ling's shape on the H100 in its last run
-    (benchmarks/results/kda_decode_h100.md, lease 2026-12-07a): a head's value channels over 4 programs of
-    32 channels at up to 4 plain decodes or one verify window, over 2 programs of 64 at two windows; one
-    program per head above, where the batch fills the GPU with programs anyway. (The whole 128 x 128 state
-    of a head in one program, fastest before the state prefetch, now spills: 2x slower.) Smaller heads take
-    fewer programs."""
+def launch_config(num_seqs: int, spec: bool, head_dim: int) -> tuple[int, int, int, bool]:
+    """(value channels per step, warps, programs per head, state prefetch) for a batch: the fastest of
+    benchmarks/kda_decode.py's configurations at Ling's shape in its last run (lease 2026-12-07b, H200:
+    benchmarks/results/kda_decode_h200.md), each value block's state read where it is used: a head's value
+    channels over 4 programs of 32 channels at up to 4 plain decodes or one verify window, over 2 programs
+    of 64 at two windows; one program of 64-channel blocks per head above, where the batch fills the GPU
+    with programs anyway. (The state prefetch, which held a block in registers across the convolutions,
+    lost at every batch once the step's other loads were issued together.) Smaller heads take fewer
+    programs."""
     if spec:
         block_v, warps, split = (32, 4, 4) if num_seqs <= 1 else (64, 4, 2) if num_seqs <= 2 else (64, 8, 1)
     else:
-        block_v, warps, split = (32, 4, 4) if num_seqs <= 4 else (32, 4, 1)
+        block_v, warps, split = (32, 4, 4) if num_seqs <= 4 else (64, 8, 1)
     block_v = min(block_v, head_dim)
-    return block_v, warps, max(1, min(split, head_dim // block_v))
+    return block_v, warps, max(1, min(split, head_dim // block_v)), False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,23 +119,26 @@ def reserve_reader_counts(device: torch.device, count: int) -> torch.Tensor:
 
 def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = None,
                num_warps: int | None = None, split: int | None = None, pdl: bool | None = None,
-               prefetch: bool = True) -> torch.Tensor:
+               prefetch: bool | None = None) -> torch.Tensor:
     """Run the step into ``out`` [T, H, V] (rows of null-block sequences zeroed; rows past the
     sequences' tokens untouched); the conv state and the state pool in place. Returns ``out``.
     ``block_v``, ``num_warps``, ``split`` (programs per head, each its 1/split of the value channels): the
     launch configuration (default: :func:`launch_config`'s). ``pdl``: launched as a programmatic dependent
-    (default: where it takes effect, sm_90+), so its programs read their first state block while the kernel
-    before finishes; every read of the step's inputs and every store waits for that kernel. ``prefetch``:
-    each value block's state read before the work that precedes its use (the configurations
-    :func:`launch_config` picks were measured with it); off, each block's read where it is used."""
+    (default: where it takes effect, sm_90+), so its programs start while the kernel before finishes (with
+    ``prefetch``, reading their first state block); every read of the step's inputs and every store waits
+    for that kernel. ``prefetch``: each value block's state read before the work that precedes its use;
+    off, each block's read where it is used (default: :func:`launch_config`'s; off with an explicit
+    ``block_v``)."""
     heads = call.A_log.numel()
     width = call.conv_weight.shape[1]
     head_dim = call.state.shape[-1]
     if block_v is None:
-        block_v, default_warps, default_split = launch_config(call.slots.shape[0], call.spec, head_dim)
+        block_v, default_warps, default_split, default_prefetch = launch_config(call.slots.shape[0], call.spec,
+                                                                               head_dim)
     else:
-        default_warps, default_split = 4, 1
+        default_warps, default_split, default_prefetch = 4, 1, False
     num_warps, split = num_warps or default_warps, split or default_split
+    prefetch = default_prefetch if prefetch is None else prefetch
     if head_dim % (split * block_v):
         raise ValueError(f"{split} programs of {block_v}-channel blocks do not tile head_dim {head_dim}")
     proj = heads * head_dim
