@@ -33,11 +33,12 @@ CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_
 HEADS, HEAD_DIM, WIDTH = CONFIG["num_attention_heads"], CONFIG["head_dim"], CONFIG["short_conv_kernel_size"]
 LAYERS = 35  # Ling-3.0-flash's KDA layers
 NUM_SPEC = 3
-# (value channels per step, warps, programs per head, state prefetch): lease 2026-12-07a found the prefetch
-# spilling at 64 and 128 channels; those also without it, the split heads both ways, and 8 programs per head
-CONFIGS = [(32, 4, 1, True), (64, 8, 1, True), (128, 8, 1, True), (128, 16, 1, True), (32, 4, 4, True),
-           (32, 8, 4, True), (64, 4, 2, True), (64, 8, 2, True), (64, 8, 1, False), (128, 8, 1, False),
-           (128, 16, 1, False), (32, 4, 4, False), (64, 4, 2, False), (16, 4, 8, True), (16, 2, 8, True)]
+# (value channels per step, warps, programs per head, state prefetch): what launch_config serves and its
+# neighbours, each block's state read where it is used (fastest at every batch in lease 2026-12-07b), and the
+# served shapes with the prefetch (lease 07b dropped the configurations that lost everywhere: a 128-channel
+# block or one 32-channel block per program with the prefetch, 8 programs of 16 channels)
+CONFIGS = [(32, 4, 4, False), (32, 8, 4, False), (64, 4, 2, False), (64, 8, 1, False), (32, 4, 1, False),
+           (128, 8, 1, False), (128, 16, 1, False), (32, 4, 4, True), (64, 4, 2, True), (64, 8, 1, True)]
 
 
 def layer_calls(seqs: int, window: int) -> list[KdaDecodeCall]:
