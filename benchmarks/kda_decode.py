@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from importlib import resources
 
 import torch
@@ -36,9 +37,12 @@ NUM_SPEC = 3
 # (value channels per step, warps, programs per head, state prefetch): what launch_config serves and its
 # neighbours, each block's state read where it is used (fastest at every batch in lease 2026-12-07b), and the
 # served shapes with the prefetch (lease 07b dropped the configurations that lost everywhere: a 128-channel
-# block or one 32-channel block per program with the prefetch, 8 programs of 16 channels)
+# block or one 32-channel block per program with the prefetch, 8 programs of 16 channels); and programs of one
+# or two warps, as vLLM's recurrence runs (a [32, 128] state tile per warp: its sums over the key channels
+# stay within the warp; 3.9 us per layer in the real step, lease 07b)
 CONFIGS = [(32, 4, 4, False), (32, 8, 4, False), (64, 4, 2, False), (64, 8, 1, False), (32, 4, 1, False),
-           (128, 8, 1, False), (128, 16, 1, False), (32, 4, 4, True), (64, 4, 2, True), (64, 8, 1, True)]
+           (128, 8, 1, False), (128, 16, 1, False), (32, 4, 4, True), (64, 4, 2, True), (64, 8, 1, True),
+           (32, 1, 4, False), (32, 2, 4, False), (32, 1, 4, True), (16, 1, 8, False), (32, 1, 1, False)]
 
 
 def layer_calls(seqs: int, window: int) -> list[KdaDecodeCall]:
@@ -132,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="1x1,2x1,4x1,8x1,1x4,2x4", help="sequences x window tokens")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--launch-table", metavar="JSON", default=None,
+                        help="also write the fastest configuration per batch as vllm_ling/data/kda_decode_launch.json "
+                             "takes it (what launch_config serves)")
     args = parser.parse_args(argv)
     bw, how = copy_bandwidth_gbs()
     rows = []
@@ -172,7 +179,26 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {frac:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} "
                      f"| {served[False]:.2f} | {served[True]:.2f} |")
     write_outputs("\n".join(lines) + "\n", args.out)
+    if args.launch_table:
+        table = launch_table_of([(seqs, window, best) for seqs, window, _, _, best, _, _ in rows],
+                                f"benchmarks/kda_decode.py on the {torch.cuda.get_device_name()}, "
+                                f"{time.strftime('%Y-%m-%d')}: the fastest configuration per batch")
+        with open(args.launch_table, "w") as f:
+            f.write(json.dumps(table, indent=2) + "\n")
     return 0
+
+
+def launch_table_of(bests: list[tuple[int, int, tuple[int, int, int, bool]]], source: str) -> dict:
+    """The launch table (vllm_ling.ops.kda_decode.launch_table's file) from (sequences, window tokens, fastest
+    configuration) per measured batch: a row per batch, plain decodes and verify windows apart, by size."""
+    table = {"source": source, "columns": ["up to sequences", "value channels per step", "warps", "programs per head",
+                                           "state prefetch"], "plain": [], "spec": []}
+    for seqs, window, (block_v, warps, split, prefetch) in sorted(bests):
+        table["spec" if window > 1 else "plain"].append([seqs, block_v, warps, split, prefetch])
+    missing = [step for step in ("plain", "spec") if not table[step]]
+    if missing:
+        raise ValueError(f"no {' or '.join(missing)} batch measured: the launch table needs both")
+    return table
 
 
 if __name__ == "__main__":

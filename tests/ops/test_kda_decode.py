@@ -80,20 +80,61 @@ def test_padded_sequences_get_zero_rows_and_leave_every_state_alone(interpreted_
     assert torch.equal(conv_state, call.conv_state) and torch.equal(state, call.state)
 
 
-def test_the_launch_configuration_follows_the_batch_and_fits_the_head():
-    """The measured choice (benchmarks/results/kda_decode_h200.md, lease 2026-12-07b): a head over 4 programs
-    of 32 value channels for small batches, 2 of 64 at two verify windows, one program of 64-channel blocks
-    above, each block's state read where it is used; every choice tiles the head, however small."""
-    assert launch_config(1, False, 128) == (32, 4, 4, False) and launch_config(4, False, 128) == (32, 4, 4, False)
-    assert launch_config(5, False, 128) == (64, 8, 1, False) and launch_config(64, False, 128) == (64, 8, 1, False)
-    assert launch_config(1, True, 128) == (32, 4, 4, False) and launch_config(2, True, 128) == (64, 4, 2, False)
-    assert launch_config(3, True, 128) == (64, 8, 1, False)
-    assert launch_config(1, False, 64)[:3] == (32, 4, 2) and launch_config(2, True, 64)[:3] == (64, 4, 1)
+def test_the_launch_configuration_follows_the_measured_table_and_fits_the_head():
+    """launch_config serves the launch table's row for the smallest measured batch holding the batch (the
+    file read here on its own), that row's blocks with one program per head above the largest, and every
+    choice tiles the head, however small."""
+    import json
+    from importlib import resources
+
+    from vllm_ling.ops.kda_decode import LAUNCH_TABLE
+
+    table = json.loads(resources.files("vllm_ling").joinpath(LAUNCH_TABLE).read_text())
+    for step, spec in (("plain", False), ("spec", True)):
+        rows = table[step]
+        assert rows == sorted(rows) and len({r[0] for r in rows}) == len(rows), rows
+        for seqs in range(1, 2 * rows[-1][0] + 2):
+            row = next((r for r in rows if seqs <= r[0]), None)
+            want = tuple(row[1:]) if row else (rows[-1][1], rows[-1][2], 1, rows[-1][4])
+            assert launch_config(seqs, spec, 128) == want, (step, seqs)
     for head_dim in (32, 64, 128, 256):
         for seqs in (1, 2, 3, 4, 5, 8, 256):
             for spec in (False, True):
                 block_v, _, split, _ = launch_config(seqs, spec, head_dim)
                 assert block_v <= head_dim and head_dim % (block_v * split) == 0, (head_dim, seqs, spec)
+
+
+def test_the_benchmark_writes_the_table_launch_config_reads(tmp_path, monkeypatch):
+    """benchmarks/kda_decode.py --launch-table: the fastest configuration per measured batch, in the file's
+    format; launch_config follows a table so written (the lease's cuts phase serves it)."""
+    import json
+
+    from benchmarks.kda_decode import launch_table_of
+    from vllm_ling.ops import kda_decode as K
+
+    bests = [(4, 1, (16, 1, 8, False)), (1, 1, (32, 4, 4, True)), (1, 4, (32, 2, 4, False)), (8, 1, (64, 8, 1, False))]
+    table = launch_table_of(bests, "a test")
+    assert table["plain"] == [[1, 32, 4, 4, True], [4, 16, 1, 8, False], [8, 64, 8, 1, False]]
+    assert table["spec"] == [[1, 32, 2, 4, False]]
+    path = tmp_path / "kda_decode_launch.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(K, "launch_table", lambda: {step: [tuple(r) for r in json.loads(path.read_text())[step]]
+                                                    for step in ("plain", "spec")})
+    assert K.launch_config(1, False, 128) == (32, 4, 4, True)
+    assert K.launch_config(3, False, 128) == (16, 1, 8, False)
+    assert K.launch_config(9, False, 128) == (64, 8, 1, False)
+    assert K.launch_config(2, True, 128) == (32, 2, 1, False)  # above the largest measured window: one program
+    with pytest.raises(ValueError, match="spec"):
+        launch_table_of([(1, 1, (32, 4, 4, False))], "plain only")
+
+
+def test_the_leases_cuts_phase_installs_the_table_where_launch_config_reads_it():
+    from pathlib import Path
+
+    from vllm_ling.ops.kda_decode import LAUNCH_TABLE
+
+    script = (Path(__file__).resolve().parents[2] / "scripts/h200_session.sh").read_text()
+    assert f'cp "$OUT/kda_decode_launch.json" vllm_ling/{LAUNCH_TABLE}' in script
 
 
 def test_split_head_counters_grow_outside_captures_and_outgrown_ones_stay(monkeypatch):

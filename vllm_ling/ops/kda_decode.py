@@ -36,6 +36,9 @@ leaves every state alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+from importlib import resources
 
 import torch
 
@@ -43,24 +46,32 @@ from vllm_ling.ops.cuda_jit import pdl_available
 
 L2NORM_EPS = 1e-6  # flash-linear-attention's (inside the sqrt), as vllm_ling.ops.kda
 SOFTPLUS_THRESHOLD = 20.0  # fused_kda_gate's default: softplus is linear above it
-MIN_BLOCK_V = 32  # the smallest value block the launch configurations use
+MIN_BLOCK_V = 32  # the smallest head the layer serves (every configuration's blocks tile it)
+
+
+LAUNCH_TABLE = "data/kda_decode_launch.json"  # the measured choice: written by benchmarks/kda_decode.py
+
+
+@functools.cache
+def launch_table() -> dict[str, list[tuple[int, int, int, int, bool]]]:
+    """{"plain" | "spec": rows (up to sequences, value channels per step, warps, programs per head, state
+    prefetch), by batch}: the fastest configuration per batch in the benchmark's last run
+    (``benchmarks/kda_decode.py --launch-table``; the file says which run)."""
+    data = json.loads(resources.files("vllm_ling").joinpath(LAUNCH_TABLE).read_text())
+    return {step: [(int(n), int(bv), int(w), int(s), bool(pf)) for n, bv, w, s, pf in data[step]]
+            for step in ("plain", "spec")}
 
 
 def launch_config(num_seqs: int, spec: bool, head_dim: int) -> tuple[int, int, int, bool]:
-    """(value channels per step, warps, programs per head, state prefetch) for a batch: the fastest of
-    benchmarks/kda_decode.py's configurations at Ling's shape in its last run (lease 2026-12-07b, H200:
-    benchmarks/results/kda_decode_h200.md), each value block's state read where it is used: a head's value
-    channels over 4 programs of 32 channels at up to 4 plain decodes or one verify window, over 2 programs
-    of 64 at two windows; one program of 64-channel blocks per head above, where the batch fills the GPU
-    with programs anyway. (The state prefetch, which held a block in registers across the convolutions,
-    lost at every batch once the step's other loads were issued together.) Smaller heads take fewer
-    programs."""
-    if spec:
-        block_v, warps, split = (32, 4, 4) if num_seqs <= 1 else (64, 4, 2) if num_seqs <= 2 else (64, 8, 1)
-    else:
-        block_v, warps, split = (32, 4, 4) if num_seqs <= 4 else (64, 8, 1)
+    """(value channels per step, warps, programs per head, state prefetch) for a batch of ``num_seqs``
+    plain decodes or verify windows: the launch table's row for the smallest measured batch that holds it;
+    above the largest, that row's blocks with one program per head (the batch fills the GPU with programs
+    anyway). Smaller heads take smaller blocks and fewer programs."""
+    rows = launch_table()["spec" if spec else "plain"]
+    row = next((r for r in rows if num_seqs <= r[0]), None)
+    _, block_v, warps, split, prefetch = row or (*rows[-1][:3], 1, rows[-1][4])
     block_v = min(block_v, head_dim)
-    return block_v, warps, max(1, min(split, head_dim // block_v)), False
+    return block_v, warps, max(1, min(split, head_dim // block_v)), prefetch
 
 
 @dataclasses.dataclass(frozen=True)
