@@ -34,15 +34,16 @@ CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_
 HEADS, HEAD_DIM, WIDTH = CONFIG["num_attention_heads"], CONFIG["head_dim"], CONFIG["short_conv_kernel_size"]
 LAYERS = 35  # Ling-3.0-flash's KDA layers
 NUM_SPEC = 3
-# (value channels per step, warps, programs per head, state prefetch): what launch_config serves and its
-# neighbours, each block's state read where it is used (fastest at every batch in lease 2026-12-07b), and the
-# served shapes with the prefetch (lease 07b dropped the configurations that lost everywhere: a 128-channel
-# block or one 32-channel block per program with the prefetch, 8 programs of 16 channels); and programs of one
-# or two warps, as vLLM's recurrence runs (a [32, 128] state tile per warp: its sums over the key channels
-# stay within the warp; 3.9 us per layer in the real step, lease 07b)
+# (value channels per step, warps, programs per head, state prefetch): what serves (the launch table) and its
+# neighbours, each block's state read where it is used (fastest at every batch in lease 2026-12-07b); the served
+# shapes with the prefetch; and programs of one or two warps, as vLLM's recurrence runs (one warp per [32, 128]
+# state tile: its sums over the key channels stay within the warp; 3.9 us per layer in lease 07b's real step).
+# Lease 07b's losers at every batch are out: 128-channel blocks or one 32-channel block per program with the
+# prefetch, 8 programs of 16 channels with the prefetch and 2 or 4 warps.
 CONFIGS = [(32, 4, 4, False), (32, 8, 4, False), (64, 4, 2, False), (64, 8, 1, False), (32, 4, 1, False),
            (128, 8, 1, False), (128, 16, 1, False), (32, 4, 4, True), (64, 4, 2, True), (64, 8, 1, True),
-           (32, 1, 4, False), (32, 2, 4, False), (32, 1, 4, True), (16, 1, 8, False), (32, 1, 1, False)]
+           (32, 1, 4, False), (32, 2, 4, False), (32, 1, 4, True), (16, 1, 8, False), (16, 2, 8, False),
+           (32, 1, 1, False)]
 
 
 def layer_calls(seqs: int, window: int) -> list[KdaDecodeCall]:
