@@ -134,7 +134,7 @@ def _name(config: tuple[int, int, int, bool]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default="1x1,2x1,4x1,8x1,1x4,2x4", help="sequences x window tokens")
+    parser.add_argument("--cases", default="1x1,2x1,4x1,8x1,1x4,2x4,4x4", help="sequences x window tokens")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--out", default=None)
     parser.add_argument("--launch-table", metavar="JSON", default=None,

@@ -14,15 +14,11 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from benchmarks.kda_decode import HEAD_DIM, NUM_SPEC, WIDTH  # noqa: E402
-from vllm_ling.ops.kda_decode import _next_pow2, launch_config  # noqa: E402
+from benchmarks.kda_decode import HEAD_DIM  # noqa: E402
+from benchmarks.kda_decode_ptx import compile_kernel  # noqa: E402
+from vllm_ling.ops.kda_decode import launch_config  # noqa: E402
 
 SPARK = 121
-# the launcher's argument types as the served layer passes them (benchmarks/kda_decode.py's layer_calls)
-POINTERS = {"x": "*bf16", "f": "*bf16", "b": "*bf16", "conv_w": "*fp32", "conv_state": "*bf16", "A_log": "*fp32",
-            "dt_bias": "*fp32", "state": "*fp32", "slots": "*i32", "cu_seqlens": "*i32", "accepted": "*i32",
-            "o": "*bf16", "readers": "*i32"}
-FLOATS = {"scale", "lower_bound", "eps"}
 
 
 def _served_configs() -> set[tuple[int, int, int, bool, bool]]:
@@ -30,28 +26,11 @@ def _served_configs() -> set[tuple[int, int, int, bool, bool]]:
     return {(*launch_config(seqs, spec, HEAD_DIM), spec) for seqs in range(1, 257) for spec in (False, True)}
 
 
-def _compile(block_v: int, warps: int, split: int, prefetch: bool, spec: bool, pdl: bool, capability: int):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from vllm_ling.ops.kda_decode_kernel import kda_decode_kernel
-
-    max_t = _next_pow2(NUM_SPEC + 1) if spec else 1
-    constexprs = dict(D=HEAD_DIM, W=WIDTH, MAX_T=max_t, WIN=_next_pow2(WIDTH - 1 + max_t),
-                      LP=_next_pow2(WIDTH - 2 + max_t), BV=block_v, SPLIT=split, SPEC=spec, SAFE_GATE=True,
-                      HAS_BIAS=True, THRESHOLD=20.0, USE_PDL=pdl, PREFETCH=prefetch)
-    signature = {name: POINTERS.get(name, "fp32" if name in FLOATS else "i32")
-                 for name in kda_decode_kernel.arg_names if name not in constexprs}
-    signature.update({name: "constexpr" for name in constexprs})
-    return triton.compile(ASTSource(kda_decode_kernel, signature, constexprs),
-                          target=GPUTarget("cuda", capability, 32), options={"num_warps": warps})
-
-
 def test_every_served_configuration_compiles_for_the_spark():
     failed = {}
     for config in sorted(_served_configs()):
         try:
-            compiled = _compile(*config, pdl=True, capability=SPARK)
+            compiled = compile_kernel(*config, pdl=True, capability=SPARK)
             if not compiled.asm.get("cubin"):
                 failed[config] = "no cubin"
         except Exception as exc:  # noqa: BLE001 - the compiler's message is the failure
@@ -63,4 +42,14 @@ def test_the_compile_check_catches_a_configuration_the_kernel_cannot_take():
     """A block of value channels that does not tile a program's share (3 programs of a 128-channel head)
     must fail to compile, or the test above proves nothing."""
     with pytest.raises(Exception):  # noqa: B017 - whichever error Triton raises for it
-        _compile(48, 4, 1, True, False, pdl=True, capability=SPARK)
+        compile_kernel(48, 4, 1, True, False, pdl=True, capability=SPARK)
+
+
+def test_ptxas_reports_the_served_programs_registers_spills_and_barriers():
+    """benchmarks/kda_decode_ptx.py's report (the table beside the GPU benchmark) reads ptxas's own lines
+    (a register count within a thread's 255, spill bytes, the PTX's barriers)."""
+    from benchmarks.kda_decode_ptx import ptx_report
+
+    block_v, warps, split, prefetch, spec = min(_served_configs())
+    report = ptx_report(compile_kernel(block_v, warps, split, prefetch, spec, pdl=True, capability=SPARK), "sm_121a")
+    assert 32 <= report["registers"] <= 255 and report["spill_stores"] >= 0 and report["bar_sync"] >= 0, report

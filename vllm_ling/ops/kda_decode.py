@@ -189,7 +189,7 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
         call.state, *call.state.stride(), call.slots, stride_n, stride_t, cu, acc,
         out, out.stride(0), out.stride(1), readers,
         float(call.scale), float(call.lower_bound or 0.0), L2NORM_EPS, proj,
-        D=head_dim, W=width, MAX_T=max_pow2, WIN=_next_pow2(width - 1 + max_pow2),
+        D=head_dim, W=width, MAX_T=max_pow2,
         LP=_next_pow2(width - 2 + max_pow2), BV=block_v, SPLIT=split, SPEC=call.spec,
         SAFE_GATE=call.lower_bound is not None, HAS_BIAS=call.dt_bias is not None,
         THRESHOLD=SOFTPLUS_THRESHOLD, USE_PDL=pdl, PREFETCH=prefetch, num_warps=num_warps,

@@ -32,25 +32,25 @@ def _round_bf16(v):
 
 @triton.jit
 def _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, chans, conv_slot, offset, bos, seqlen,
-          W: tl.constexpr, MAX_T: tl.constexpr, WIN: tl.constexpr, LP: tl.constexpr):
+          W: tl.constexpr, MAX_T: tl.constexpr, LP: tl.constexpr):
     """The conv over ``chans`` for the window's tokens -> (outputs [MAX_T, len(chans)] float32 after silu,
     rounded as BF16 stores round; rows past ``seqlen`` zero, the channels' conv state after, [LP, len(chans)]:
     the window without its oldest column, to be stored by :func:`_conv_state_store`)."""
-    r = tl.arange(0, WIN)[:, None]
+    t = tl.arange(0, MAX_T)[:, None]
     c = chans[None, :]
-    hist = r < W - 1
-    new = (r >= W - 1) & (r < W - 1 + seqlen)
     base = conv_state + conv_slot * stride_cs + c * stride_cc
-    window = tl.where(hist, tl.load(base + (offset + r) * stride_cl, mask=hist, other=0.0),
-                      tl.load(x + (bos + tl.maximum(r - (W - 1), 0)) * stride_x + c, mask=new, other=0.0))
-    window = window.to(tl.float32)
-    # out[t, c] = sum_r window[r, c] * w[c, r - t] for 0 <= r - t < W
-    t3 = tl.arange(0, MAX_T)[:, None, None]
-    r3 = tl.arange(0, WIN)[None, :, None]
-    c3 = chans[None, None, :]
-    tap = r3 - t3
-    w3 = tl.load(conv_w + c3 * W + tap, mask=(tap >= 0) & (tap < W), other=0.0).to(tl.float32)
-    acc = _sum(window[None, :, :] * w3, axis=1)
+    # out[t, c] = sum_j window[t + j, c] * w[c, j]: one [MAX_T, channels] tile per tap, all in one layout
+    for j in tl.static_range(W):
+        r = t + j  # the window row: the conv state's columns, then the sequence's new tokens
+        hist = r < W - 1
+        new = (r >= W - 1) & (r < W - 1 + seqlen)
+        tile = tl.where(hist, tl.load(base + (offset + r) * stride_cl, mask=hist, other=0.0),
+                        tl.load(x + (bos + tl.maximum(r - (W - 1), 0)) * stride_x + c, mask=new, other=0.0))
+        term = tile.to(tl.float32) * tl.load(conv_w + chans * W + j).to(tl.float32)[None, :]
+        if j == 0:
+            acc = term
+        else:
+            acc += term
     out = acc * _sigmoid(acc)
     out = _round_bf16(out)  # what vLLM's conv stores (BF16 activations) and its recurrence loads
     rows = tl.arange(0, MAX_T)[:, None]
@@ -86,7 +86,7 @@ def kda_decode_kernel(
         A_log, dt_bias, state, stride_ss, stride_sh, stride_sv, stride_sk,
         slots, stride_slot_n, stride_slot_t, cu_seqlens, accepted, o, stride_ot, stride_oh, readers,
         scale, lower_bound, eps, P,
-        D: tl.constexpr, W: tl.constexpr, MAX_T: tl.constexpr, WIN: tl.constexpr, LP: tl.constexpr,
+        D: tl.constexpr, W: tl.constexpr, MAX_T: tl.constexpr, LP: tl.constexpr,
         BV: tl.constexpr, SPLIT: tl.constexpr, SPEC: tl.constexpr, SAFE_GATE: tl.constexpr,
         HAS_BIAS: tl.constexpr, THRESHOLD: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # program (part, head, sequence): ``SPLIT`` programs share a head, each its D / SPLIT value channels
@@ -131,12 +131,12 @@ def kda_decode_kernel(
     # windows, the gate, A and beta (one memory round trip rather than one per stage: the compiler keeps a
     # load below any earlier store to a pool it cannot tell apart, such as the conv state's q/k channels)
     q, moved_q = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, h * D + d,
-                       conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
+                       conv_slot, offset, bos, seqlen, W, MAX_T, LP)
     k, moved_k = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d,
-                       conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
+                       conv_slot, offset, bos, seqlen, W, MAX_T, LP)
     v_first, moved_v_first = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
                                    2 * P + h * D + first + tl.arange(0, BV), conv_slot, offset, bos, seqlen, W,
-                                   MAX_T, WIN, LP)
+                                   MAX_T, LP)
     live = rows < seqlen
     raw = tl.load(f + (bos + rows) * stride_f + h * D + d[None, :], mask=live, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -181,7 +181,7 @@ def kda_decode_kernel(
             v, moved_v = v_first, moved_v_first
         else:
             v, moved_v = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd,
-                               conv_slot, offset, bos, seqlen, W, MAX_T, WIN, LP)
+                               conv_slot, offset, bos, seqlen, W, MAX_T, LP)
         _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd, conv_slot, seqlen,
                           moved_v, W, LP)
         for t in tl.static_range(MAX_T):
