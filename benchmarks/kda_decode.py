@@ -127,7 +127,7 @@ def vllm_step(call: KdaDecodeCall):
     return run
 
 
-def _name(config: tuple[int, int, int, bool]) -> str:
+def config_name(config: tuple[int, int, int, bool]) -> str:
     block_v, warps, split, prefetch = config
     return f"bv{block_v} w{warps}{f' x{split}' if split > 1 else ''}{'' if prefetch else ' no-pf'}"
 
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         best = min(timed, key=timed.get)
         rows.append((seqs, window, nbytes, timed, best, their_us, served))
         print(f"{case}: best {best} {timed[best]:.2f} us, vLLM {their_us} us", file=sys.stderr)
-    header = " | ".join(_name(c) + " (us)" for c in CONFIGS)
+    header = " | ".join(config_name(c) + " (us)" for c in CONFIGS)
     lines = [f"# A KDA layer's decode step ({torch.cuda.get_device_name()})", "",
              f"{HEADS} heads of {HEAD_DIM}, conv width {WIDTH}, safe gate; verify windows of {NUM_SPEC + 1} tokens "
              f"resume after {NUM_SPEC} accepted. CUDA-graph medians ({args.iters} replays) of {LAYERS} distinct layers "
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = " | ".join(f"{timed[c]:.2f}" for c in CONFIGS)
         frac = nbytes / (timed[best] * 1e-6) / (bw * 1e9)
         ratio = f"{their_us / timed[best]:.2f}x" if their_us else "-"
-        lines.append(f"| {seqs} x {window} | {nbytes:,} | {cells} | {timed[best]:.2f} ({_name(best)}) "
+        lines.append(f"| {seqs} x {window} | {nbytes:,} | {cells} | {timed[best]:.2f} ({config_name(best)}) "
                      f"| {frac:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} "
                      f"| {served[False]:.2f} | {served[True]:.2f} |")
     write_outputs("\n".join(lines) + "\n", args.out)

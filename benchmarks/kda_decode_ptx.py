@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.kda_decode import CONFIGS, HEAD_DIM, NUM_SPEC, WIDTH
+from benchmarks.kda_decode import CONFIGS, HEAD_DIM, NUM_SPEC, WIDTH, config_name
 from benchmarks.output import write_outputs
 from vllm_ling.ops.kda_decode import _next_pow2, launch_config
 
@@ -78,9 +78,13 @@ def ptx_report(compiled, arch: str) -> dict[str, int]:
             "spill_loads": int(spills.group(2)), "bar_sync": compiled.asm["ptx"].count("bar.sync")}
 
 
-def configurations() -> list[tuple[int, int, int, bool]]:
-    """What serves at any batch (the launch table) and what the GPU benchmark times, once each."""
-    served = {launch_config(seqs, spec, HEAD_DIM) for seqs in range(1, 257) for spec in (False, True)}
+def served_configurations() -> set[tuple[int, int, int, bool]]:
+    """What the launch table hands out at Ling's head size, plain decodes and verify windows, at any batch."""
+    return {launch_config(seqs, spec, HEAD_DIM) for seqs in range(1, 257) for spec in (False, True)}
+
+
+def configurations(served: set[tuple[int, int, int, bool]]) -> list[tuple[int, int, int, bool]]:
+    """The served configurations, then the rest the GPU benchmark times, once each."""
     return sorted(served | set(CONFIGS), key=lambda c: (c not in served, c))
 
 
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated: " + ", ".join(TARGETS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    served = {launch_config(seqs, spec, HEAD_DIM) for seqs in range(1, 257) for spec in (False, True)}
+    served = served_configurations()
     lines = ["# The KDA decode kernel through ptxas, per launch configuration", "",
              f"`python -m benchmarks.kda_decode_ptx` (no GPU): Ling's shape ({HEAD_DIM}-channel heads, conv width "
              f"{WIDTH}), programmatic dependent launch on; plain decode and {NUM_SPEC + 1}-token verify windows. "
@@ -98,15 +102,13 @@ def main(argv: list[str] | None = None) -> int:
              "| target | configuration | served | plain: registers | plain: spills | plain: bar.sync "
              "| window: registers | window: spills | window: bar.sync |", "|---|---|---|---|---|---|---|---|---|"]
     for arch in args.targets.split(","):
-        for config in configurations():
+        for config in configurations(served):
             cells = []
             for spec in (False, True):
                 report = ptx_report(compile_kernel(*config, spec=spec, pdl=True, capability=TARGETS[arch]), arch)
                 cells += [str(report["registers"]), f"{report['spill_stores']} / {report['spill_loads']}",
                           str(report["bar_sync"])]
-            block_v, warps, split, prefetch = config
-            name = f"bv{block_v} w{warps}{f' x{split}' if split > 1 else ''}{'' if prefetch else ' no-pf'}"
-            lines.append(f"| {arch} | {name} | {'yes' if config in served else ''} | " + " | ".join(cells) + " |")
+            lines.append(f"| {arch} | {config_name(config)} | {'yes' if config in served else ''} | " + " | ".join(cells) + " |")
             print(lines[-1], file=sys.stderr, flush=True)
     write_outputs("\n".join(lines) + "\n", args.out)
     return 0

@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only judge an earlier run's rows: exit 0 where the two-level variant should serve")
     args = parser.parse_args(argv)
     if args.candidate_wins:
-        wins, why = candidate_wins(json.loads(open(args.candidate_wins).read()))
+        wins, why = candidate_wins(json.loads(Path(args.candidate_wins).read_text()))
         print(why)
         return 0 if wins else 1
     routing = ling_routing()

@@ -14,16 +14,14 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from benchmarks.kda_decode import HEAD_DIM  # noqa: E402
-from benchmarks.kda_decode_ptx import compile_kernel  # noqa: E402
-from vllm_ling.ops.kda_decode import launch_config  # noqa: E402
+from benchmarks.kda_decode_ptx import compile_kernel, served_configurations  # noqa: E402
 
 SPARK = 121
 
 
 def _served_configs() -> set[tuple[int, int, int, bool, bool]]:
-    """(block_v, warps, split, prefetch, spec): what serves at every batch."""
-    return {(*launch_config(seqs, spec, HEAD_DIM), spec) for seqs in range(1, 257) for spec in (False, True)}
+    """(block_v, warps, split, prefetch, spec): what serves at every batch, each on both steps."""
+    return {(*config, spec) for config in served_configurations() for spec in (False, True)}
 
 
 def test_every_served_configuration_compiles_for_the_spark():

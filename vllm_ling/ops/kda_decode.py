@@ -47,8 +47,6 @@ from vllm_ling.ops.cuda_jit import pdl_available
 L2NORM_EPS = 1e-6  # flash-linear-attention's (inside the sqrt), as vllm_ling.ops.kda
 SOFTPLUS_THRESHOLD = 20.0  # fused_kda_gate's default: softplus is linear above it
 MIN_BLOCK_V = 32  # the smallest head the layer serves (every configuration's blocks tile it)
-
-
 LAUNCH_TABLE = "data/kda_decode_launch.json"  # the measured choice: written by benchmarks/kda_decode.py
 
 

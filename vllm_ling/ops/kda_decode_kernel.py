@@ -53,8 +53,7 @@ def _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, chan
             acc += term
     out = acc * _sigmoid(acc)
     out = _round_bf16(out)  # what vLLM's conv stores (BF16 activations) and its recurrence loads
-    rows = tl.arange(0, MAX_T)[:, None]
-    out = tl.where(rows < seqlen, out, 0.0)
+    out = tl.where(t < seqlen, out, 0.0)
     # the state after: window rows 1 .. W - 2 + seqlen (the oldest dropped), to columns 0 ..
     j = tl.arange(0, LP)[:, None]
     keep = j < W - 2 + seqlen
