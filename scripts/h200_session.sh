@@ -174,11 +174,15 @@ tests)
   # other down (lease 2026-12-06d: three tiny servers beside two kernel suites all ran out of 420 s in
   # vLLM's warm-up steps); the later ones start from the Triton kernels the first ones built
   at_once=${TESTS_AT_ONCE:-3}
-  for name in scripted agreeing dspark greedy-off opt-out-each greedy-eager opt-out-all trap kernels-a kernels-b \
+  for name in scripted agreeing dspark greedy-off greedy-eager opt-out-all trap kernels-a kernels-b \
               kernels-c demo; do
     while [ "$(jobs -rp | wc -l)" -ge "$at_once" ]; do wait -n; done
     tiny_test "$name" 540
   done
+  wait "${pids[@]}"
+  # one server per switch (13), started together: alone, last, from the kernels the others built, with
+  # more time (it never finished beside other tests)
+  tiny_test opt-out-each 900
   wait "${pids[@]}"
   record_tiny "scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark kernels-a kernels-b kernels-c"
   ;;
