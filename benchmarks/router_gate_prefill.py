@@ -16,6 +16,12 @@ the speed-up over vLLM's path, the largest logit error against the float64 produ
 largest logit), and the tokens whose picked experts differ from those of the float64 logits (in brackets
 those at a near tie, where either pick is right).
 
+vLLM 0.32 already carries this split and GEMM for fp32 gates, gated to ROCm gfx950 (its
+``bf16x3_router_gemm_rocm``: ``split_bf16x3``, three parts, and ``bf16x3_router_gemm``, one ``torch.mm`` with
+fp32 output plus a Triton kernel summing the parts' column blocks; its own measurement put the crossover
+against fp32 at about 1,536-2,048 tokens there). Where vLLM is installed its function is timed too, on this
+GPU: the serving tier would be that function enabled on CUDA above the measured crossover.
+
     python -m benchmarks.router_gate_prefill --out benchmarks/results/router_gate_prefill_h100.md   # GPU
 """
 
@@ -59,6 +65,15 @@ def vllm_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(weight.dtype), weight)
 
 
+def vllm_bf16x3():
+    """vLLM's own BF16x3 router GEMM module (its ROCm tier's split and GEMM), or None without vLLM."""
+    try:
+        from vllm.model_executor.layers.fused_moe.router import bf16x3_router_gemm_rocm
+    except ImportError:
+        return None
+    return bf16x3_router_gemm_rocm
+
+
 def max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest logit error relative to the largest logit magnitude."""
     return float((got.double() - ref).abs().max() / ref.abs().max())
@@ -82,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = [torch.randn(e, k, device="cuda", generator=gen) * 0.02 for _ in range(LAYERS)]
     biases = [torch.randn(e, device="cuda", generator=gen) * 0.1 for _ in range(LAYERS)]
     splits = {p: [split_bf16(w, p) for w in weights] for p in PARTS}
+    vllm_gemm = vllm_bf16x3()
+    vllm_splits = [vllm_gemm.split_bf16x3(w) for w in weights] if vllm_gemm else None
     rows = []
     for t in args.tokens:
         xs = [torch.randn(t, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
@@ -102,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in PARTS:
             runs[f"BF16x{p} GEMM"] = measure(lambda x, i, p=p: split_logits(x, splits[p][i], p),
                                              p * e * k * 2 + act + t * p * e * 4)
+        if vllm_gemm:
+            runs["vLLM's bf16x3_router_gemm"] = measure(lambda x, i: vllm_gemm.bf16x3_router_gemm(x, vllm_splits[i]),
+                                                       3 * e * k * 2 + act + t * 3 * e * 4)
         rows.append((t, runs))
         print(f"T={t}: " + ", ".join(f"{n} {r[0]:.1f} us" for n, r in runs.items()), file=sys.stderr)
     base = next(iter(rows[0][1]))

@@ -60,8 +60,6 @@ def tiny_mla_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gloo_world():
     """A single-process gloo group, as vLLM's own tests set up, for building layers and models."""
-    import socket
-
     import torch
 
     pytest.importorskip("vllm")
@@ -70,9 +68,9 @@ def gloo_world():
 
     owns = not torch.distributed.is_initialized()
     if owns:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from vllm_ling.launcher.local_server import free_port
+
+        port = free_port()
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
     yield

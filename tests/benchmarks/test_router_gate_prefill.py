@@ -37,3 +37,11 @@ def test_logits_through_the_parts_are_fp32_grade():
     assert three < 1e-6 and fp32 < 1e-6  # fp32 accumulation of exact products, as vLLM's fp32 GEMM
     assert two < 1e-4 < bf16  # 16 significand bits of weight: well inside BF16's error
     assert B.split_logits(x, B.split_bf16(w, 3), 3).shape == (x.shape[0], w.shape[0])
+
+
+def test_the_three_parts_are_the_split_vllm_builds():
+    """vLLM 0.32's ROCm BF16x3 tier builds the same three parts (stacked [3, E, K]): the candidate
+    measured here is its function, enabled on CUDA."""
+    vllm_gemm = B.vllm_bf16x3()
+    w, _ = _gate(2)
+    assert torch.equal(vllm_gemm.split_bf16x3(w), B.split_bf16(w, 3).view(3, *w.shape))

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_ling.launcher.local_server import free_port
+
 from ._tools import DOCKER_DIR, REPO, find_tool
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -316,9 +318,7 @@ def test_runs_as_an_arbitrary_user(arbitrary_user_container):
 
 def test_compose_cpu_stack_with_prometheus_scraping_it(image, tmp_path):
     compose = find_tool("docker-compose")
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        prom_port = s.getsockname()[1]
+    prom_port = free_port()
     project = f"vllm-ling-test-{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "VLLM_LING_"))}
     env.update(VLLM_LING_CPU_IMAGE=IMAGE, VLLM_LING_PROMETHEUS_IMAGE=PROMETHEUS_IMAGE,

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -43,6 +42,7 @@ import requests
 import yaml
 
 from vllm_ling.processes import marked
+from vllm_ling.launcher.local_server import free_port
 from vllm_ling.launcher.supervisor import descendants
 
 from ._tools import CHART_DIR, DOCKER_DIR, VENV_BIN, find_tool, run
@@ -68,12 +68,6 @@ NODE_ENV = {"VLLM_LING_RAY_NUM_GPUS": "1", "VLLM_LING_RAY_CPU": "1", "VLLM_CPU_K
 STOP_S = 25
 # what the other CPU server tests pass (serve_cpu), beyond the CPU defaults vllm-ling serve adds
 CPU_SERVE_ARGS = ["--seed=0"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def processes_with(marker: str, sessions: tuple[int, ...] = ()) -> list[int]:

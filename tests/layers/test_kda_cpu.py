@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import socket
 import types
 
 import pytest
@@ -27,6 +26,8 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from vllm.platforms import current_platform  # noqa: E402
+
+from vllm_ling.launcher.local_server import free_port  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not current_platform.is_cpu(),
                                 reason="the plain-PyTorch KDA layer is installed only on CPU")
@@ -50,9 +51,7 @@ def vllm_config():
     owns_process_group = not torch.distributed.is_initialized()
     with set_current_vllm_config(config):
         if owns_process_group:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             init_distributed_environment(world_size=1, rank=0,
                                          distributed_init_method=f"tcp://127.0.0.1:{port}",
                                          local_rank=0, backend="gloo")

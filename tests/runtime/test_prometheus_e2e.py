@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -44,7 +43,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_ling.cli.agent_defaults import LING_PARSER_ARGS
-from vllm_ling.launcher.local_server import scrape
+from vllm_ling.launcher.local_server import free_port, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -63,12 +62,6 @@ _spec = importlib.util.spec_from_file_location("monitoring_queries", REPO / "tes
 queries = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(queries)
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, bytes]:

@@ -7,6 +7,7 @@ processes. Standard library only: ``vllm-ling bench`` uses it without vLLM insta
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -59,7 +60,34 @@ class ServerError(RuntimeError):
     """The server could not start or did not become healthy (the message has its log tail)."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+# Ports handed out below the kernel's ephemeral range: a port the OS gives to any bind(0) or connect() (Ray's
+# and ZMQ's sockets among them) can be taken in the seconds before the server binds it, which is what the
+# two-node Ray tests met with other servers starting beside them.
+PORT_FLOOR = 10000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_low() -> int:
+    """The lowest port the kernel hands out on its own (32768, Linux's default, where unreadable)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A port on ``host`` that nothing listens on now, picked at random between PORT_FLOOR and the
+    ephemeral range (random: two test processes picking at once rarely agree); the OS's own choice
+    where that range is empty or full."""
+    low, pick = ephemeral_low(), random.SystemRandom()
+    for _ in range(tries if low - PORT_FLOOR >= 1000 else 0):
+        port = pick.randrange(PORT_FLOOR, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
