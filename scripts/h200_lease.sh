@@ -8,6 +8,8 @@
 #   bash scripts/h200_lease.sh collect 560
 #                                     # wait up to 560 s (or until the job ends), then bring back what
 #                                     # finished (lease.tgz, the phases' JSON) and print the progress
+#   bash scripts/h200_lease.sh quick 0 3
+#                                     # the quick caches' parts 0-2 (collect brings them where it has room)
 #
 # STARTUP_S and TINY_S (default 900 and 600 here) are the phases' limits; PROFILE=1 profiles each
 # full-size phase (scripts/h200_session.sh). After the phases the device's JIT/compile caches are packed;
@@ -94,15 +96,19 @@ collect)
     [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f" | cut -c1-300; }
   done
   ;;
-caches)
-  # after the job: bring back cache parts FROM .. FROM+COUNT-1 (15 MB each; a call returns 8 files)
+caches|quick)
+  # bring back cache parts FROM .. FROM+COUNT-1 (15 MB each; a call returns 8 files and 64 MiB with the tree):
+  # `caches` the full pack (after the job), `quick` the quick pack of the last finished phase (any time; what
+  # `collect` had no room for), into $OUT/quick-cache/ as the next lease's .gpucache/quick-cache/ takes them
   : "${OUT:?OUT}"
-  from=${1:-0} count=${2:-4}
+  from=${1:-0} count=${2:-3}
+  src=$lease dst=$OUT
+  [ "$mode" = quick ] && src=$lease/quick dst=$OUT/quick-cache && mkdir -p "$dst"
   cat "$lease/out/caches.txt" 2>/dev/null
   for i in $(seq "$from" $((from + count - 1))); do
-    f=$(printf '%s/cache-%02d' "$lease" "$i"); [ -e "$f" ] && cp "$f" "$OUT"/
+    f=$(printf '%s/cache-%02d' "$src" "$i"); [ -e "$f" ] && cp "$f" "$dst"/
   done
-  ls "$OUT"
+  ls -l "$dst"
   ;;
 *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
