@@ -62,8 +62,9 @@ class ServerError(RuntimeError):
 
 # Ports handed out below the kernel's ephemeral range: a port the OS gives to any bind(0) or connect() (Ray's
 # and ZMQ's sockets among them) can be taken in the seconds before the server binds it, which is what the
-# two-node Ray tests met with other servers starting beside them.
-PORT_FLOOR = 10000
+# two-node Ray tests met with other servers starting beside them. From 20000: Ray refuses a head port inside
+# its default worker-port range, 10002-19999.
+PORT_FLOOR = 20000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
