@@ -6,7 +6,7 @@ graphs of 35 distinct layers (a step's KDA layers, each its own state pool: 70 M
 the 60 MB L2), for plain decode batches and MTP verify windows of 4 tokens. A head runs in one program or
 split over 2 or 4 (each its share of the value channels; more programs at small batches).
 
-    python -m benchmarks.kda_decode --out benchmarks/results/kda_decode_h200.md   # on the GPU
+    python -m benchmarks.kda_decode --out benchmarks/results/kda_decode_h100.md   # on the GPU (_h200 on an H200)
 
 Bytes per layer: the recurrent state read and written (32 x 128 x 128 fp32 = 2 MB per sequence; a verify
 window writes one state per position), the conv state read and written, the inputs and the output. In the

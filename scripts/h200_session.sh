@@ -183,7 +183,7 @@ tests)
   # one server per switch (13), started together: alone, last, from the kernels the others built, with
   # more time (it never finished beside other tests)
   tiny_test opt-out-each 900
-  wait "${pids[@]}"
+  wait
   record_tiny "scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark kernels-a kernels-b kernels-c"
   ;;
 ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm)
