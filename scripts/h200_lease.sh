@@ -5,6 +5,7 @@
 #
 #   bash scripts/h200_lease.sh start "ours:kernels-a kernels-b" "ours-mtp:scripted agreeing" upstream
 #                                     # after device-install.sh: each PHASE[:WITH_TESTS] in order
+#                                     # ("tests:dspark": only those of the gpu suite, "tests": all of it)
 #   bash scripts/h200_lease.sh collect 560
 #                                     # wait up to 560 s (or until the job ends), then bring back what
 #                                     # finished (lease.tgz, the phases' JSON) and print the progress
@@ -54,11 +55,12 @@ run)
   mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
   for spec in "$@"; do
     phase=${spec%%:*}; tests=""; [ "$spec" != "$phase" ] && tests=${spec#*:}
-    if [ -n "$tests" ] && [ "$phase" != cuts ] && [ "${mem_mib:-0}" -lt 100000 ]; then
+    # (cuts and tests run tiny servers on an idle GPU: their WITH_TESTS are the tests themselves)
+    if [ -n "$tests" ] && [ "$phase" != cuts ] && [ "$phase" != tests ] && [ "${mem_mib:-0}" -lt 100000 ]; then
       echo "$(date +%T) ${mem_mib} MiB of GPU memory: the tests beside $phase ($tests) are left out"; tests=""
     fi
     echo "$(date +%T) phase $phase (beside: ${tests:-none})"
-    WITH_TESTS="$tests" OUT="$lease/out" bash scripts/h200_session.sh "$phase" > "$lease/phase-$phase.log" 2>&1
+    WITH_TESTS="$tests" OUT="$lease/out" bash scripts/h200_session.sh "$phase" > "$lease/phase-${spec//[: ]/-}.log" 2>&1
     echo "$(date +%T) phase $phase done"
     pack_quick
   done

@@ -28,7 +28,11 @@ phase=${1:?phase}
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 : "${OUT:?OUT}"
 commit=${TREE_COMMIT:-}
-out=/tmp/gpu-run-$phase  # everything here; one archive back to $OUT at the end (the device returns 8 files)
+# everything here; one archive back to $OUT at the end (the device returns 8 files). `tests` with WITH_TESTS
+# (a chosen few, e.g. "tests:dspark" first and the whole list later in one job) gets a folder of its own
+run_id=$phase
+[ "$phase" = tests ] && [ -n "${WITH_TESTS:-}" ] && run_id=tests-${WITH_TESTS// /-}
+out=/tmp/gpu-run-$run_id
 rm -rf "$out" && mkdir -p "$out/logs"
 # The device bundle (../shared/tools/device-vllm.sh) has no torchvision for torch 2.13 (vLLM's GPU wheel
 # depends on it, so users have it): vLLM 0.32's kernel warm-up imports its MiniMax-M3 warm-up module,
@@ -173,18 +177,19 @@ tests)
   # TESTS_AT_ONCE (3) processes at a time, the most wanted first: all at once, the servers only slow each
   # other down (lease 2026-12-06d: three tiny servers beside two kernel suites all ran out of 420 s in
   # vLLM's warm-up steps); the later ones start from the Triton kernels the first ones built
+  # WITH_TESTS ("tests:dspark" in a lease): those names only, in that order; else the whole gpu suite
   at_once=${TESTS_AT_ONCE:-3}
-  for name in scripted agreeing dspark greedy-off greedy-eager opt-out-all trap kernels-a kernels-b \
-              kernels-c demo; do
+  names=${WITH_TESTS:-scripted agreeing dspark greedy-off greedy-eager opt-out-all trap kernels-a kernels-b kernels-c demo opt-out-each}
+  for name in $names; do
+    [ "$name" = opt-out-each ] && continue
     while [ "$(jobs -rp | wc -l)" -ge "$at_once" ]; do wait -n; done
     tiny_test "$name" 540
   done
-  wait "${pids[@]}"
+  [ "${#pids[@]}" -gt 0 ] && wait "${pids[@]}"
   # one server per switch (13), started together: alone, last, from the kernels the others built, with
   # more time (it never finished beside other tests)
-  tiny_test opt-out-each 900
-  wait
-  record_tiny "scripted trap agreeing greedy-off greedy-eager opt-out-each opt-out-all dspark kernels-a kernels-b kernels-c"
+  case " $names " in *" opt-out-each "*) tiny_test opt-out-each 900; wait ;; esac
+  record_tiny "$names"
   ;;
 ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm)
   # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
@@ -365,7 +370,7 @@ short)
 esac
 free_gpu
 # server logs and reports of the tests, not their checkpoints
-tar czf "$OUT/run-$phase.tgz" -C "$out" --exclude='*.safetensors' --exclude='*.bin' . 2>/dev/null
+tar czf "$OUT/run-$run_id.tgz" -C "$out" --exclude='*.safetensors' --exclude='*.bin' . 2>/dev/null
 cat "$out/rc.txt"
 for f in "$out"/*.log; do echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$f" | tail -n 6; done
 for f in "$out"/*.txt; do echo "== $f"; tail -n 4 "$f"; done
