@@ -54,6 +54,10 @@ TOOLS = [{"type": "function", "function": {
 # A small share of the GPU: vLLM's start-up check wants this fraction free; the KV cache is fixed.
 GPU_SHARE = ["--gpu-memory-utilization", "0.08", "--max-model-len", "1024", "--max-num-seqs", "4"]
 VLLM_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--seed", "0"]
+# Every tiny server's prompts are under 100 tokens: prefill graphs up to 128 tokens are 9 capture sizes where
+# the default 2048 makes 24 (about 8 s each on a cold device: lease 2026-12-07d's DSpark tests ran out of
+# their 540 s capturing them). A test's own VLLM_LING_PREFILL_GRAPH_TOKENS (the opt-out: 0) wins.
+TINY_PREFILL_GRAPH_TOKENS = "128"
 
 
 def serve(model: Path, tmp: Path, env: dict[str, str] | None = None, vllm_args: list[str] | None = None,
@@ -67,6 +71,7 @@ def serve(model: Path, tmp: Path, env: dict[str, str] | None = None, vllm_args: 
            "--served-model-name", "tiny", "--report-path", str(report), *GPU_SHARE, "--", *VLLM_ARGS,
            *(vllm_args or [])]
     base = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LING_")}
+    base["VLLM_LING_PREFILL_GRAPH_TOKENS"] = TINY_PREFILL_GRAPH_TOKENS
     server = start_server(cmd, {**base, **(env or {})}, tmp / "server.log", port, wait=wait)
     return server, report
 
@@ -240,9 +245,6 @@ CUTS = {"router_topk": ("VLLM_LING_ROUTER_TOPK", "router_topk"),
 CUT_SETS = {"every_cut": ("router_topk", "kda_fused_conv", "kda_decode"),
             "kda_decode_off": ("router_topk", "kda_fused_conv"), "router_topk_only": ("router_topk",),
             "kda_fused_conv_only": ("kda_fused_conv",), "neither": ()}
-# The tiny server's prompts are under 100 tokens: prefill graphs up to 128 tokens are 9 capture sizes where
-# the default 2048 makes 24 (about 8 s each on a fresh device: most of the test's 9 minutes)
-TINY_PREFILL_GRAPH_TOKENS = "128"
 
 
 @pytest.mark.parametrize("cut_set", list(CUT_SETS))
@@ -259,7 +261,6 @@ def test_the_decode_cuts_serve_verified_on_a_tiny_model_the_top_k_kernel_routes(
 
     served = CUT_SETS[cut_set]
     env = {var: BY_NAME[var].opt_out for name, (var, _) in CUTS.items() if name not in served}
-    env["VLLM_LING_PREFILL_GRAPH_TOKENS"] = TINY_PREFILL_GRAPH_TOKENS
     server, report_path = serve(routable, tmp_path, env=env)
     try:
         report = json.loads(report_path.read_text())
