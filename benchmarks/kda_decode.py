@@ -28,12 +28,15 @@ import torch
 from benchmarks.lm_head import copy_bandwidth_gbs
 from benchmarks.output import write_outputs
 from benchmarks.timing import stacked_time_us
-from vllm_ling.ops.kda_decode import KdaDecodeCall, kda_decode
+from vllm_ling.ops.kda_decode import TILE_WINDOW_MAX, KdaDecodeCall, kda_decode, streams
 
 CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_config.json").read_text())
 HEADS, HEAD_DIM, WIDTH = CONFIG["num_attention_heads"], CONFIG["head_dim"], CONFIG["short_conv_kernel_size"]
 LAYERS = 35  # Ling-3.0-flash's KDA layers
 NUM_SPEC = 3
+# DSpark's verify window: the packaged drafter's block of draft tokens + 1
+DSPARK_WINDOW = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_dspark_config.json").read_text())[
+    "block_size"] + 1
 # (value channels per step, warps, programs per head, state prefetch): what serves (the launch table) and its
 # neighbours, each block's state read where it is used (fastest at every batch in lease 2026-12-07b); the served
 # shapes with the prefetch; and programs of one or two warps, as vLLM's recurrence runs (one warp per [32, 128]
@@ -52,7 +55,7 @@ def layer_calls(seqs: int, window: int) -> list[KdaDecodeCall]:
     spec = window > 1
     slots_per_seq = window if spec else 1
     pool = seqs * slots_per_seq + 1
-    state_len = WIDTH - 1 + (NUM_SPEC if spec else 0)
+    state_len = WIDTH - 1 + (window - 1 if spec else 0)
     calls = []
     for _ in range(LAYERS):
         tokens = seqs * window
@@ -134,7 +137,9 @@ def config_name(config: tuple[int, int, int, bool]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default="1x1,2x1,4x1,8x1,1x4,2x4,4x4", help="sequences x window tokens")
+    # windows of 4 tokens (MTP's, the kernel's tile path) and DSpark's (its streamed path)
+    parser.add_argument("--cases", default=f"1x1,2x1,4x1,8x1,1x4,2x4,4x4,1x{DSPARK_WINDOW},2x{DSPARK_WINDOW}",
+                        help="sequences x window tokens")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--out", default=None)
     parser.add_argument("--launch-table", metavar="JSON", default=None,
@@ -166,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{case}: best {best} {timed[best]:.2f} us, vLLM {their_us} us", file=sys.stderr)
     header = " | ".join(config_name(c) + " (us)" for c in CONFIGS)
     lines = [f"# A KDA layer's decode step ({torch.cuda.get_device_name()})", "",
-             f"{HEADS} heads of {HEAD_DIM}, conv width {WIDTH}, safe gate; verify windows of {NUM_SPEC + 1} tokens "
-             f"resume after {NUM_SPEC} accepted. CUDA-graph medians ({args.iters} replays) of {LAYERS} distinct layers "
+             f"{HEADS} heads of {HEAD_DIM}, conv width {WIDTH}, safe gate; verify windows of w tokens resume after "
+             f"w - 1 accepted; windows of more than {TILE_WINDOW_MAX} tokens take the kernel's streamed path. "
+             f"CUDA-graph medians ({args.iters} replays) of {LAYERS} distinct layers "
              f"(own pools each), us per layer. Copy bandwidth in this run: {bw:,.0f} GB/s ({how}).", "",
              f"| sequences x tokens | bytes | {header} | best ours (us) | fraction of copy BW (best) "
              "| vLLM's three kernels (us) | vLLM / best ours | served config (us) | served with PDL (us) |",
@@ -191,14 +197,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def launch_table_of(bests: list[tuple[int, int, tuple[int, int, int, bool]]], source: str) -> dict:
     """The launch table (vllm_ling.ops.kda_decode.launch_table's file) from (sequences, window tokens, fastest
-    configuration) per measured batch: a row per batch, plain decodes and verify windows apart, by size."""
+    configuration) per measured batch: a row per batch, plain decodes, the tile path's verify windows and the
+    streamed path's apart (the last only where measured), by size."""
     table = {"source": source, "columns": ["up to sequences", "value channels per step", "warps", "programs per head",
-                                           "state prefetch"], "plain": [], "spec": []}
+                                           "state prefetch"], "plain": [], "spec": [], "stream": []}
     for seqs, window, (block_v, warps, split, prefetch) in sorted(bests):
-        table["spec" if window > 1 else "plain"].append([seqs, block_v, warps, split, prefetch])
+        step = "stream" if streams(window > 1, window) else "spec" if window > 1 else "plain"
+        table[step].append([seqs, block_v, warps, split, prefetch])
     missing = [step for step in ("plain", "spec") if not table[step]]
     if missing:
         raise ValueError(f"no {' or '.join(missing)} batch measured: the launch table needs both")
+    if not table["stream"]:
+        del table["stream"]
     return table
 
 

@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.kda_decode import CONFIGS, HEAD_DIM, NUM_SPEC, WIDTH, config_name
+from benchmarks.kda_decode import CONFIGS, DSPARK_WINDOW, HEAD_DIM, NUM_SPEC, WIDTH, config_name
 from benchmarks.output import write_outputs
-from vllm_ling.ops.kda_decode import _next_pow2, launch_config
+from vllm_ling.ops.kda_decode import _next_pow2, launch_config, streams
 
 TARGETS = {"sm_90a": 90, "sm_121a": 121}
 # the launcher's argument types as the served layer passes them (benchmarks/kda_decode.py's layer_calls)
@@ -33,17 +33,21 @@ POINTERS = {"x": "*bf16", "f": "*bf16", "b": "*bf16", "conv_w": "*fp32", "conv_s
 FLOATS = {"scale", "lower_bound", "eps"}
 
 
-def compile_kernel(block_v: int, warps: int, split: int, prefetch: bool, spec: bool, pdl: bool, capability: int):
-    """Triton's compile of the kernel at Ling's shape for ``capability`` (90, 121, ...), down to a cubin."""
+def compile_kernel(block_v: int, warps: int, split: int, prefetch: bool, spec: bool, pdl: bool, capability: int,
+                   window: int = NUM_SPEC + 1):
+    """Triton's compile of the kernel at Ling's shape for ``capability`` (90, 121, ...), down to a cubin;
+    verify windows of ``window`` tokens take the path the launcher gives them (tile or streamed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from vllm_ling.ops.kda_decode_kernel import kda_decode_kernel
 
-    max_t = _next_pow2(NUM_SPEC + 1) if spec else 1
+    max_t = _next_pow2(window) if spec else 1
+    stream = streams(spec, window)
     constexprs = dict(D=HEAD_DIM, W=WIDTH, MAX_T=max_t, LP=_next_pow2(WIDTH - 2 + max_t), BV=block_v, SPLIT=split,
-                      SPEC=spec, SAFE_GATE=True, HAS_BIAS=True, THRESHOLD=20.0, USE_PDL=pdl, PREFETCH=prefetch)
+                      SPEC=spec, SAFE_GATE=True, HAS_BIAS=True, THRESHOLD=20.0, USE_PDL=pdl,
+                      PREFETCH=prefetch and not stream, STREAM=stream)
     signature = {name: POINTERS.get(name, "fp32" if name in FLOATS else "i32")
                  for name in kda_decode_kernel.arg_names if name not in constexprs}
     signature.update({name: "constexpr" for name in constexprs})
@@ -96,16 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     served = served_configurations()
     lines = ["# The KDA decode kernel through ptxas, per launch configuration", "",
              f"`python -m benchmarks.kda_decode_ptx` (no GPU): Ling's shape ({HEAD_DIM}-channel heads, conv width "
-             f"{WIDTH}), programmatic dependent launch on; plain decode and {NUM_SPEC + 1}-token verify windows. "
+             f"{WIDTH}), programmatic dependent launch on; plain decode, {NUM_SPEC + 1}-token verify windows (the "
+             f"tile path) and {DSPARK_WINDOW}-token ones (DSpark's, the streamed path). "
              "Registers per thread, spilled bytes stored / loaded, block-wide barriers in the PTX. *served*: a "
              "configuration the launch table hands out.", "",
              "| target | configuration | served | plain: registers | plain: spills | plain: bar.sync "
-             "| window: registers | window: spills | window: bar.sync |", "|---|---|---|---|---|---|---|---|---|"]
+             "| window: registers | window: spills | window: bar.sync "
+             "| streamed: registers | streamed: spills | streamed: bar.sync |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arch in args.targets.split(","):
         for config in configurations(served):
             cells = []
-            for spec in (False, True):
-                report = ptx_report(compile_kernel(*config, spec=spec, pdl=True, capability=TARGETS[arch]), arch)
+            for spec, window in ((False, 1), (True, NUM_SPEC + 1), (True, DSPARK_WINDOW)):
+                report = ptx_report(compile_kernel(*config, spec=spec, pdl=True, capability=TARGETS[arch],
+                                                   window=window), arch)
                 cells += [str(report["registers"]), f"{report['spill_stores']} / {report['spill_loads']}",
                           str(report["bar_sync"])]
             lines.append(f"| {arch} | {config_name(config)} | {'yes' if config in served else ''} | " + " | ".join(cells) + " |")

@@ -815,6 +815,32 @@ def test_fused_forward_through_an_mtp_request_as_vllms(vllm_config, monkeypatch)
     _steps_agree(vllm_config, layers, [(both, hidden_states(6, 73)), (again, hidden_states(6, 74))], launches)
 
 
+def test_the_one_launch_decodes_known_answer_runs_the_layers_own_verify_window(vllm_config, monkeypatch,
+                                                                              interpreted_kda_decode):
+    """The startup check of the one-launch KDA decode verifies windows as long as the layer's (vLLM's
+    ``num_speculative_tokens``): a DSpark server's 9-token windows take the kernel's streamed path, which a
+    check of MTP's 4-token windows would never run."""
+    from vllm_ling.layers import kda_decode, kda_fused_conv
+    from vllm_ling.layers import known_answer as layer_checks
+
+    built = _fused_and_vllms(vllm_config, monkeypatch, num_spec=8, twin=False, decode=True)[0]
+    assert built.num_speculative_tokens == 8
+    # the layer as the check reads it, at 2 heads of 32 (the interpreter runs this layer's heads in 80 s)
+    layer = types.SimpleNamespace(local_num_heads=2, head_dim=32, lower_bound=built.lower_bound,
+                                  safe_gate=built.safe_gate, num_speculative_tokens=built.num_speculative_tokens,
+                                  **{kda_fused_conv.WEIGHT_ATTR: getattr(built, kda_fused_conv.WEIGHT_ATTR)})
+    windows, launch = [], kda_decode.launch
+
+    def served(call, out):  # what the check hands the op's launch: its verify windows' length
+        windows.append(call.slots.shape[1] if call.spec else 1)
+        return launch(call, out)
+
+    monkeypatch.setattr(kda_decode, "launch", served)
+    result = layer_checks.check_kda_decode(layer)
+    assert result.passed, result.failing_inputs
+    assert 9 in windows and set(windows) <= {1, 9}, windows
+
+
 class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """The aten ops a forward dispatches, and how many of them index with a boolean mask (on CUDA a
     ``nonzero`` inside the op: a host sync)."""

@@ -32,6 +32,23 @@ def test_interpreted_kernel_passes_the_known_answer(interpreted_kda_decode, lowe
     assert result.cases == 6 and result.max_error < KDA_DECODE_RTOL / 4
 
 
+@pytest.mark.parametrize("block_v,split,lower_bound,num_spec", [(32, 1, -5.0, 8), (16, 2, None, 5)])
+def test_long_verify_windows_stream_and_pass_the_known_answer(interpreted_kda_decode, block_v, split, lower_bound,
+                                                              num_spec):
+    """Windows longer than TILE_WINDOW_MAX (DSpark's 9 tokens: 8 drafts + 1) take the streamed path by default
+    (a loop of the window's length, each token's inputs made in its iteration, every conv-state store after
+    it); its known answer at a whole head and a head split over two programs (the last writes the q/k conv
+    state once the other finished its loop), both gates. The plain decode in the same check takes the tile
+    path."""
+    from vllm_ling.ops.kda_decode import TILE_WINDOW_MAX, streams
+
+    assert num_spec + 1 > TILE_WINDOW_MAX and streams(True, num_spec + 1) and not streams(True, TILE_WINDOW_MAX)
+    result = check_kda_decode(lambda call, out: kda_decode(call, out, block_v=block_v, split=split),
+                              "interpreted, streamed", heads=2, head_dim=32, num_spec=num_spec, lower_bound=lower_bound)
+    assert result.passed, result.failing_inputs
+    assert result.cases == 6 and result.max_error < KDA_DECODE_RTOL / 4
+
+
 def test_a_split_head_leaves_its_counters_at_zero_for_the_next_step(interpreted_kda_decode):
     from vllm_ling.ops import kda_decode as K
 
@@ -67,6 +84,14 @@ def test_the_known_answer_fails_a_faulty_step(interpreted_kda_decode, fault):
     result = check_kda_decode(_faulty(FAULTS[fault]), "faulty", heads=2, head_dim=32, lower_bound=-5.0)
     assert not result.passed and result.max_error > 10 * KDA_DECODE_RTOL, (fault, result.max_error)
     assert not any("raised" in f for f in result.failing_inputs), result.failing_inputs  # wrong numbers, not a crash
+
+
+@pytest.mark.parametrize("fault", ["accepted ignored", "taps reversed"])
+def test_the_known_answer_fails_a_faulty_streamed_step(interpreted_kda_decode, fault):
+    """The streamed path's own conv windows and resume position, wrong: caught."""
+    result = check_kda_decode(_faulty(FAULTS[fault]), "faulty, streamed", heads=2, head_dim=32, num_spec=5,
+                              lower_bound=-5.0)
+    assert not result.passed and result.max_error > 10 * KDA_DECODE_RTOL, (fault, result.max_error)
 
 
 def test_padded_sequences_get_zero_rows_and_leave_every_state_alone(interpreted_kda_decode):
@@ -112,18 +137,24 @@ def test_the_benchmark_writes_the_table_launch_config_reads(tmp_path, monkeypatc
     from benchmarks.kda_decode import launch_table_of
     from vllm_ling.ops import kda_decode as K
 
-    bests = [(4, 1, (16, 1, 8, False)), (1, 1, (32, 4, 4, True)), (1, 4, (32, 2, 4, False)), (8, 1, (64, 8, 1, False))]
+    bests = [(4, 1, (16, 1, 8, False)), (1, 1, (32, 4, 4, True)), (1, 4, (32, 2, 4, False)), (8, 1, (64, 8, 1, False)),
+             (1, 9, (16, 2, 8, False))]
     table = launch_table_of(bests, "a test")
     assert table["plain"] == [[1, 32, 4, 4, True], [4, 16, 1, 8, False], [8, 64, 8, 1, False]]
     assert table["spec"] == [[1, 32, 2, 4, False]]
+    assert table["stream"] == [[1, 16, 2, 8, False]]  # DSpark's 9-token windows: the streamed path's own rows
     path = tmp_path / "kda_decode_launch.json"
     path.write_text(json.dumps(table))
-    monkeypatch.setattr(K, "launch_table", lambda: {step: [tuple(r) for r in json.loads(path.read_text())[step]]
-                                                    for step in ("plain", "spec")})
+    monkeypatch.setattr(K, "launch_table", lambda: K.table_from(json.loads(path.read_text())))
     assert K.launch_config(1, False, 128) == (32, 4, 4, True)
     assert K.launch_config(3, False, 128) == (16, 1, 8, False)
     assert K.launch_config(9, False, 128) == (64, 8, 1, False)
     assert K.launch_config(2, True, 128) == (32, 2, 1, False)  # above the largest measured window: one program
+    assert K.launch_config(1, True, 128, stream=True) == (16, 2, 8, False)
+    # a run that measured no streamed windows: they take the tile path's verify rows
+    no_stream = launch_table_of(bests[:4], "no streamed windows")
+    assert "stream" not in no_stream
+    assert K.table_from(no_stream)["stream"] == K.table_from(no_stream)["spec"]
     with pytest.raises(ValueError, match="spec"):
         launch_table_of([(1, 1, (32, 4, 4, False))], "plain only")
 
@@ -194,6 +225,11 @@ def _on(call: KdaDecodeCall, device: str) -> KdaDecodeCall:
 def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head_dim):
     result = check_kda_decode(kda_decode, "compiled", heads, head_dim, lower_bound=-5.0, device="cuda")
     assert result.passed, result.failing_inputs
+    # DSpark's 9-token windows: the streamed path, at each configuration its launch table hands out
+    for config in {launch_config(n, True, head_dim, stream=True) for n in (1, 2, 3, 4, 5, 8, 64)}:
+        result = check_kda_decode(lambda c, o, b=config: kda_decode(c, o, block_v=b[0], num_warps=b[1], split=b[2]),
+                                  f"streamed {config}", heads, head_dim, num_spec=8, lower_bound=-5.0, device="cuda")
+        assert result.passed, (config, result.failing_inputs)
     # launched as a programmatic dependent by default on sm_90+: without
     result = check_kda_decode(lambda c, o: kda_decode(c, o, pdl=False), "no PDL", heads, head_dim, lower_bound=-5.0,
                               device="cuda")
@@ -208,7 +244,10 @@ def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head
                                   f"bv{block_v} w{warps} x{split} prefetch {prefetch}", heads, head_dim,
                                   lower_bound=-5.0, device="cuda")
         assert result.passed, (block_v, warps, split, prefetch, result.failing_inputs)
-    for name, call in decode_calls(heads, head_dim, 4, 3, -5.0, seed=1).items():
+    windows = decode_calls(heads, head_dim, 4, 3, -5.0, seed=1)
+    streamed = decode_calls(heads, head_dim, 4, 8, -5.0, seed=2)
+    windows.update({f"{name} (streamed)": call for name, call in streamed.items() if call.spec})
+    for name, call in windows.items():
         ours, theirs = _on(call, "cuda"), _on(call, "cuda")
         out = torch.zeros((call.x.shape[0], heads, head_dim), dtype=torch.bfloat16, device="cuda")
         kda_decode(ours, out)

@@ -36,6 +36,24 @@ def test_every_served_configuration_compiles_for_the_spark():
     assert not failed, f"KDA decode kernel does not compile for sm_{SPARK}: {failed}"
 
 
+def test_dspark_windows_compile_on_the_streamed_path_for_the_spark():
+    """DSpark's 9-token verify windows take the streamed path (a loop of the window's length, which the
+    interpreter runs as Python): every configuration its launch table rows hand out compiles to a cubin."""
+    from benchmarks.kda_decode_ptx import DSPARK_WINDOW, HEAD_DIM
+    from vllm_ling.ops.kda_decode import launch_config, streams
+
+    assert streams(True, DSPARK_WINDOW)
+    failed = {}
+    for config in sorted({launch_config(n, True, HEAD_DIM, stream=True) for n in range(1, 257)}):
+        try:
+            compiled = compile_kernel(*config, True, pdl=True, capability=SPARK, window=DSPARK_WINDOW)
+            if not compiled.asm.get("cubin"):
+                failed[config] = "no cubin"
+        except Exception as exc:  # noqa: BLE001 - the compiler's message is the failure
+            failed[config] = f"{type(exc).__name__}: {str(exc)[:400]}"
+    assert not failed, f"streamed KDA decode does not compile for sm_{SPARK}: {failed}"
+
+
 def test_the_compile_check_catches_a_configuration_the_kernel_cannot_take():
     """A block of value channels that does not tile a program's share (3 programs of a 128-channel head)
     must fail to compile, or the test above proves nothing."""

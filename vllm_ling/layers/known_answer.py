@@ -196,10 +196,15 @@ def check_kda_conv(layer, device: torch.device | str = "cpu") -> ka.KernelCheckR
 def check_kda_decode(layer, device: torch.device | str = "cpu") -> ka.KernelCheckResult:
     """A KDA layer's one-launch decode (what its op launches) on
     :func:`~vllm_ling.ops.known_answer.check_kda_decode` at the layer's heads, head size, conv width and
-    dtype and gate, on scratch pools (the served pools are not touched)."""
+    dtype, gate and served verify window (the check's own without speculation), on scratch pools (the
+    served pools are not touched)."""
     from vllm_ling.layers import kda_decode, kda_fused_conv
 
     weight = getattr(layer, kda_fused_conv.WEIGHT_ATTR)
+    # vLLM's layer keeps its draft tokens per verify window: DSpark's 9-token windows take the kernel's
+    # streamed path, MTP's 4 its tile path
+    spec_tokens = getattr(layer, "num_speculative_tokens", 0)
+    window = {"num_spec": spec_tokens} if spec_tokens else {}
     return ka.check_kda_decode(kda_decode.launch, kda_decode.KERNEL_LABEL, layer.local_num_heads, layer.head_dim,
-                               width=weight.shape[-1], conv_dtype=weight.dtype,
+                               width=weight.shape[-1], conv_dtype=weight.dtype, **window,
                                lower_bound=layer.lower_bound if layer.safe_gate else None, device=device)

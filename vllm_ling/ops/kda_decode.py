@@ -47,25 +47,41 @@ from vllm_ling.ops.cuda_jit import pdl_available
 L2NORM_EPS = 1e-6  # flash-linear-attention's (inside the sqrt), as vllm_ling.ops.kda
 SOFTPLUS_THRESHOLD = 20.0  # fused_kda_gate's default: softplus is linear above it
 MIN_BLOCK_V = 32  # the smallest head the layer serves (every configuration's blocks tile it)
+# Verify windows of at most this many tokens take the tile path (every token's q, k, v and gate made at once,
+# the token loop unrolled): the path the launch table was measured on (MTP's 4-token windows). Longer ones
+# (DSpark's 9) stream their tokens: the tile path ran a 9-token window in 83.8 us per layer in lease
+# 2026-12-07d's real step (its loop runs to 16 and pulls each token's row out of [16, D] tiles) against
+# 14.7 at 4 tokens in the benchmark
+TILE_WINDOW_MAX = 4
+
+
+def streams(spec: bool, window: int) -> bool:
+    """Whether a step of ``window``-token verify windows (``spec``) or plain decodes takes the streamed path."""
+    return spec and window > TILE_WINDOW_MAX
 LAUNCH_TABLE = "data/kda_decode_launch.json"  # the measured choice: written by benchmarks/kda_decode.py
 
 
 @functools.cache
 def launch_table() -> dict[str, list[tuple[int, int, int, int, bool]]]:
-    """{"plain" | "spec": rows (up to sequences, value channels per step, warps, programs per head, state
-    prefetch), by batch}: the fastest configuration per batch in the benchmark's last run
-    (``benchmarks/kda_decode.py --launch-table``; the file says which run)."""
-    data = json.loads(resources.files("vllm_ling").joinpath(LAUNCH_TABLE).read_text())
-    return {step: [(int(n), int(bv), int(w), int(s), bool(pf)) for n, bv, w, s, pf in data[step]]
-            for step in ("plain", "spec")}
+    """{"plain" | "spec" | "stream": rows (up to sequences, value channels per step, warps, programs per head,
+    state prefetch), by batch}: the fastest configuration per batch in the benchmark's last run
+    (``benchmarks/kda_decode.py --launch-table``; the file says which run). "spec": the tile path's verify
+    windows, "stream": the streamed path's (the spec rows where the run measured none)."""
+    return table_from(json.loads(resources.files("vllm_ling").joinpath(LAUNCH_TABLE).read_text()))
 
 
-def launch_config(num_seqs: int, spec: bool, head_dim: int) -> tuple[int, int, int, bool]:
+def table_from(data: dict) -> dict[str, list[tuple[int, int, int, int, bool]]]:
+    """The launch table of the file's JSON (:func:`launch_table`'s format)."""
+    return {step: [(int(n), int(bv), int(w), int(s), bool(pf)) for n, bv, w, s, pf in data.get(step, data["spec"])]
+            for step in ("plain", "spec", "stream")}
+
+
+def launch_config(num_seqs: int, spec: bool, head_dim: int, stream: bool = False) -> tuple[int, int, int, bool]:
     """(value channels per step, warps, programs per head, state prefetch) for a batch of ``num_seqs``
-    plain decodes or verify windows: the launch table's row for the smallest measured batch that holds it;
-    above the largest, that row's blocks with one program per head (the batch fills the GPU with programs
-    anyway). Smaller heads take smaller blocks and fewer programs."""
-    rows = launch_table()["spec" if spec else "plain"]
+    plain decodes or verify windows (``stream``: long ones, :func:`streams`): the launch table's row for the
+    smallest measured batch that holds it; above the largest, that row's blocks with one program per head
+    (the batch fills the GPU with programs anyway). Smaller heads take smaller blocks and fewer programs."""
+    rows = launch_table()["stream" if stream else "spec" if spec else "plain"]
     row = next((r for r in rows if num_seqs <= r[0]), None)
     _, block_v, warps, split, prefetch = row or (*rows[-1][:3], 1, rows[-1][4])
     block_v = min(block_v, head_dim)
@@ -128,7 +144,7 @@ def reserve_reader_counts(device: torch.device, count: int) -> torch.Tensor:
 
 def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = None,
                num_warps: int | None = None, split: int | None = None, pdl: bool | None = None,
-               prefetch: bool | None = None) -> torch.Tensor:
+               prefetch: bool | None = None, stream: bool | None = None) -> torch.Tensor:
     """Run the step into ``out`` [T, H, V] (rows of null-block sequences zeroed; rows past the
     sequences' tokens untouched); the conv state and the state pool in place. Returns ``out``.
     ``block_v``, ``num_warps``, ``split`` (programs per head, each its 1/split of the value channels): the
@@ -137,13 +153,17 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
     ``prefetch``, reading their first state block); every read of the step's inputs and every store waits
     for that kernel. ``prefetch``: each value block's state read before the work that precedes its use;
     off, each block's read where it is used (default: :func:`launch_config`'s; off with an explicit
-    ``block_v``)."""
+    ``block_v``; never with ``stream``). ``stream``: the tokens in a loop of the window's length rather than
+    the tile path (default: verify windows longer than :data:`TILE_WINDOW_MAX`)."""
     heads = call.A_log.numel()
     width = call.conv_weight.shape[1]
     head_dim = call.state.shape[-1]
+    window = call.slots.shape[1] if call.spec else 1
+    if stream is None:
+        stream = streams(call.spec, window)
     if block_v is None:
         block_v, default_warps, default_split, default_prefetch = launch_config(call.slots.shape[0], call.spec,
-                                                                               head_dim)
+                                                                               head_dim, stream)
     else:
         default_warps, default_split, default_prefetch = 4, 1, False
     num_warps, split = num_warps or default_warps, split or default_split
@@ -175,6 +195,7 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
         raise ValueError(f"conv state of {call.conv_state.shape[-1]} columns for width {width} and "
                          f"{max_t}-token windows")
     max_pow2 = _next_pow2(max_t)
+    prefetch = prefetch and not stream
     from vllm_ling.ops.kda_decode_kernel import kda_decode_kernel
 
     readers = reserve_reader_counts(out.device, num_seqs * heads) if split > 1 else call.slots  # unread unsplit
@@ -190,6 +211,6 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
         D=head_dim, W=width, MAX_T=max_pow2,
         LP=_next_pow2(width - 2 + max_pow2), BV=block_v, SPLIT=split, SPEC=call.spec,
         SAFE_GATE=call.lower_bound is not None, HAS_BIAS=call.dt_bias is not None,
-        THRESHOLD=SOFTPLUS_THRESHOLD, USE_PDL=pdl, PREFETCH=prefetch, num_warps=num_warps,
+        THRESHOLD=SOFTPLUS_THRESHOLD, USE_PDL=pdl, PREFETCH=prefetch, STREAM=stream, num_warps=num_warps,
         **({"launch_pdl": True} if pdl else {}))
     return out

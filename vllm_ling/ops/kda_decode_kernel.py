@@ -54,14 +54,42 @@ def _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, chan
     out = acc * _sigmoid(acc)
     out = _round_bf16(out)  # what vLLM's conv stores (BF16 activations) and its recurrence loads
     out = tl.where(t < seqlen, out, 0.0)
-    # the state after: window rows 1 .. W - 2 + seqlen (the oldest dropped), to columns 0 ..
+    return out, _conv_moved(x, stride_x, conv_state, stride_cs, stride_cc, stride_cl, chans, conv_slot, offset, bos,
+                            seqlen, W, LP)
+
+
+@triton.jit
+def _conv_moved(x, stride_x, conv_state, stride_cs, stride_cc, stride_cl, chans, conv_slot, offset, bos, seqlen,
+                W: tl.constexpr, LP: tl.constexpr):
+    """The channels' conv state after the window, [LP, len(chans)]: window rows 1 .. W - 2 + seqlen (the
+    oldest dropped), for columns 0 .. (stored by :func:`_conv_state_store`)."""
+    c = chans[None, :]
+    base = conv_state + conv_slot * stride_cs + c * stride_cc
     j = tl.arange(0, LP)[:, None]
     keep = j < W - 2 + seqlen
     from_hist = j < W - 2
-    moved = tl.where(from_hist, tl.load(base + (offset + j + 1) * stride_cl, mask=keep & from_hist, other=0.0),
-                     tl.load(x + (bos + tl.maximum(j - (W - 2), 0)) * stride_x + c, mask=keep & (j >= W - 2),
-                             other=0.0))
-    return out, moved
+    return tl.where(from_hist, tl.load(base + (offset + j + 1) * stride_cl, mask=keep & from_hist, other=0.0),
+                    tl.load(x + (bos + tl.maximum(j - (W - 2), 0)) * stride_x + c, mask=keep & (j >= W - 2),
+                            other=0.0))
+
+
+@triton.jit
+def _conv_token(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, chans, conv_slot, offset, bos, t,
+                W: tl.constexpr):
+    """The conv output of the window's token ``t`` (a runtime index) over ``chans``: [len(chans)] float32 after
+    silu, rounded as BF16 stores round (the streamed token loop's; :func:`_conv` makes every token's at once)."""
+    base = conv_state + conv_slot * stride_cs + chans * stride_cc
+    for j in tl.static_range(W):
+        r = chans * 0 + t + j  # the window row, as a vector: the conv state's columns, then the new tokens
+        hist = r < W - 1
+        tap = tl.where(hist, tl.load(base + (offset + r) * stride_cl, mask=hist, other=0.0),
+                       tl.load(x + (bos + tl.maximum(r - (W - 1), 0)) * stride_x + chans, mask=r >= W - 1, other=0.0))
+        term = tap.to(tl.float32) * tl.load(conv_w + chans * W + j).to(tl.float32)
+        if j == 0:
+            acc = term
+        else:
+            acc += term
+    return _round_bf16(acc * _sigmoid(acc))
 
 
 @triton.jit
@@ -80,6 +108,95 @@ def _row(tile, t, MAX_T: tl.constexpr):
 
 
 @triton.jit
+def _gate(raw, a, lower_bound, SAFE_GATE: tl.constexpr, THRESHOLD: tl.constexpr):
+    if SAFE_GATE:
+        g = lower_bound * _sigmoid(a * raw)
+    else:
+        g = -a * tl.where(raw > THRESHOLD, raw, tl.log(1.0 + tl.exp(raw)))
+    return g
+
+
+@triton.jit
+def _store_qk_conv_state(conv_state, stride_cs, stride_cc, stride_cl, readers, P, n, h, part, conv_slot, seqlen,
+                         moved_q, moved_k, D: tl.constexpr, W: tl.constexpr, LP: tl.constexpr,
+                         SPLIT: tl.constexpr):
+    """The head's q and k conv state: every program of the head reads it, the last one writes it once the
+    others said they are done reading (they are dispatched before it: it never waits on one not started)."""
+    d = tl.arange(0, D)
+    if SPLIT > 1:
+        count = readers + n * tl.num_programs(1) + h
+        if part < SPLIT - 1:
+            tl.debug_barrier()  # every thread's loads of it done
+            tl.atomic_add(count, 1, sem="release")
+        else:
+            seen = tl.atomic_add(count, 0, sem="acquire")
+            while seen < SPLIT - 1:
+                seen = tl.atomic_add(count, 0, sem="acquire")
+    if part == SPLIT - 1:
+        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, h * D + d, conv_slot, seqlen, moved_q, W, LP)
+        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d, conv_slot, seqlen, moved_k,
+                          W, LP)
+        if SPLIT > 1:
+            tl.atomic_xchg(count, 0)  # ready for the next step (and the next replay of a CUDA graph)
+
+
+@triton.jit
+def _streamed_step(x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
+                   A_log, dt_bias, state, stride_ss, stride_sh, stride_sv, stride_sk, slots, stride_slot_n,
+                   stride_slot_t, o, stride_ot, stride_oh, readers, scale, lower_bound, eps, P, part, h, n, bos,
+                   seqlen, offset, state_base, conv_slot,
+                   D: tl.constexpr, W: tl.constexpr, LP: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
+                   SPEC: tl.constexpr, SAFE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, THRESHOLD: tl.constexpr):
+    """The step with its tokens in a loop of the window's length: each token's q, k, v, gate and beta made
+    from memory in its own iteration (the conv windows' rows are cache hits), so a long window costs its
+    tokens, where the tile path's unrolled loop runs to the window padded to a power of two and pulls each
+    token's row out of [window, D] tiles. Every conv-state store comes after the loop, once nothing reads it."""
+    d = tl.arange(0, D)
+    a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    first = part * (D // SPLIT)
+    for j in tl.static_range(D // SPLIT // BV):
+        vd = first + j * BV + tl.arange(0, BV)
+        tile = vd[:, None] * stride_sv + d[None, :] * stride_sk
+        S = tl.load(state_base + tile).to(tl.float32)
+        for t in range(0, seqlen):
+            q = _conv_token(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, h * D + d, conv_slot,
+                            offset, bos, t, W)
+            k = _conv_token(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d,
+                            conv_slot, offset, bos, t, W)
+            v = _conv_token(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd,
+                            conv_slot, offset, bos, t, W)
+            q = q / tl.sqrt(_sum(q * q, axis=0) + eps) * scale
+            k = k / tl.sqrt(_sum(k * k, axis=0) + eps)
+            raw = tl.load(f + (bos + t) * stride_f + h * D + d).to(tl.float32)
+            if HAS_BIAS:
+                raw += tl.load(dt_bias + h * D + d).to(tl.float32)
+            g = _gate(raw, a, lower_bound, SAFE_GATE, THRESHOLD)
+            beta = _sigmoid(tl.load(b + (bos + t) * stride_b + h).to(tl.float32))
+            S = S * tl.exp(g)[None, :]
+            u = beta * (v - _sum(S * k[None, :], axis=1))
+            S = S + u[:, None] * k[None, :]
+            out = _sum(S * q[None, :], axis=1)
+            tl.store(o + (bos + t) * stride_ot + h * stride_oh + vd, _round_bf16(out).to(o.dtype.element_ty))
+            if SPEC:
+                dst = tl.load(slots + n * stride_slot_n + t * stride_slot_t).to(tl.int64)
+                tl.store(state + dst * stride_ss + h * stride_sh + tile, S.to(state.dtype.element_ty),
+                         mask=tile * 0 + dst > 0)
+        if not SPEC:
+            tl.store(state_base + tile, S.to(state.dtype.element_ty))
+        # this block's v conv state: its program alone reads and writes it
+        moved_v = _conv_moved(x, stride_x, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd, conv_slot,
+                              offset, bos, seqlen, W, LP)
+        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd, conv_slot, seqlen, moved_v,
+                          W, LP)
+    moved_q = _conv_moved(x, stride_x, conv_state, stride_cs, stride_cc, stride_cl, h * D + d, conv_slot, offset, bos,
+                          seqlen, W, LP)
+    moved_k = _conv_moved(x, stride_x, conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d, conv_slot, offset,
+                          bos, seqlen, W, LP)
+    _store_qk_conv_state(conv_state, stride_cs, stride_cc, stride_cl, readers, P, n, h, part, conv_slot, seqlen,
+                         moved_q, moved_k, D, W, LP, SPLIT)
+
+
+@triton.jit
 def kda_decode_kernel(
         x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
         A_log, dt_bias, state, stride_ss, stride_sh, stride_sv, stride_sk,
@@ -87,7 +204,8 @@ def kda_decode_kernel(
         scale, lower_bound, eps, P,
         D: tl.constexpr, W: tl.constexpr, MAX_T: tl.constexpr, LP: tl.constexpr,
         BV: tl.constexpr, SPLIT: tl.constexpr, SPEC: tl.constexpr, SAFE_GATE: tl.constexpr,
-        HAS_BIAS: tl.constexpr, THRESHOLD: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+        HAS_BIAS: tl.constexpr, THRESHOLD: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        STREAM: tl.constexpr):
     # program (part, head, sequence): ``SPLIT`` programs share a head, each its D / SPLIT value channels
     part = tl.program_id(0)
     h = tl.program_id(1)
@@ -126,75 +244,65 @@ def kda_decode_kernel(
             zeros = tl.full([D // SPLIT], 0.0, tl.float32).to(o.dtype.element_ty)
             tl.store(o + (bos + t) * stride_ot + h * stride_oh + own, zeros, mask=own * 0 + seqlen > t)
         return
-    # Every load no store of this step can change, issued together: the q, k and first value block's conv
-    # windows, the gate, A and beta (one memory round trip rather than one per stage: the compiler keeps a
-    # load below any earlier store to a pool it cannot tell apart, such as the conv state's q/k channels)
-    q, moved_q = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, h * D + d,
-                       conv_slot, offset, bos, seqlen, W, MAX_T, LP)
-    k, moved_k = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d,
-                       conv_slot, offset, bos, seqlen, W, MAX_T, LP)
-    v_first, moved_v_first = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
-                                   2 * P + h * D + first + tl.arange(0, BV), conv_slot, offset, bos, seqlen, W,
-                                   MAX_T, LP)
-    live = rows < seqlen
-    raw = tl.load(f + (bos + rows) * stride_f + h * D + d[None, :], mask=live, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        raw += tl.load(dt_bias + h * D + d).to(tl.float32)[None, :]
-    a = tl.exp(tl.load(A_log + h).to(tl.float32))
-    t1 = tl.arange(0, MAX_T)
-    beta = _sigmoid(tl.load(b + (bos + t1) * stride_b + h, mask=t1 < seqlen, other=0.0).to(tl.float32))
-    q = q / tl.sqrt(_sum(q * q, axis=1)[:, None] + eps) * scale
-    k = k / tl.sqrt(_sum(k * k, axis=1)[:, None] + eps)
-    # the head's q and k conv state: every program of the head reads it (above), the last one writes it
-    # once the others said they read it (they are dispatched before it: it never waits on one not started)
-    if SPLIT > 1:
-        count = readers + n * tl.num_programs(1) + h
-        if part < SPLIT - 1:
-            tl.debug_barrier()  # q and k computed from every thread's loads
-            tl.atomic_add(count, 1, sem="release")
-        else:
-            seen = tl.atomic_add(count, 0, sem="acquire")
-            while seen < SPLIT - 1:
-                seen = tl.atomic_add(count, 0, sem="acquire")
-    if part == SPLIT - 1:
-        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, h * D + d, conv_slot, seqlen, moved_q, W, LP)
-        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d, conv_slot, seqlen, moved_k,
-                          W, LP)
-        if SPLIT > 1:
-            tl.atomic_xchg(count, 0)  # ready for the next step (and the next replay of a CUDA graph)
-    if SAFE_GATE:
-        g = lower_bound * _sigmoid(a * raw)
+    if STREAM:  # long verify windows (kda_decode.TILE_WINDOW_MAX)
+        _streamed_step(x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
+                       A_log, dt_bias, state, stride_ss, stride_sh, stride_sv, stride_sk, slots, stride_slot_n,
+                       stride_slot_t, o, stride_ot, stride_oh, readers, scale, lower_bound, eps, P, part, h, n, bos,
+                       seqlen, offset, state_base, conv_slot, D, W, LP, BV, SPLIT, SPEC, SAFE_GATE, HAS_BIAS,
+                       THRESHOLD)
     else:
-        g = -a * tl.where(raw > THRESHOLD, raw, tl.log(1.0 + tl.exp(raw)))
-    g = tl.where(live, g, 0.0)  # past the window: no decay, k = 0, so the state stays
-    for j in tl.static_range(D // SPLIT // BV):
-        vd = first + j * BV + tl.arange(0, BV)
-        tile = vd[:, None] * stride_sv + d[None, :] * stride_sk
-        if PREFETCH:
-            S = S_next.to(tl.float32)
-            if j + 1 < D // SPLIT // BV:  # the next block's state in flight while this block computes
-                S_next = tl.load(state_base + tile + BV * stride_sv)
-        else:
-            S = tl.load(state_base + tile).to(tl.float32)
-        if j == 0:
-            v, moved_v = v_first, moved_v_first
-        else:
-            v, moved_v = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd,
-                               conv_slot, offset, bos, seqlen, W, MAX_T, LP)
-        _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd, conv_slot, seqlen,
-                          moved_v, W, LP)
-        for t in tl.static_range(MAX_T):
-            kt = _row(k, t, MAX_T)
-            S = S * tl.exp(_row(g, t, MAX_T))[None, :]
-            u = _sum(tl.where(t1 == t, beta, 0.0), axis=0) * (_row(v, t, MAX_T) - _sum(S * kt[None, :], axis=1))
-            S = S + u[:, None] * kt[None, :]
-            out = _sum(S * _row(q, t, MAX_T)[None, :], axis=1)
-            tl.store(o + (bos + t) * stride_ot + h * stride_oh + vd, _round_bf16(out).to(o.dtype.element_ty),
-                     mask=(vd < D) & (vd * 0 + seqlen > t))
-            if SPEC:
-                dst = tl.load(slots + n * stride_slot_n + tl.minimum(seqlen - 1, t) * stride_slot_t).to(tl.int64)
-                dst = tl.where(seqlen > t, dst, 0)
-                tl.store(state + dst * stride_ss + h * stride_sh + tile, S.to(state.dtype.element_ty),
-                         mask=tile * 0 + dst > 0)
-        if not SPEC:
-            tl.store(state_base + tile, S.to(state.dtype.element_ty))
+        # Every load no store of this step can change, issued together: the q, k and first value block's conv
+        # windows, the gate, A and beta (one memory round trip rather than one per stage: the compiler keeps a
+        # load below any earlier store to a pool it cannot tell apart, such as the conv state's q/k channels)
+        q, moved_q = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, h * D + d,
+                           conv_slot, offset, bos, seqlen, W, MAX_T, LP)
+        k, moved_k = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, P + h * D + d,
+                           conv_slot, offset, bos, seqlen, W, MAX_T, LP)
+        v_first, moved_v_first = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
+                                       2 * P + h * D + first + tl.arange(0, BV), conv_slot, offset, bos, seqlen, W,
+                                       MAX_T, LP)
+        live = rows < seqlen
+        raw = tl.load(f + (bos + rows) * stride_f + h * D + d[None, :], mask=live, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            raw += tl.load(dt_bias + h * D + d).to(tl.float32)[None, :]
+        a = tl.exp(tl.load(A_log + h).to(tl.float32))
+        t1 = tl.arange(0, MAX_T)
+        beta = _sigmoid(tl.load(b + (bos + t1) * stride_b + h, mask=t1 < seqlen, other=0.0).to(tl.float32))
+        q = q / tl.sqrt(_sum(q * q, axis=1)[:, None] + eps) * scale
+        k = k / tl.sqrt(_sum(k * k, axis=1)[:, None] + eps)
+        # the head's q and k conv state, read above by every program of the head
+        _store_qk_conv_state(conv_state, stride_cs, stride_cc, stride_cl, readers, P, n, h, part, conv_slot, seqlen,
+                             moved_q, moved_k, D, W, LP, SPLIT)
+        g = _gate(raw, a, lower_bound, SAFE_GATE, THRESHOLD)
+        g = tl.where(live, g, 0.0)  # past the window: no decay, k = 0, so the state stays
+        for j in tl.static_range(D // SPLIT // BV):
+            vd = first + j * BV + tl.arange(0, BV)
+            tile = vd[:, None] * stride_sv + d[None, :] * stride_sk
+            if PREFETCH:
+                S = S_next.to(tl.float32)
+                if j + 1 < D // SPLIT // BV:  # the next block's state in flight while this block computes
+                    S_next = tl.load(state_base + tile + BV * stride_sv)
+            else:
+                S = tl.load(state_base + tile).to(tl.float32)
+            if j == 0:
+                v, moved_v = v_first, moved_v_first
+            else:
+                v, moved_v = _conv(x, stride_x, conv_w, conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd,
+                                   conv_slot, offset, bos, seqlen, W, MAX_T, LP)
+            _conv_state_store(conv_state, stride_cs, stride_cc, stride_cl, 2 * P + h * D + vd, conv_slot, seqlen,
+                              moved_v, W, LP)
+            for t in tl.static_range(MAX_T):
+                kt = _row(k, t, MAX_T)
+                S = S * tl.exp(_row(g, t, MAX_T))[None, :]
+                u = _sum(tl.where(t1 == t, beta, 0.0), axis=0) * (_row(v, t, MAX_T) - _sum(S * kt[None, :], axis=1))
+                S = S + u[:, None] * kt[None, :]
+                out = _sum(S * _row(q, t, MAX_T)[None, :], axis=1)
+                tl.store(o + (bos + t) * stride_ot + h * stride_oh + vd, _round_bf16(out).to(o.dtype.element_ty),
+                         mask=(vd < D) & (vd * 0 + seqlen > t))
+                if SPEC:
+                    dst = tl.load(slots + n * stride_slot_n + tl.minimum(seqlen - 1, t) * stride_slot_t).to(tl.int64)
+                    dst = tl.where(seqlen > t, dst, 0)
+                    tl.store(state + dst * stride_ss + h * stride_sh + tile, S.to(state.dtype.element_ty),
+                             mask=tile * 0 + dst > 0)
+            if not SPEC:
+                tl.store(state_base + tile, S.to(state.dtype.element_ty))
