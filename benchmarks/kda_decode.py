@@ -164,10 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         # in the served step the b_proj small GEMV)
         served = {pdl: stacked_time_us([lambda c=c, o=o, p=pdl: kda_decode(c, o, pdl=p) for c, o in zip(calls, outs)],
                                        args.iters) for pdl in (False, True)}
+        # verify windows: the served configuration on the kernel's other path (tile or streamed), which says
+        # where kda_decode.TILE_WINDOW_MAX belongs
+        other = None if window == 1 else stacked_time_us(
+            [lambda c=c, o=o: kda_decode(c, o, stream=not streams(True, window)) for c, o in zip(calls, outs)],
+            args.iters)
         theirs = [vllm_step(dataclasses.replace(c)) for c in calls]
         their_us = None if theirs[0] is None else stacked_time_us(theirs, args.iters)
         best = min(timed, key=timed.get)
-        rows.append((seqs, window, nbytes, timed, best, their_us, served))
+        rows.append((seqs, window, nbytes, timed, best, their_us, served, other))
         print(f"{case}: best {best} {timed[best]:.2f} us, vLLM {their_us} us", file=sys.stderr)
     header = " | ".join(config_name(c) + " (us)" for c in CONFIGS)
     lines = [f"# A KDA layer's decode step ({torch.cuda.get_device_name()})", "",
@@ -176,18 +181,19 @@ def main(argv: list[str] | None = None) -> int:
              f"CUDA-graph medians ({args.iters} replays) of {LAYERS} distinct layers "
              f"(own pools each), us per layer. Copy bandwidth in this run: {bw:,.0f} GB/s ({how}).", "",
              f"| sequences x tokens | bytes | {header} | best ours (us) | fraction of copy BW (best) "
-             "| vLLM's three kernels (us) | vLLM / best ours | served config (us) | served with PDL (us) |",
-             "|---|---|" + "---|" * len(CONFIGS) + "---|---|---|---|---|---|"]
-    for seqs, window, nbytes, timed, best, their_us, served in rows:
+             "| vLLM's three kernels (us) | vLLM / best ours | served config (us) | served with PDL (us) "
+             "| served, other path (us) |",
+             "|---|---|" + "---|" * len(CONFIGS) + "---|---|---|---|---|---|---|"]
+    for seqs, window, nbytes, timed, best, their_us, served, other in rows:
         cells = " | ".join(f"{timed[c]:.2f}" for c in CONFIGS)
         frac = nbytes / (timed[best] * 1e-6) / (bw * 1e9)
         ratio = f"{their_us / timed[best]:.2f}x" if their_us else "-"
         lines.append(f"| {seqs} x {window} | {nbytes:,} | {cells} | {timed[best]:.2f} ({config_name(best)}) "
                      f"| {frac:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} "
-                     f"| {served[False]:.2f} | {served[True]:.2f} |")
+                     f"| {served[False]:.2f} | {served[True]:.2f} | {'-' if other is None else f'{other:.2f}'} |")
     write_outputs("\n".join(lines) + "\n", args.out)
     if args.launch_table:
-        table = launch_table_of([(seqs, window, best) for seqs, window, _, _, best, _, _ in rows],
+        table = launch_table_of([(seqs, window, best) for seqs, window, _, _, best, _, _, _ in rows],
                                 f"benchmarks/kda_decode.py on the {torch.cuda.get_device_name()}, "
                                 f"{time.strftime('%Y-%m-%d')}: the fastest configuration per batch")
         with open(args.launch_table, "w") as f:

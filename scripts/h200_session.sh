@@ -314,7 +314,8 @@ cuts)
   else
     echo "router-topk: rounds serves (${why:-the kernel tests did not both pass})" >> "$out/rc.txt"
   fi
-  timeout 300 python3 -m benchmarks.kda_decode --out "$OUT/kda-decode.md" --launch-table "$OUT/kda_decode_launch.json" \
+  # (420 s: DSpark's 9-token windows and each window on the kernel's other path joined the cases)
+  timeout 420 python3 -m benchmarks.kda_decode --out "$OUT/kda-decode.md" --launch-table "$OUT/kda_decode_launch.json" \
     > "$out/kda-decode-bench.txt" 2>&1
   rc=$?
   echo "kda-decode-bench rc $rc" >> "$out/rc.txt"

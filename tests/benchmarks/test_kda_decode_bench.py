@@ -20,6 +20,6 @@ def test_the_bytes_are_the_states_conv_states_and_rows_a_step_moves():
 @pytest.mark.gpu
 def test_the_benchmark_runs_on_the_gpu(tmp_path):
     out = tmp_path / "kda.md"
-    assert B.main(["--cases", "1x1,1x4", "--iters", "5", "--out", str(out)]) == 0
+    assert B.main(["--cases", f"1x1,1x4,1x{B.DSPARK_WINDOW}", "--iters", "5", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "| 1 x 1 |" in text and "| 1 x 4 |" in text
+    assert "| 1 x 1 |" in text and "| 1 x 4 |" in text and f"| 1 x {B.DSPARK_WINDOW} |" in text
