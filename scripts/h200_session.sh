@@ -17,6 +17,7 @@
 #                                                         # is switched off in the later phases), router bench;
 #                                                         # WITH_TESTS="dspark" runs tiny tests beside them
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh gate-bench # the router gate at prefill sizes (kernel-only)
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh dense-bench # the widest dense FP8 linears at 8-16 rows (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
 #
@@ -332,6 +333,14 @@ gate-bench)
   # against the fp32 weight as BF16 parts through one tensor-core GEMM (benchmarks/router_gate_prefill.py)
   timeout 300 python3 -m benchmarks.router_gate_prefill --out "$OUT/router-gate-prefill.md" > "$out/router-gate-prefill.txt" 2>&1
   echo "router-gate-prefill rc $?" >> "$out/rc.txt"
+  ;;
+dense-bench)
+  # The dense block-FP8 linears at the row counts around W8A16_MAX_ROWS's limit of 8 on the two widest weights
+  # (kernel-only, a minute or two): DSpark's 9-row verify sends them to vLLM's CUTLASS W8A8 (26.7 us each in
+  # lease 2026-12-07d's step); dense_fp8_h200.md has ours 1.21x faster at 8 rows, 0.95x at 16, nothing between
+  timeout 300 python3 -m benchmarks.dense_fp8 --rows 8 9 12 16 --shapes 20480x2560 12288x2560 \
+    --out "$OUT/dense-fp8-rows.md" > "$out/dense-fp8-rows.txt" 2>&1
+  echo "dense-fp8-rows rc $?" >> "$out/rc.txt"
   ;;
 moe-bench)
   # Issue 43 on an idle GPU: the clamp-mode kernel tests, then one MoE layer, decode kernels vs humming's

@@ -825,8 +825,8 @@ def test_the_one_launch_decodes_known_answer_runs_the_layers_own_verify_window(v
 
     built = _fused_and_vllms(vllm_config, monkeypatch, num_spec=8, twin=False, decode=True)[0]
     assert built.num_speculative_tokens == 8
-    # the layer as the check reads it, at 2 heads of 32 (the interpreter runs this layer's heads in 80 s)
-    layer = types.SimpleNamespace(local_num_heads=2, head_dim=32, lower_bound=built.lower_bound,
+    # the layer as the check reads it, at one head of 32 (the interpreter runs this layer's heads in 80 s)
+    layer = types.SimpleNamespace(local_num_heads=1, head_dim=32, lower_bound=built.lower_bound,
                                   safe_gate=built.safe_gate, num_speculative_tokens=built.num_speculative_tokens,
                                   **{kda_fused_conv.WEIGHT_ATTR: getattr(built, kda_fused_conv.WEIGHT_ATTR)})
     windows, launch = [], kda_decode.launch

@@ -44,7 +44,7 @@ def test_long_verify_windows_stream_and_pass_the_known_answer(interpreted_kda_de
 
     assert num_spec + 1 > TILE_WINDOW_MAX and streams(True, num_spec + 1) and not streams(True, TILE_WINDOW_MAX)
     result = check_kda_decode(lambda call, out: kda_decode(call, out, block_v=block_v, split=split),
-                              "interpreted, streamed", heads=2, head_dim=32, num_spec=num_spec, lower_bound=lower_bound)
+                              "interpreted, streamed", heads=1, head_dim=32, num_spec=num_spec, lower_bound=lower_bound)
     assert result.passed, result.failing_inputs
     assert result.cases == 6 and result.max_error < KDA_DECODE_RTOL / 4
 
@@ -89,7 +89,7 @@ def test_the_known_answer_fails_a_faulty_step(interpreted_kda_decode, fault):
 @pytest.mark.parametrize("fault", ["accepted ignored", "taps reversed"])
 def test_the_known_answer_fails_a_faulty_streamed_step(interpreted_kda_decode, fault):
     """The streamed path's own conv windows and resume position, wrong: caught."""
-    result = check_kda_decode(_faulty(FAULTS[fault]), "faulty, streamed", heads=2, head_dim=32, num_spec=5,
+    result = check_kda_decode(_faulty(FAULTS[fault]), "faulty, streamed", heads=1, head_dim=32, num_spec=5,
                               lower_bound=-5.0)
     assert not result.passed and result.max_error > 10 * KDA_DECODE_RTOL, (fault, result.max_error)
 
