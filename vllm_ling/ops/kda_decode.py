@@ -13,7 +13,9 @@ head each owns 1/split of the value channels (their conv channels and state rows
 head's q and k conv state, and the last one writes it after the others counted themselves done on an
 int32 counter per (sequence, head): blocks are dispatched in index order, so the others are running
 before it waits. The value channels are taken ``block_v`` at a time (a step's state tile is
-[block_v, head_dim]).
+[block_v, head_dim]). Every token's q, k, v and gate are made at once and the token loop is unrolled (the
+tile path), except in verify windows longer than :data:`TILE_WINDOW_MAX` tokens, which loop over their tokens
+making each one's inputs in its iteration (the streamed path; its conv-state stores follow the loop).
 
 Semantics are vLLM's kernels', which :mod:`vllm_ling.ops.kda` restates in plain PyTorch (the tests
 compare against those references):
@@ -53,12 +55,12 @@ MIN_BLOCK_V = 32  # the smallest head the layer serves (every configuration's bl
 # 2026-12-07d's real step (its loop runs to 16 and pulls each token's row out of [16, D] tiles) against
 # 14.7 at 4 tokens in the benchmark
 TILE_WINDOW_MAX = 4
+LAUNCH_TABLE = "data/kda_decode_launch.json"  # the measured choice: written by benchmarks/kda_decode.py
 
 
 def streams(spec: bool, window: int) -> bool:
     """Whether a step of ``window``-token verify windows (``spec``) or plain decodes takes the streamed path."""
     return spec and window > TILE_WINDOW_MAX
-LAUNCH_TABLE = "data/kda_decode_launch.json"  # the measured choice: written by benchmarks/kda_decode.py
 
 
 @functools.cache
