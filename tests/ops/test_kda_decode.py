@@ -115,18 +115,18 @@ def test_the_launch_configuration_follows_the_measured_table_and_fits_the_head()
     from vllm_ling.ops.kda_decode import LAUNCH_TABLE
 
     table = json.loads(resources.files("vllm_ling").joinpath(LAUNCH_TABLE).read_text())
-    for step, spec in (("plain", False), ("spec", True)):
-        rows = table[step]
+    for step, spec, stream in (("plain", False, False), ("spec", True, False), ("stream", True, True)):
+        rows = table.get(step, table["spec"])
         assert rows == sorted(rows) and len({r[0] for r in rows}) == len(rows), rows
         for seqs in range(1, 2 * rows[-1][0] + 2):
             row = next((r for r in rows if seqs <= r[0]), None)
             want = tuple(row[1:]) if row else (rows[-1][1], rows[-1][2], 1, rows[-1][4])
-            assert launch_config(seqs, spec, 128) == want, (step, seqs)
+            assert launch_config(seqs, spec, 128, stream) == want, (step, seqs)
     for head_dim in (32, 64, 128, 256):
         for seqs in (1, 2, 3, 4, 5, 8, 256):
-            for spec in (False, True):
-                block_v, _, split, _ = launch_config(seqs, spec, head_dim)
-                assert block_v <= head_dim and head_dim % (block_v * split) == 0, (head_dim, seqs, spec)
+            for spec, stream in ((False, False), (True, False), (True, True)):
+                block_v, _, split, _ = launch_config(seqs, spec, head_dim, stream)
+                assert block_v <= head_dim and head_dim % (block_v * split) == 0, (head_dim, seqs, spec, stream)
 
 
 def test_the_benchmark_writes_the_table_launch_config_reads(tmp_path, monkeypatch):
