@@ -28,15 +28,16 @@ import torch
 from benchmarks.lm_head import copy_bandwidth_gbs
 from benchmarks.output import write_outputs
 from benchmarks.timing import stacked_time_us
+from vllm_ling.models.dspark_format import read_fields
 from vllm_ling.ops.kda_decode import TILE_WINDOW_MAX, KdaDecodeCall, kda_decode, streams
+from vllm_ling.runtime.spec_policy import DEFAULT_DSPARK_CONFIG, load_config
 
 CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_config.json").read_text())
 HEADS, HEAD_DIM, WIDTH = CONFIG["num_attention_heads"], CONFIG["head_dim"], CONFIG["short_conv_kernel_size"]
 LAYERS = 35  # Ling-3.0-flash's KDA layers
 NUM_SPEC = 3
 # DSpark's verify window: the packaged drafter's block of draft tokens + 1
-DSPARK_WINDOW = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_dspark_config.json").read_text())[
-    "block_size"] + 1
+DSPARK_WINDOW = read_fields(load_config(DEFAULT_DSPARK_CONFIG), str(DEFAULT_DSPARK_CONFIG)).block_size + 1
 # (value channels per step, warps, programs per head, state prefetch): what serves (the launch table) and its
 # neighbours, each block's state read where it is used (fastest at every batch in lease 2026-12-07b); the served
 # shapes with the prefetch; and programs of one or two warps, as vLLM's recurrence runs (one warp per [32, 128]

@@ -153,6 +153,8 @@ def _streamed_step(x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, st
     token's row out of [window, D] tiles. Every conv-state store comes after the loop, once nothing reads it."""
     d = tl.arange(0, D)
     a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    if HAS_BIAS:
+        bias = tl.load(dt_bias + h * D + d).to(tl.float32)
     first = part * (D // SPLIT)
     for j in tl.static_range(D // SPLIT // BV):
         vd = first + j * BV + tl.arange(0, BV)
@@ -169,7 +171,7 @@ def _streamed_step(x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, st
             k = k / tl.sqrt(_sum(k * k, axis=0) + eps)
             raw = tl.load(f + (bos + t) * stride_f + h * D + d).to(tl.float32)
             if HAS_BIAS:
-                raw += tl.load(dt_bias + h * D + d).to(tl.float32)
+                raw += bias
             g = _gate(raw, a, lower_bound, SAFE_GATE, THRESHOLD)
             beta = _sigmoid(tl.load(b + (bos + t) * stride_b + h).to(tl.float32))
             S = S * tl.exp(g)[None, :]
