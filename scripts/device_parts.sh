@@ -17,9 +17,15 @@ ls .gpuvllm/tv/torchvision-0.28.0-*.whl >/dev/null 2>&1 ||
 tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -n 1 | cut -f1)
 part=$(( 64 * 1024 * 1024 - tree - 2 * 1024 * 1024 ))
 [ "$part" -gt 8000000 ] || { echo "the working tree ($tree bytes) leaves no room for a part" >&2; exit 1; }
-first=$(ls .gpuvllm/part-* | head -n 1)
-if [ "$(stat -c %s "$first")" -gt "$part" ]; then
-  cat .gpuvllm/part-* > .gpuvllm/all.tar && rm .gpuvllm/part-*
+# re-cut when a part no longer fits, or is far smaller than fits (each part costs a call); an all.tar
+# left by an interrupted re-cut is the whole bundle
+first=$(ls .gpuvllm/part-* 2>/dev/null | head -n 1 || true)
+size=$([ -n "$first" ] && stat -c %s "$first" || echo 0)
+if [ -e .gpuvllm/all.tar ] || [ "$size" -gt "$part" ] || [ "$size" -lt $(( part - 4 * 1024 * 1024 )) ]; then
+  [ -e .gpuvllm/all.tar ] || cat .gpuvllm/part-* > .gpuvllm/all.tar
+  rm -f .gpuvllm/part-*
+  [ $(( $(stat -c %s .gpuvllm/all.tar) / part )) -lt 100 ] ||
+    { echo "the working tree ($tree bytes) leaves parts too small for 100 names: untrack what grew" >&2; exit 1; }
   split -b "$part" -d -a 2 .gpuvllm/all.tar .gpuvllm/part- && rm .gpuvllm/all.tar
 fi
 echo "$(ls .gpuvllm/part-* | wc -l) parts of at most $part bytes (tree $tree bytes); then device-install.sh with .gpuvllm/tv"
