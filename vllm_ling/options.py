@@ -315,6 +315,11 @@ OPTIONS: tuple[Option, ...] = (
            "and delta-rule recurrence as one vllm-ling Triton launch (CUDA; needs the fused convolutions); `0`: "
            "vLLM's three kernels (one WARNING, reported)",
            serve_flag=True, compile_factor=True, opt_out="0"),
+    Option("VLLM_LING_KDA_DIRECT_OUTPUT", "bool", True,
+           "`1`: each KDA layer's output goes to the post-attention norm as a value (vllm-ling's KDA layers); "
+           "`0`: through vLLM's zero-filled buffer that the layer copies into, which the compiled graph keeps "
+           "as a fill and a copy per layer (one WARNING, reported)",
+           serve_flag=True, compile_factor=True, opt_out="0"),
     Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
            "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
            f"small GEMV for batches of at most {BF16_GEMV_MAX_ROWS} tokens on CUDA (vLLM's GEMM above; an error where it cannot "
@@ -573,6 +578,7 @@ class LingOptions:
     kda_merged_in_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_IN_PROJ"].default
     kda_fused_conv: bool = BY_NAME["VLLM_LING_KDA_FUSED_CONV"].default
     kda_decode: bool = BY_NAME["VLLM_LING_KDA_DECODE"].default
+    kda_direct_output: bool = BY_NAME["VLLM_LING_KDA_DIRECT_OUTPUT"].default
     bf16_gemv: Bf16Gemv = BY_NAME["VLLM_LING_BF16_GEMV"].default
     router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
     router_topk: RouterTopk = BY_NAME["VLLM_LING_ROUTER_TOPK"].default

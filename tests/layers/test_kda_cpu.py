@@ -978,3 +978,129 @@ def test_the_fused_forward_traces_whole_under_torch_compile(vllm_config, monkeyp
         compiled(hidden, torch.zeros(2, dtype=torch.long), out)
     assert launches == [3 * HEADS * HEAD_DIM]  # the fused op ran, once
     torch.testing.assert_close(out, eager, atol=1e-6, rtol=1e-6)
+
+
+# ---- the KDA layer's output as a value (vllm_ling.models.kda_direct_output) against vLLM's decoder layer
+
+class _DecoderLayer(torch.nn.Module):
+    """What vLLM's ``BailingMoeV3DecoderLayer.forward`` reads of a KDA decoder layer: vLLM's RMSNorms,
+    the KDA layer, and an MLP (a linear stands in for the MoE: the hand-off is before it)."""
+
+    is_kda_layer = True
+
+    def __init__(self, attention):
+        from vllm.model_executor.layers.layernorm import RMSNorm
+
+        super().__init__()
+        gen = torch.Generator().manual_seed(21)
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(HIDDEN, eps=1e-6), RMSNorm(HIDDEN, eps=1e-6)
+        self.self_attn, self.mlp = attention, torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        with torch.no_grad():
+            for norm in (self.input_layernorm, self.post_attention_layernorm):
+                norm.weight.copy_(1 + 0.1 * torch.randn(HIDDEN, generator=gen))
+            self.mlp.weight.copy_(torch.randn(HIDDEN, HIDDEN, generator=gen) * HIDDEN ** -0.5)
+
+
+def _both_steps(decoder, config, md, hidden, residual):
+    """vLLM's decoder forward and vllm-ling's direct step from the same KDA states: (vLLM's, ours)."""
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3DecoderLayer
+
+    from vllm_ling.models.kda_direct_output import decoder_step
+
+    saved = [t.clone() for t in decoder.self_attn.kv_cache]
+    results = []
+    for step in (lambda: BailingMoeV3DecoderLayer.forward(decoder, hidden, torch.zeros(len(hidden), dtype=torch.long),
+                                                          residual),
+                 lambda: decoder_step(decoder, hidden, residual)):
+        with torch.no_grad():
+            for t, s in zip(decoder.self_attn.kv_cache, saved):
+                t.copy_(s)
+            with set_forward_context({decoder.self_attn.prefix: md}, config):
+                results.append(step())
+    return results
+
+
+@pytest.mark.parametrize("layer_kind", ["cpu", "cuda_fused"])
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_the_direct_decoder_step_computes_vllms_decoder_layer(vllm_config, monkeypatch, layer_kind, step):
+    """vLLM's own decoder-layer forward (the zero-filled buffer the KDA layer copies into) and the model's
+    direct step (the KDA layer's returned output) give the same hidden states and residual, bit for bit,
+    on the CPU layer and on the layer CUDA builds (its Triton kernels stood in), with and without the first
+    layer's missing residual."""
+    if layer_kind == "cpu":
+        attention = build_layer(vllm_config, seed=31)
+    else:
+        _vllm_kernel_standins(monkeypatch)
+        [attention] = _fused_and_vllms(vllm_config, monkeypatch, num_spec=0, twin=False)
+    decoder = _DecoderLayer(attention)
+    builder = metadata_builder(attention, vllm_config, monkeypatch=monkeypatch)
+    md = (build_metadata(builder, [5, 3], [0, 0], [[3], [5]]) if step == "prefill"
+          else build_metadata(builder, [1, 1], [5, 9], [[3], [5]]))
+    hidden = hidden_states(md.num_actual_tokens, 90)
+    for residual in (None, hidden_states(md.num_actual_tokens, 91)):
+        (want_hidden, want_residual), (hidden_out, residual_out) = _both_steps(decoder, vllm_config, md, hidden,
+                                                                               residual)
+        assert want_hidden.abs().max() > 1e-3  # the attention computed something
+        torch.testing.assert_close(hidden_out, want_hidden, atol=0, rtol=0)
+        torch.testing.assert_close(residual_out, want_residual, atol=0, rtol=0)
+
+
+def test_a_decoder_layer_takes_the_direct_step_only_where_recorded(vllm_config, monkeypatch):
+    """The model's branch reads the flag the selection wrote: on by default on vllm-ling's KDA layer, off when
+    opted out (with the buffer recorded), and vLLM's own class (no ``attention_output``) falls back, said."""
+    from vllm_ling.models import kda_direct_output as D
+    from vllm_ling.selection import Feature, recorded
+
+    decoder = _DecoderLayer(build_layer(vllm_config, seed=32))
+    D.install([decoder])
+    assert D.hands_output_directly(decoder)
+    assert recorded(decoder.self_attn, Feature.KDA_DIRECT_OUTPUT).choice is D.KdaOutput.DIRECT
+    monkeypatch.setenv(D.OPTION, "0")
+    D.install([decoder])
+    assert not D.hands_output_directly(decoder)
+    assert recorded(decoder.self_attn, Feature.KDA_DIRECT_OUTPUT).reason == f"opted out ({D.OPTION}=0)"
+    monkeypatch.delenv(D.OPTION)
+    vllms = D.select_kda_direct_output(True, returns_output=False)
+    assert vllms.choice is D.KdaOutput.BUFFER and vllms.fallback_from is D.KdaOutput.DIRECT
+
+
+def _functional_graph_ops(fn, *args) -> collections.Counter:
+    """The ATen ops of ``fn``'s graph as Inductor receives it (torch.compile, AOT autograd's
+    functionalized forward), by name."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    ops = collections.Counter()
+
+    def keep(gm, _):
+        ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep), dynamic=False)(*args)
+    return ops
+
+
+def test_the_direct_step_compiles_without_the_buffers_fill_and_copy(vllm_config, monkeypatch):
+    """What the cut is for: in the graph Inductor compiles, vLLM's decoder layer fills a buffer with zeros
+    and copies the KDA layer's output into it (across vLLM's graph split: an input the next piece mutates);
+    the direct step has neither, and every other op is the same."""
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3DecoderLayer
+
+    from vllm_ling.models.kda_direct_output import decoder_step
+
+    _vllm_kernel_standins(monkeypatch)
+    [attention] = _fused_and_vllms(vllm_config, monkeypatch, num_spec=0, twin=False)
+    decoder = _DecoderLayer(attention)
+    builder = metadata_builder(attention, vllm_config, monkeypatch=monkeypatch)
+    md = build_metadata(builder, [1, 1], [5, 9], [[3], [5]])
+    hidden, residual = hidden_states(2, 92), hidden_states(2, 93)
+    positions = torch.zeros(2, dtype=torch.long)
+    with torch.no_grad(), set_forward_context({attention.prefix: md}, vllm_config):
+        vllms = _functional_graph_ops(lambda h, r: BailingMoeV3DecoderLayer.forward(decoder, h, positions, r),
+                                      hidden, residual)
+        ours = _functional_graph_ops(lambda h, r: decoder_step(decoder, h, r), hidden, residual)
+    assert vllms - ours == collections.Counter({"aten.zeros_like.default": 1, "aten.copy.default": 1})
+    assert not ours - vllms

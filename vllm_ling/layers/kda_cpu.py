@@ -48,7 +48,11 @@ def cpu_kda_class():
 
         def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                     output: torch.Tensor) -> None:
-            del positions
+            """vLLM's signature: the output copied into the decoder layer's buffer."""
+            output[:] = self.attention_output(hidden_states)
+
+        def attention_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            """The layer's output [tokens, hidden] as a value (:mod:`vllm_ling.models.kda_direct_output`)."""
             num_tokens = hidden_states.size(0)
             q, k, v, beta_logits, f, g = merged_in_projections(self, hidden_states)
             beta = beta_logits.float().sigmoid().unsqueeze(0)
@@ -64,7 +68,7 @@ def cpu_kda_class():
                                                     self.prefix)
             normed = kda_ops.gated_rms_norm(core_attn_out[0], gate, self.o_norm.weight,
                                             self.o_norm.eps, activation=self.o_norm.activation)
-            output[:] = self.o_proj(normed.reshape(num_tokens, -1))[0]
+            return self.o_proj(normed.reshape(num_tokens, -1))[0]
 
         def _conv_weights(self):
             return [m.weight.reshape(m.weight.shape[0], -1)

@@ -117,8 +117,18 @@ def vllm_merged_class():
         recorded: :mod:`vllm_ling.layers.kda_fused_conv`)."""
 
         def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, output: torch.Tensor) -> None:
+            """vLLM's signature: the output copied into the decoder layer's buffer."""
             if getattr(self, MERGED_NAME, None) is None:
                 return super().forward(hidden_states, positions, output)
+            output[:] = self.attention_output(hidden_states)
+
+        def attention_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            """The layer's output [tokens, hidden] as a value (:mod:`vllm_ling.models.kda_direct_output`;
+            vLLM's forward into a buffer of its own where the in-projection is not merged)."""
+            if getattr(self, MERGED_NAME, None) is None:
+                output = torch.zeros_like(hidden_states)
+                super().forward(hidden_states, None, output)
+                return output
             num_tokens = hidden_states.size(0)
             width = self.projection_size_per_partition
             fused = getattr(self, kda_fused_conv.WEIGHT_ATTR, None) is not None
@@ -135,7 +145,7 @@ def vllm_merged_class():
                 torch.ops.vllm.bailing_v3_kda_attention(q, k, v, g1, beta, core_attn_out, self.prefix)
             g2 = rearrange(g, "... (h d) -> ... h d", d=self.head_dim)
             core_attn_out = self.o_norm(core_attn_out, g2)
-            output[:] = self.o_proj(rearrange(core_attn_out, "1 n h d -> n (h d)"))[0]
+            return self.o_proj(rearrange(core_attn_out, "1 n h d -> n (h d)"))[0]
 
     VllmKdaMergedInProj.__qualname__ = "VllmKdaMergedInProj"
     return VllmKdaMergedInProj

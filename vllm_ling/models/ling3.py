@@ -16,7 +16,7 @@ from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle
 from vllm.sequence import IntermediateTensors
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.models import loaded
+from vllm_ling.models import kda_direct_output, loaded
 from vllm_ling.models.kda_merged_in_proj import MEMBERS, MERGED_NAME
 from vllm_ling.models.kda_merged_in_proj_loading import MergedInProjRouter
 
@@ -51,8 +51,13 @@ class LingModel(EagleModelMixin, bailing_moe_v3.BailingMoeV3Model):
     vLLM 0.32's model has no such capture (vllm#54174 adds it in-tree); its constructor names the
     model class directly, so patch P12 makes it build this one (registry.PATCHES). The loop is
     vLLM's, plus the capture (``EagleModelMixin._maybe_add_hidden_state``: ``hidden + residual``);
-    with no layers set the output is vLLM's, unchanged.
+    with no layers set the output is vLLM's, unchanged. KDA layers hand their output to the
+    post-attention norm as a value where recorded (:mod:`vllm_ling.models.kda_direct_output`).
     """
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        kda_direct_output.install(self.layers[self.start_layer: self.end_layer])
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
@@ -67,7 +72,10 @@ class LingModel(EagleModelMixin, bailing_moe_v3.BailingMoeV3Model):
         aux_hidden_states: list[torch.Tensor] = []
         for idx, layer in enumerate(self.layers[self.start_layer: self.end_layer], start=self.start_layer):
             aux_hidden_states = self._maybe_add_hidden_state(aux_hidden_states, idx, hidden_states, residual)
-            hidden_states, residual = layer(hidden_states, positions, residual)
+            if kda_direct_output.hands_output_directly(layer):
+                hidden_states, residual = kda_direct_output.decoder_step(layer, hidden_states, residual)
+            else:
+                hidden_states, residual = layer(hidden_states, positions, residual)
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         if residual is not None:
