@@ -16,6 +16,7 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh cuts   # the decode-step cuts' GPU tests (each cut that fails
 #                                                         # is switched off in the later phases), router bench;
 #                                                         # WITH_TESTS="dspark" runs tiny tests beside them
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh kda-bench # the KDA decode benchmark (cuts runs it unless CUTS_KDA_BENCH=0)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh gate-bench # the router gate at prefill sizes (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh dense-bench # the widest dense FP8 linears at 8-16 rows (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
@@ -169,6 +170,21 @@ part() {  # name, time limit (s), pytest arguments...: one pytest process in the
    echo "$name rc $rc" >> "$out/rc.txt") &
   pids+=($!)
 }
+kda_bench() {  # the KDA decode benchmark; its launch table serves the later phases where phase cuts' kernel tests passed
+  # (420 s: DSpark's 9-token windows and each window on the kernel's other path joined the cases)
+  local rc
+  timeout 420 python3 -m benchmarks.kda_decode --out "$OUT/kda-decode.md" --launch-table "$OUT/kda_decode_launch.json" \
+    > "$out/kda-decode-bench.txt" 2>&1
+  rc=$?
+  echo "kda-decode-bench rc $rc" >> "$out/rc.txt"
+  # Likewise the KDA decode kernel's launch table: the benchmark's fastest configuration per batch serves this
+  # lease's later phases (every configuration it times passed the kernel's GPU tests in phase cuts); the
+  # repository's vllm_ling/data/kda_decode_launch.json changes by a commit of the lease's table
+  if [ "$rc" = 0 ] && passed /tmp/gpu-run-cuts/kda-decode.log && [ -s "$OUT/kda_decode_launch.json" ]; then
+    cp "$OUT/kda_decode_launch.json" vllm_ling/data/kda_decode_launch.json &&
+      echo "kda-decode: this lease's launch table serves the later phases" >> "$out/rc.txt"
+  fi
+}
 case "$phase" in
 tests)
   # Tiny models compile in seconds: one Inductor worker per server keeps 15 servers' host memory small.
@@ -320,18 +336,11 @@ cuts)
   else
     echo "router-topk: rounds serves (${why:-the kernel tests did not both pass})" >> "$out/rc.txt"
   fi
-  # (420 s: DSpark's 9-token windows and each window on the kernel's other path joined the cases)
-  timeout 420 python3 -m benchmarks.kda_decode --out "$OUT/kda-decode.md" --launch-table "$OUT/kda_decode_launch.json" \
-    > "$out/kda-decode-bench.txt" 2>&1
-  rc=$?
-  echo "kda-decode-bench rc $rc" >> "$out/rc.txt"
-  # Likewise the KDA decode kernel's launch table: the benchmark's fastest configuration per batch serves this
-  # lease's later phases (every configuration it times passed the kernel's GPU tests above); the repository's
-  # vllm_ling/data/kda_decode_launch.json changes by a commit of the lease's table
-  if [ "$rc" = 0 ] && passed "$out/kda-decode.log" && [ -s "$OUT/kda_decode_launch.json" ]; then
-    cp "$OUT/kda_decode_launch.json" vllm_ling/data/kda_decode_launch.json &&
-      echo "kda-decode: this lease's launch table serves the later phases" >> "$out/rc.txt"
-  fi
+  # CUTS_KDA_BENCH=0: the KDA benchmark later, as its own phase kda-bench (a short lease's full-size phases first)
+  [ "${CUTS_KDA_BENCH:-1}" = 1 ] && kda_bench
+  ;;
+kda-bench)
+  kda_bench
   ;;
 gate-bench)
   # The MoE router gate at prefill sizes on an idle GPU (kernel-only, about a minute): vLLM's fp32 SIMT path
