@@ -320,6 +320,11 @@ OPTIONS: tuple[Option, ...] = (
            "`0`: through vLLM's zero-filled buffer that the layer copies into, which the compiled graph keeps "
            "as a fill and a copy per layer (one WARNING, reported)",
            serve_flag=True, compile_factor=True, opt_out="0"),
+    Option("VLLM_LING_SHARED_SWIGLU_KERNEL", "bool", True,
+           "`1`: on CUDA the shared experts' clamped SwiGLU (Ling's layers with a shared-expert SwiGLU limit) runs "
+           "vLLM's own one-launch Triton kernel (`+swiglustep_and_mul` in vLLM's custom ops) instead of its "
+           "PyTorch composition, four launches inside vLLM's MoE op; `0`: the composition (one WARNING, reported)",
+           serve_flag=True, compile_factor=True, opt_out="0"),
     Option("VLLM_LING_BF16_GEMV", "choice", Bf16Gemv.LING,
            "`ling`: the BF16 linears the checkpoint leaves unquantized (KDA b_proj, MLA g_proj) run vllm-ling's "
            f"small GEMV for batches of at most {BF16_GEMV_MAX_ROWS} tokens on CUDA (vLLM's GEMM above; an error where it cannot "
@@ -579,6 +584,7 @@ class LingOptions:
     kda_fused_conv: bool = BY_NAME["VLLM_LING_KDA_FUSED_CONV"].default
     kda_decode: bool = BY_NAME["VLLM_LING_KDA_DECODE"].default
     kda_direct_output: bool = BY_NAME["VLLM_LING_KDA_DIRECT_OUTPUT"].default
+    shared_swiglu_kernel: bool = BY_NAME["VLLM_LING_SHARED_SWIGLU_KERNEL"].default
     bf16_gemv: Bf16Gemv = BY_NAME["VLLM_LING_BF16_GEMV"].default
     router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
     router_topk: RouterTopk = BY_NAME["VLLM_LING_ROUTER_TOPK"].default

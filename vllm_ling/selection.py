@@ -36,6 +36,7 @@ class Feature(Choice):
     KDA_FUSED_CONV = "kda_fused_conv"            # each KDA layer's q, k, v short convolutions as one launch
     KDA_DECODE = "kda_decode"                    # each KDA layer's decode step after its in-projection as one launch
     KDA_DIRECT_OUTPUT = "kda_direct_output"      # each KDA layer's output handed to the norm as a value
+    SHARED_SWIGLU = "shared_swiglu_kernel"       # the shared experts' clamped SwiGLU as one kernel
     SPECULATIVE = "speculative"                  # the speculative method
     DRAFTER = "drafter"                          # the DSpark drafter: its block, what it reads and shares
     PREFILL_GRAPHS = "prefill_graphs"            # the CUDA graph sizes prefill steps replay

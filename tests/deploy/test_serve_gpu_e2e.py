@@ -292,6 +292,7 @@ SWITCHED_OFF = {
     "VLLM_LING_KDA_FUSED_CONV": {"kda_fused_conv", "kda_decode"},
     "VLLM_LING_KDA_DECODE": {"kda_decode"},
     "VLLM_LING_KDA_DIRECT_OUTPUT": {"kda_direct_output"},
+    "VLLM_LING_SHARED_SWIGLU_KERNEL": {"shared_swiglu_kernel"},
     "VLLM_LING_BF16_GEMV": {"small_bf16_decode"},
     "VLLM_LING_ROUTER_GEMV": {"router_gemv"},
     "VLLM_LING_ROUTER_TOPK": set(),  # never requested on the tiny model (NOT_REQUESTED_HERE)

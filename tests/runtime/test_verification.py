@@ -84,7 +84,8 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert [c["name"] for c in report["checks"]] == [
         "model_classes", "moe_layers", "lm_head", "dense_fp8_layers", "small_bf16_layers", "kda_merged_in_proj",
-        "kda_fused_conv", "kda_decode", "kda_direct_output", "router_gates", "router_topk", "dspark_drafter", "draft_shares_target_modules",
+        "kda_fused_conv", "kda_decode", "kda_direct_output", "shared_swiglu_kernel",
+        "router_gates", "router_topk", "dspark_drafter", "draft_shares_target_modules",
         "speculative_config", "prefill_graphs", "versions", "kernel_known_answers"]
     assert _check(report, "moe_layers")["actual"] == "5 x reference"
     assert _check(report, "moe_layers")["expected"] == (
@@ -114,7 +115,7 @@ def test_the_census_reads_every_served_module_once(loaded_tiny_models):
     assert count == {Feature.MOE: 5, Feature.DENSE_FP8: 33, Feature.BF16_GEMV: 7, Feature.ROUTER_GEMV: 5,
                      Feature.ROUTER_TOPK: 5, Feature.FP8_HEAD: 1, Feature.HEAD_KERNEL: 1,
                      Feature.KDA_MERGED_IN_PROJ: 5, Feature.KDA_FUSED_CONV: 5, Feature.KDA_DECODE: 5,
-                     Feature.KDA_DIRECT_OUTPUT: 5,
+                     Feature.KDA_DIRECT_OUTPUT: 5, Feature.SHARED_SWIGLU: 3,
                      Feature.DRAFTER: 0}
     assert [e.name for e in census.of(Feature.FP8_HEAD)] == ["target.lm_head"]
     assert all(e.recorded is not None and e.served.key == e.recorded.served_as() for e in census.entries)
@@ -218,6 +219,16 @@ def _plant_kda_direct_output(models, monkeypatch):
     return "kda_direct_output", f"not the recorded selection: ['{e.name} (selected buffer, serves the output the layer returns)']"
 
 
+def _plant_shared_swiglu(models, monkeypatch):
+    """Every clamped SwiGLU records vLLM's kernel (as on CUDA); on CPU each serves the PyTorch composition."""
+    from vllm_ling.models.shared_swiglu import KERNEL_DESCRIPTION, SharedSwiglu
+
+    entries = _census(models).of(Feature.SHARED_SWIGLU)
+    for e in entries:
+        _plant(monkeypatch, e.module, Selection(Feature.SHARED_SWIGLU, SharedSwiglu.KERNEL, KERNEL_DESCRIPTION))
+    return "shared_swiglu_kernel", f"{entries[0].name} (selected kernel, serves vLLM's PyTorch composition)"
+
+
 def _plant_speculative(models, monkeypatch):
     monkeypatch.setattr(models[0].model_config.hf_config, "vllm_ling_speculation",
                         {"choice": "off", "reason": "VLLM_LING_MTP=0"})  # P5 recorded off; MTP serves
@@ -249,7 +260,7 @@ PLANTED = {Feature.MOE: _plant_moe, Feature.DENSE_FP8: _plant_dense, Feature.BF1
            Feature.FP8_HEAD: _plant_fp8_head,
            Feature.HEAD_KERNEL: _plant_head_kernel, Feature.KDA_MERGED_IN_PROJ: _plant_kda,
            Feature.KDA_FUSED_CONV: _plant_kda_conv, Feature.KDA_DECODE: _plant_kda_decode,
-           Feature.KDA_DIRECT_OUTPUT: _plant_kda_direct_output,
+           Feature.KDA_DIRECT_OUTPUT: _plant_kda_direct_output, Feature.SHARED_SWIGLU: _plant_shared_swiglu,
            Feature.SPECULATIVE: _plant_speculative, Feature.DRAFTER: _plant_drafter,
            Feature.PREFILL_GRAPHS: _plant_prefill_graphs}
 # The models each feature's divergence is planted in (the NEXTN pair unless named here)

@@ -16,7 +16,8 @@ from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle
 from vllm.sequence import IntermediateTensors
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.models import kda_direct_output, loaded
+from vllm_ling.selection import serving_platform
+from vllm_ling.models import kda_direct_output, loaded, shared_swiglu
 from vllm_ling.models.kda_merged_in_proj import MEMBERS, MERGED_NAME
 from vllm_ling.models.kda_merged_in_proj_loading import MergedInProjRouter
 
@@ -96,8 +97,12 @@ class LingForCausalLM(BailingMoeV3ForCausalLM, SupportsEagle3):
     packed_modules_mapping = {**BailingMoeV3ForCausalLM.packed_modules_mapping, MERGED_NAME: list(MEMBERS)}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        from vllm.model_executor.layers.activation import SwigluStepAndMul
+
         check_local_checkpoint(vllm_config, include_mtp=False)
+        swiglu = shared_swiglu.decide(vllm_config.compilation_config, serving_platform())
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        shared_swiglu.install((m for m in self.modules() if isinstance(m, SwigluStepAndMul)), swiglu)
         loaded.remember("target", self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
