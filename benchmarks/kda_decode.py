@@ -43,8 +43,10 @@ DSPARK_WINDOW = read_fields(load_config(DEFAULT_DSPARK_CONFIG), str(DEFAULT_DSPA
 # shapes with the prefetch; and programs of one or two warps, as vLLM's recurrence runs (one warp per [32, 128]
 # state tile: its sums over the key channels stay within the warp; 3.9 us per layer in lease 07b's real step).
 # Lease 07b's losers at every batch are out: 128-channel blocks or one 32-channel block per program with the
-# prefetch, 8 programs of 16 channels with the prefetch and 2 or 4 warps.
-CONFIGS = [(32, 4, 4, False), (32, 8, 4, False), (64, 4, 2, False), (64, 8, 1, False), (32, 4, 1, False),
+# prefetch, 8 programs of 16 channels with the prefetch and 2 or 4 warps. On the streamed path (DSpark's windows)
+# the prefetch pipelines the token loop: the streamed rows' configuration both ways.
+CONFIGS = [(32, 4, 4, False), (32, 8, 4, False), (32, 8, 4, True), (64, 4, 2, False), (64, 8, 1, False),
+           (32, 4, 1, False),
            (128, 8, 1, False), (128, 16, 1, False), (32, 4, 4, True), (64, 4, 2, True), (64, 8, 1, True),
            (32, 1, 4, False), (32, 2, 4, False), (32, 1, 4, True), (16, 1, 8, False), (16, 2, 8, False),
            (32, 1, 1, False)]

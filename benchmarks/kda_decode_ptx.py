@@ -47,7 +47,7 @@ def compile_kernel(block_v: int, warps: int, split: int, prefetch: bool, spec: b
     stream = streams(spec, window)
     constexprs = dict(D=HEAD_DIM, W=WIDTH, MAX_T=max_t, LP=_next_pow2(WIDTH - 2 + max_t), BV=block_v, SPLIT=split,
                       SPEC=spec, SAFE_GATE=True, HAS_BIAS=True, THRESHOLD=20.0, USE_PDL=pdl,
-                      PREFETCH=prefetch and not stream, STREAM=stream)
+                      PREFETCH=prefetch, STREAM=stream)
     signature = {name: POINTERS.get(name, "fp32" if name in FLOATS else "i32")
                  for name in kda_decode_kernel.arg_names if name not in constexprs}
     signature.update({name: "constexpr" for name in constexprs})

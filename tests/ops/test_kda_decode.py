@@ -32,18 +32,20 @@ def test_interpreted_kernel_passes_the_known_answer(interpreted_kda_decode, lowe
     assert result.cases == 6 and result.max_error < KDA_DECODE_RTOL / 4
 
 
-@pytest.mark.parametrize("block_v,split,lower_bound,num_spec", [(32, 1, -5.0, 8), (16, 2, None, 5)])
+@pytest.mark.parametrize("block_v,split,lower_bound,num_spec,pipeline", [(32, 1, -5.0, 8, False),
+                                                                        (16, 2, None, 5, False),
+                                                                        (16, 2, -5.0, 8, True)])
 def test_long_verify_windows_stream_and_pass_the_known_answer(interpreted_kda_decode, block_v, split, lower_bound,
-                                                              num_spec):
+                                                              num_spec, pipeline):
     """Windows longer than TILE_WINDOW_MAX (DSpark's 9 tokens: 8 drafts + 1) take the streamed path by default
     (a loop of the window's length, each token's inputs made in its iteration, every conv-state store after
     it); its known answer at a whole head and a head split over two programs (the last writes the q/k conv
     state once the other finished its loop), both gates. The plain decode in the same check takes the tile
-    path."""
+    path. ``pipeline``: the token loop software-pipelined (the streamed path's prefetch), the same answer."""
     from vllm_ling.ops.kda_decode import TILE_WINDOW_MAX, streams
 
     assert num_spec + 1 > TILE_WINDOW_MAX and streams(True, num_spec + 1) and not streams(True, TILE_WINDOW_MAX)
-    result = check_kda_decode(lambda call, out: kda_decode(call, out, block_v=block_v, split=split),
+    result = check_kda_decode(lambda call, out: kda_decode(call, out, block_v=block_v, split=split, prefetch=pipeline),
                               "interpreted, streamed", heads=1, head_dim=32, num_spec=num_spec, lower_bound=lower_bound)
     assert result.passed, result.failing_inputs
     assert result.cases == 6 and result.max_error < KDA_DECODE_RTOL / 4
@@ -225,11 +227,15 @@ def _on(call: KdaDecodeCall, device: str) -> KdaDecodeCall:
 def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head_dim):
     result = check_kda_decode(kda_decode, "compiled", heads, head_dim, lower_bound=-5.0, device="cuda")
     assert result.passed, result.failing_inputs
-    # DSpark's 9-token windows: the streamed path, at each configuration its launch table hands out
-    for config in {launch_config(n, True, head_dim, stream=True) for n in (1, 2, 3, 4, 5, 8, 64)}:
-        result = check_kda_decode(lambda c, o, b=config: kda_decode(c, o, block_v=b[0], num_warps=b[1], split=b[2]),
-                                  f"streamed {config}", heads, head_dim, num_spec=8, lower_bound=-5.0, device="cuda")
-        assert result.passed, (config, result.failing_inputs)
+    # DSpark's 9-token windows: the streamed path, at each configuration its launch table hands out, with its
+    # token loop plain and software-pipelined (the streamed path's prefetch)
+    for config in {launch_config(n, True, head_dim, stream=True)[:3] for n in (1, 2, 3, 4, 5, 8, 64)}:
+        for pipeline in (False, True):
+            result = check_kda_decode(lambda c, o, b=config, p=pipeline: kda_decode(c, o, block_v=b[0], num_warps=b[1],
+                                                                                    split=b[2], prefetch=p),
+                                      f"streamed {config} pipelined {pipeline}", heads, head_dim, num_spec=8,
+                                      lower_bound=-5.0, device="cuda")
+            assert result.passed, (config, pipeline, result.failing_inputs)
     # launched as a programmatic dependent by default on sm_90+: without
     result = check_kda_decode(lambda c, o: kda_decode(c, o, pdl=False), "no PDL", heads, head_dim, lower_bound=-5.0,
                               device="cuda")

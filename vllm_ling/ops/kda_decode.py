@@ -153,10 +153,11 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
     launch configuration (default: :func:`launch_config`'s). ``pdl``: launched as a programmatic dependent
     (default: where it takes effect, sm_90+), so its programs start while the kernel before finishes (with
     ``prefetch``, reading their first state block); every read of the step's inputs and every store waits
-    for that kernel. ``prefetch``: each value block's state read before the work that precedes its use;
-    off, each block's read where it is used (default: :func:`launch_config`'s; off with an explicit
-    ``block_v``; never with ``stream``). ``stream``: the tokens in a loop of the window's length rather than
-    the tile path (default: verify windows longer than :data:`TILE_WINDOW_MAX`)."""
+    for that kernel. ``prefetch``: each value block's state read before the work that precedes its use (on
+    the streamed path: the token loop software-pipelined, the next token's loads in flight during this
+    token's state update); off, each block's read where it is used (default: :func:`launch_config`'s; off
+    with an explicit ``block_v``). ``stream``: the tokens in a loop of the window's length rather than the
+    tile path (default: verify windows longer than :data:`TILE_WINDOW_MAX`)."""
     heads = call.A_log.numel()
     width = call.conv_weight.shape[1]
     head_dim = call.state.shape[-1]
@@ -197,7 +198,6 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
         raise ValueError(f"conv state of {call.conv_state.shape[-1]} columns for width {width} and "
                          f"{max_t}-token windows")
     max_pow2 = _next_pow2(max_t)
-    prefetch = prefetch and not stream
     from vllm_ling.ops.kda_decode_kernel import kda_decode_kernel
 
     readers = reserve_reader_counts(out.device, num_seqs * heads) if split > 1 else call.slots  # unread unsplit
