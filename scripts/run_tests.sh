@@ -16,9 +16,10 @@ start=$SECONDS
 # the Docker tests wait on the engine's builds and containers most of their 4 minutes, while the rest is mostly
 # one core importing vLLM (CI has 2; on a 2-core EPYC 1038 s in one process, 823 s with the Docker tests beside,
 # 715 s with the speculative servers' 3.5 minutes moved beside them too, then the main process 726 s beside 427 s,
-# so the container entrypoint's server tests, 80 s, went beside as well). VLLM_LING_TESTS_SIDE=0: one process.
+# so the container entrypoint's server tests, 80 s, went beside as well; main 759 s beside 543 s on 2026-12-07, so
+# the engine-death-under-load server test, 55 s, too). VLLM_LING_TESTS_SIDE=0: one process.
 SIDE=(tests/deploy/test_docker_engine.py tests/deploy/test_docker_image.py tests/runtime/test_speculative_e2e.py
-      tests/deploy/test_entrypoint_server.py)
+      tests/deploy/test_entrypoint_server.py tests/deploy/test_serve_lifecycle.py)
 whole=1
 for arg in "$@"; do [ -e "${arg%%::*}" ] && whole=0; done
 side_rc=0 side_log=""
