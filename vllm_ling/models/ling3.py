@@ -10,16 +10,17 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.activation import SwigluStepAndMul
 from vllm.model_executor.models import bailing_moe_v3
 from vllm.model_executor.models.bailing_moe_v3 import BailingMoeV3ForCausalLM
 from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
 from vllm.sequence import IntermediateTensors
 
 from vllm_ling.log import get_logger, log_once
-from vllm_ling.selection import serving_platform
 from vllm_ling.models import kda_direct_output, loaded, shared_swiglu
 from vllm_ling.models.kda_merged_in_proj import MEMBERS, MERGED_NAME
 from vllm_ling.models.kda_merged_in_proj_loading import MergedInProjRouter
+from vllm_ling.selection import serving_platform
 
 logger = get_logger("models")
 
@@ -90,15 +91,15 @@ class LingModel(EagleModelMixin, bailing_moe_v3.BailingMoeV3Model):
 
 class LingForCausalLM(BailingMoeV3ForCausalLM, SupportsEagle3):
     """The Ling-3.0 target as registered by vllm-ling (with auxiliary hidden states for DSpark:
-    vLLM's ``set_eagle3_aux_hidden_state_layers`` sets them on :class:`LingModel`)."""
+    vLLM's ``set_eagle3_aux_hidden_state_layers`` sets them on :class:`LingModel`). Its constructor decides,
+    before vLLM builds the layers, what computes the shared experts' clamped SwiGLU
+    (:mod:`vllm_ling.models.shared_swiglu`)."""
 
     # vLLM's merges plus the KDA in-projection (vllm_ling.layers.kda_merged_in_proj): the quant
     # config reads this to decide a merged linear's precision from its members'
     packed_modules_mapping = {**BailingMoeV3ForCausalLM.packed_modules_mapping, MERGED_NAME: list(MEMBERS)}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        from vllm.model_executor.layers.activation import SwigluStepAndMul
-
         check_local_checkpoint(vllm_config, include_mtp=False)
         swiglu = shared_swiglu.decide(vllm_config.compilation_config, serving_platform())
         super().__init__(vllm_config=vllm_config, prefix=prefix)
