@@ -199,18 +199,12 @@ def _streamed_step(x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, st
         vd = first + j * BV + tl.arange(0, BV)
         tile = vd[:, None] * stride_sv + d[None, :] * stride_sk
         S = tl.load(state_base + tile).to(tl.float32)
-        if PIPELINE:
-            for t in tl.range(0, seqlen, num_stages=2):
-                S = _stream_token(x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, stride_cs, stride_cc,
-                                  stride_cl, state, stride_ss, stride_sh, slots, stride_slot_n, stride_slot_t, o,
-                                  stride_ot, stride_oh, scale, lower_bound, eps, P, h, n, bos, offset, conv_slot, a,
-                                  bias, d, vd, tile, t, S, D, W, SPEC, SAFE_GATE, HAS_BIAS, THRESHOLD)
-        else:
-            for t in range(0, seqlen):
-                S = _stream_token(x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, stride_cs, stride_cc,
-                                  stride_cl, state, stride_ss, stride_sh, slots, stride_slot_n, stride_slot_t, o,
-                                  stride_ot, stride_oh, scale, lower_bound, eps, P, h, n, bos, offset, conv_slot, a,
-                                  bias, d, vd, tile, t, S, D, W, SPEC, SAFE_GATE, HAS_BIAS, THRESHOLD)
+        # PIPELINE: two stages (Triton's pipeliner); one stage is the plain loop
+        for t in tl.range(0, seqlen, num_stages=1 + PIPELINE):
+            S = _stream_token(x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, stride_cs, stride_cc,
+                              stride_cl, state, stride_ss, stride_sh, slots, stride_slot_n, stride_slot_t, o,
+                              stride_ot, stride_oh, scale, lower_bound, eps, P, h, n, bos, offset, conv_slot, a,
+                              bias, d, vd, tile, t, S, D, W, SPEC, SAFE_GATE, HAS_BIAS, THRESHOLD)
         if not SPEC:
             tl.store(state_base + tile, S.to(state.dtype.element_ty))
         # this block's v conv state: its program alone reads and writes it
