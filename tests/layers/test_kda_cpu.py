@@ -507,8 +507,9 @@ def test_opt_out_and_qkvb_keep_vllms_linears_with_one_warning(vllm_config, monke
     assert _selection(plain).reason == "opted out (VLLM_LING_KDA_MERGED_IN_PROJ=0)"
     assert plain.qkv_proj.output_partition_sizes == [HEADS * HEAD_DIM] * 3 and plain.f_proj is not None
     assert not hasattr(plain, "qkvfg_proj")
-    # the WARNING is logged once per process and reason (an earlier test may have logged it)
-    assert len([r for r in caplog.records if "NOT merged" in r.getMessage()]) <= 1
+    # the WARNING is logged once per process and reason (an earlier test may have logged it); one record may
+    # reach caplog twice, through the handler above and, where "vllm.ling" propagates (this test alone), the root
+    assert len({id(r) for r in caplog.records if "NOT merged" in r.getMessage()}) <= 1
     # b_proj in FP8: vLLM builds qkvb_proj, the merge refuses and says why
     qkvb = build_layer(vllm_config, seed=1)  # quant_config None: vLLM's qkvb_proj form
     assert not _merged(qkvb) and "qkvb_proj" in _selection(qkvb).reason

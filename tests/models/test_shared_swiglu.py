@@ -80,3 +80,19 @@ def test_the_kernel_computes_the_reference_on_the_gpu(tokens):
     want = swiglu(x.float(), 5.0, SHARED_EXPERT_CLAMP)
     torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
     assert want.abs().max() > 4  # the clamps were reached
+
+
+@pytest.mark.parametrize("option,custom_ops,says", [("0", ["none"], f"opted out ({OPTION}=0)"),
+                                                    ("1", [f"-{VLLM_OP}"], f"custom_ops has -{VLLM_OP}")])
+def test_the_composition_on_cuda_is_one_warning_naming_why(monkeypatch, caplog, option, custom_ops, says):
+    import logging
+
+    from vllm_ling import log as ling_log
+
+    monkeypatch.setenv(OPTION, option)
+    monkeypatch.setattr(ling_log, "_once", set())
+    with caplog.at_level(logging.WARNING, logger="vllm.ling.moe"):
+        decide(types.SimpleNamespace(custom_ops=list(custom_ops)), Platform.CUDA)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and says in warnings[0], warnings
+

@@ -62,11 +62,10 @@ def decide(compilation_config, platform: Platform) -> Selection:
             custom_ops.append(wanted)
     if selection.choice is SharedSwiglu.KERNEL:
         log_once(logger, logging.INFO, "shared-swiglu", "Shared experts: %s.", KERNEL_DESCRIPTION)
-    elif platform is Platform.CUDA and selection.reason.startswith("opted out"):
-        log_once(logger, logging.WARNING, "shared-swiglu-opt-out",
-                 "The shared experts' clamped SwiGLU runs vLLM's PyTorch composition by explicit choice (%s): four "
-                 "launches per clamped layer; the startup report marks shared_swiglu_kernel inactive.",
-                 opt_out_setting(OPTION))
+    elif platform is Platform.CUDA:  # the opt-out, or the user's -swiglustep_and_mul
+        log_once(logger, logging.WARNING, f"shared-swiglu-{selection.reason}",
+                 "The shared experts' clamped SwiGLU runs vLLM's PyTorch composition (%s): four launches per "
+                 "clamped layer; the startup report marks shared_swiglu_kernel inactive.", selection.reason)
     return selection
 
 
