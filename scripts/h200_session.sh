@@ -95,6 +95,12 @@ suite_of() { case "$1" in kernels-*|moe-clamp) echo "gpu:$1" ;; *) echo "gpu-e2e
 record_tiny() {  # tiny test names (as tiny_test takes them): a verified.csv row for each process they ran
   local name
   for name in ${1/demo/}; do
+    if [ "$name" = cuts-sets ]; then
+      for set in kda_decode_off router_topk_only kda_fused_conv_only neither; do
+        record "gpu-e2e:cuts-$set" "$out/cuts-$set.log"
+      done
+      continue
+    fi
     record "$(suite_of "$name")" "$out/$name.log"
     [ "$name" = dspark ] && record gpu-e2e:dspark-parsers "$out/dspark-parsers.log"
   done
@@ -118,6 +124,10 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
   # (the one-launch KDA decode) and with none, side by side (after cuts-e2e, from the kernels it built), to
   # name the cut at fault (the router top-k and the fused convolutions passed together in lease 06f)
   cuts-e2e) VLLM_DEEP_GEMM_WARMUP=skip part cuts-e2e "$limit" "$e2e" -k "decode_cuts and every_cut" ;;
+  # the other four cut sets of the parametrized test (make test-gpu runs all five), one process each
+  cuts-sets) for set in kda_decode_off router_topk_only kda_fused_conv_only neither; do
+               VLLM_DEEP_GEMM_WARMUP=skip part "cuts-$set" "$limit" "$e2e" -k "decode_cuts and $set"
+             done ;;
   cuts-bisect) for set in kda_decode_off neither; do
                  VLLM_DEEP_GEMM_WARMUP=skip part "cuts-$set" "$limit" "$e2e" -k "decode_cuts and $set"
                done ;;
@@ -191,21 +201,24 @@ tests)
   # DeepGEMM stays loaded (vLLM's default); its JIT warm-up over every M is skipped (the few sizes a
   # tiny server runs JIT on first use).
   export TORCHINDUCTOR_COMPILE_THREADS=1
-  # TESTS_AT_ONCE (3) processes at a time, the most wanted first: all at once, the servers only slow each
-  # other down (lease 2026-12-06d: three tiny servers beside two kernel suites all ran out of 420 s in
-  # vLLM's warm-up steps); the later ones start from the Triton kernels the first ones built
-  # WITH_TESTS ("tests:dspark" in a lease): those names only, in that order; else the whole gpu suite
+  # opt-out-each (one server per switch, 15, started together; it never finished beside the other
+  # servers or last in a lease) goes first, with only the kernel suites beside it (host memory: 15 servers'
+  # processes); then the other servers, TESTS_AT_ONCE (3) processes at a time, the most wanted first: all
+  # at once, the servers only slow each other down (lease 2026-12-06d: three tiny servers beside two kernel
+  # suites all ran out of 420 s in vLLM's warm-up steps on a cold device); the later ones start from the
+  # Triton kernels the first ones built. TEST_S (540): each of those processes' limit.
+  # WITH_TESTS ("tests:dspark" in a lease): those names only; else the whole gpu suite (make test-gpu's
+  # set: every test of the gpu marker, the five cut sets included) and make demo's program
   at_once=${TESTS_AT_ONCE:-3}
-  names=${WITH_TESTS:-scripted agreeing dspark greedy-off greedy-eager opt-out-all trap kernels-a kernels-b kernels-c demo opt-out-each}
+  names=${WITH_TESTS:-opt-out-each kernels-a kernels-b kernels-c scripted agreeing dspark greedy-off greedy-eager opt-out-all trap cuts-e2e cuts-sets demo}
+  first=()
+  case " $names " in *" opt-out-each "*) tiny_test opt-out-each 900; first=("${pids[-1]}") ;; esac
   for name in $names; do
-    [ "$name" = opt-out-each ] && continue
+    case "$name" in opt-out-each) continue ;; kernels-*) ;; *) [ "${#first[@]}" -gt 0 ] && { wait "${first[@]}"; first=(); } ;; esac
     while [ "$(jobs -rp | wc -l)" -ge "$at_once" ]; do wait -n; done
-    tiny_test "$name" 540
+    tiny_test "$name" "${TEST_S:-540}"
   done
   [ "${#pids[@]}" -gt 0 ] && wait "${pids[@]}"
-  # one server per switch (13), started together: alone, last, from the kernels the others built, with
-  # more time (it never finished beside other tests)
-  case " $names " in *" opt-out-each "*) tiny_test opt-out-each 900; wait ;; esac
   record_tiny "$names"
   ;;
 ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm)
