@@ -206,7 +206,8 @@ tests)
   # processes); then the other servers, TESTS_AT_ONCE (3) processes at a time, the most wanted first: all
   # at once, the servers only slow each other down (lease 2026-12-06d: three tiny servers beside two kernel
   # suites all ran out of 420 s in vLLM's warm-up steps on a cold device); the later ones start from the
-  # Triton kernels the first ones built. TEST_S (540): each of those processes' limit.
+  # Triton kernels the first ones built. TEST_S (540): each of those processes' limit; KERNEL_S (900) the
+  # kernel suites' (lease 2026-12-07f: beside the 15 servers kernels-a took 528 s, 318 alone; b and c ran out of 720)
   # WITH_TESTS ("tests:dspark" in a lease): those names only; else the whole gpu suite (make test-gpu's
   # set: every test of the gpu marker, the five cut sets included) and make demo's program
   at_once=${TESTS_AT_ONCE:-3}
@@ -216,7 +217,7 @@ tests)
   for name in $names; do
     case "$name" in opt-out-each) continue ;; kernels-*) ;; *) [ "${#first[@]}" -gt 0 ] && { wait "${first[@]}"; first=(); } ;; esac
     while [ "$(jobs -rp | wc -l)" -ge "$at_once" ]; do wait -n; done
-    tiny_test "$name" "${TEST_S:-540}"
+    case "$name" in kernels-*) tiny_test "$name" "${KERNEL_S:-900}" ;; *) tiny_test "$name" "${TEST_S:-540}" ;; esac
   done
   [ "${#pids[@]}" -gt 0 ] && wait "${pids[@]}"
   record_tiny "$names"
