@@ -97,6 +97,10 @@ collect)
   for f in /tmp/gpu-run-*/*.txt /tmp/gpu-run-*/logs/*; do
     [ -f "$f" ] && { echo "== $f"; tail -n 3 "$f" | cut -c1-300; }
   done
+  # the test processes' pytest logs: the summary, or the progress line so far (lease 2026-12-07f read them by hand)
+  for f in /tmp/gpu-run-*/*.log; do
+    [ -s "$f" ] && echo "== $f: $(grep -E '^[0-9]+ (passed|failed|error)|^[.FEsx]+ *(\[ *[0-9]+%\])?$' "$f" | tail -n 1 | cut -c1-200)"
+  done
   ;;
 caches|quick)
   # bring back cache parts FROM .. FROM+COUNT-1 (15 MB each; a call returns 8 files and 64 MiB with the tree):
