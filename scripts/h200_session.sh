@@ -252,7 +252,9 @@ ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm)
   [ "$phase" = ours-dspark ] && composition+=(--dspark)
   # issue 29's MLA decode candidate at full size (a slice's TPOT is host-paced): vLLM picks FlashAttention 3
   # for MLA decode on sm_90 (the real step's 0.30 ms at 32K, 3.5x its floor); FlashMLA against ours' TPOT
-  [ "$phase" = ours-flashmla ] && composition+=(--vllm-arg=--attention-backend=FLASHMLA --tag flashmla)
+  # (vLLM's per-KV-group override: the MLA layers only, as a DSpark drafter's MHA layers would need)
+  [ "$phase" = ours-flashmla ] &&
+    composition+=('--vllm-arg=--attention-config={"backend_per_kind":{"mla_attention":"FLASHMLA"}}' --tag flashmla)
   # the one-launch KDA decode against vLLM's three kernels served, back to back with ours (lease 2026-12-07b:
   # vLLM's took 8.5 us per layer in the real step, which the benchmark times at 14.0)
   [ "$phase" = ours-kdavllm ] && composition+=(--switch VLLM_LING_KDA_DECODE=0)
