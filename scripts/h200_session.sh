@@ -18,6 +18,7 @@
 #                                                         # WITH_TESTS="dspark" runs tiny tests beside them
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh kda-bench # the KDA decode benchmark (cuts runs it unless CUTS_KDA_BENCH=0)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh gate-bench # the router gate at prefill sizes (kernel-only)
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-bench # the router top-k and fused router (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh dense-bench # the widest dense FP8 linears at 8-16 rows (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
@@ -357,6 +358,17 @@ cuts)
   ;;
 kda-bench)
   kda_bench
+  ;;
+router-bench)
+  # The router on an idle GPU (kernel-only, a few minutes): the top-k kernels' and the fused router candidate's
+  # GPU tests, then benchmarks/router_topk.py (the top-k kernels against vLLM's, and the whole router: gate GEMV
+  # + top-k as served against the fused candidate, ops/router_topk/fused.py)
+  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py
+  wait "${pids[@]}"
+  record gpu:router-topk "$out/router-topk.log"
+  timeout 300 python3 -m benchmarks.router_topk --tokens 1,2,4,16,256 --out "$OUT/router-topk.md" \
+    --json "$OUT/router-topk.json" > "$out/router-topk-bench.txt" 2>&1
+  echo "router-topk-bench rc $?" >> "$out/rc.txt"
   ;;
 gate-bench)
   # The MoE router gate at prefill sizes on an idle GPU (kernel-only, about a minute): vLLM's fp32 SIMT path

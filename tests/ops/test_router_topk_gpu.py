@@ -105,3 +105,83 @@ def test_warmup_builds_lings_kernel_and_refuses_what_it_cannot_route():
     assert "ling_grouped_topk (512 experts, 8 groups keep 4, top-8)" == done["kernel"]
     with pytest.raises(ValueError, match="48 experts is not a multiple of 32"):
         warmup.warmup_kernels(48, 4, 2, 2)
+
+
+# ---- the fused router candidate (vllm_ling.ops.router_topk.fused): gate GEMV + top-k in one launch ----
+
+def _fused_case(tokens: int, seed: int, experts: int = LING[0], hidden: int = CONFIG["hidden_size"]):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(experts, hidden, device="cuda", generator=g) * hidden ** -0.5
+    bias = torch.randn(experts, device="cuda", generator=g) * 0.1
+    return x, gate, bias
+
+
+def _check_fused(x, gate, bias, got, cfg=LING[1:], renormalize=True):
+    """The logits against float64 (fp32 sums of 2560 products: within 2**-16 of sum |x w|), the picks and
+    weights against the reference top-k on the logits the kernel routed (exactly: the selection is the
+    served kernel's)."""
+    from vllm_ling.ops.moe.routing import grouped_topk
+
+    n_group, topk_group, top_k = cfg
+    weights, ids, logits = got
+    torch.cuda.synchronize()
+    exact = x.double() @ gate.double().T
+    bound = (x.double().abs() @ gate.double().abs().T) * 2.0 ** -16
+    assert ((logits.double() - exact).abs() <= bound).all(), (logits.double() - exact).abs().max()
+    want_w, want_ids = grouped_topk(logits, top_k, n_group, topk_group, bias, renormalize,
+                                    CONFIG["routed_scaling_factor"])
+    assert torch.equal(ids.cpu(), want_ids.cpu().to(torch.int32)), (ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4, 9, 16])
+def test_the_fused_router_computes_the_logits_and_routes_them_as_the_reference(tokens):
+    from vllm_ling.ops.router_topk import fused
+
+    counter = fused.new_counter("cuda")
+    for seed in range(4):
+        x, gate, bias = _fused_case(tokens, seed)
+        got = fused.route_fused(x, gate, bias, LING[3], LING[1], LING[2], True, CONFIG["routed_scaling_factor"],
+                                counter=counter)
+        _check_fused(x, gate, bias, got)
+    assert int(counter) == 4 * fused.grid_size()  # every CTA of every launch counted itself in
+
+
+def test_the_fused_router_keeps_routing_across_the_counters_wrap_and_in_a_cuda_graph():
+    """The counter never resets: a launch's CTAs are one residue class of it, also where it wraps past
+    2**32; captured in a graph, each replay routes the new activations."""
+    from vllm_ling.ops.router_topk import fused
+
+    grid = fused.grid_size()
+    counter = torch.tensor([-2 * grid], dtype=torch.int32, device="cuda")  # two launches before the wrap
+    x, gate, bias = _fused_case(4, 7)
+    args = (LING[3], LING[1], LING[2], True, CONFIG["routed_scaling_factor"])
+    out = fused.route_fused(x, gate, bias, *args, counter=counter)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused.route_fused(x, gate, bias, *args, counter=counter, weights=out[0], ids=out[1], logits=out[2])
+    for seed in range(5):  # the replays cross the wrap
+        x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        _check_fused(x, gate, bias, out)
+    assert int(counter) == 4 * grid  # -2 grid + 6 launches
+
+
+def test_the_fused_router_on_another_shape_without_renormalisation():
+    from vllm_ling.ops.router_topk import fused
+
+    x, gate, bias = _fused_case(3, 2, experts=256, hidden=1024)
+    got = fused.route_fused(x, gate, bias, 6, 8, 2, False, CONFIG["routed_scaling_factor"],
+                            counter=fused.new_counter("cuda"))
+    _check_fused(x, gate, bias, got, cfg=(8, 2, 6), renormalize=False)
+
+
+def test_the_fused_router_refuses_what_it_cannot_route_naming_why():
+    from vllm_ling.ops.router_topk import fused
+
+    x, gate, bias = _fused_case(17, 0)
+    with pytest.raises(ValueError, match="17 tokens"):
+        fused.route_fused(x, gate, bias, LING[3], LING[1], LING[2], counter=fused.new_counter("cuda"))
+    with pytest.raises(ValueError, match="hidden size 2000"):
+        fused.route_fused(*_fused_case(1, 0, hidden=2000), LING[3], LING[1], LING[2], counter=fused.new_counter("cuda"))
