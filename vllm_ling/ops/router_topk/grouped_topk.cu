@@ -23,31 +23,5 @@ extern "C" __global__ void __launch_bounds__(E_) ling_grouped_topk(
 
   keep_groups(choice, lane, warp, s_top1, s_top2, s_keep);
 
-  float masked = s_keep[e / (E_ / NG)] ? choice : NEG_INF;
-  for (int k = 0; k < K_; ++k) {
-    float v = masked;
-    int i = e;
-    warp_argmax(v, i);
-    if (lane == 0) { s_val[warp] = v; s_idx[warp] = i; }
-    __syncthreads();
-    if (warp == 0) {
-      v = lane < WARPS ? s_val[lane] : NEG_INF;
-      i = lane < WARPS ? s_idx[lane] : 0x7fffffff;
-      warp_argmax(v, i);
-      if (lane == 0) s_ids[k] = i;
-    }
-    __syncthreads();
-    if (e == s_ids[k]) { s_w[k] = score; masked = NEG_INF; }
-  }
-  __syncthreads();
-  if (e < K_) {
-    float w = s_w[e];
-#if RENORM
-    float sum = 0.f;
-    for (int k = 0; k < K_; ++k) sum += s_w[k];
-    w = w / sum;
-#endif
-    weights[(long)t * K_ + e] = w * scale;
-    ids[(long)t * K_ + e] = s_ids[e];
-  }
+  pick_top_k(choice, score, e, lane, warp, s_keep, s_val, s_idx, s_w, s_ids, weights, ids, t, scale);
 }

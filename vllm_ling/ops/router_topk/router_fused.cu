@@ -88,35 +88,10 @@ extern "C" __global__ void __launch_bounds__(E_) ling_router_fused(
   }
   __syncthreads();
 
-  // grouped_topk.cu's selection, for token t, on the logits every CTA wrote (read from L2)
+  // the served top-k's selection (select.cuh, as grouped_topk.cu), for token t, on the logits every CTA wrote
+  // (read from L2)
   const float score = 1.f / (1.f + expf(-__ldcg(logits + (long)t * E_ + tid)));
   const float choice = score + expert_bias;
   keep_groups(choice, lane, warp, s_top1, s_top2, s_keep);
-  float masked = s_keep[tid / (E_ / NG)] ? choice : NEG_INF;
-  for (int k = 0; k < K_; ++k) {
-    float v = masked;
-    int i = tid;
-    warp_argmax(v, i);
-    if (lane == 0) { s_val[warp] = v; s_idx[warp] = i; }
-    __syncthreads();
-    if (warp == 0) {
-      v = lane < WARPS ? s_val[lane] : NEG_INF;
-      i = lane < WARPS ? s_idx[lane] : 0x7fffffff;
-      warp_argmax(v, i);
-      if (lane == 0) s_ids[k] = i;
-    }
-    __syncthreads();
-    if (tid == s_ids[k]) { s_w[k] = score; masked = NEG_INF; }
-  }
-  __syncthreads();
-  if (tid < K_) {
-    float wk = s_w[tid];
-#if RENORM
-    float sum = 0.f;
-    for (int k = 0; k < K_; ++k) sum += s_w[k];
-    wk = wk / sum;
-#endif
-    weights[(long)t * K_ + tid] = wk * scale;
-    ids[(long)t * K_ + tid] = s_ids[tid];
-  }
+  pick_top_k(choice, score, tid, lane, warp, s_keep, s_val, s_idx, s_w, s_ids, weights, ids, t, scale);
 }

@@ -82,3 +82,40 @@ __device__ __forceinline__ void keep_groups(float choice, int lane, int warp, fl
   }
   __syncthreads();
 }
+
+// The K_ best choices among the kept groups' experts, best first (ties to the lower expert), from
+// K_ block-wide argmax rounds; their weights, the unbiased scores divided by their sum (RENORM 1) times
+// `scale`, and ids go to row t of `weights` and `ids`. Every thread of the CTA (thread e: expert e) calls it
+// after keep_groups with its expert's choice and score: it synchronizes (s_val, s_idx: WARPS entries;
+// s_w, s_ids: K_)
+__device__ __forceinline__ void pick_top_k(float choice, float score, int e, int lane, int warp, const int *s_keep,
+                                           float *s_val, int *s_idx, float *s_w, int *s_ids,
+                                           float *__restrict__ weights, int *__restrict__ ids, long t, float scale) {
+  float masked = s_keep[e / (E_ / NG)] ? choice : NEG_INF;
+  for (int k = 0; k < K_; ++k) {
+    float v = masked;
+    int i = e;
+    warp_argmax(v, i);
+    if (lane == 0) { s_val[warp] = v; s_idx[warp] = i; }
+    __syncthreads();
+    if (warp == 0) {
+      v = lane < WARPS ? s_val[lane] : NEG_INF;
+      i = lane < WARPS ? s_idx[lane] : 0x7fffffff;
+      warp_argmax(v, i);
+      if (lane == 0) s_ids[k] = i;
+    }
+    __syncthreads();
+    if (e == s_ids[k]) { s_w[k] = score; masked = NEG_INF; }
+  }
+  __syncthreads();
+  if (e < K_) {
+    float w = s_w[e];
+#if RENORM
+    float sum = 0.f;
+    for (int k = 0; k < K_; ++k) sum += s_w[k];
+    w = w / sum;
+#endif
+    weights[t * K_ + e] = w * scale;
+    ids[t * K_ + e] = s_ids[e];
+  }
+}
