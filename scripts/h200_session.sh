@@ -304,9 +304,11 @@ cuts)
   # grouped_topk_fused_kernel (benchmarks/router_topk.py; kernel-only, minutes)
   # CUTS_ROUTER=0: not the router top-k's tests and benchmark (measured in six leases; "rounds" serves)
   if [ "${CUTS_ROUTER:-1}" = 1 ]; then
-    part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py -k "not two_level"
-    # the candidate kernel variant apart: its failure does not switch the served one off (cuts_off)
-    part router-topk-two-level 300 -m gpu tests/ops/test_router_topk_gpu.py -k two_level
+    part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py \
+      -k "not two_level and not fused_router"
+    # the candidates (the two-level variant, the fused router) apart: their failure does not switch the served
+    # kernel off (cuts_off reads router-topk.log only)
+    part router-topk-two-level 300 -m gpu tests/ops/test_router_topk_gpu.py -k "two_level or fused_router"
   fi
   part kda-conv 300 -m gpu tests/layers/test_kda_fused_conv.py
   # the kernel's own tests only: in lease 2026-12-07b the benchmark's smoke test (which the benchmark below
@@ -363,9 +365,11 @@ router-bench)
   # The router on an idle GPU (kernel-only, a few minutes): the top-k kernels' and the fused router candidate's
   # GPU tests, then benchmarks/router_topk.py (the top-k kernels against vLLM's, and the whole router: gate GEMV
   # + top-k as served against the fused candidate, ops/router_topk/fused.py)
-  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py
+  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py -k "not two_level and not fused_router"
+  part router-topk-candidates 300 -m gpu tests/ops/test_router_topk_gpu.py -k "two_level or fused_router"
   wait "${pids[@]}"
   record gpu:router-topk "$out/router-topk.log"
+  record gpu:router-topk-candidates "$out/router-topk-candidates.log"
   timeout 300 python3 -m benchmarks.router_topk --tokens 1,2,4,16,256 --out "$OUT/router-topk.md" \
     --json "$OUT/router-topk.json" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
