@@ -307,8 +307,9 @@ cuts)
     part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py \
       -k "not two_level and not fused_router"
     # the candidates (the two-level variant, the fused router) apart: their failure does not switch the served
-    # kernel off (cuts_off reads router-topk.log only)
-    part router-topk-two-level 300 -m gpu tests/ops/test_router_topk_gpu.py -k "two_level or fused_router"
+    # kernel off (cuts_off reads router-topk.log only), and each is judged on its own tests
+    part router-topk-two-level 300 -m gpu tests/ops/test_router_topk_gpu.py -k two_level
+    part router-fused 300 -m gpu tests/ops/test_router_topk_gpu.py -k fused_router
   fi
   part kda-conv 300 -m gpu tests/layers/test_kda_fused_conv.py
   # the kernel's own tests only: in lease 2026-12-07b the benchmark's smoke test (which the benchmark below
@@ -331,6 +332,7 @@ cuts)
   wait "${pids[@]}"
   [ -e "$out/router-topk.log" ] && record gpu:router-topk "$out/router-topk.log"
   [ -e "$out/router-topk-two-level.log" ] && record gpu:router-topk-two-level "$out/router-topk-two-level.log"
+  [ -e "$out/router-fused.log" ] && record gpu:router-fused "$out/router-fused.log"
   record gpu:kda-conv "$out/kda-conv.log"
   record gpu:kda-decode "$out/kda-decode.log"
   [ -e "$out/cuts-e2e.log" ] && record gpu-e2e:cuts "$out/cuts-e2e.log"
@@ -366,10 +368,10 @@ router-bench)
   # GPU tests, then benchmarks/router_topk.py (the top-k kernels against vLLM's, and the whole router: gate GEMV
   # + top-k as served against the fused candidate, ops/router_topk/fused.py)
   part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py -k "not two_level and not fused_router"
-  part router-topk-candidates 300 -m gpu tests/ops/test_router_topk_gpu.py -k "two_level or fused_router"
+  part router-topk-two-level 300 -m gpu tests/ops/test_router_topk_gpu.py -k two_level
+  part router-fused 300 -m gpu tests/ops/test_router_topk_gpu.py -k fused_router
   wait "${pids[@]}"
-  record gpu:router-topk "$out/router-topk.log"
-  record gpu:router-topk-candidates "$out/router-topk-candidates.log"
+  for name in router-topk router-topk-two-level router-fused; do record "gpu:$name" "$out/$name.log"; done
   timeout 300 python3 -m benchmarks.router_topk --tokens 1,2,4,16,256 --out "$OUT/router-topk.md" \
     --json "$OUT/router-topk.json" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
