@@ -181,6 +181,14 @@ part() {  # name, time limit (s), pytest arguments...: one pytest process in the
    echo "$name rc $rc" >> "$out/rc.txt") &
   pids+=($!)
 }
+router_tests() {  # the router kernels' GPU tests, three parts: the served top-k's (router-topk) and each candidate's
+  # (the two-level variant, the fused router) apart, so a candidate's failure never switches the served kernel
+  # off (cuts_off reads router-topk.log only) and each candidate is judged on its own tests
+  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py \
+    -k "not two_level and not fused_router"
+  part router-topk-two-level 300 -m gpu tests/ops/test_router_topk_gpu.py -k two_level
+  part router-fused 300 -m gpu tests/ops/test_router_topk_gpu.py -k fused_router
+}
 kda_bench() {  # the KDA decode benchmark; its launch table serves the later phases where phase cuts' kernel tests passed
   # (420 s: DSpark's 9-token windows and each window on the kernel's other path joined the cases)
   local rc
@@ -304,12 +312,7 @@ cuts)
   # grouped_topk_fused_kernel (benchmarks/router_topk.py; kernel-only, minutes)
   # CUTS_ROUTER=0: not the router top-k's tests and benchmark (measured in six leases; "rounds" serves)
   if [ "${CUTS_ROUTER:-1}" = 1 ]; then
-    part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py \
-      -k "not two_level and not fused_router"
-    # the candidates (the two-level variant, the fused router) apart: their failure does not switch the served
-    # kernel off (cuts_off reads router-topk.log only), and each is judged on its own tests
-    part router-topk-two-level 300 -m gpu tests/ops/test_router_topk_gpu.py -k two_level
-    part router-fused 300 -m gpu tests/ops/test_router_topk_gpu.py -k fused_router
+    router_tests
   fi
   part kda-conv 300 -m gpu tests/layers/test_kda_fused_conv.py
   # the kernel's own tests only: in lease 2026-12-07b the benchmark's smoke test (which the benchmark below
@@ -364,12 +367,10 @@ kda-bench)
   kda_bench
   ;;
 router-bench)
-  # The router on an idle GPU (kernel-only, a few minutes): the top-k kernels' and the fused router candidate's
+  # The router on an idle GPU (no server, a few minutes): the top-k kernels' and the fused router candidate's
   # GPU tests, then benchmarks/router_topk.py (the top-k kernels against vLLM's, and the whole router: gate GEMV
   # + top-k as served against the fused candidate, ops/router_topk/fused.py)
-  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py -k "not two_level and not fused_router"
-  part router-topk-two-level 300 -m gpu tests/ops/test_router_topk_gpu.py -k two_level
-  part router-fused 300 -m gpu tests/ops/test_router_topk_gpu.py -k fused_router
+  router_tests
   wait "${pids[@]}"
   for name in router-topk router-topk-two-level router-fused; do record "gpu:$name" "$out/$name.log"; done
   timeout 300 python3 -m benchmarks.router_topk --tokens 1,2,4,16,256 --out "$OUT/router-topk.md" \

@@ -12,7 +12,6 @@ CUDA-graph capturable; no vLLM import.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -43,18 +42,13 @@ def shape_problems(num_experts: int, n_group: int, topk_group: int, top_k: int, 
     return out
 
 
-@functools.cache
-def _text() -> str:
-    return topk_kernel._text("select.cuh") + topk_kernel._text(SOURCE)
-
-
 def source(num_experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool, hidden: int,
            warps_per_expert: int = WARPS_PER_EXPERT) -> str:
     """The CUDA text handed to NVRTC: the configuration as ``#define`` lines, the shared loads, the
     top-k's selection helpers, then the kernel."""
     defines = dict(E_=num_experts, NG=n_group, TG=topk_group, K_=top_k, RENORM=int(renormalize), H_=hidden,
                    WPE=warps_per_expert, TMAX=MAX_TOKENS)
-    return define_lines(defines) + ptx_loads() + _text()
+    return define_lines(defines) + ptx_loads() + topk_kernel.cuda_text("select.cuh") + topk_kernel.cuda_text(SOURCE)
 
 
 _COMPILED: dict[tuple, object] = {}

@@ -59,7 +59,8 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
 
 
 @functools.cache
-def _text(name: str) -> str:
+def cuda_text(name: str) -> str:
+    """A CUDA file of this package (a kernel, or ``select.cuh``), as text."""
     return resources.files(__package__).joinpath(name).read_bytes().decode()
 
 
@@ -68,7 +69,7 @@ def source(num_experts: int, n_group: int, topk_group: int, top_k: int, renormal
     """The CUDA text handed to NVRTC: the configuration as ``#define`` lines, the selection helpers
     (``select.cuh``), then the variant's kernel."""
     return define_lines(dict(E_=num_experts, NG=n_group, TG=topk_group, K_=top_k, RENORM=int(renormalize))) \
-        + _text("select.cuh") + _text(VARIANTS[variant][0])
+        + cuda_text("select.cuh") + cuda_text(VARIANTS[variant][0])
 
 
 _COMPILED: dict[tuple, object] = {}
