@@ -39,10 +39,12 @@ CLASS_RULES: tuple[tuple[str, str], ...] = (
                    r"topk_weight|expert|humming(?!.*157184)"),
     ("head", r"157184"),
     ("router", r"grouped_topk|topk|router|ling_small_gemv_router|noaux"),
-    ("dense_fp8", r"ling_dense_w8a16|e4m3|fp8|blockwise|deep_gemm|w8a8|scaled_mm|per_token_group|"
-                  r"cutlass.*(block|scale)"),
+    # before dense_fp8: FlashMLA's template names carry CUTLASS's ScaledBasis, the KV-cache write its
+    # Fp8KVCacheDataType argument (lease 2026-12-07g counted both as dense FP8)
     ("mla_attention", r"mla|flash_fwd|flashattn|fmha|attention|merge_attn|paged|decode_attention|"
                       r"concat_and_cache"),
+    ("dense_fp8", r"ling_dense_w8a16|e4m3|fp8|blockwise|deep_gemm|w8a8|scaled_mm|per_token_group|"
+                  r"cutlass.*(block|scale)"),
     ("kda_recurrent", r"kda|recurrent|delta|chunk_|solve_tril|wy_fast|cumsum|gla|l2norm|fused_gdn"),
     ("kda_conv", r"causal_conv1d|conv1d"),
     ("norms_residual", r"rms|norm|rsqrt|fused_add"),

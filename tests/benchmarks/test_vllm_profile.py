@@ -98,6 +98,13 @@ def test_names_of_the_kernels_vllm_runs_land_in_their_classes():
         "fused_recurrent_kda_fwd_kernel": "kda_recurrent",
         "_causal_conv1d_update_kernel": "kda_conv",
         "void flash::flash_fwd_splitkv_mla_kernel<>": "mla_attention",
+        # FlashMLA's and vLLM's MLA kernels as the profiler names them (shortened): words of other classes inside
+        "void sm90::decode::dense::flash_fwd_splitkv_mla_kernel<sm90::decode::dense::Traits<cutlass::bfloat16_t>, "
+        "cute::AuxTmaParams<cute::tuple<cute::ScaledBasis<cute::C<1>, 1>>>>(DenseAttnDecodeParams)": "mla_attention",
+        "void smxx::decode::flash_fwd_mla_combine_kernel<cutlass::bfloat16_t, 512, 8, 160, 256>(CombineParams)":
+            "mla_attention",
+        "void vllm::concat_and_cache_mla_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0>(...)":
+            "mla_attention",
         "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "norms_residual",
         "ling_small_gemv": "small_bf16",
         "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "bf16_gemm",
