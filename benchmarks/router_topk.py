@@ -10,8 +10,8 @@ sit at a near tie (where either pick is right).
     python -m benchmarks.router_topk --candidate-wins rows.json   # exit 0: the two-level variant
                                                                   # was right and faster at decode sizes
 
-A second table times the whole router at decode sizes: the gate GEMV and the top-k as served (two
-launches) against the fused candidate (``vllm_ling.ops.router_topk.fused``, one launch).
+The whole router in one launch (gate GEMV + top-k, a candidate until lease 2026-12-07g) lost to the
+served pair: ``benchmarks/results/serve_h200_runs/lease-2026-12-07g/router-bench/router-topk.md``.
 
 The work reads 2 KB of logits and 2 KB of bias per layer: the copy-bandwidth column shows how far
 from a memory-bound op this is (the time is launch and synchronisation, not bytes). Ours launches with
@@ -46,8 +46,7 @@ CANDIDATE_MARGIN = 0.95
 def candidate_wins(rows: list[dict]) -> tuple[bool, str]:
     """Whether the two-level variant should serve, from :func:`main`'s JSON rows, and why: right at every
     size (no pick off the reference away from a near tie), and faster than the served kernel by
-    ``CANDIDATE_MARGIN`` at every decode size in ``DECODE_TOKENS`` that was timed (at least one). The
-    whole-router rows (:func:`router_rows`) in the same file do not take part."""
+    ``CANDIDATE_MARGIN`` at every decode size in ``DECODE_TOKENS`` that was timed (at least one)."""
     rows = [r for r in rows if "two_level_us" in r]
     wrong = [r["tokens"] for r in rows if r["two_level_off"] != r["two_level_near_tie"]]
     if wrong:
@@ -93,57 +92,6 @@ def tokens_off(got: list[torch.Tensor], want: list[torch.Tensor], logits: list[t
         if bad.any():
             near += int((decision_margins(lg.cpu()[bad], b.cpu(), routing) < NEAR_TIE).sum())
     return off, near
-
-
-def router_rows(token_counts: list[int], iters: int, routing: Routing) -> list[dict]:
-    """The whole router at decode sizes, 40 distinct layers (fp32 gates rotated over 210 MB): the gate GEMV
-    and the top-k as served (two launches) against the fused candidate (``ops/router_topk/fused.py``), and
-    the tokens whose picks differ between the two (in brackets those at a near tie of the served logits)."""
-    from vllm_ling.ops.router_topk import fused
-    from vllm_ling.ops.router_topk.kernel import grouped_topk_cuda
-    from vllm_ling.ops.small_gemv.router import router_logits
-
-    e, hidden = routing.num_experts, CONFIG["hidden_size"]
-    args = (routing.top_k, routing.n_group, routing.topk_group, True, routing.scale)
-    gates = [torch.randn(e, hidden, device="cuda") * hidden ** -0.5 for _ in range(LAYERS)]
-    biases = [torch.randn(e, device="cuda") * 0.1 for _ in range(LAYERS)]
-    counter = fused.new_counter("cuda")
-    rows = []
-    for t in token_counts:
-        if t > fused.MAX_TOKENS:
-            continue
-        xs = [torch.randn(t, hidden, device="cuda").bfloat16() for _ in range(LAYERS)]
-        served = [(torch.empty(t, e, device="cuda"), torch.empty(t, routing.top_k, device="cuda"),
-                   torch.empty(t, routing.top_k, dtype=torch.int32, device="cuda")) for _ in range(LAYERS)]
-        mine = [(torch.empty(t, e, device="cuda"), torch.empty(t, routing.top_k, device="cuda"),
-                 torch.empty(t, routing.top_k, dtype=torch.int32, device="cuda")) for _ in range(LAYERS)]
-
-        def pair(x, g, b, o):
-            router_logits(x, g, out=o[0])
-            grouped_topk_cuda(o[0], b, *args, weights=o[1], ids=o[2])
-
-        def one(x, g, b, o):
-            fused.route_fused(x, g, b, *args, counter=counter, logits=o[0], weights=o[1], ids=o[2])
-
-        pair_us = stacked_time_us([lambda x=x, g=g, b=b, o=o: pair(x, g, b, o)
-                                   for x, g, b, o in zip(xs, gates, biases, served)], iters)
-        fused_us = stacked_time_us([lambda x=x, g=g, b=b, o=o: one(x, g, b, o)
-                                    for x, g, b, o in zip(xs, gates, biases, mine)], iters)
-        off = tokens_off([o[2] for o in mine], [o[2] for o in served], [o[0] for o in served], biases, routing)
-        rows.append({"tokens": t, "router_pair_us": pair_us, "router_fused_us": fused_us, "fused_off": off[0],
-                     "fused_near_tie": off[1]})
-        print(f"T={t}: router as served {pair_us:.2f} us, fused {fused_us:.2f} us", file=sys.stderr)
-    return rows
-
-
-def router_table(rows: list[dict]) -> list[str]:
-    lines = ["", f"## The whole router: gate GEMV + top-k, {LAYERS} distinct layers (us per layer)", "",
-             "| tokens | served: router GEMV + grouped top-k (us) | fused candidate (us) | served / fused | tokens "
-             f"picking other experts than the served pair, of {LAYERS} x tokens (near ties) |", "|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['tokens']} | {r['router_pair_us']:.2f} | {r['router_fused_us']:.2f} | "
-                     f"{r['router_pair_us'] / r['router_fused_us']:.2f}x | {r['fused_off']} ({r['fused_near_tie']}) |")
-    return lines
 
 
 def _off(counts: tuple[int, int] | None) -> str:
@@ -211,18 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         frac = nbytes / (ours_us * 1e-6) / (bw * 1e9)
         lines.append(f"| {t} | {ours_us:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} | {nbytes:,} "
                      f"| {frac:.4f} | {_off(ours_off)} / {_off(their_off)} | {two_us:.2f} | {_off(two_off)} |")
-    routers = router_rows(args.tokens, args.iters, routing)
-    lines += router_table(routers)
     write_outputs("\n".join(lines) + "\n", args.out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"tokens": t, "ours_us": ours_us, "vllm_us": their_us, "ours_off": ours_off[0],
                         "ours_near_tie": ours_off[1], "two_level_us": two_us, "two_level_off": two_off[0],
                         "two_level_near_tie": two_off[1]}
-                       for t, ours_us, their_us, _, ours_off, _, two_us, two_off in rows] + routers, f, indent=1)
+                       for t, ours_us, their_us, _, ours_off, _, two_us, two_off in rows], f, indent=1)
     # a pick that differs away from a near tie is a wrong kernel; at a tie either side is right
     right = all(off == near and two[0] == two[1] for _, _, _, _, (off, near), _, _, two in rows)
-    return 0 if right and all(r["fused_off"] == r["fused_near_tie"] for r in routers) else 1
+    return 0 if right else 1
 
 
 if __name__ == "__main__":

@@ -162,17 +162,12 @@ def moe_decode_sources(target: Target) -> dict[str, str]:
 
 def router_topk_sources() -> dict[str, str]:
     """Ling's router (its experts, groups, kept groups and picks), and one narrower configuration, in each
-    kernel variant, and the fused router candidate."""
+    kernel variant."""
     from vllm_ling.ops.router_topk import kernel as router_topk
 
-    from vllm_ling.ops.router_topk import fused
-
     ling = (CONFIG["num_experts"], CONFIG["n_group"], CONFIG["topk_group"], CONFIG["num_experts_per_tok"])
-    sources = {f"{variant} experts/groups/kept/picks={cfg}": router_topk.source(*cfg, renormalize=True, variant=variant)
-               for cfg in (ling, (64, 2, 1, 4)) for variant in router_topk.VARIANTS}
-    # the fused router candidate (gate GEMV + top-k) on Ling's gate
-    sources[f"fused experts/groups/kept/picks={ling}"] = fused.source(*ling, True, CONFIG["hidden_size"])
-    return sources
+    return {f"{variant} experts/groups/kept/picks={cfg}": router_topk.source(*cfg, renormalize=True, variant=variant)
+            for cfg in (ling, (64, 2, 1, 4)) for variant in router_topk.VARIANTS}
 
 
 def family_sources(target: Target, family: str) -> dict[str, str]:
