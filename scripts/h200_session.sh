@@ -11,14 +11,15 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-dspark # full-size: DSpark, a dummy full-size drafter
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-flashmla # full-size: ours with vLLM's FlashMLA decode backend
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-kdavllm  # full-size: ours with vLLM's KDA decode kernels
-#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm  # those tiny end-to-end tests beside it first
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-splits32 # full-size: ours with vLLM's 32 decode splits in graphs
+#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32  # those tiny end-to-end tests beside it first
 #   LAYERS=6 TREE_COMMIT=<sha> bash scripts/h200_session.sh slices  # A/B of each switch on a 6-layer slice
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh cuts   # the decode-step cuts' GPU tests (each cut that fails
 #                                                         # is switched off in the later phases), router bench;
 #                                                         # WITH_TESTS="dspark" runs tiny tests beside them
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh kda-bench # the KDA decode benchmark (cuts runs it unless CUTS_KDA_BENCH=0)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh gate-bench # the router gate at prefill sizes (kernel-only)
-#   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-bench # the router top-k and fused router (kernel-only)
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-bench # the router top-k kernels (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh dense-bench # the widest dense FP8 linears at 8-16 rows (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
@@ -181,13 +182,11 @@ part() {  # name, time limit (s), pytest arguments...: one pytest process in the
    echo "$name rc $rc" >> "$out/rc.txt") &
   pids+=($!)
 }
-router_tests() {  # the router kernels' GPU tests, three parts: the served top-k's (router-topk) and each candidate's
-  # (the two-level variant, the fused router) apart, so a candidate's failure never switches the served kernel
-  # off (cuts_off reads router-topk.log only) and each candidate is judged on its own tests
-  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py \
-    -k "not two_level and not fused_router"
+router_tests() {  # the router kernels' GPU tests, two parts: the served top-k's (router-topk) and the two-level
+  # candidate's apart, so a candidate's failure never switches the served kernel off (cuts_off reads
+  # router-topk.log only) and the candidate is judged on its own tests
+  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py -k "not two_level"
   part router-topk-two-level 300 -m gpu tests/ops/test_router_topk_gpu.py -k two_level
-  part router-fused 300 -m gpu tests/ops/test_router_topk_gpu.py -k fused_router
 }
 kda_bench() {  # the KDA decode benchmark; its launch table serves the later phases where phase cuts' kernel tests passed
   # (420 s: DSpark's 9-token windows and each window on the kernel's other path joined the cases)
@@ -231,7 +230,7 @@ tests)
   [ "${#pids[@]}" -gt 0 ] && wait "${pids[@]}"
   record_tiny "$names"
   ;;
-ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm)
+ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32)
   # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
   # full-size start, which measures only once they are done (the timings stay that server's own).
   # STARTUP_S (480) and TINY_S (420): the start-up and beside-test limits; scripts/h200_lease.sh, whose
@@ -267,6 +266,8 @@ ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm)
   # the one-launch KDA decode against vLLM's three kernels served, back to back with ours (lease 2026-12-07b:
   # vLLM's took 8.5 us per layer in the real step, which the benchmark times at 14.0)
   [ "$phase" = ours-kdavllm ] && composition+=(--switch VLLM_LING_KDA_DECODE=0)
+  # issue 29's MLA decode cut against vLLM's bound (32 splits: 32 CTAs read a batch-1 decode's latent cache)
+  [ "$phase" = ours-splits32 ] && composition+=(--switch VLLM_LING_DECODE_SPLITS=0)
   # a decode-step cut (default on, never served on a GPU before) that did not pass its GPU tests earlier
   # in this lease (phase cuts) is served off (cuts_off), rather than lose the phase to it
   [ "$phase" != upstream ] && for cut in kda_decode:VLLM_LING_KDA_DECODE=0 router_topk:VLLM_LING_ROUTER_TOPK=vllm; do
@@ -335,7 +336,6 @@ cuts)
   wait "${pids[@]}"
   [ -e "$out/router-topk.log" ] && record gpu:router-topk "$out/router-topk.log"
   [ -e "$out/router-topk-two-level.log" ] && record gpu:router-topk-two-level "$out/router-topk-two-level.log"
-  [ -e "$out/router-fused.log" ] && record gpu:router-fused "$out/router-fused.log"
   record gpu:kda-conv "$out/kda-conv.log"
   record gpu:kda-decode "$out/kda-decode.log"
   [ -e "$out/cuts-e2e.log" ] && record gpu-e2e:cuts "$out/cuts-e2e.log"
@@ -367,12 +367,11 @@ kda-bench)
   kda_bench
   ;;
 router-bench)
-  # The router on an idle GPU (no server, a few minutes): the top-k kernels' and the fused router candidate's
-  # GPU tests, then benchmarks/router_topk.py (the top-k kernels against vLLM's, and the whole router: gate GEMV
-  # + top-k as served against the fused candidate, ops/router_topk/fused.py)
+  # The router on an idle GPU (no server, a few minutes): the top-k kernels' GPU tests, then
+  # benchmarks/router_topk.py (the top-k kernels against vLLM's)
   router_tests
   wait "${pids[@]}"
-  for name in router-topk router-topk-two-level router-fused; do record "gpu:$name" "$out/$name.log"; done
+  for name in router-topk router-topk-two-level; do record "gpu:$name" "$out/$name.log"; done
   timeout 300 python3 -m benchmarks.router_topk --tokens 1,2,4,16,256 --out "$OUT/router-topk.md" \
     --json "$OUT/router-topk.json" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"

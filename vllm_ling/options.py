@@ -131,6 +131,7 @@ class Scope(Choice):
 # The MoE decode kernels launch one grid row per (token, top-k slot): tokens x top_k (<= 8) must
 # stay within CUDA's grid rows (ops/moe/decode/shapes.MAX_GRID_ROWS).
 MOE_DECODE_MAX_TOKENS_LIMIT = 4096
+FLASH_ATTN_SPLITS_LIMIT = 256  # FlashAttention's split-KV combine takes at most 256 splits
 # The kernels' row limits, here so that the options' texts state them (this module imports no
 # kernel); each kernel reads its own from here.
 # The CUDA W8A16 dense decode kernel's rows (four MMA groups of 8: ops/dense_fp8/decode_kernel.py).
@@ -352,6 +353,13 @@ OPTIONS: tuple[Option, ...] = (
            "prompt chunk no longer dispatches each of its kernels from Python; `0` keeps vLLM's sizes (one "
            "WARNING, reported). Sizes given in `--compilation-config` win",
            minimum=0, serve_flag=True, opt_out="0"),
+    Option("VLLM_LING_DECODE_SPLITS", "int", 128,
+           "decode steps in full CUDA graphs may split FlashAttention's KV reads this many ways (vLLM caps "
+           "them at its `flash_attn_max_num_splits_for_cuda_graph`, 32: at batch 1 an MLA decode then reads a "
+           "long context with 32 CTAs), as far as the split buffers of the largest decode batch fit the budget "
+           "of `vllm_ling/runtime/decode_splits.py`; `0` keeps vLLM's bound (one WARNING, reported). A bound "
+           "given in `--attention-config` wins",
+           minimum=0, maximum=FLASH_ATTN_SPLITS_LIMIT, serve_flag=True, opt_out="0"),
     Option("VLLM_LING_LM_HEAD_KERNEL", "choice", None,
            "force the FP8 head kernel (default: chosen per GPU architecture by measurement)",
            choices=HeadKernel, default_text="per GPU", compile_factor=True),
@@ -589,6 +597,7 @@ class LingOptions:
     router_gemv: RouterGemv = BY_NAME["VLLM_LING_ROUTER_GEMV"].default
     router_topk: RouterTopk = BY_NAME["VLLM_LING_ROUTER_TOPK"].default
     prefill_graph_tokens: int = BY_NAME["VLLM_LING_PREFILL_GRAPH_TOKENS"].default
+    decode_splits: int = BY_NAME["VLLM_LING_DECODE_SPLITS"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
     num_spec_tokens: int = BY_NAME["VLLM_LING_NUM_SPEC_TOKENS"].default
     drafter: Drafter | None = BY_NAME["VLLM_LING_DRAFTER"].default

@@ -40,6 +40,7 @@ class Feature(Choice):
     SPECULATIVE = "speculative"                  # the speculative method
     DRAFTER = "drafter"                          # the DSpark drafter: its block, what it reads and shares
     PREFILL_GRAPHS = "prefill_graphs"            # the CUDA graph sizes prefill steps replay
+    DECODE_SPLITS = "decode_splits"              # FlashAttention's split-KV bound for decode in CUDA graphs
 
 
 class Platform(Choice):

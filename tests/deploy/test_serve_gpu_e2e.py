@@ -300,6 +300,7 @@ SWITCHED_OFF = {
     "VLLM_LING_MTP": {"mtp"},
     "VLLM_LING_MOE_ROUTING": set(),  # prefill routing metadata: recorded in the MoE row, no entry of its own
     "VLLM_LING_PREFILL_GRAPH_TOKENS": {"prefill_graphs"},
+    "VLLM_LING_DECODE_SPLITS": {"decode_splits"},
 }
 
 
@@ -356,7 +357,7 @@ def test_every_opt_out_at_once_serves_verified_and_says_what_is_off(agreeing, ex
         assert report["passed"], [c for c in report["checks"] if not c["passed"]]
         opts = report["optimizations"]
         for name in ("moe_humming", "moe_decode_kernels", "fp8_head", "dense_fp8_decode", "small_bf16_decode",
-                     "router_gemv", "kda_merged_in_proj", "kda_fused_conv", "kda_decode", "mtp"):
+                     "router_gemv", "kda_merged_in_proj", "kda_fused_conv", "kda_decode", "mtp", "decode_splits"):
             assert not opts[name]["active"], (name, opts[name])
         assert report["head_dtype"] == "bfloat16" and report["spec_method"] is None
         assert complete(server.base_url) == expected

@@ -4,7 +4,8 @@ patches P4, P5 and P9 (see README.md here).
 - ``LingConfigHook`` (installed by P4 in vLLM's ``MODELS_CONFIG_MAP``) runs while
   ``VllmConfig`` is built (front-end process, before any engine process starts), so
   conflicting options fail with a message naming both, and CPU-only adjustments are
-  logged once. Under the Ray backend it also puts vllm-ling's settings into the Ray
+  logged once. It also bounds FlashAttention's decode splits in CUDA graphs
+  (runtime/decode_splits.py). Under the Ray backend it also puts vllm-ling's settings into the Ray
   runtime env (runtime/ray_env.py).
 - ``LingArchConfigConvertor`` (installed by P9 in vLLM's ``MODEL_ARCH_CONFIG_CONVERTORS``)
   is vLLM's reading of a ``bailing_hybrid`` config: it refuses one naming another
@@ -32,6 +33,7 @@ from vllm_ling.options import (DSPARK_NEEDS_V2, DSPARK_NOT_ON_CPU, Drafter, Ling
                                opt_out_setting)
 from vllm_ling.refusal import Refusal
 from vllm_ling.runtime import ray_env
+from vllm_ling.runtime.decode_splits import decide_decode_splits
 from vllm_ling.runtime.spec_policy import PP_NO_DRAFT_REASON, VLLM_DSPARK_METHOD, speculative_schedule
 
 logger = get_logger("config")
@@ -118,6 +120,7 @@ class LingConfigHook:
                      "Ray backend: every worker gets this process's %d vllm-ling settings "
                      "(vllm_ling/runtime/ray_env.py), whatever its node's environment says.",
                      len(ray_env.propagated_names()))
+        decide_decode_splits(vllm_config, options, on_cuda=current_platform.is_cuda())
         cache = vllm_config.cache_config
         if (current_platform.is_cpu() and has_kda_layers(model_config.hf_config)
                 and cache.enable_prefix_caching):

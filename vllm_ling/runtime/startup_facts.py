@@ -1,5 +1,6 @@
 """Startup facts a worker knows only after vLLM allocated the KV cache and warmed up: the KV
-cache's bytes and this process's humming JIT compiles and cache hits.
+cache's bytes, this process's humming JIT compiles and cache hits, and the split bound its
+FlashAttention metadata builders hold (the ``decode_splits`` entry is confirmed against it).
 
 vLLM 0.32 holds the allocated KV cache only in the worker: its model runner's ``kv_caches``
 are views of the raw tensors sized by the engine's ``KVCacheConfig``. The front end learns
@@ -21,7 +22,9 @@ import torch
 from vllm_ling.log import get_logger
 from vllm_ling.ops import humming_jit
 from vllm_ling.options import LingOptions
+from vllm_ling.runtime.decode_splits import bound_in_force, builder_bounds
 from vllm_ling.runtime.report import is_reporting_rank, update_report
+from vllm_ling.runtime.verification.decode_splits import confirm_builders
 
 logger = get_logger("startup")
 
@@ -72,9 +75,16 @@ def record_after_warmup(worker) -> dict[str, Any]:
     logger.info("vllm-ling startup facts (rank %d): KV cache %d bytes (%.1f MiB); %s.",
                 startup["rank"], kv_bytes, kv_bytes / 2**20, jit)
 
+    builders = builder_bounds(worker.model_runner)
+    startup["decode_split_bounds"] = builders
+
     def merge(report: dict[str, Any]) -> None:
         report["startup"] = startup
         report.setdefault("memory", {})["kv_cache_bytes"] = kv_bytes
+        splits = report.get("optimizations", {}).get("decode_splits")
+        if splits is not None:
+            report["optimizations"]["decode_splits"] = confirm_builders(
+                splits, builders, bound_in_force(worker.vllm_config))
 
     path = LingOptions.current().report_path
     if is_reporting_rank() and path and not update_report(path, merge):

@@ -12,6 +12,7 @@ proof reads the records; it never derives a choice again:
 - the other families, one module each: :mod:`.known_answers` (every serving kernel on scratch
   layers) and :mod:`.vllm_agreement` (our kernels against vLLM's on a served layer),
   :mod:`.draft_sharing`, :mod:`.speculative`, :mod:`.model_classes`, :mod:`.versions`,
+  :mod:`.prefill_graphs` and :mod:`.decode_splits` (decisions made on the config, before any module exists),
   :mod:`.ranks` (gather and merge every rank's entry), :mod:`.attention_backends` (a fact, not a
   check: the backend each attention layer holds), :mod:`.assembly` (the report),
   :mod:`.policy` (strict / warn / off), :mod:`.formatting` (the INFO table);

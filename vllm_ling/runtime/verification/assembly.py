@@ -13,6 +13,8 @@ from vllm_ling.runtime.verification import known_answers, vllm_agreement
 from vllm_ling.runtime.verification.attention_backends import attention_backends, describe
 from vllm_ling.runtime.verification.census import take_census
 from vllm_ling.runtime.verification.checks import guarded
+from vllm_ling.runtime.verification.decode_splits import CHECK_NAME as DECODE_SPLITS
+from vllm_ling.runtime.verification.decode_splits import check_decode_splits, decode_splits_entry
 from vllm_ling.runtime.verification.draft_sharing import CHECK_NAME as SHARING
 from vllm_ling.runtime.verification.draft_sharing import check_draft_sharing
 from vllm_ling.runtime.verification.model_classes import check_model_classes
@@ -72,6 +74,7 @@ def build_report(target, draft, vllm_config, options: LingOptions, spec: Specula
     checks = [guarded("model_classes", lambda: check_model_classes(target, draft, spec, stage)), *rows.values(),
               sharing, guarded(SPECULATIVE, lambda: check_speculative(spec, options)),
               guarded(PREFILL_GRAPHS, lambda: check_prefill_graphs(vllm_config)),
+              guarded(DECODE_SPLITS, lambda: check_decode_splits(vllm_config)),
               guarded("versions", lambda: check_versions(platform)), known_answers.check(known)]
     by_name = {c.name: c for c in checks}
     optimizations = {r.optimization: entry(r, census, rows[r.check], known, r.expected(config, stage, nextn_here)
@@ -80,6 +83,7 @@ def build_report(target, draft, vllm_config, options: LingOptions, spec: Specula
     optimizations["moe_decode_kernels"] = moe_decode_entry(census)
     optimizations["mtp"] = mtp_entry(spec, sharing)
     optimizations["prefill_graphs"] = prefill_graphs_entry(vllm_config, by_name[PREFILL_GRAPHS])
+    optimizations["decode_splits"] = decode_splits_entry(vllm_config, by_name[DECODE_SPLITS])
     backends = attention_backends(target, draft)
     return {
         "passed": all(c.passed for c in checks),
