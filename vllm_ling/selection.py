@@ -86,6 +86,27 @@ def recorded(module, feature: Feature) -> Selection | None:
     return getattr(module, SELECTIONS_ATTR, {}).get(feature)
 
 
+_BASE_FIELDS = ("feature", "choice", "reason", "fallback_from")
+
+
+def record_on_config(hf_config, attr: str, selection: Selection) -> None:
+    """A decision made on the config before any module exists, as plain values on the target's
+    hf_config (it reaches every process with the config, which still serialises as JSON): the
+    choice, the reason and a :class:`Selection` subclass's own fields."""
+    extra = {f.name: getattr(selection, f.name) for f in dataclasses.fields(selection) if f.name not in _BASE_FIELDS}
+    setattr(hf_config, attr, {"choice": selection.choice.value, "reason": selection.reason, **extra})
+
+
+def recorded_on_config(hf_config, attr: str, cls: type[Selection], feature: Feature,
+                       choices: type[enum.Enum]) -> Selection | None:
+    """The decision :func:`record_on_config` wrote (None: nothing decided on this config)."""
+    raw = getattr(hf_config, attr, None)
+    if not raw:
+        return None
+    extra = {k: v for k, v in raw.items() if k not in ("choice", "reason")}
+    return cls(feature, choices(raw["choice"]), raw["reason"], **extra)
+
+
 @dataclasses.dataclass(frozen=True)
 class Served:
     """What one module serves, read from its method and loaded state: ``(choice, *switches)`` as

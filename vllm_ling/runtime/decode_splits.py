@@ -28,7 +28,7 @@ import logging
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import Choice, LingOptions, opt_out_setting
-from vllm_ling.selection import Feature, Selection
+from vllm_ling.selection import Feature, Selection, record_on_config, recorded_on_config
 
 logger = get_logger("config")
 
@@ -144,18 +144,12 @@ def decide_decode_splits(vllm_config, options: LingOptions | None = None,
 
 
 def record_decode_splits(hf_config, selection: DecodeSplitsSelection) -> None:
-    """Plain values on the target's hf_config, so the config still serialises as JSON."""
-    setattr(hf_config, DECODE_SPLITS_ATTR,
-            {"choice": selection.choice.value, "reason": selection.reason, "bound": selection.bound})
+    record_on_config(hf_config, DECODE_SPLITS_ATTR, selection)
 
 
 def recorded_decode_splits(hf_config) -> DecodeSplitsSelection | None:
     """The decision the config hook recorded (None: the hook did not run for this config)."""
-    raw = getattr(hf_config, DECODE_SPLITS_ATTR, None)
-    if not raw:
-        return None
-    return DecodeSplitsSelection(Feature.DECODE_SPLITS, DecodeSplits(raw["choice"]), raw["reason"],
-                                 bound=int(raw["bound"]))
+    return recorded_on_config(hf_config, DECODE_SPLITS_ATTR, DecodeSplitsSelection, Feature.DECODE_SPLITS, DecodeSplits)
 
 
 def bound_in_force(vllm_config) -> int:

@@ -22,7 +22,7 @@ import logging
 
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import Choice, LingOptions, opt_out_setting
-from vllm_ling.selection import Feature, Selection
+from vllm_ling.selection import Feature, Selection, record_on_config, recorded_on_config
 
 logger = get_logger("config")
 
@@ -114,15 +114,10 @@ def add_prefill_sizes(vllm_config, user_gave_sizes: bool, options: LingOptions |
 
 
 def record_prefill_graphs(hf_config, selection: PrefillGraphsSelection) -> None:
-    """Plain values on the target's hf_config, so the config still serialises as JSON."""
-    setattr(hf_config, PREFILL_GRAPHS_ATTR,
-            {"choice": selection.choice.value, "reason": selection.reason, "up_to": selection.up_to})
+    record_on_config(hf_config, PREFILL_GRAPHS_ATTR, selection)
 
 
 def recorded_prefill_graphs(hf_config) -> PrefillGraphsSelection | None:
     """The decision P13 recorded (None: vLLM never sized CUDA graphs here, e.g. the CPU platform)."""
-    raw = getattr(hf_config, PREFILL_GRAPHS_ATTR, None)
-    if not raw:
-        return None
-    return PrefillGraphsSelection(Feature.PREFILL_GRAPHS, PrefillGraphs(raw["choice"]), raw["reason"],
-                                  up_to=int(raw["up_to"]))
+    return recorded_on_config(hf_config, PREFILL_GRAPHS_ATTR, PrefillGraphsSelection, Feature.PREFILL_GRAPHS,
+                              PrefillGraphs)
