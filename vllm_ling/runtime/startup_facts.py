@@ -15,32 +15,19 @@ merges its own numbers into it: ``startup`` (humming JIT, flat keys) and
 
 from __future__ import annotations
 
-from typing import Any, Iterable
-
-import torch
+from typing import Any
 
 from vllm_ling.log import get_logger
 from vllm_ling.ops import humming_jit
 from vllm_ling.options import LingOptions
 from vllm_ling.runtime.decode_splits import bound_in_force, builder_bounds
 from vllm_ling.runtime.report import is_reporting_rank, update_report
+from vllm_ling.runtime.storage import distinct_storage_bytes
 from vllm_ling.runtime.verification.decode_splits import confirm_builders
 
 logger = get_logger("startup")
 
 CPU_REASON = "CPU platform: humming kernels run on CUDA GPUs only; nothing was compiled or loaded"
-
-
-def distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storages under ``tensors``, each storage once (views share one)."""
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 def kv_cache_bytes(model_runner) -> int:

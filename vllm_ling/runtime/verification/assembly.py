@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from vllm_ling.options import LingOptions
+from vllm_ling.runtime.storage import distinct_storage_bytes
 from vllm_ling.runtime.verification import known_answers, vllm_agreement
 from vllm_ling.runtime.verification.attention_backends import attention_backends, describe
 from vllm_ling.runtime.verification.census import take_census
@@ -33,8 +34,6 @@ from vllm_ling.versions import humming_version, vllm_version
 def weights_bytes(*modules: torch.nn.Module | None) -> int:
     """Bytes of the parameters and buffers of the given modules in this worker, each storage
     once (the draft shares the target's head and embedding)."""
-    from vllm_ling.runtime.startup_facts import distinct_storage_bytes
-
     return distinct_storage_bytes(t for m in modules if m is not None for t in [*m.parameters(), *m.buffers()])
 
 
