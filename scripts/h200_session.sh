@@ -20,6 +20,7 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh kda-bench # the KDA decode benchmark (cuts runs it unless CUTS_KDA_BENCH=0)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh gate-bench # the router gate at prefill sizes (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-bench # the router top-k kernels (kernel-only)
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh mla-splits   # FlashAttention 3's MLA decode by split bound (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh dense-bench # the widest dense FP8 linears at 8-16 rows (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
@@ -375,6 +376,13 @@ router-bench)
   timeout 300 python3 -m benchmarks.router_topk --tokens 1,2,4,16,256 --out "$OUT/router-topk.md" \
     --json "$OUT/router-topk.json" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
+  ;;
+mla-splits)
+  # Issue 29's MLA decode on an idle GPU (kernel-only, a minute or two): FlashAttention 3 at Ling's shape against
+  # its split bound, vLLM's 32 in CUDA graphs against VLLM_LING_DECODE_SPLITS' 64/128 and its own choice, one
+  # token and the 4-token verify window, 4K to 128K of context (benchmarks/mla_decode_splits.py)
+  timeout 420 python3 -m benchmarks.mla_decode_splits --out "$OUT/mla-decode-splits.md" > "$out/mla-decode-splits.txt" 2>&1
+  echo "mla-decode-splits rc $?" >> "$out/rc.txt"
   ;;
 gate-bench)
   # The MoE router gate at prefill sizes on an idle GPU (kernel-only, about a minute): vLLM's fp32 SIMT path
