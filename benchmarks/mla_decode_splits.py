@@ -5,8 +5,8 @@ Ling's MLA layer at batch 1: 32 query heads over one latent KV head (512 latent 
 token, BF16, in vLLM's paged layout: one [blocks, block, 576] tensor, the latent and rope parts read as
 views), the decode token alone or the 4-token verify window of MTP. Each row times the call vLLM's
 ``FlashAttnMLAImpl`` makes (scheduler metadata from ``get_scheduler_metadata`` with the same bound, as
-its metadata builder computes it) over ``LAYERS`` distinct caches in one CUDA graph (a step's MLA
-layers, more bytes than the L2), and checks the output against plain PyTorch attention in fp32.
+its metadata builder computes it) over distinct caches in one CUDA graph (a step's MLA layers, more
+at short contexts, so the bytes exceed the L2), and checks the output against plain PyTorch attention in fp32.
 Splits 0 is FlashAttention's own choice (what an eager step gets).
 
     python -m benchmarks.mla_decode_splits --out benchmarks/results/mla_decode_splits_h100.md   # on the GPU
@@ -28,7 +28,8 @@ LATENT = 512        # kv_lora_rank
 ROPE = 64           # qk_rope_head_dim
 NOPE = 128          # qk_nope_head_dim: the softmax scale is over the full query head (nope + rope)
 BLOCK = 1920        # vLLM's attention block for the hybrid model at full size (page >= the KDA state's)
-LAYERS = 7          # Ling's MLA layers
+LAYERS = 7          # Ling's MLA layers: at least this many distinct caches per graph
+ROTATE_BYTES = 128 << 20  # and at least this many bytes of them (more than twice an H100's or H200's L2)
 TOLERANCE = 1e-2    # max |out - reference| / max |reference|: BF16 output of fp32 sums
 BASELINE_SPLITS = 32  # vLLM 0.32's bound in CUDA graphs
 
@@ -36,6 +37,11 @@ BASELINE_SPLITS = 32  # vLLM 0.32's bound in CUDA graphs
 def cache_bytes(context: int) -> int:
     """The latent cache one layer's decode reads (BF16 latent + rope per token)."""
     return context * (LATENT + ROPE) * 2
+
+
+def distinct_caches(context: int) -> int:
+    """How many layer caches one timed graph reads: a step's MLA layers, more where they would fit the L2."""
+    return max(LAYERS, -(-ROTATE_BYTES // cache_bytes(context)))
 
 
 def reference(q_nope, q_pe, cache_flat, context: int, scale: float) -> torch.Tensor:
@@ -57,13 +63,14 @@ def rows(contexts: list[int], query_tokens: list[int], splits: list[int], iters:
     out = []
     for context in contexts:
         blocks = -(-context // BLOCK)
-        caches = [torch.randn(blocks, BLOCK, LATENT + ROPE, device="cuda").bfloat16() for _ in range(LAYERS)]
+        layers = distinct_caches(context)
+        caches = [torch.randn(blocks, BLOCK, LATENT + ROPE, device="cuda").bfloat16() for _ in range(layers)]
         block_table = torch.arange(blocks, dtype=torch.int32, device="cuda")[None]
         seq_lens = torch.tensor([context], dtype=torch.int32, device="cuda")
         for t in query_tokens:
             cu_q = torch.tensor([0, t], dtype=torch.int32, device="cuda")
             queries = [(torch.randn(t, HEADS, LATENT, device="cuda").bfloat16(),
-                        torch.randn(t, HEADS, ROPE, device="cuda").bfloat16()) for _ in range(LAYERS)]
+                        torch.randn(t, HEADS, ROPE, device="cuda").bfloat16()) for _ in range(layers)]
             want = [reference(qn, qp, c.view(-1, LATENT + ROPE), context, scale)
                     for (qn, qp), c in zip(queries, caches)]
             for s in splits:
@@ -71,7 +78,7 @@ def rows(contexts: list[int], query_tokens: list[int], splits: list[int], iters:
                                               num_heads_kv=1, headdim=ROPE, cache_seqlens=seq_lens,
                                               qkv_dtype=torch.bfloat16, headdim_v=LATENT, page_size=BLOCK,
                                               cu_seqlens_q=cu_q, causal=True, num_splits=s)
-                results = [torch.empty(t, HEADS, LATENT, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+                results = [torch.empty(t, HEADS, LATENT, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
 
                 def call(qn, qp, cache, o, meta=meta, s=s, t=t, cu_q=cu_q, context=context):
                     flash_attn_varlen_func(q=qp, k=cache[..., LATENT:].unsqueeze(-2), v=cache[..., :LATENT].unsqueeze(-2),
@@ -95,7 +102,8 @@ def table(results: list[dict], bw: float, how: str, iters: int, device: str) -> 
     base = {(r["context"], r["tokens"]): r["us"] for r in results if r["splits"] == BASELINE_SPLITS}
     lines = [f"# FlashAttention 3's MLA decode against its split bound ({device})", "",
              f"Ling's MLA layer at batch 1 ({HEADS} heads, one latent KV head of {LATENT} + {ROPE} BF16 values, "
-             f"{BLOCK}-token pages). CUDA-graph medians ({iters} replays) over {LAYERS} distinct caches, us per layer. "
+             f"{BLOCK}-token pages). CUDA-graph medians ({iters} replays) over distinct caches (at least {LAYERS}, at least "
+             f"{ROTATE_BYTES >> 20} MB), us per layer. "
              f"Splits {BASELINE_SPLITS}: vLLM's bound in CUDA graphs; 0: FlashAttention's own choice. Copy bandwidth "
              f"in this run: {bw:,.0f} GB/s ({how}). Error: max |out - fp32 reference| / max |reference| "
              f"(tolerance {TOLERANCE:g}).", "",

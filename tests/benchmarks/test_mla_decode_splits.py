@@ -50,3 +50,10 @@ def test_the_table_reads_each_row_against_vllms_bound_at_its_context_and_window(
     assert rows[2].split(" | ")[6] == "-"  # no 32-split row for the 4-token window
     # 37,748,736 bytes in 16 us against 3,000 GB/s
     assert rows[1].split(" | ")[5] == f"{B.cache_bytes(32768) / 16e-6 / 3e12:.3f}"
+
+
+def test_each_timed_graph_reads_more_than_the_l2():
+    for context in (512, 4096, 32768, 131072):
+        n = B.distinct_caches(context)
+        assert n >= B.LAYERS and n * B.cache_bytes(context) >= B.ROTATE_BYTES
+        assert n == B.LAYERS or (n - 1) * B.cache_bytes(context) < B.ROTATE_BYTES  # no more than needed
