@@ -126,11 +126,12 @@ def decide_decode_splits(vllm_config, options: LingOptions | None = None,
         tokens = vllm_config.scheduler_config.max_num_seqs * (1 + (getattr(spec, "num_speculative_tokens", 0) or 0))
         per_split = split_bytes(heads, tokens, hf.kv_lora_rank)
         bound = bound_within_budget(options.decode_splits, current, per_split)
-        fits = f"{bound} splits x {per_split / 2**20:.1f} MiB for {tokens} decode tokens"
         if bound > current:
             setattr(attention, VLLM_BOUND_FIELD, bound)
-            selection = DecodeSplitsSelection(Feature.DECODE_SPLITS, DecodeSplits.RAISED,
-                                              f"raised from vLLM's {current} ({fits})", bound=bound)
+            selection = DecodeSplitsSelection(
+                Feature.DECODE_SPLITS, DecodeSplits.RAISED,
+                f"above vLLM's {current}: the split buffers take {bound * per_split / 2**20:.0f} MiB at {tokens} "
+                "decode tokens", bound=bound)
             log_once(logger, logging.INFO, "decode-splits",
                      "FlashAttention decode steps in CUDA graphs may split the KV cache %d ways (%s).",
                      bound, selection.reason)
