@@ -149,7 +149,9 @@ def _runner(target_bounds, draft_bounds=()):
 
 
 def test_builder_bounds_reads_the_target_and_drafter_builders():
-    assert D.builder_bounds(_runner([128], [128])) == {"FlashAttnMLAMetadataBuilder": 128, "SimpleNamespace": 128}
+    assert D.builder_bounds(_runner([128], [128])) == {"FlashAttnMLAMetadataBuilder": [128], "SimpleNamespace": [128]}
+    # builders of one class holding different bounds are all reported, not the last one read
+    assert D.builder_bounds(_runner([128, 0, 128])) == {"FlashAttnMLAMetadataBuilder": [0, 128]}
     assert D.builder_bounds(types.SimpleNamespace()) == {}
 
 
@@ -157,13 +159,17 @@ REQUESTED = {"requested": True, "active": True, "detail": "FlashAttention decode
 
 
 def test_the_entry_stays_active_where_the_builders_hold_the_bound():
-    entry = confirm_builders(REQUESTED, {"FlashAttnMLAMetadataBuilder": 128}, 128)
+    entry = confirm_builders(REQUESTED, {"FlashAttnMLAMetadataBuilder": [128]}, 128)
     assert entry["active"] and "metadata builders: FlashAttnMLAMetadataBuilder 128" in entry["detail"]
+    # a builder for steps outside full graphs (0: no cap passed) beside the capped ones
+    assert confirm_builders(REQUESTED, {"FlashAttnMLAMetadataBuilder": [0, 128]}, 128)["active"]
 
 
 @pytest.mark.parametrize("builders,says", [
-    ({"FlashAttnMLAMetadataBuilder": 32}, "the metadata builders hold FlashAttnMLAMetadataBuilder 32"),
-    ({"FlashAttnMLAMetadataBuilder": 0}, "the metadata builders hold FlashAttnMLAMetadataBuilder 0"),
+    ({"FlashAttnMLAMetadataBuilder": [32]}, "the metadata builders hold FlashAttnMLAMetadataBuilder 32"),
+    ({"FlashAttnMLAMetadataBuilder": [0]}, "the metadata builders hold FlashAttnMLAMetadataBuilder 0"),
+    ({"FlashAttnMLAMetadataBuilder": [128], "FlashAttentionMetadataBuilder": [32]},
+     "FlashAttentionMetadataBuilder 32"),
     ({}, "no FlashAttention metadata builder serves here")])
 def test_the_entry_turns_inactive_with_a_warning_where_the_builders_do_not(builders, says, caplog):
     with caplog.at_level(logging.WARNING):
@@ -175,3 +181,27 @@ def test_the_entry_turns_inactive_with_a_warning_where_the_builders_do_not(build
 def test_an_entry_not_requested_is_left_as_it_is():
     entry = {"requested": False, "active": False, "detail": "not selected: opted out"}
     assert confirm_builders(entry, {}, 32) == entry
+
+
+@pytest.mark.parametrize("held,active", [([128], True), ([32], False)])
+def test_after_warm_up_the_reports_entry_says_what_the_builders_hold(monkeypatch, tmp_path, held, active):
+    """startup_facts.record_after_warmup (patch P8) reads the worker's builders into the report: the
+    entry the verification wrote stays active only where they hold the bound in force, and the startup
+    section still validates."""
+    import json
+
+    from vllm_ling.runtime.report import REPORT_JSON_SCHEMA, write_report
+    from vllm_ling.runtime.startup_facts import record_after_warmup
+
+    path = tmp_path / "report.json"
+    write_report({"passed": True, "memory": {"weights_bytes": 7}, "optimizations": {"decode_splits": REQUESTED}},
+                 str(path))
+    monkeypatch.setenv("VLLM_LING_REPORT_PATH", str(path))
+    runner = _runner(held)
+    runner.kv_caches = []
+    worker = types.SimpleNamespace(model_runner=runner, vllm_config=_config(bound=128))
+    record_after_warmup(worker)
+    report = json.loads(path.read_text())
+    assert report["optimizations"]["decode_splits"]["active"] is active
+    assert report["startup"]["decode_split_bounds"] == {"FlashAttnMLAMetadataBuilder": held}
+    pytest.importorskip("jsonschema").validate(report["startup"], REPORT_JSON_SCHEMA["properties"]["startup"])

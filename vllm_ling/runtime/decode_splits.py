@@ -158,15 +158,16 @@ def bound_in_force(vllm_config) -> int:
     return int(getattr(vllm_config.attention_config, VLLM_BOUND_FIELD))
 
 
-def builder_bounds(model_runner) -> dict[str, int]:
-    """``{builder class: max_num_splits}`` of the attention metadata builders a model runner (and its
-    drafter) built that cap FlashAttention's splits; 0 means uncapped (no full CUDA graphs)."""
+def builder_bounds(model_runner) -> dict[str, list[int]]:
+    """``{builder class: its builders' distinct max_num_splits}`` over the attention metadata builders a
+    model runner (and its drafter) built that cap FlashAttention's splits; 0 means uncapped (no full CUDA
+    graphs)."""
     groups = list(getattr(model_runner, "attn_groups", None) or [])
     for holder in (getattr(model_runner, "speculator", None), getattr(model_runner, "drafter", None)):
         groups += list(getattr(holder, "attn_groups", None) or [])
-    bounds: dict[str, int] = {}
+    bounds: dict[str, set[int]] = {}
     for group in (g for kind in groups for g in (kind if isinstance(kind, (list, tuple)) else [kind])):
         for builder in getattr(group, "metadata_builders", None) or ():
             if isinstance(getattr(builder, "max_num_splits", None), int):
-                bounds[type(builder).__name__] = builder.max_num_splits
-    return bounds
+                bounds.setdefault(type(builder).__name__, set()).add(builder.max_num_splits)
+    return {name: sorted(values) for name, values in bounds.items()}

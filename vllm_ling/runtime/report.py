@@ -165,7 +165,7 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                            "kv_cache_bytes": {"type": "integer", "minimum": 0}},
         },
         # Added after warm-up by the reporting worker (vllm_ling.runtime.startup_facts): its
-        # humming JIT kernels compiled vs loaded from the cache. Not applicable (CPU): zeros and
+        # humming JIT kernels compiled vs loaded from the cache, and its attention builders' split bounds. Not applicable (CPU): zeros and
         # the reason; applicable but not observed: null counts and the reason.
         "startup": {
             "type": "object",
@@ -179,6 +179,10 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "humming_jit_compile_s_total": {"type": "number", "minimum": 0},
                 "humming_jit_detail": {"type": "string"},
                 "rank": {"type": "integer", "minimum": 0},
+                # the FlashAttention split bounds the attention metadata builders hold, per builder class
+                # (vllm_ling.runtime.decode_splits.builder_bounds)
+                "decode_split_bounds": {"type": "object", "additionalProperties": {
+                    "type": "array", "items": {"type": "integer", "minimum": 0}}},
             },
         },
     },

@@ -44,15 +44,16 @@ def decode_splits_entry(vllm_config, row: Check) -> dict[str, Any]:
     return {"requested": True, "active": row.passed, "detail": row.actual}
 
 
-def confirm_builders(entry: dict[str, Any], builders: dict[str, int], bound: int) -> dict[str, Any]:
-    """The report entry once the metadata builders are built: active only where a FlashAttention
-    builder holds ``bound`` (0: it captures no full graphs, so vLLM passes no bound at all). One
-    WARNING where a requested bound is not what the builders hold."""
+def confirm_builders(entry: dict[str, Any], builders: dict[str, list[int]], bound: int) -> dict[str, Any]:
+    """The report entry once the metadata builders are built: active only where FlashAttention builders
+    hold ``bound`` and none holds another cap (0: a builder for steps outside full graphs, where vLLM passes
+    no bound at all). One WARNING where a requested bound is not what the builders hold."""
     if not entry.get("requested"):
         return entry
-    capped = {name: n for name, n in builders.items() if n}
-    held = ", ".join(f"{name} {n}" for name, n in sorted(builders.items())) or "no FlashAttention builder"
-    if capped and all(n == bound for n in capped.values()):
+    capped = {n for values in builders.values() for n in values if n}
+    held = ", ".join(f"{name} {'/'.join(map(str, values))}" for name, values in sorted(builders.items())) \
+        or "no FlashAttention builder"
+    if capped == {bound}:
         return {**entry, "detail": f"{entry['detail']}; metadata builders: {held}"}
     why = (f"the metadata builders hold {held}" if builders else
            "no FlashAttention metadata builder serves here (another attention backend, or no full CUDA graphs)")
