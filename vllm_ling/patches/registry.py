@@ -125,7 +125,8 @@ PATCHES: tuple[Patch, ...] = (
         why="adds a `MODELS_CONFIG_MAP` entry for `BailingMoeV3ForCausalLM`, the one "
             "per-architecture hook vLLM runs while building `VllmConfig`: conflicting "
             "options fail before weights load; on CPU the hybrid model runs without prefix "
-            "caching (vLLM's `align` mamba mode needs Triton)",
+            "caching (vLLM's `align` mamba mode needs Triton); on CUDA FlashAttention's decode split "
+            "bound in CUDA graphs is raised for small decode batches (`VLLM_LING_DECODE_SPLITS`)",
         upstream="no public way for an out-of-tree model to register a config hook",
         delete_when="vLLM offers a public config-hook registration",
     ),
