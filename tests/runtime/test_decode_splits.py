@@ -85,6 +85,14 @@ def test_a_large_batch_server_keeps_vllms_bound_and_says_why():
     assert "1024 decode tokens" in sel.reason and "--max-num-seqs" in sel.reason
 
 
+def test_a_switch_value_not_above_vllms_keeps_vllms_bound_and_names_the_way_to_lower_it():
+    cfg = _config()
+    sel = D.decide_decode_splits(cfg, LingOptions(decode_splits=16), on_cuda=True)
+    assert sel.choice is D.DecodeSplits.KEPT and sel.bound == VLLM_BOUND
+    assert "VLLM_LING_DECODE_SPLITS=16 is not above it" in sel.reason and "--attention-config" in sel.reason
+    assert cfg.attention_config.flash_attn_max_num_splits_for_cuda_graph == VLLM_BOUND
+
+
 def test_the_users_bound_wins():
     cfg = _config(bound=8)
     sel = D.decide_decode_splits(cfg, LingOptions(), on_cuda=True)

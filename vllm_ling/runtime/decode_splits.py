@@ -120,6 +120,11 @@ def decide_decode_splits(vllm_config, options: LingOptions | None = None,
         log_once(logger, logging.WARNING, "decode-splits-off",
                  "FlashAttention's decode splits stay at vLLM's %d in CUDA graphs (%s): a batch-1 decode at "
                  "long context reads the MLA cache with that many CTAs.", current, selection.reason)
+    elif options.decode_splits <= current:
+        selection = DecodeSplitsSelection(
+            Feature.DECODE_SPLITS, DecodeSplits.KEPT,
+            f"vLLM's {current}: VLLM_LING_DECODE_SPLITS={options.decode_splits} is not above it (a lower bound is "
+            f"`--attention-config '{{\"{VLLM_BOUND_FIELD}\": N}}'`)", bound=current)
     else:
         heads = hf.num_attention_heads // max(1, vllm_config.parallel_config.tensor_parallel_size)
         spec = vllm_config.speculative_config
