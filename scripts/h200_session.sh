@@ -279,9 +279,15 @@ ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32)
   # fraction of the full size's time, for A/B runs of one switch; its JSON is <phase>-L<N>.json
   run=$phase
   [ -n "${LAYERS:-}" ] && composition+=(--layers "$LAYERS") && run=$phase-L$LAYERS
+  # the SM and memory clocks and the power every 200 ms while it runs (clocks-<run>.csv beside its JSON): whether
+  # the step's latency-bound kernels run below the boost clock their microbenchmarks see
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv -lms 200 \
+    > "$OUT/clocks-$run.csv" 2>/dev/null &
+  clocks=$!
   VLLM_USE_DEEP_GEMM=0 timeout $((startup_s + 80)) python3 -m benchmarks.serve_h200 run "${composition[@]}" \
     --json "$OUT/$run.json" "${full_size[@]}" --startup-timeout "$startup_s" "${wait_for[@]}" > "$out/$phase.txt" 2>&1
   echo "$phase rc $?" >> "$out/rc.txt"
+  kill "$clocks" 2>/dev/null
   [ -n "${WITH_TESTS:-}" ] && wait $tiny
   ;;
 slices)
