@@ -21,6 +21,7 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh gate-bench # the router gate at prefill sizes (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-bench # the router top-k kernels (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh mla-splits   # FlashAttention 3's MLA decode by split bound (kernel-only)
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-step  # the router between its real neighbours (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh dense-bench # the widest dense FP8 linears at 8-16 rows (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
@@ -382,6 +383,12 @@ router-bench)
   timeout 300 python3 -m benchmarks.router_topk --tokens 1,2,4,16,256 --out "$OUT/router-topk.md" \
     --json "$OUT/router-topk.json" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
+  ;;
+router-step)
+  # The router between its real neighbours on an idle GPU (kernel-only, a few minutes: 8 MoE layers of experts
+  # are built): GEMV -> top-k -> routed experts against the chain without the top-k (benchmarks/router_in_step.py)
+  timeout 420 python3 -m benchmarks.router_in_step --out "$OUT/router-in-step.md" > "$out/router-in-step.txt" 2>&1
+  echo "router-in-step rc $?" >> "$out/rc.txt"
   ;;
 mla-splits)
   # Issue 29's MLA decode on an idle GPU (kernel-only, a minute or two): FlashAttention 3 at Ling's shape against
