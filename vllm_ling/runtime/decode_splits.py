@@ -105,26 +105,24 @@ def decide_decode_splits(vllm_config, options: LingOptions | None = None,
     earlier = recorded_decode_splits(hf)
     if earlier is not None and earlier.bound == current:  # a second build of the same config: its decision stands
         return earlier
+    def decided(choice: DecodeSplits, reason: str, bound: int = current) -> DecodeSplitsSelection:
+        return DecodeSplitsSelection(Feature.DECODE_SPLITS, choice, reason, bound=bound)
+
     if not on_cuda:
-        selection = DecodeSplitsSelection(Feature.DECODE_SPLITS, DecodeSplits.NOT_CUDA,
-                                          "no FlashAttention decode on this platform", bound=current)
+        selection = decided(DecodeSplits.NOT_CUDA, "no FlashAttention decode on this platform")
     elif not full_graphs_possible(vllm_config):
-        selection = DecodeSplitsSelection(Feature.DECODE_SPLITS, DecodeSplits.NO_FULL_GRAPHS,
-                                          "no full CUDA graphs: FlashAttention picks its own splits", bound=current)
+        selection = decided(DecodeSplits.NO_FULL_GRAPHS, "no full CUDA graphs: FlashAttention picks its own splits")
     elif current != default:
-        selection = DecodeSplitsSelection(Feature.DECODE_SPLITS, DecodeSplits.USER,
-                                          f"--attention-config {VLLM_BOUND_FIELD}={current}", bound=current)
+        selection = decided(DecodeSplits.USER, f"--attention-config {VLLM_BOUND_FIELD}={current}")
     elif options.decode_splits == 0:
-        selection = DecodeSplitsSelection(Feature.DECODE_SPLITS, DecodeSplits.OPTED_OUT,
-                                          f"opted out ({opt_out_setting('VLLM_LING_DECODE_SPLITS')})", bound=current)
+        selection = decided(DecodeSplits.OPTED_OUT, f"opted out ({opt_out_setting('VLLM_LING_DECODE_SPLITS')})")
         log_once(logger, logging.WARNING, "decode-splits-off",
                  "FlashAttention's decode splits stay at vLLM's %d in CUDA graphs (%s): a batch-1 decode at "
                  "long context reads the MLA cache with that many CTAs.", current, selection.reason)
     elif options.decode_splits <= current:
-        selection = DecodeSplitsSelection(
-            Feature.DECODE_SPLITS, DecodeSplits.KEPT,
-            f"vLLM's {current}: VLLM_LING_DECODE_SPLITS={options.decode_splits} is not above it (a lower bound is "
-            f"`--attention-config '{{\"{VLLM_BOUND_FIELD}\": N}}'`)", bound=current)
+        selection = decided(DecodeSplits.KEPT,
+                            f"vLLM's {current}: VLLM_LING_DECODE_SPLITS={options.decode_splits} is not above it (a lower "
+                            f"bound is `--attention-config '{{\"{VLLM_BOUND_FIELD}\": N}}'`)")
     else:
         heads = hf.num_attention_heads // max(1, vllm_config.parallel_config.tensor_parallel_size)
         spec = vllm_config.speculative_config
@@ -133,18 +131,15 @@ def decide_decode_splits(vllm_config, options: LingOptions | None = None,
         bound = bound_within_budget(options.decode_splits, current, per_split)
         if bound > current:
             setattr(attention, VLLM_BOUND_FIELD, bound)
-            selection = DecodeSplitsSelection(
-                Feature.DECODE_SPLITS, DecodeSplits.RAISED,
-                f"above vLLM's {current}: the split buffers take {bound * per_split / 2**20:.0f} MiB at {tokens} "
-                "decode tokens", bound=bound)
+            selection = decided(DecodeSplits.RAISED,
+                                f"above vLLM's {current}: the split buffers take {bound * per_split / 2**20:.0f} MiB "
+                                f"at {tokens} decode tokens", bound)
             log_once(logger, logging.INFO, "decode-splits",
                      "FlashAttention decode steps in CUDA graphs may split the KV cache %d ways (%s).",
                      bound, selection.reason)
         else:
-            selection = DecodeSplitsSelection(
-                Feature.DECODE_SPLITS, DecodeSplits.KEPT,
-                f"vLLM's {current}: more splits' buffers exceed {ACCUM_BUDGET_BYTES >> 20} MiB at "
-                f"{tokens} decode tokens (--max-num-seqs)", bound=current)
+            selection = decided(DecodeSplits.KEPT, f"vLLM's {current}: more splits' buffers exceed "
+                                f"{ACCUM_BUDGET_BYTES >> 20} MiB at {tokens} decode tokens (--max-num-seqs)")
     record_decode_splits(hf, selection)
     return selection
 

@@ -165,8 +165,9 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                            "kv_cache_bytes": {"type": "integer", "minimum": 0}},
         },
         # Added after warm-up by the reporting worker (vllm_ling.runtime.startup_facts): its
-        # humming JIT kernels compiled vs loaded from the cache, and its attention builders' split bounds. Not applicable (CPU): zeros and
-        # the reason; applicable but not observed: null counts and the reason.
+        # humming JIT kernels compiled vs loaded from the cache (not applicable (CPU): zeros and the
+        # reason; applicable but not observed: null counts and the reason), and the split bounds its
+        # attention metadata builders hold.
         "startup": {
             "type": "object",
             "required": ["humming_jit_applicable", "humming_jit_compiled_kernels", "humming_jit_cache_hits",

@@ -59,8 +59,7 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
 
 
 @functools.cache
-def cuda_text(name: str) -> str:
-    """A CUDA file of this package (a kernel, or ``select.cuh``), as text."""
+def _text(name: str) -> str:
     return resources.files(__package__).joinpath(name).read_bytes().decode()
 
 
@@ -69,7 +68,7 @@ def source(num_experts: int, n_group: int, topk_group: int, top_k: int, renormal
     """The CUDA text handed to NVRTC: the configuration as ``#define`` lines, the selection helpers
     (``select.cuh``), then the variant's kernel."""
     return define_lines(dict(E_=num_experts, NG=n_group, TG=topk_group, K_=top_k, RENORM=int(renormalize))) \
-        + cuda_text("select.cuh") + cuda_text(VARIANTS[variant][0])
+        + _text("select.cuh") + _text(VARIANTS[variant][0])
 
 
 _COMPILED: dict[tuple, object] = {}
