@@ -357,8 +357,8 @@ OPTIONS: tuple[Option, ...] = (
            "decode steps in full CUDA graphs may split FlashAttention's KV reads this many ways (vLLM caps "
            "them at its `flash_attn_max_num_splits_for_cuda_graph`, 32: at batch 1 an MLA decode then reads a "
            "long context with 32 CTAs), as far as the split buffers of the largest decode batch fit the budget "
-           "of `vllm_ling/runtime/decode_splits.py`; `0` keeps vLLM's bound (one WARNING, reported). A bound "
-           "given in `--attention-config` wins",
+           "of `vllm_ling/runtime/decode_splits.py` (where they cannot, vLLM's bound: one WARNING, reported); "
+           "`0` keeps vLLM's bound (one WARNING, reported). A bound given in `--attention-config` wins",
            minimum=0, maximum=FLASH_ATTN_SPLITS_LIMIT, serve_flag=True, opt_out="0"),
     Option("VLLM_LING_LM_HEAD_KERNEL", "choice", None,
            "force the FP8 head kernel (default: chosen per GPU architecture by measurement)",

@@ -77,10 +77,16 @@ def test_the_bound_shrinks_with_the_decode_batch_and_grows_with_tensor_paralleli
     assert split.bound == 2 * wide.bound  # half the heads per rank, half the bytes per split
 
 
-def test_a_large_batch_server_keeps_vllms_bound_and_says_why():
+def test_a_large_batch_server_keeps_vllms_bound_as_a_fallback_with_one_warning(monkeypatch, caplog):
+    from vllm_ling import log as ling_log
+
+    monkeypatch.setattr(ling_log, "_once", set())
     cfg = _config(max_num_seqs=256, spec_tokens=3)
-    sel = D.decide_decode_splits(cfg, LingOptions(), on_cuda=True)
-    assert sel.choice is D.DecodeSplits.KEPT and sel.bound == VLLM_BOUND
+    with caplog.at_level(logging.WARNING):
+        sel = D.decide_decode_splits(cfg, LingOptions(), on_cuda=True)
+    assert sel.choice is D.DecodeSplits.BUDGET and sel.bound == VLLM_BOUND
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "--max-num-seqs" in warnings[0] and "--attention-config" in warnings[0]
     assert cfg.attention_config.flash_attn_max_num_splits_for_cuda_graph == VLLM_BOUND
     assert "1024 decode tokens" in sel.reason and "--max-num-seqs" in sel.reason
 
@@ -184,6 +190,21 @@ def test_the_entry_turns_inactive_with_a_warning_where_the_builders_do_not(build
         entry = confirm_builders(REQUESTED, builders, 128)
     assert not entry["active"] and says in entry["detail"]
     assert any("not in force" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_the_budgets_fallback_is_requested_and_inactive_in_the_report():
+    from vllm_ling.runtime.verification.checks import Check
+    from vllm_ling.runtime.verification.decode_splits import check_decode_splits, decode_splits_entry
+
+    cfg = _config(max_num_seqs=256, spec_tokens=3)
+    cfg.model_config.hf_config.num_attention_heads = 32
+    D.decide_decode_splits(cfg, LingOptions(), on_cuda=True)
+    row = check_decode_splits(cfg)
+    assert isinstance(row, Check) and row.passed  # vLLM's bound is in force, as recorded
+    entry = decode_splits_entry(cfg, row)
+    assert entry["requested"] and not entry["active"] and entry["detail"].startswith("fallback: vLLM's 32")
+    # after warm-up the fallback stays as it was said, whatever the builders hold
+    assert confirm_builders(entry, {"FlashAttnMLAMetadataBuilder": [32]}, 32) == entry
 
 
 def test_an_entry_not_requested_is_left_as_it_is():

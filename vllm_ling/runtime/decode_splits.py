@@ -11,7 +11,8 @@ meet a long context, which is batch 1 and the speculative verify window.
 
 What it costs: each split keeps an fp32 partial output and log-sum-exp per head and decode token,
 so the bound is raised only as far as that fits :data:`ACCUM_BUDGET_BYTES` for the largest decode
-batch (``--max-num-seqs`` x the decode query length); a large-batch server keeps vLLM's bound.
+batch (``--max-num-seqs`` x the decode query length); a large-batch server keeps vLLM's bound (a
+fallback: one WARNING, and the report's entry requested but inactive).
 
 The config hook (P4) decides before the engine starts, writes the bound into vLLM's
 ``attention_config`` (the metadata builders read it when they are built), and records the
@@ -41,7 +42,8 @@ ACCUM_BYTES = 4  # fp32
 
 class DecodeSplits(Choice):
     RAISED = "raised"        # the bound raised above vLLM's
-    KEPT = "kept"            # vLLM's bound already as high as the budget allows (large decode batches)
+    KEPT = "kept"            # VLLM_LING_DECODE_SPLITS not above vLLM's bound: vLLM's
+    BUDGET = "budget"        # a fallback: more splits' buffers exceed the budget at this decode batch (vLLM's bound)
     OPTED_OUT = "vllm"       # VLLM_LING_DECODE_SPLITS=0: vLLM's bound
     USER = "user"            # the user's --attention-config bound
     NO_FULL_GRAPHS = "none"  # no full CUDA graphs (--enforce-eager, or the user's cudagraph mode): no bound applies
@@ -49,6 +51,7 @@ class DecodeSplits(Choice):
 
 
 SERVING = frozenset((DecodeSplits.RAISED,))
+FALLBACK = frozenset((DecodeSplits.BUDGET,))  # asked for (the default) and not served
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +141,12 @@ def decide_decode_splits(vllm_config, options: LingOptions | None = None,
                      "FlashAttention decode steps in CUDA graphs may split the KV cache %d ways (%s).",
                      bound, selection.reason)
         else:
-            selection = decided(DecodeSplits.KEPT, f"vLLM's {current}: more splits' buffers exceed "
+            selection = decided(DecodeSplits.BUDGET, f"vLLM's {current}: more splits' buffers exceed "
                                 f"{ACCUM_BUDGET_BYTES >> 20} MiB at {tokens} decode tokens (--max-num-seqs)")
+            log_once(logger, logging.WARNING, "decode-splits-budget",
+                     "FlashAttention's decode splits stay at vLLM's %d in CUDA graphs (%s): a batch-1 decode at long "
+                     "context reads the MLA cache with that many CTAs. A smaller --max-num-seqs raises them, or give "
+                     "--attention-config '{\"%s\": N}' yourself.", current, selection.reason, VLLM_BOUND_FIELD)
     record_decode_splits(hf, selection)
     return selection
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm_ling.log import get_logger
 from vllm_ling.options import opt_out_setting
-from vllm_ling.runtime.decode_splits import SERVING, bound_in_force, recorded_decode_splits
+from vllm_ling.runtime.decode_splits import FALLBACK, SERVING, bound_in_force, recorded_decode_splits
 from vllm_ling.runtime.verification.checks import Check
 
 CHECK_NAME = "decode_splits"
@@ -35,9 +35,11 @@ def check_decode_splits(vllm_config) -> Check:
 
 
 def decode_splits_entry(vllm_config, row: Check) -> dict[str, Any]:
-    """Requested where the bound was raised; active where the row passed (and, after warm-up, the
-    builders hold it: :func:`confirm_builders`)."""
+    """Requested where the bound was raised, or where the budget kept vLLM's (a fallback: inactive); active
+    where it was raised and the row passed (and, after warm-up, the builders hold it: :func:`confirm_builders`)."""
     recorded = recorded_decode_splits(vllm_config.model_config.hf_config)
+    if recorded is not None and recorded.choice in FALLBACK:
+        return {"requested": True, "active": False, "detail": f"fallback: {recorded.reason}"}
     if recorded is None or recorded.choice not in SERVING:
         why = recorded.reason if recorded is not None else "no decision recorded"
         return {"requested": False, "active": False, "detail": f"not selected: {why}"}
@@ -47,8 +49,9 @@ def decode_splits_entry(vllm_config, row: Check) -> dict[str, Any]:
 def confirm_builders(entry: dict[str, Any], builders: dict[str, list[int]], bound: int) -> dict[str, Any]:
     """The report entry once the metadata builders are built: active only where FlashAttention builders
     hold ``bound`` and none holds another cap (0: a builder for steps outside full graphs, where vLLM passes
-    no bound at all). One WARNING where a requested bound is not what the builders hold."""
-    if not entry.get("requested"):
+    no bound at all). One WARNING where a raised bound is not what the builders hold; an entry not active
+    (not asked for, or a fallback already said) is left as it is."""
+    if not entry.get("active"):
         return entry
     capped = {n for values in builders.values() for n in values if n}
     held = ", ".join(f"{name} {'/'.join(map(str, values))}" for name, values in sorted(builders.items())) \
