@@ -22,6 +22,7 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-bench # the router top-k kernels (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh mla-splits   # FlashAttention 3's MLA decode by split bound (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-step  # the router between its real neighbours (kernel-only)
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh norm-chain   # the residual norms between their real neighbours
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh dense-bench # the widest dense FP8 linears at 8-16 rows (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
@@ -389,6 +390,15 @@ router-step)
   # are built): GEMV -> top-k -> routed experts against the chain without the top-k (benchmarks/router_in_step.py)
   timeout 420 python3 -m benchmarks.router_in_step --out "$OUT/router-in-step.md" > "$out/router-in-step.txt" 2>&1
   echo "router-in-step rc $?" >> "$out/rc.txt"
+  ;;
+norm-chain)
+  # Issue 29's norms on an idle GPU (kernel-only, a minute or two): residual add + RMSNorm as Inductor compiles it
+  # and as vllm-ling's kernel, each before the linear it feeds, against the linears alone (benchmarks/norm_in_chain.py),
+  # and the kernel's GPU tests
+  timeout 300 python3 -m benchmarks.norm_in_chain --out "$OUT/norm-in-chain.md" > "$out/norm-in-chain.txt" 2>&1
+  echo "norm-in-chain rc $?" >> "$out/rc.txt"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/residual_norm > "$out/norm-tests.txt" 2>&1
+  echo "norm-tests rc $?" >> "$out/rc.txt"
   ;;
 mla-splits)
   # Issue 29's MLA decode on an idle GPU (kernel-only, a minute or two): FlashAttention 3 at Ling's shape against

@@ -103,6 +103,11 @@ class RouterTopk(Choice):
     VLLM = "vllm"  # opt out: vLLM's grouped_topk (its fused kernel on CUDA, CPURouter on CPU)
 
 
+class ResidualNorm(Choice):
+    LING = "ling"  # vllm-ling's residual add + RMSNorm kernel as the provider of vLLM's IR op (CUDA)
+    VLLM = "vllm"  # opt out: vLLM's platform default (Inductor's fused reduction under torch.compile)
+
+
 class Drafter(Choice):
     MTP = "mtp"        # the checkpoint's own NEXTN layer
     DSPARK = "dspark"  # a separate DSpark drafter (VLLM_LING_DSPARK_MODEL) on vLLM's D-Spark runtime
@@ -343,6 +348,13 @@ OPTIONS: tuple[Option, ...] = (
            "where it cannot run); `vllm` opts out to vLLM's `grouped_topk` (one WARNING, reported). The CPU "
            "path is unchanged",
            choices=RouterTopk, serve_flag=True, opt_out="vllm", warmup_flag=True),
+    Option("VLLM_LING_RESIDUAL_NORM", "choice", ResidualNorm.LING,
+           "`ling`: the decoder layers' residual add + RMSNorm (vLLM's IR op `fused_add_rms_norm`) run "
+           "vllm-ling's kernel on CUDA, which lets the next kernel launch at once so its weights stream while "
+           "the norm runs (an error where it cannot run); `vllm` opts out to vLLM's platform default, "
+           "Inductor's fused reduction (one WARNING, reported). A priority given in `--ir-op-priority` or "
+           "`--kernel-config` wins. The CPU path is unchanged",
+           choices=ResidualNorm, serve_flag=True, opt_out="vllm"),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",
@@ -598,6 +610,7 @@ class LingOptions:
     router_topk: RouterTopk = BY_NAME["VLLM_LING_ROUTER_TOPK"].default
     prefill_graph_tokens: int = BY_NAME["VLLM_LING_PREFILL_GRAPH_TOKENS"].default
     decode_splits: int = BY_NAME["VLLM_LING_DECODE_SPLITS"].default
+    residual_norm: ResidualNorm = BY_NAME["VLLM_LING_RESIDUAL_NORM"].default
     mtp: bool = BY_NAME["VLLM_LING_MTP"].default
     num_spec_tokens: int = BY_NAME["VLLM_LING_NUM_SPEC_TOKENS"].default
     drafter: Drafter | None = BY_NAME["VLLM_LING_DRAFTER"].default

@@ -41,6 +41,7 @@ class Feature(Choice):
     DRAFTER = "drafter"                          # the DSpark drafter: its block, what it reads and shares
     PREFILL_GRAPHS = "prefill_graphs"            # the CUDA graph sizes prefill steps replay
     DECODE_SPLITS = "decode_splits"              # FlashAttention's split-KV bound for decode in CUDA graphs
+    RESIDUAL_NORM = "residual_norm"              # the decoder layers' residual add + RMSNorm
 
 
 class Platform(Choice):

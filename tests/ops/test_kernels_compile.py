@@ -170,6 +170,13 @@ def router_topk_sources() -> dict[str, str]:
             for cfg in (ling, (64, 2, 1, 4)) for variant in router_topk.VARIANTS}
 
 
+def residual_norm_sources() -> dict[str, str]:
+    """Ling's hidden size, and widths of one, two and four 16-byte chunks per thread."""
+    from vllm_ling.ops.residual_norm import kernel as residual_norm
+
+    return {f"hidden={h}": residual_norm.source(h) for h in (CONFIG["hidden_size"], 256, 12288, 32768)}
+
+
 def family_sources(target: Target, family: str) -> dict[str, str]:
     if family == "dense decode":
         dense = dense_decode_sources(target)
@@ -179,10 +186,12 @@ def family_sources(target: Target, family: str) -> dict[str, str]:
         return small_gemv_sources()
     if family == "router top-k":
         return router_topk_sources()
+    if family == "residual norm":
+        return residual_norm_sources()
     return moe_decode_sources(target)
 
 
-CASES = [(t, f) for t in TARGETS for f in ("dense decode", "small GEMV", "router top-k", "MoE decode")
+CASES = [(t, f) for t in TARGETS for f in ("dense decode", "small GEMV", "router top-k", "residual norm", "MoE decode")
          if f != "MoE decode" or t.moe_decode]
 
 

@@ -86,7 +86,8 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
         "model_classes", "moe_layers", "lm_head", "dense_fp8_layers", "small_bf16_layers", "kda_merged_in_proj",
         "kda_fused_conv", "kda_decode", "kda_direct_output", "shared_swiglu_kernel",
         "router_gates", "router_topk", "dspark_drafter", "draft_shares_target_modules",
-        "speculative_config", "prefill_graphs", "decode_splits", "versions", "kernel_known_answers"]
+        "speculative_config", "prefill_graphs", "decode_splits", "residual_norm", "versions",
+        "kernel_known_answers"]
     assert _check(report, "moe_layers")["actual"] == "5 x reference"
     assert _check(report, "moe_layers")["expected"] == (
         "5 routed-expert layers, each serving the selection recorded on it (5 x reference)")
@@ -104,6 +105,8 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
         "requested": False, "active": False, "detail": "not selected: 5 x the CPU platform: vLLM's GateLinear path"}
     assert report["optimizations"]["decode_splits"] == {
         "requested": False, "active": False, "detail": "not selected: no FlashAttention decode on this platform"}
+    assert report["optimizations"]["residual_norm"] == {
+        "requested": False, "active": False, "detail": "not selected: the kernel is CUDA's: vLLM's platform default"}
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(report, REPORT_JSON_SCHEMA)
 
@@ -112,9 +115,10 @@ def test_the_census_reads_every_served_module_once(loaded_tiny_models):
     """One pass over target and draft: every feature's modules with their records; the draft's
     shared head is the target's module, counted once under the target's name."""
     census = _census(loaded_tiny_models)
-    # the speculative method, the prefill graphs and the decode splits are the config's, recorded on no module
+    # the speculative method, the prefill graphs, the decode splits and the residual norms are the config's,
+    # recorded on no module
     count = {f: len(census.of(f)) for f in Feature
-             if f not in (Feature.SPECULATIVE, Feature.PREFILL_GRAPHS, Feature.DECODE_SPLITS)}
+             if f not in (Feature.SPECULATIVE, Feature.PREFILL_GRAPHS, Feature.DECODE_SPLITS, Feature.RESIDUAL_NORM)}
     assert count == {Feature.MOE: 5, Feature.DENSE_FP8: 33, Feature.BF16_GEMV: 7, Feature.ROUTER_GEMV: 5,
                      Feature.ROUTER_TOPK: 5, Feature.FP8_HEAD: 1, Feature.HEAD_KERNEL: 1,
                      Feature.KDA_MERGED_IN_PROJ: 5, Feature.KDA_FUSED_CONV: 5, Feature.KDA_DECODE: 5,
@@ -265,6 +269,13 @@ def _plant_decode_splits(models, monkeypatch):
     return "decode_splits", "FlashAttention decode splits in CUDA graphs at most 32"
 
 
+def _plant_residual_norm(models, monkeypatch):
+    """The config hook recorded vllm-ling's norm first; this worker's dispatcher holds vLLM's default."""
+    monkeypatch.setattr(models[0].model_config.hf_config, "vllm_ling_residual_norm",
+                        {"choice": "ling", "reason": "provider vllm_ling first"}, raising=False)
+    return "residual_norm", "IR op fused_add_rms_norm priority"
+
+
 PLANTED = {Feature.MOE: _plant_moe, Feature.DENSE_FP8: _plant_dense, Feature.BF16_GEMV: _plant_bf16,
            Feature.ROUTER_GEMV: _plant_router, Feature.ROUTER_TOPK: _plant_router_topk,
            Feature.FP8_HEAD: _plant_fp8_head,
@@ -272,7 +283,8 @@ PLANTED = {Feature.MOE: _plant_moe, Feature.DENSE_FP8: _plant_dense, Feature.BF1
            Feature.KDA_FUSED_CONV: _plant_kda_conv, Feature.KDA_DECODE: _plant_kda_decode,
            Feature.KDA_DIRECT_OUTPUT: _plant_kda_direct_output, Feature.SHARED_SWIGLU: _plant_shared_swiglu,
            Feature.SPECULATIVE: _plant_speculative, Feature.DRAFTER: _plant_drafter,
-           Feature.PREFILL_GRAPHS: _plant_prefill_graphs, Feature.DECODE_SPLITS: _plant_decode_splits}
+           Feature.PREFILL_GRAPHS: _plant_prefill_graphs, Feature.DECODE_SPLITS: _plant_decode_splits,
+           Feature.RESIDUAL_NORM: _plant_residual_norm}
 # The models each feature's divergence is planted in (the NEXTN pair unless named here)
 PLANTED_IN = {Feature.DRAFTER: "dspark_on_v2"}
 

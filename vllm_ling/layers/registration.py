@@ -19,4 +19,7 @@ def register_layers() -> list[str]:
     from vllm_ling.layers.router_topk import register_router_topk
 
     done += register_router_topk()
+    from vllm_ling.layers.residual_norm import register_residual_norm
+
+    done += register_residual_norm()
     return done

@@ -34,6 +34,7 @@ from vllm_ling.options import (DSPARK_NEEDS_V2, DSPARK_NOT_ON_CPU, Drafter, Ling
 from vllm_ling.refusal import Refusal
 from vllm_ling.runtime import ray_env
 from vllm_ling.runtime.decode_splits import decide_decode_splits
+from vllm_ling.runtime.residual_norm import decide_residual_norm
 from vllm_ling.runtime.spec_policy import PP_NO_DRAFT_REASON, VLLM_DSPARK_METHOD, speculative_schedule
 
 logger = get_logger("config")
@@ -121,6 +122,7 @@ class LingConfigHook:
                      "(vllm_ling/runtime/ray_env.py), whatever its node's environment says.",
                      len(ray_env.propagated_names()))
         decide_decode_splits(vllm_config, options, on_cuda=current_platform.is_cuda())
+        decide_residual_norm(vllm_config, options, on_cuda=current_platform.is_cuda())
         cache = vllm_config.cache_config
         if (current_platform.is_cpu() and has_kda_layers(model_config.hf_config)
                 and cache.enable_prefix_caching):

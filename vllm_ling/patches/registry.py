@@ -126,7 +126,8 @@ PATCHES: tuple[Patch, ...] = (
             "per-architecture hook vLLM runs while building `VllmConfig`: conflicting "
             "options fail before weights load; on CPU the hybrid model runs without prefix "
             "caching (vLLM's `align` mamba mode needs Triton); on CUDA FlashAttention's decode split "
-            "bound in CUDA graphs is raised for small decode batches (`VLLM_LING_DECODE_SPLITS`)",
+            "bound in CUDA graphs is raised for small decode batches (`VLLM_LING_DECODE_SPLITS`) and vllm-ling's "
+            "residual norm kernel is put first in vLLM's IR op priority (`VLLM_LING_RESIDUAL_NORM`)",
         upstream="no public way for an out-of-tree model to register a config hook",
         delete_when="vLLM offers a public config-hook registration",
     ),

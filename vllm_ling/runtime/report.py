@@ -184,6 +184,8 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 # (vllm_ling.runtime.decode_splits.builder_bounds)
                 "decode_split_bounds": {"type": "object", "additionalProperties": {
                     "type": "array", "items": {"type": "integer", "minimum": 0}}},
+                # calls of vllm-ling's residual norm op before serving (vllm_ling.layers.residual_norm.calls)
+                "residual_norm_calls": {"type": "integer", "minimum": 0},
             },
         },
     },

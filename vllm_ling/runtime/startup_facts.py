@@ -1,6 +1,7 @@
 """Startup facts a worker knows only after vLLM allocated the KV cache and warmed up: the KV
-cache's bytes, this process's humming JIT compiles and cache hits, and the split bound its
-FlashAttention metadata builders hold (the ``decode_splits`` entry is confirmed against it).
+cache's bytes, this process's humming JIT compiles and cache hits, the split bound its
+FlashAttention metadata builders hold (the ``decode_splits`` entry is confirmed against it) and how often
+the model called the residual norm kernel (the ``residual_norm`` entry is confirmed by it).
 
 vLLM 0.32 holds the allocated KV cache only in the worker: its model runner's ``kv_caches``
 are views of the raw tensors sized by the engine's ``KVCacheConfig``. The front end learns
@@ -24,6 +25,7 @@ from vllm_ling.runtime.decode_splits import bound_in_force, builder_bounds
 from vllm_ling.runtime.report import is_reporting_rank, update_report
 from vllm_ling.runtime.storage import distinct_storage_bytes
 from vllm_ling.runtime.verification.decode_splits import confirm_builders
+from vllm_ling.runtime.verification.residual_norm import confirm_calls
 
 logger = get_logger("startup")
 
@@ -64,6 +66,9 @@ def record_after_warmup(worker) -> dict[str, Any]:
 
     builders = builder_bounds(worker.model_runner)
     startup["decode_split_bounds"] = builders
+    from vllm_ling.layers.residual_norm import calls as residual_norm_calls
+
+    norm_calls = startup["residual_norm_calls"] = residual_norm_calls()
 
     def merge(report: dict[str, Any]) -> None:
         report["startup"] = startup
@@ -72,6 +77,9 @@ def record_after_warmup(worker) -> dict[str, Any]:
         if splits is not None:
             report["optimizations"]["decode_splits"] = confirm_builders(
                 splits, builders, bound_in_force(worker.vllm_config))
+        norm = report.get("optimizations", {}).get("residual_norm")
+        if norm is not None:
+            report["optimizations"]["residual_norm"] = confirm_calls(norm, norm_calls)
 
     path = LingOptions.current().report_path
     if is_reporting_rank() and path and not update_report(path, merge):

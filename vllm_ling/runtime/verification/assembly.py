@@ -23,6 +23,8 @@ from vllm_ling.runtime.verification.optimizations import entry, moe_backend, moe
 from vllm_ling.runtime.verification.prefill_graphs import CHECK_NAME as PREFILL_GRAPHS
 from vllm_ling.runtime.verification.prefill_graphs import check_prefill_graphs, prefill_graphs_entry
 from vllm_ling.runtime.verification.recorded import check_recorded
+from vllm_ling.runtime.verification.residual_norm import CHECK_NAME as RESIDUAL_NORM
+from vllm_ling.runtime.verification.residual_norm import check_residual_norm, residual_norm_entry
 from vllm_ling.runtime.verification.speculative import CHECK_NAME as SPECULATIVE
 from vllm_ling.runtime.verification.speculative import Speculative, check_speculative, mtp_entry
 from vllm_ling.runtime.verification.stage import has_head, pipeline_stage
@@ -74,6 +76,7 @@ def build_report(target, draft, vllm_config, options: LingOptions, spec: Specula
               sharing, guarded(SPECULATIVE, lambda: check_speculative(spec, options)),
               guarded(PREFILL_GRAPHS, lambda: check_prefill_graphs(vllm_config)),
               guarded(DECODE_SPLITS, lambda: check_decode_splits(vllm_config)),
+              guarded(RESIDUAL_NORM, lambda: check_residual_norm(vllm_config)),
               guarded("versions", lambda: check_versions(platform)), known_answers.check(known)]
     by_name = {c.name: c for c in checks}
     optimizations = {r.optimization: entry(r, census, rows[r.check], known, r.expected(config, stage, nextn_here)
@@ -83,6 +86,7 @@ def build_report(target, draft, vllm_config, options: LingOptions, spec: Specula
     optimizations["mtp"] = mtp_entry(spec, sharing)
     optimizations["prefill_graphs"] = prefill_graphs_entry(vllm_config, by_name[PREFILL_GRAPHS])
     optimizations["decode_splits"] = decode_splits_entry(vllm_config, by_name[DECODE_SPLITS])
+    optimizations["residual_norm"] = residual_norm_entry(vllm_config, by_name[RESIDUAL_NORM])
     backends = attention_backends(target, draft)
     return {
         "passed": all(c.passed for c in checks),

@@ -1,0 +1,101 @@
+"""The residual-norm family: the IR op priority this worker's dispatcher holds is the one the config hook
+recorded (:mod:`vllm_ling.runtime.residual_norm`), and where vllm-ling's kernel is asked for, the dispatcher
+picks it for the model's own rows and it computes the known answers; the report's ``residual_norm`` entry.
+After warm-up the worker counts the kernel's calls (:func:`confirm_calls`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_ling.log import get_logger
+from vllm_ling.options import opt_out_setting
+from vllm_ling.runtime.residual_norm import OPTION, PROVIDER, SERVING, NormPath, priority_in_force, \
+    recorded_residual_norm
+from vllm_ling.runtime.verification.checks import Check
+
+CHECK_NAME = "residual_norm"
+KNOWN_TOKENS = (1, 4, 67)  # a decode token, the verify window, a prefill-sized grid of CTAs
+# bf16 outputs: the new residual is exact; the normalised row may differ by one rounding of
+# rsqrt's last bit (one BF16 step, 2**-7 relative)
+NORM_RTOL, NORM_ATOL = 2.0 ** -7, 1e-6
+logger = get_logger("verify")
+
+
+def known_answers(hidden: int, eps: float, device: torch.device) -> tuple[bool, str]:
+    """Run vLLM's IR op on known rows through its dispatcher: whether it picked ``vllm_ling`` and matched the
+    plain-PyTorch reference at every size of :data:`KNOWN_TOKENS` (the detail says which did not)."""
+    from vllm import ir
+
+    from vllm_ling.ops.residual_norm.kernel import add_rms_norm_cuda
+    from vllm_ling.ops.residual_norm.reference import add_rms_norm
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16).to(device)
+    problems = []
+    for tokens in KNOWN_TOKENS:
+        x = (4 * torch.randn(tokens, hidden, generator=gen)).to(torch.bfloat16).to(device)
+        residual = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+        impl = ir.ops.fused_add_rms_norm.dispatch(x, residual, weight, eps)
+        if impl.provider != PROVIDER:
+            problems.append(f"{tokens} token(s): the dispatcher picked {impl.provider}")
+            continue
+        out, new_residual = add_rms_norm_cuda(x, residual, weight, eps)  # the provider's kernel, uncounted
+        want_out, want_residual = add_rms_norm(x, residual, weight, eps)
+        if not torch.equal(new_residual, want_residual):
+            problems.append(f"{tokens} token(s): wrong residual")
+        if not torch.allclose(out.float(), want_out.float(), rtol=NORM_RTOL, atol=NORM_ATOL):
+            err = (out.float() - want_out.float()).abs().max().item()
+            problems.append(f"{tokens} token(s): normalised rows off by up to {err:.3g}")
+    if problems:
+        return False, "; ".join(problems)
+    return True, f"known answers at {'/'.join(map(str, KNOWN_TOKENS))} tokens x {hidden}"
+
+
+def check_residual_norm(vllm_config, device: torch.device | None = None) -> Check:
+    """The recorded decision against the priority this worker installed, and where the kernel serves, the
+    dispatcher's pick and the known answers at the model's hidden size."""
+    hf = vllm_config.model_config.hf_config
+    recorded = recorded_residual_norm(hf)
+    in_force = priority_in_force()
+    actual = f"IR op fused_add_rms_norm priority {','.join(in_force) or '(none)'}"
+    if recorded is None:
+        return Check(CHECK_NAME, False, "a decision recorded by the config hook (P4)", actual,
+                     "the config hook did not run for this model: check `vllm_ling.patches.registry`")
+    expected = f"{recorded.choice}: {recorded.reason}"
+    fix = ("something changed vLLM's ir_op_priority after vllm-ling set it: give `--ir-op-priority` yourself, or "
+           f"{opt_out_setting(OPTION)}")
+    if recorded.choice is NormPath.USER:
+        return Check(CHECK_NAME, True, expected, actual)
+    if recorded.choice not in SERVING:
+        return Check(CHECK_NAME, PROVIDER not in in_force, expected, actual, fix)
+    if in_force[:1] != [PROVIDER]:
+        return Check(CHECK_NAME, False, expected, actual, fix)
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    passed, detail = known_answers(int(hf.hidden_size), float(hf.rms_norm_eps), device)
+    return Check(CHECK_NAME, passed, expected, f"{actual}; {detail}",
+                 "" if passed else f"the residual norm kernel computes wrong: {opt_out_setting(OPTION)} and report it")
+
+
+def residual_norm_entry(vllm_config, row: Check) -> dict[str, Any]:
+    """Requested where the kernel was put first; active where the row passed (and, after warm-up, the compiled
+    model called the kernel: :func:`confirm_calls`)."""
+    recorded = recorded_residual_norm(vllm_config.model_config.hf_config)
+    if recorded is None or recorded.choice not in SERVING:
+        why = recorded.reason if recorded is not None else "no decision recorded"
+        return {"requested": False, "active": False, "detail": f"not selected: {why}"}
+    return {"requested": True, "active": row.passed, "detail": row.actual}
+
+
+def confirm_calls(entry: dict[str, Any], calls: int) -> dict[str, Any]:
+    """The report entry once the model ran (profile run, warm-up, CUDA graph capture): active only where the
+    kernel was called (the known answers launch the kernel itself and do not count). One WARNING where it was
+    not; an entry not active is left as it is."""
+    if not entry.get("active"):
+        return entry
+    if calls > 0:
+        return {**entry, "detail": f"{entry['detail']}; {calls} call(s) by the model before serving"}
+    why = "the compiled model never called it (vLLM's lowering picked another provider)"
+    logger.warning("The residual norm kernel is first in the IR op priority but not served: %s.", why)
+    return {**entry, "active": False, "detail": f"{entry['detail']}; not in force: {why}"}
