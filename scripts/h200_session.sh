@@ -140,7 +140,8 @@ tiny_test() {  # name, time limit (s): one tiny end-to-end test of $e2e by its s
     tests/ops/test_known_answer_gpu.py tests/ops/test_router_topk_gpu.py ;;
   kernels-b) part kernels-b "$limit" -m gpu tests/ops/moe tests/ops/lm_head tests/ops/test_humming_jit.py tests/benchmarks ;;
   # the served layers' GPU tests (router top-k, fused conv, MoE routing) and the one-launch KDA decode
-  kernels-c) part kernels-c "$limit" -m gpu tests/layers tests/ops/test_kda_decode.py tests/models/test_shared_swiglu.py ;;
+  kernels-c) part kernels-c "$limit" -m gpu tests/layers tests/ops/test_kda_decode.py tests/models/test_shared_swiglu.py \
+    tests/ops/residual_norm ;;
   # the routed-expert clamp mode (issue 43): the MoE kernels and known answers that tell the modes apart
   moe-clamp) part moe-clamp "$limit" -m gpu tests/ops/test_known_answer_gpu.py tests/ops/moe \
     tests/benchmarks/test_decode_standins.py tests/layers/test_moe_routing_gpu.py ;;
