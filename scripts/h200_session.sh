@@ -12,7 +12,9 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-flashmla # full-size: ours with vLLM's FlashMLA decode backend
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-kdavllm  # full-size: ours with vLLM's KDA decode kernels
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-splits32 # full-size: ours with vLLM's 32 decode splits in graphs
-#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32  # those tiny end-to-end tests beside it first
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-normvllm # full-size: ours with vLLM's (Inductor's) norms
+#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours-normvllm
+#                                   # those tiny end-to-end tests beside it first
 #   LAYERS=6 TREE_COMMIT=<sha> bash scripts/h200_session.sh slices  # A/B of each switch on a 6-layer slice
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh cuts   # the decode-step cuts' GPU tests (each cut that fails
 #                                                         # is switched off in the later phases), router bench;
@@ -165,9 +167,10 @@ for m in sys.argv[1:]: abort_with_stacks(m)" $markers
 # a pytest log's summary line: passed (nothing failed), or failed (a failure counted, not a time-out)
 passed() { [ -e "$1" ] && grep -qE '^[0-9]+ passed' "$1" && ! grep -qE '^[0-9]+ (failed|error)' "$1"; }
 failed() { [ -e "$1" ] && grep -qE '^[0-9]+ (failed|error)' "$1"; }
-cuts_off() {  # cut (kda_decode, router_topk): why a later phase serves it off after phase cuts (empty: on)
-  local dir=/tmp/gpu-run-cuts cut=$1
-  local log="$dir/${cut//_/-}.log"  # its kernel tests' part: kda-decode, router-topk
+cuts_off() {  # cut (kda_decode, router_topk, residual_norm): why a later phase serves it off after phase cuts
+  local dir=/tmp/gpu-run-cuts cut=$1   # (or norm-chain, for the residual norm) ran its kernel tests (empty: on)
+  [ "$cut" = residual_norm ] && dir=/tmp/gpu-run-norm-chain
+  local log="$dir/${cut//_/-}.log"  # its kernel tests' part: kda-decode, router-topk, residual-norm
   if [ -e "$log" ] && ! passed "$log"; then echo "its kernel tests did not pass"; return; fi
   [ "$cut" = kda_decode ] || return 0
   if [ ! -e "$dir/cuts-e2e.log" ] || passed "$dir/cuts-e2e.log"; then return; fi
@@ -234,7 +237,7 @@ tests)
   [ "${#pids[@]}" -gt 0 ] && wait "${pids[@]}"
   record_tiny "$names"
   ;;
-ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32)
+ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours-normvllm)
   # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
   # full-size start, which measures only once they are done (the timings stay that server's own).
   # STARTUP_S (480) and TINY_S (420): the start-up and beside-test limits; scripts/h200_lease.sh, whose
@@ -272,9 +275,12 @@ ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32)
   [ "$phase" = ours-kdavllm ] && composition+=(--switch VLLM_LING_KDA_DECODE=0)
   # issue 29's MLA decode cut against vLLM's bound (32 splits: 32 CTAs read a batch-1 decode's latent cache)
   [ "$phase" = ours-splits32 ] && composition+=(--switch VLLM_LING_DECODE_SPLITS=0)
+  # issue 29's norms against Inductor's (vLLM's default under torch.compile), back to back with ours
+  [ "$phase" = ours-normvllm ] && composition+=(--switch VLLM_LING_RESIDUAL_NORM=vllm)
   # a decode-step cut (default on, never served on a GPU before) that did not pass its GPU tests earlier
   # in this lease (phase cuts) is served off (cuts_off), rather than lose the phase to it
-  [ "$phase" != upstream ] && for cut in kda_decode:VLLM_LING_KDA_DECODE=0 router_topk:VLLM_LING_ROUTER_TOPK=vllm; do
+  [ "$phase" != upstream ] && for cut in kda_decode:VLLM_LING_KDA_DECODE=0 router_topk:VLLM_LING_ROUTER_TOPK=vllm \
+                                         residual_norm:VLLM_LING_RESIDUAL_NORM=vllm; do
     why=$(cuts_off "${cut%%:*}")
     [ -n "$why" ] && composition+=(--switch "${cut#*:}") && echo "$phase: ${cut#*:} ($why)" >> "$out/rc.txt"
   done
@@ -398,8 +404,8 @@ norm-chain)
   # and the kernel's GPU tests
   timeout 300 python3 -m benchmarks.norm_in_chain --out "$OUT/norm-in-chain.md" > "$out/norm-in-chain.txt" 2>&1
   echo "norm-in-chain rc $?" >> "$out/rc.txt"
-  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/residual_norm > "$out/norm-tests.txt" 2>&1
-  echo "norm-tests rc $?" >> "$out/rc.txt"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/residual_norm > "$out/residual-norm.log" 2>&1
+  echo "residual-norm tests rc $?" >> "$out/rc.txt"  # a later phase serves the norm off where they failed (cuts_off)
   ;;
 mla-splits)
   # Issue 29's MLA decode on an idle GPU (kernel-only, a minute or two): FlashAttention 3 at Ling's shape against
