@@ -34,6 +34,17 @@ def cuda_capability(device: torch.device | str | None) -> tuple[int, int] | str:
     return torch.cuda.get_device_capability(device)
 
 
+def sm80_unavailable_reason(device: torch.device | str | None) -> str | None:
+    """Why a kernel of this package that needs sm_80+ (BF16 conversions and MMAs) cannot compile or run on
+    ``device`` (None when it can)."""
+    capability = cuda_capability(device)
+    if isinstance(capability, str):
+        return capability
+    if capability[0] < 8:
+        return f"sm_{capability[0]}{capability[1]}: needs sm_80+"
+    return jit_unavailable_reason()
+
+
 @functools.cache
 def pdl_available(device: torch.device) -> bool:
     """Programmatic dependent launch takes effect on ``device`` (sm_90+: below it the kernels compile

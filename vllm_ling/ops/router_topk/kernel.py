@@ -48,14 +48,9 @@ def shape_problems(num_experts: int, n_group: int, topk_group: int, top_k: int) 
 
 def unavailable_reason(device: torch.device | str | None = None) -> str | None:
     """Why the kernel cannot run on ``device`` (None when it can)."""
-    from vllm_ling.ops.cuda_jit import cuda_capability, jit_unavailable_reason
+    from vllm_ling.ops.cuda_jit import sm80_unavailable_reason
 
-    capability = cuda_capability(device)
-    if isinstance(capability, str):
-        return capability
-    if capability[0] < 8:
-        return f"sm_{capability[0]}{capability[1]}: needs sm_80+"
-    return jit_unavailable_reason()
+    return sm80_unavailable_reason(device)
 
 
 @functools.cache

@@ -56,15 +56,9 @@ def kernel_unavailable_reason() -> str | None:
 
 def unavailable_reason(device: torch.device | str | None = None) -> str | None:
     """Why the kernel cannot run on ``device`` (None when it can)."""
-    from vllm_ling.ops.cuda_jit import cuda_capability
+    from vllm_ling.ops.cuda_jit import sm80_unavailable_reason
 
-    capability = cuda_capability(device)
-    if isinstance(capability, str):
-        return capability
-    major, minor = capability
-    if major < 8:
-        return f"sm_{major}{minor}: needs sm_80+"
-    return kernel_unavailable_reason()
+    return sm80_unavailable_reason(device)
 
 
 def staged_tokens(k: int) -> int:
