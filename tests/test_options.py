@@ -75,7 +75,7 @@ def test_warmup_flags_come_from_the_table():
     assert {opt.name for opt in o.warmup_options()} == {
         "VLLM_LING_MOE_BACKEND", "VLLM_LING_MOE_W4A8", "VLLM_LING_MOE_DECODE", "VLLM_LING_MOE_DECODE_MAX_TOKENS",
         "VLLM_LING_FP8_HEAD", "VLLM_LING_DENSE_FP8", "VLLM_LING_ROUTER_GEMV", "VLLM_LING_ROUTER_TOPK",
-        "VLLM_LING_BF16_GEMV",
+        "VLLM_LING_BF16_GEMV", "VLLM_LING_RESIDUAL_NORM",
         "VLLM_LING_KDA_MERGED_IN_PROJ", "VLLM_LING_TENSOR_PARALLEL_SIZE", "VLLM_LING_WARMUP_TOKEN_COUNTS",
         "VLLM_LING_WARMUP_ROW_COUNTS", "VLLM_LING_HUMMING_CACHE"}
     dests = {action.dest for action in build_warmup_parser()._actions}

@@ -354,7 +354,7 @@ OPTIONS: tuple[Option, ...] = (
            "the norm runs (an error where it cannot run); `vllm` opts out to vLLM's platform default, "
            "Inductor's fused reduction (one WARNING, reported). A priority given in `--ir-op-priority` or "
            "`--kernel-config` wins. The CPU path is unchanged",
-           choices=ResidualNorm, serve_flag=True, opt_out="vllm"),
+           choices=ResidualNorm, serve_flag=True, opt_out="vllm", warmup_flag=True),
     Option("VLLM_LING_FP8_HEAD", "bool", True,
            "`0`: keep the checkpoint's BF16 head. Exclusive with `--hf-overrides "
            "'{\"head_dtype\": \"float32\"}'` and `draft_lm_head_quantization` (rejected before load)",

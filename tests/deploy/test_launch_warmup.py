@@ -143,6 +143,18 @@ def test_shapes_follow_the_config(tmp_path):
     assert shapes.vocab_rows >= config["vocab_size"] and shapes.vocab_rows % 64 == 0
 
 
+def test_residual_norm_plan_follows_the_switch_and_the_width(tmp_path):
+    config = json.loads(FLASH_CONFIG.read_text())
+    plan = functools.partial(_plan, tmp_path, config)
+
+    on = plan({})
+    assert on.residual_norm and f"residual norm {config['hidden_size']}" in on.describe()
+    off = plan({"VLLM_LING_RESIDUAL_NORM": "vllm"})
+    assert not off.residual_norm and "residual norm skipped (VLLM_LING_RESIDUAL_NORM=vllm" in off.describe()
+    odd = plan({}, hidden_size=2568)  # not whole warps of 16-byte chunks: the server keeps vLLM's norm
+    assert not odd.residual_norm and "residual norm skipped (hidden size 2568" in odd.describe()
+
+
 def test_cuda_path_passes_config_shapes_to_each_kernel_group(tmp_path, monkeypatch, capsys):
     """With a (pretend) GPU, warmup calls the two kernel groups with the checkpoint's shapes
     under the cache lock, in the configured cache, and prints one timing row per group."""
@@ -223,6 +235,7 @@ def test_real_kernel_warmup_functions_accept_the_arguments_warmup_passes():
     inspect.signature(groups["lm_head"]).bind(shapes.vocab_rows, shapes.hidden_size, row_counts=[1, 4])
     inspect.signature(groups["dense_fp8"]).bind([(12288, 2560)])
     inspect.signature(groups["router"]).bind(shapes.hidden_size, shapes.num_experts)
+    inspect.signature(groups["residual_norm"]).bind(shapes.hidden_size)
 
 
 COMBINATIONS = [

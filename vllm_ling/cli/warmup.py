@@ -28,7 +28,7 @@ from vllm_ling.cli.serve import (DEFAULT_MODEL, EXIT_USAGE, LaunchError, check_m
 from vllm_ling.models.dense_linears import distinct_decode_shapes
 from vllm_ling.ops.moe.humming import HummingUnavailable
 from vllm_ling.ops.moe.selection import MoePath, MoeSelection, MoeShape, select_moe
-from vllm_ling.options import LingOptionError, LingOptions, opt_out_setting, warmup_options
+from vllm_ling.options import LingOptionError, LingOptions, ResidualNorm, opt_out_setting, warmup_options
 from vllm_ling.selection import Platform, Selection
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it
@@ -179,6 +179,17 @@ class WarmupPlan:
 
         return self.router_topk_selection().choice is RouterTopk.LING
 
+    @property
+    def residual_norm(self) -> bool:
+        """The server puts vllm-ling's residual norm first on CUDA (the config hook's decision for a default
+        priority) and the kernel takes the model's rows."""
+        import torch
+
+        from vllm_ling.ops.residual_norm.kernel import shape_problems
+
+        return (self.options.residual_norm is ResidualNorm.LING
+                and not shape_problems(self.shapes.hidden_size, torch.bfloat16, torch.bfloat16))
+
     def bf16_selection(self) -> Selection:
         from vllm_ling.ops.small_gemv.selection import select_bf16_gemv
 
@@ -218,10 +229,14 @@ class WarmupPlan:
         bf16 = (f"BF16 linears small GEMV {s.bf16_linear_rows} x {s.hidden_size}" if self.bf16_linears else
                 "BF16 linears skipped (" + (f"{bf16_sel.reason}: vLLM's GEMM serves" if self.bf16_problems == []
                                             else "; ".join(self.bf16_problems)) + ")")
+        norm = (f"residual norm {s.hidden_size}" if self.residual_norm else
+                f"residual norm skipped ({opt_out_setting('VLLM_LING_RESIDUAL_NORM')}: vLLM's norm serves)"
+                if self.options.residual_norm is not ResidualNorm.LING else
+                f"residual norm skipped (hidden size {s.hidden_size}: vLLM's norm serves)")
         return (f"{self.model_dir} (tensor parallel {self.tensor_parallel_size}): hidden "
                 f"{s.hidden_size}, expert intermediate {s.intermediate_size}, {s.num_experts} "
                 f"experts, top-{s.top_k}, SwiGLU limits {list(s.swiglu_limits)}; {moe}; {head} "
-                f"{s.vocab_rows} x {s.hidden_size}; {dense}; {router}; {topk}; {bf16}")
+                f"{s.vocab_rows} x {s.hidden_size}; {dense}; {router}; {topk}; {bf16}; {norm}")
 
 
 def _checked_by_building(w4a8: bool) -> tuple[bool, str]:
@@ -270,11 +285,13 @@ def _load_warmup_functions():
     try:
         from vllm_ling.ops import lm_head, moe
         from vllm_ling.ops.dense_fp8 import warmup as dense_fp8
+        from vllm_ling.ops.residual_norm import warmup as residual_norm
         from vllm_ling.ops.router_topk import warmup as router_topk
         from vllm_ling.ops.small_gemv import warmup as small_gemv
         return [("moe", moe.warmup_kernels), ("lm_head", lm_head.warmup_kernels),
                 ("dense_fp8", dense_fp8.warmup_kernels), ("router", small_gemv.warmup_router),
-                ("router_topk", router_topk.warmup_kernels), ("bf16_linears", small_gemv.warmup_bf16_linears)]
+                ("router_topk", router_topk.warmup_kernels), ("bf16_linears", small_gemv.warmup_bf16_linears),
+                ("residual_norm", residual_norm.warmup_kernels)]
     except (ImportError, AttributeError) as exc:
         raise LaunchError(
             "this vllm-ling has no kernel warmup (vllm_ling.ops.moe.warmup_kernels / "
@@ -319,7 +336,8 @@ def warmup_main(argv: list[str]) -> int:
 
     try:
         wanted = {"moe": plan.moe, "lm_head": plan.head, "dense_fp8": plan.dense, "router": plan.router,
-                  "router_topk": plan.router_topk, "bf16_linears": plan.bf16_linears}
+                  "router_topk": plan.router_topk, "bf16_linears": plan.bf16_linears,
+                  "residual_norm": plan.residual_norm}
         groups = [(name, warm) for name, warm in _load_warmup_functions() if wanted[name]]
     except LaunchError as exc:
         print(f"vllm-ling warmup: error: {exc}", file=sys.stderr)
@@ -364,4 +382,6 @@ def _run_group(name: str, warm, plan, shapes):
         return warm(shapes.num_experts, shapes.n_group, shapes.topk_group, shapes.top_k)
     if name == "bf16_linears":
         return warm(shapes.bf16_linear_rows, shapes.hidden_size)
+    if name == "residual_norm":
+        return warm(shapes.hidden_size)
     return warm(shapes.vocab_rows, shapes.hidden_size, row_counts=list(plan.row_counts))

@@ -131,3 +131,12 @@ def test_torch_compile_lowers_the_op_into_the_graph():
     want = ir.ops.fused_add_rms_norm.impls["native"].impl_fn(x.clone(), residual.clone(), weight, EPS)
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0].float(), (want[0] * 2).float(), rtol=ONE_STEP, atol=1e-2)
+
+
+def test_warmup_builds_and_checks_the_kernel_for_lings_width():
+    from vllm_ling.ops.residual_norm.warmup import warmup_kernels
+
+    result = warmup_kernels(HIDDEN)
+    assert result["kernel"] == f"ling_add_rms_norm (hidden {HIDDEN})"
+    with pytest.raises(ValueError, match="hidden size 2568"):
+        warmup_kernels(2568)

@@ -1,0 +1,42 @@
+"""Compile, ahead of serving, the residual add + RMSNorm kernel the server's decoder norms launch
+(``vllm-ling warmup``). No vLLM import.
+
+One kernel per hidden size (the ``#define`` lines of its source); it runs once on random rows and is compared
+with the plain-PyTorch reference. It lands in humming's JIT cache, which the server shares.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from vllm_ling.ops.residual_norm.kernel import DTYPE, add_rms_norm_cuda, shape_problems
+from vllm_ling.ops.residual_norm.reference import add_rms_norm
+
+TOKENS = 4
+EPS = 1e-6
+ONE_STEP = 2.0 ** -7  # one BF16 rounding step, relative: rsqrt's last bit may flip a rounding
+
+
+def warmup_kernels(hidden: int, device: torch.device | str | None = None) -> dict[str, Any]:
+    """Build and check the kernel for rows of ``hidden`` values."""
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type != "cuda":
+        raise RuntimeError(f"residual norm warmup needs a CUDA device, got {device}")
+    problems = shape_problems(hidden, DTYPE, DTYPE)
+    if problems:
+        raise ValueError(f"residual norm warmup: the kernel cannot normalise these rows: {'; '.join(problems)}")
+    started = time.perf_counter()
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = (4 * torch.randn((TOKENS, hidden), device=device, generator=gen)).to(DTYPE)
+    residual = torch.randn((TOKENS, hidden), device=device, generator=gen).to(DTYPE)
+    weight = (1 + 0.1 * torch.randn((hidden,), device=device, generator=gen)).to(DTYPE)
+    out, new_residual = add_rms_norm_cuda(x, residual, weight, EPS)
+    want_out, want_residual = add_rms_norm(x, residual, weight, EPS)
+    if not (torch.equal(new_residual, want_residual)
+            and torch.allclose(out.float(), want_out.float(), rtol=ONE_STEP, atol=1e-6)):
+        raise RuntimeError(f"residual norm warmup: wrong rows for hidden size {hidden}")
+    torch.cuda.synchronize(device)
+    return {"kernel": f"ling_add_rms_norm (hidden {hidden})", "build_seconds": round(time.perf_counter() - started, 1)}
