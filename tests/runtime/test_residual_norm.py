@@ -15,13 +15,14 @@ from vllm_ling.runtime import residual_norm as R
 from vllm_ling.runtime.verification import residual_norm as V
 
 
-def _config(priority=None):
+def _config(priority=None, hidden=4096, dtype=None):
+    import torch
     from vllm.config.kernel import IrOpPriorityConfig
 
     ir_priority = IrOpPriorityConfig() if priority is None else IrOpPriorityConfig(fused_add_rms_norm=priority)
-    hf = types.SimpleNamespace(hidden_size=4096, rms_norm_eps=1e-6)
+    hf = types.SimpleNamespace(hidden_size=hidden, rms_norm_eps=1e-6)
     return types.SimpleNamespace(kernel_config=types.SimpleNamespace(ir_op_priority=ir_priority),
-                                 model_config=types.SimpleNamespace(hf_config=hf))
+                                 model_config=types.SimpleNamespace(hf_config=hf, dtype=dtype or torch.bfloat16))
 
 
 def _options(value="ling"):
@@ -71,6 +72,23 @@ def test_cpu_asks_for_nothing():
     selection = R.decide_residual_norm(config, _options(), on_cuda=False, unavailable_reason=_available)
     assert selection.choice is R.NormPath.NOT_CUDA
     assert config.kernel_config.ir_op_priority.fused_add_rms_norm == []
+
+
+@pytest.mark.parametrize("hidden,dtype,says", [(4100, "bfloat16", "hidden size 4100"),
+                                               (4096, "float16", "needs BF16 rows")])
+def test_rows_the_kernel_does_not_take_are_an_explicit_fallback(caplog, hidden, dtype, says):
+    import torch
+
+    from vllm_ling.runtime.verification.checks import Check
+
+    config = _config(hidden=hidden, dtype=getattr(torch, dtype))
+    with caplog.at_level(logging.WARNING):
+        selection = R.decide_residual_norm(config, _options(), on_cuda=True, unavailable_reason=_available)
+    assert selection.choice is R.NormPath.ROWS and says in selection.reason
+    assert config.kernel_config.ir_op_priority.fused_add_rms_norm == []  # vLLM's default follows
+    assert [r for r in caplog.records if "Residual norms stay vLLM's" in r.getMessage()]
+    entry = V.residual_norm_entry(config, Check(V.CHECK_NAME, True, "e", "a"))
+    assert entry["requested"] and not entry["active"] and entry["detail"].startswith("fallback: ")
 
 
 def test_a_kernel_that_cannot_run_is_refused_naming_the_opt_out():

@@ -16,6 +16,8 @@ No ``from __future__ import annotations`` here: vLLM infers the provider's schem
 and requires the native op's exactly.
 """
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -45,14 +47,19 @@ add_rms_norm_op = torch.library.custom_op(OP_NAME, _add_rms_norm_impl, mutates_a
 add_rms_norm_op.register_fake(_add_rms_norm_fake)
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_takes(hidden: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+    return not norm_kernel.shape_problems(hidden, dtype, weight_dtype)
+
+
 def supports_args(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
                   variance_size: int | None = None) -> bool:
-    """The arguments the kernel takes (vLLM's dispatch asks, with fake tensors under torch.compile): the
-    whole row normalised, a weight, BF16 rows of a supported width on a CUDA device; others go to the next
-    provider in the priority list."""
+    """The arguments the kernel takes (vLLM's dispatch asks, with fake tensors under torch.compile, and at
+    every call in eager mode: cheap): the whole row normalised, a weight, BF16 rows of a supported width on a
+    CUDA device; others go to the next provider in the priority list."""
     return (variance_size is None and weight is not None and x.is_cuda and x.dim() >= 1
             and x_residual.shape == x.shape and x_residual.dtype == x.dtype
-            and not norm_kernel.shape_problems(x.shape[-1], x.dtype, weight.dtype))
+            and _kernel_takes(int(x.shape[-1]), x.dtype, weight.dtype))
 
 
 def registered() -> bool:

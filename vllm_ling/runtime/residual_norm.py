@@ -35,9 +35,11 @@ class NormPath(Choice):
     OPTED_OUT = "vllm"     # VLLM_LING_RESIDUAL_NORM=vllm: vLLM's platform default
     USER = "user"          # the user's --ir-op-priority list: as given
     NOT_CUDA = "not_cuda"  # the kernel is CUDA's: vLLM's platform default
+    ROWS = "rows"          # a fallback: the kernel does not take the model's rows (width, dtype): vLLM's default
 
 
 SERVING = frozenset((NormPath.LING,))
+FALLBACK = frozenset((NormPath.ROWS,))  # asked for (the default) and not served
 
 
 class ResidualNormUnavailable(Refusal, RuntimeError):
@@ -71,6 +73,11 @@ def decide_residual_norm(vllm_config, options: LingOptions | None = None, on_cud
         log_once(logger, logging.WARNING, "residual-norm-off",
                  "Residual norms stay vLLM's (%s): each norm of the decode step finishes before the next "
                  "kernel launches; the startup report marks residual_norm inactive.", selection.reason)
+    elif rows_problems := _rows_problems(vllm_config.model_config):
+        selection = decided(NormPath.ROWS, "; ".join(rows_problems))
+        log_once(logger, logging.WARNING, f"residual-norm-rows-{selection.reason}",
+                 "Residual norms stay vLLM's: vllm-ling's kernel does not take this model's rows (%s); the startup "
+                 "report marks residual_norm requested and inactive.", selection.reason)
     else:
         if unavailable_reason is None:  # the compiler and launcher only: no CUDA call in the engine's parent
             from vllm_ling.ops.cuda_jit import jit_unavailable_reason as unavailable_reason
@@ -84,6 +91,16 @@ def decide_residual_norm(vllm_config, options: LingOptions | None = None, on_cud
                  selection.reason)
     record_on_config(hf, RESIDUAL_NORM_ATTR, selection)
     return selection
+
+
+def _rows_problems(model_config) -> list[str]:
+    """Why the kernel cannot normalise the target's residual rows (its hidden size in its activation dtype)."""
+    import torch
+
+    from vllm_ling.ops.residual_norm.kernel import shape_problems
+
+    dtype = getattr(model_config, "dtype", torch.bfloat16)
+    return shape_problems(int(model_config.hf_config.hidden_size), dtype, dtype)
 
 
 def recorded_residual_norm(hf_config) -> Selection | None:
