@@ -10,6 +10,7 @@ from vllm_ling.log import get_logger
 from vllm_ling.options import opt_out_setting
 from vllm_ling.runtime.decode_splits import FALLBACK, SERVING, bound_in_force, recorded_decode_splits
 from vllm_ling.runtime.verification.checks import Check
+from vllm_ling.runtime.verification.optimizations import config_decision_entry
 
 CHECK_NAME = "decode_splits"
 logger = get_logger("verify")
@@ -37,13 +38,7 @@ def check_decode_splits(vllm_config) -> Check:
 def decode_splits_entry(vllm_config, row: Check) -> dict[str, Any]:
     """Requested where the bound was raised, or where the budget kept vLLM's (a fallback: inactive); active
     where it was raised and the row passed (and, after warm-up, the builders hold it: :func:`confirm_builders`)."""
-    recorded = recorded_decode_splits(vllm_config.model_config.hf_config)
-    if recorded is not None and recorded.choice in FALLBACK:
-        return {"requested": True, "active": False, "detail": f"fallback: {recorded.reason}"}
-    if recorded is None or recorded.choice not in SERVING:
-        why = recorded.reason if recorded is not None else "no decision recorded"
-        return {"requested": False, "active": False, "detail": f"not selected: {why}"}
-    return {"requested": True, "active": row.passed, "detail": row.actual}
+    return config_decision_entry(recorded_decode_splits(vllm_config.model_config.hf_config), SERVING, FALLBACK, row)
 
 
 def confirm_builders(entry: dict[str, Any], builders: dict[str, list[int]], bound: int) -> dict[str, Any]:

@@ -17,6 +17,17 @@ from vllm_ling.selection import Feature, Reader
 _VERDICT = {None: "not run", True: "passed", False: "FAILED"}
 
 
+def config_decision_entry(recorded, serving: frozenset, fallback: frozenset, row: Check) -> dict[str, Any]:
+    """The entry of a decision the config hook recorded (decode splits, residual norm): requested where it
+    serves (``serving``) or fell back (``fallback``: inactive); active where it serves and ``row`` passed."""
+    if recorded is not None and recorded.choice in fallback:
+        return {"requested": True, "active": False, "detail": f"fallback: {recorded.reason}"}
+    if recorded is None or recorded.choice not in serving:
+        why = recorded.reason if recorded is not None else "no decision recorded"
+        return {"requested": False, "active": False, "detail": f"not selected: {why}"}
+    return {"requested": True, "active": row.passed, "detail": row.actual}
+
+
 def known_answers_passed(known: dict[str, Any], name: str) -> bool | None:
     """The verdict of the known-answer results named ``name`` (None: none ran)."""
     runs = [r for r in known["results"] if r["name"] == name and not r["skipped"]]

@@ -14,6 +14,7 @@ from vllm_ling.options import opt_out_setting
 from vllm_ling.runtime.residual_norm import FALLBACK, OPTION, PROVIDER, SERVING, NormPath, priority_in_force, \
     recorded_residual_norm
 from vllm_ling.runtime.verification.checks import Check
+from vllm_ling.runtime.verification.optimizations import config_decision_entry
 
 CHECK_NAME = "residual_norm"
 KNOWN_TOKENS = (1, 4, 67)  # a decode token, the verify window, a prefill-sized grid of CTAs
@@ -82,13 +83,7 @@ def residual_norm_entry(vllm_config, row: Check) -> dict[str, Any]:
     """Requested where the kernel was put first, or where it does not take the model's rows (a fallback:
     inactive); active where it was put first and the row passed (and, after warm-up, the compiled model called
     the kernel: :func:`confirm_calls`)."""
-    recorded = recorded_residual_norm(vllm_config.model_config.hf_config)
-    if recorded is not None and recorded.choice in FALLBACK:
-        return {"requested": True, "active": False, "detail": f"fallback: {recorded.reason}"}
-    if recorded is None or recorded.choice not in SERVING:
-        why = recorded.reason if recorded is not None else "no decision recorded"
-        return {"requested": False, "active": False, "detail": f"not selected: {why}"}
-    return {"requested": True, "active": row.passed, "detail": row.actual}
+    return config_decision_entry(recorded_residual_norm(vllm_config.model_config.hf_config), SERVING, FALLBACK, row)
 
 
 def confirm_calls(entry: dict[str, Any], calls: int) -> dict[str, Any]:
