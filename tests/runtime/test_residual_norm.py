@@ -108,7 +108,7 @@ def test_the_provider_is_registered_with_vllms_op_under_one_name():
 
     layer.register_residual_norm()
     assert layer.register_residual_norm() == []  # idempotent
-    assert layer.PROVIDER == R.PROVIDER and layer.registered()
+    assert layer.registered()
     impl = ir.ops.fused_add_rms_norm.impls[R.PROVIDER]
     assert not impl.supported  # the CPU platform: never listed here
 

@@ -39,7 +39,7 @@ def _add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, epsilon: flo
 
 
 def _add_rms_norm_fake(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-    # contiguous, as the kernel's outputs are whatever x's strides (empty_like would keep a view's)
+    # the kernel's outputs are contiguous whatever x's strides (empty_like would copy a view's)
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 
+from vllm_ling.layers.residual_norm import PROVIDER
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.options import Choice, LingOptions, ResidualNorm, opt_out_setting
 from vllm_ling.refusal import Refusal
@@ -27,7 +28,6 @@ logger = get_logger("config")
 RESIDUAL_NORM_ATTR = "vllm_ling_residual_norm"
 OPTION = "VLLM_LING_RESIDUAL_NORM"
 IR_OP = "fused_add_rms_norm"
-PROVIDER = "vllm_ling"  # layers.residual_norm.PROVIDER names the same provider (a test holds them equal)
 
 
 class NormPath(Choice):
