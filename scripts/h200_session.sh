@@ -179,6 +179,11 @@ cuts_off() {  # cut (kda_decode, router_topk, residual_norm): why a later phase 
     echo "the tiny server with every cut failed and the one without $cut passed"
   fi  # else not this cut's failure alone (the earlier cuts, or the server, failed too)
 }
+bench() {  # name, time limit (s), benchmarks module, its arguments...: its table to $OUT/<name>.md, its log here
+  local name=$1 limit=$2 module=$3; shift 3
+  timeout "$limit" python3 -m "benchmarks.$module" --out "$OUT/$name.md" "$@" > "$out/$name.txt" 2>&1
+  echo "$name rc $?" >> "$out/rc.txt"
+}
 part() {  # name, time limit (s), pytest arguments...: one pytest process in the background
   local name=$1 limit=$2; shift 2
   (timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider --basetemp "$out/pt-$name" "$@" > "$out/$name.log" 2>&1
@@ -395,15 +400,13 @@ router-bench)
 router-step)
   # The router between its real neighbours on an idle GPU (kernel-only, a few minutes: 8 MoE layers of experts
   # are built): GEMV -> top-k -> routed experts against the chain without the top-k (benchmarks/router_in_step.py)
-  timeout 420 python3 -m benchmarks.router_in_step --out "$OUT/router-in-step.md" > "$out/router-in-step.txt" 2>&1
-  echo "router-in-step rc $?" >> "$out/rc.txt"
+  bench router-in-step 420 router_in_step
   ;;
 norm-chain)
   # Issue 29's norms on an idle GPU (kernel-only, a minute or two): residual add + RMSNorm as Inductor compiles it
   # and as vllm-ling's kernel, each before the linear it feeds, against the linears alone (benchmarks/norm_in_chain.py),
   # and the kernel's GPU tests
-  timeout 300 python3 -m benchmarks.norm_in_chain --out "$OUT/norm-in-chain.md" > "$out/norm-in-chain.txt" 2>&1
-  echo "norm-in-chain rc $?" >> "$out/rc.txt"
+  bench norm-in-chain 300 norm_in_chain
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/residual_norm > "$out/residual-norm.log" 2>&1
   echo "residual-norm tests rc $?" >> "$out/rc.txt"  # a later phase serves the norm off where they failed (cuts_off)
   ;;
@@ -411,14 +414,12 @@ mla-splits)
   # Issue 29's MLA decode on an idle GPU (kernel-only, a minute or two): FlashAttention 3 at Ling's shape against
   # its split bound, vLLM's 32 in CUDA graphs against VLLM_LING_DECODE_SPLITS' 64/128 and its own choice, one
   # token and the 4-token verify window, 4K to 128K of context (benchmarks/mla_decode_splits.py)
-  timeout 420 python3 -m benchmarks.mla_decode_splits --out "$OUT/mla-decode-splits.md" > "$out/mla-decode-splits.txt" 2>&1
-  echo "mla-decode-splits rc $?" >> "$out/rc.txt"
+  bench mla-decode-splits 420 mla_decode_splits
   ;;
 gate-bench)
   # The MoE router gate at prefill sizes on an idle GPU (kernel-only, about a minute): vLLM's fp32 SIMT path
   # against the fp32 weight as BF16 parts through one tensor-core GEMM (benchmarks/router_gate_prefill.py)
-  timeout 300 python3 -m benchmarks.router_gate_prefill --out "$OUT/router-gate-prefill.md" > "$out/router-gate-prefill.txt" 2>&1
-  echo "router-gate-prefill rc $?" >> "$out/rc.txt"
+  bench router-gate-prefill 300 router_gate_prefill
   ;;
 dense-bench)
   # The dense block-FP8 linears at the row counts around W8A16_MAX_ROWS's limit of 8 on the two widest weights

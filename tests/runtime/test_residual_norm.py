@@ -221,3 +221,20 @@ def test_kernel_layout(hidden, layout):
     if layout:
         threads, chunks = layout
         assert threads * chunks * 8 == hidden and threads % 32 == 0
+
+
+def test_the_kernels_answers_are_held_to_the_reference_within_one_bf16_step():
+    """The comparison the known answers and the warm-up use (vllm_ling.ops.residual_norm.reference.mismatch)."""
+    import torch
+
+    from vllm_ling.ops.residual_norm.reference import add_rms_norm, mismatch
+
+    g = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(3, 256, generator=g).bfloat16() for _ in range(2))
+    weight = torch.ones(256).bfloat16()
+    want = add_rms_norm(x, residual, weight, 1e-6)
+    assert mismatch(want, want) is None
+    one_step = (want[0].float() * (1 + 2.0 ** -8)).bfloat16()  # within one BF16 rounding
+    assert mismatch((one_step, want[1]), want) is None
+    assert mismatch((want[0] * 1.1, want[1]), want).startswith("normalised rows off by up to")
+    assert mismatch((want[0], want[1] + 1), want) == "wrong residual"

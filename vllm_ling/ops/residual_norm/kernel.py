@@ -26,6 +26,7 @@ DTYPE = torch.bfloat16
 _ARG_TYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int,) * 4 + (ctypes.c_float,)
 
 
+@functools.cache  # asked at every launch (eager steps, warm-up, capture)
 def layout(hidden: int) -> tuple[int, int] | None:
     """``(threads, chunks per thread)`` for rows of ``hidden`` values, or None where none fits."""
     if hidden <= 0 or hidden % 8:

@@ -18,9 +18,6 @@ from vllm_ling.runtime.verification.optimizations import config_decision_entry
 
 CHECK_NAME = "residual_norm"
 KNOWN_TOKENS = (1, 4, 67)  # a decode token, the verify window, a prefill-sized grid of CTAs
-# bf16 outputs: the new residual is exact; the normalised row may differ by one rounding of
-# rsqrt's last bit (one BF16 step, 2**-7 relative)
-NORM_RTOL, NORM_ATOL = 2.0 ** -7, 1e-6
 logger = get_logger("verify")
 
 
@@ -30,7 +27,7 @@ def known_answers(hidden: int, eps: float, device: torch.device) -> tuple[bool, 
     from vllm import ir
 
     from vllm_ling.ops.residual_norm.kernel import add_rms_norm_cuda
-    from vllm_ling.ops.residual_norm.reference import add_rms_norm
+    from vllm_ling.ops.residual_norm.reference import add_rms_norm, mismatch
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16).to(device)
@@ -42,13 +39,10 @@ def known_answers(hidden: int, eps: float, device: torch.device) -> tuple[bool, 
         if impl.provider != PROVIDER:
             problems.append(f"{tokens} token(s): the dispatcher picked {impl.provider}")
             continue
-        out, new_residual = add_rms_norm_cuda(x, residual, weight, eps)  # the provider's kernel, uncounted
-        want_out, want_residual = add_rms_norm(x, residual, weight, eps)
-        if not torch.equal(new_residual, want_residual):
-            problems.append(f"{tokens} token(s): wrong residual")
-        if not torch.allclose(out.float(), want_out.float(), rtol=NORM_RTOL, atol=NORM_ATOL):
-            err = (out.float() - want_out.float()).abs().max().item()
-            problems.append(f"{tokens} token(s): normalised rows off by up to {err:.3g}")
+        # the provider's kernel itself (uncounted: the call count says whether the model called it)
+        wrong = mismatch(add_rms_norm_cuda(x, residual, weight, eps), add_rms_norm(x, residual, weight, eps))
+        if wrong:
+            problems.append(f"{tokens} token(s): {wrong}")
     if problems:
         return False, "; ".join(problems)
     return True, f"known answers at {'/'.join(map(str, KNOWN_TOKENS))} tokens x {hidden}"
