@@ -29,14 +29,15 @@ TARGETS = {"sm_90a": 90, "sm_121a": 121}
 # the launcher's argument types as the served layer passes them (benchmarks/kda_decode.py's layer_calls)
 POINTERS = {"x": "*bf16", "f": "*bf16", "b": "*bf16", "conv_w": "*fp32", "conv_state": "*bf16", "A_log": "*fp32",
             "dt_bias": "*fp32", "state": "*fp32", "slots": "*i32", "cu_seqlens": "*i32", "accepted": "*i32",
-            "o": "*bf16", "readers": "*i32"}
-FLOATS = {"scale", "lower_bound", "eps"}
+            "o": "*bf16", "readers": "*i32", "gate": "*bf16", "norm_w": "*bf16"}
+FLOATS = {"scale", "lower_bound", "eps", "norm_eps"}
 
 
 def compile_kernel(block_v: int, warps: int, split: int, prefetch: bool, spec: bool, pdl: bool, capability: int,
-                   window: int = NUM_SPEC + 1):
+                   window: int = NUM_SPEC + 1, norm: bool = True):
     """Triton's compile of the kernel at Ling's shape for ``capability`` (90, 121, ...), down to a cubin;
-    verify windows of ``window`` tokens take the path the launcher gives them (tile or streamed)."""
+    verify windows of ``window`` tokens take the path the launcher gives them (tile or streamed); ``norm``:
+    with the layer's gated output norm (served by default; off: ``VLLM_LING_KDA_OUTPUT_NORM=0``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -47,7 +48,7 @@ def compile_kernel(block_v: int, warps: int, split: int, prefetch: bool, spec: b
     stream = streams(spec, window)
     constexprs = dict(D=HEAD_DIM, W=WIDTH, MAX_T=max_t, LP=_next_pow2(WIDTH - 2 + max_t), BV=block_v, SPLIT=split,
                       SPEC=spec, SAFE_GATE=True, HAS_BIAS=True, THRESHOLD=20.0, USE_PDL=pdl,
-                      PREFETCH=prefetch, STREAM=stream)
+                      PREFETCH=prefetch, STREAM=stream, NORM=norm)
     signature = {name: POINTERS.get(name, "fp32" if name in FLOATS else "i32")
                  for name in kda_decode_kernel.arg_names if name not in constexprs}
     signature.update({name: "constexpr" for name in constexprs})

@@ -13,7 +13,8 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-kdavllm  # full-size: ours with vLLM's KDA decode kernels
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-splits32 # full-size: ours with vLLM's 32 decode splits in graphs
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-normvllm # full-size: ours with vLLM's (Inductor's) norms
-#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours-normvllm
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-kdanormvllm # full-size: ours with vLLM's KDA output norm
+#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours-normvllm|ours-kdanormvllm
 #                                   # those tiny end-to-end tests beside it first
 #   LAYERS=6 TREE_COMMIT=<sha> bash scripts/h200_session.sh slices  # A/B of each switch on a 6-layer slice
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh cuts   # the decode-step cuts' GPU tests (each cut that fails
@@ -24,7 +25,8 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-bench # the router top-k kernels (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh mla-splits   # FlashAttention 3's MLA decode by split bound (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-step  # the router between its real neighbours (kernel-only)
-#   TREE_COMMIT=<sha> bash scripts/h200_session.sh norm-chain   # the residual norms between their real neighbours
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh norm-chain   # the residual norms and the KDA output norm between
+#                                                               # their real neighbours, and their kernel tests
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh dense-bench # the widest dense FP8 linears at 8-16 rows (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh short      # one call: the tiny essentials beside ours,
 #                                                             # then upstream (a lease's last ten minutes)
@@ -167,10 +169,10 @@ for m in sys.argv[1:]: abort_with_stacks(m)" $markers
 # a pytest log's summary line: passed (nothing failed), or failed (a failure counted, not a time-out)
 passed() { [ -e "$1" ] && grep -qE '^[0-9]+ passed' "$1" && ! grep -qE '^[0-9]+ (failed|error)' "$1"; }
 failed() { [ -e "$1" ] && grep -qE '^[0-9]+ (failed|error)' "$1"; }
-cuts_off() {  # cut (kda_decode, router_topk, residual_norm): why a later phase serves it off after phase cuts
-  local dir=/tmp/gpu-run-cuts cut=$1   # (or norm-chain, for the residual norm) ran its kernel tests (empty: on)
-  [ "$cut" = residual_norm ] && dir=/tmp/gpu-run-norm-chain
-  local log="$dir/${cut//_/-}.log"  # its kernel tests' part: kda-decode, router-topk, residual-norm
+cuts_off() {  # cut (kda_decode, router_topk, residual_norm, kda_output_norm): why a later phase serves it off
+  local dir=/tmp/gpu-run-cuts cut=$1   # after phase cuts (or norm-chain, for the norms) ran its kernel tests (empty: on)
+  case "$cut" in residual_norm|kda_output_norm) dir=/tmp/gpu-run-norm-chain ;; esac
+  local log="$dir/${cut//_/-}.log"  # its kernel tests' part: kda-decode, router-topk, residual-norm, kda-output-norm
   if [ -e "$log" ] && ! passed "$log"; then echo "its kernel tests did not pass"; return; fi
   [ "$cut" = kda_decode ] || return 0
   if [ ! -e "$dir/cuts-e2e.log" ] || passed "$dir/cuts-e2e.log"; then return; fi
@@ -242,7 +244,7 @@ tests)
   [ "${#pids[@]}" -gt 0 ] && wait "${pids[@]}"
   record_tiny "$names"
   ;;
-ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours-normvllm)
+ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours-normvllm|ours-kdanormvllm)
   # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
   # full-size start, which measures only once they are done (the timings stay that server's own).
   # STARTUP_S (480) and TINY_S (420): the start-up and beside-test limits; scripts/h200_lease.sh, whose
@@ -282,10 +284,13 @@ ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours
   [ "$phase" = ours-splits32 ] && composition+=(--switch VLLM_LING_DECODE_SPLITS=0)
   # issue 29's norms against Inductor's (vLLM's default under torch.compile), back to back with ours
   [ "$phase" = ours-normvllm ] && composition+=(--switch VLLM_LING_RESIDUAL_NORM=vllm)
+  # issue 29's KDA output norm inside the decode launch against vLLM's norm kernel after it, back to back with ours
+  [ "$phase" = ours-kdanormvllm ] && composition+=(--switch VLLM_LING_KDA_OUTPUT_NORM=0)
   # a decode-step cut (default on, never served on a GPU before) that did not pass its GPU tests earlier
   # in this lease (phase cuts) is served off (cuts_off), rather than lose the phase to it
   [ "$phase" != upstream ] && for cut in kda_decode:VLLM_LING_KDA_DECODE=0 router_topk:VLLM_LING_ROUTER_TOPK=vllm \
-                                         residual_norm:VLLM_LING_RESIDUAL_NORM=vllm; do
+                                         residual_norm:VLLM_LING_RESIDUAL_NORM=vllm \
+                                         kda_output_norm:VLLM_LING_KDA_OUTPUT_NORM=0; do
     why=$(cuts_off "${cut%%:*}")
     [ -n "$why" ] && composition+=(--switch "${cut#*:}") && echo "$phase: ${cut#*:} ($why)" >> "$out/rc.txt"
   done
@@ -409,6 +414,14 @@ norm-chain)
   bench norm-in-chain 300 norm_in_chain
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/residual_norm > "$out/residual-norm.log" 2>&1
   echo "residual-norm tests rc $?" >> "$out/rc.txt"  # a later phase serves the norm off where they failed (cuts_off)
+  # the KDA output norm inside the one-launch decode: one KDA layer's launch -> norm -> out-projection over 8 layers
+  # (benchmarks/kda_norm_in_chain.py), and its GPU tests (a later phase serves it off where they failed)
+  bench kda-norm-in-chain 300 kda_norm_in_chain
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_kda_decode.py -k output_norm \
+    > "$out/kda-output-norm.log" 2>&1
+  echo "kda-output-norm tests rc $?" >> "$out/rc.txt"
+  record gpu:residual-norm "$out/residual-norm.log"
+  record gpu:kda-output-norm "$out/kda-output-norm.log"
   ;;
 mla-splits)
   # Issue 29's MLA decode on an idle GPU (kernel-only, a minute or two): FlashAttention 3 at Ling's shape against

@@ -321,6 +321,11 @@ OPTIONS: tuple[Option, ...] = (
            "and delta-rule recurrence as one vllm-ling Triton launch (CUDA; needs the fused convolutions); `0`: "
            "vLLM's three kernels (one WARNING, reported)",
            serve_flag=True, compile_factor=True, opt_out="0"),
+    Option("VLLM_LING_KDA_OUTPUT_NORM", "bool", True,
+           "`1`: each KDA layer's gated output norm runs inside its one-launch decode step, and the "
+           "out-projection starts during it (CUDA; needs `VLLM_LING_KDA_DECODE`; prefills run vLLM's norm kernel "
+           "inside the layer's op); `0`: vLLM's norm after the core, a kernel of its own (one WARNING, reported)",
+           serve_flag=True, compile_factor=True, opt_out="0"),
     Option("VLLM_LING_KDA_DIRECT_OUTPUT", "bool", True,
            "`1`: each KDA layer's output goes to the post-attention norm as a value (vllm-ling's KDA layers); "
            "`0`: through vLLM's zero-filled buffer that the layer copies into, which the compiled graph keeps "
@@ -604,6 +609,7 @@ class LingOptions:
     kda_merged_in_proj: bool = BY_NAME["VLLM_LING_KDA_MERGED_IN_PROJ"].default
     kda_fused_conv: bool = BY_NAME["VLLM_LING_KDA_FUSED_CONV"].default
     kda_decode: bool = BY_NAME["VLLM_LING_KDA_DECODE"].default
+    kda_output_norm: bool = BY_NAME["VLLM_LING_KDA_OUTPUT_NORM"].default
     kda_direct_output: bool = BY_NAME["VLLM_LING_KDA_DIRECT_OUTPUT"].default
     shared_swiglu_kernel: bool = BY_NAME["VLLM_LING_SHARED_SWIGLU_KERNEL"].default
     bf16_gemv: Bf16Gemv = BY_NAME["VLLM_LING_BF16_GEMV"].default

@@ -35,6 +35,7 @@ class Feature(Choice):
     KDA_MERGED_IN_PROJ = "kda_merged_in_proj"    # each KDA layer's q, k, v, f, g as one linear
     KDA_FUSED_CONV = "kda_fused_conv"            # each KDA layer's q, k, v short convolutions as one launch
     KDA_DECODE = "kda_decode"                    # each KDA layer's decode step after its in-projection as one launch
+    KDA_OUTPUT_NORM = "kda_output_norm"          # each KDA layer's gated output norm inside that launch
     KDA_DIRECT_OUTPUT = "kda_direct_output"      # each KDA layer's output handed to the norm as a value
     SHARED_SWIGLU = "shared_swiglu_kernel"       # the shared experts' clamped SwiGLU as one kernel
     SPECULATIVE = "speculative"                  # the speculative method

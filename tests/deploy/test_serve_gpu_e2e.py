@@ -160,7 +160,7 @@ def test_scripted_checkpoint_with_mtp_and_parsers_on_cuda_graphs(scripted, tmp_p
         assert not inactive, inactive
         requested = {n for n, o in report["optimizations"].items() if o["requested"]}
         assert requested >= {"moe_humming", "fp8_head", "dense_fp8_decode", "small_bf16_decode", "router_gemv",
-                             "kda_merged_in_proj", "kda_fused_conv", "kda_decode", "mtp"}, requested
+                             "kda_merged_in_proj", "kda_fused_conv", "kda_decode", "kda_output_norm", "mtp"}, requested
         assert graphs_and_compile_ran(server.log())
         print(f"scripted checkpoint on the GPU: dense block-FP8 kernels {dense_kernels(report)}")
         drafts, accepted = parsed_tool_call_drafts(server.base_url)
@@ -287,10 +287,11 @@ SWITCHED_OFF = {
     "VLLM_LING_MOE_BACKEND": {"moe_humming", "moe_decode_kernels"},
     "VLLM_LING_MOE_DECODE": {"moe_decode_kernels"},
     "VLLM_LING_DENSE_FP8": {"dense_fp8_decode"},
-    # the fused convs need the merge, the one-launch decode the fused convs
-    "VLLM_LING_KDA_MERGED_IN_PROJ": {"kda_merged_in_proj", "kda_fused_conv", "kda_decode"},
-    "VLLM_LING_KDA_FUSED_CONV": {"kda_fused_conv", "kda_decode"},
-    "VLLM_LING_KDA_DECODE": {"kda_decode"},
+    # the fused convs need the merge, the one-launch decode the fused convs, the output norm inside it the launch
+    "VLLM_LING_KDA_MERGED_IN_PROJ": {"kda_merged_in_proj", "kda_fused_conv", "kda_decode", "kda_output_norm"},
+    "VLLM_LING_KDA_FUSED_CONV": {"kda_fused_conv", "kda_decode", "kda_output_norm"},
+    "VLLM_LING_KDA_DECODE": {"kda_decode", "kda_output_norm"},
+    "VLLM_LING_KDA_OUTPUT_NORM": {"kda_output_norm"},
     "VLLM_LING_KDA_DIRECT_OUTPUT": {"kda_direct_output"},
     "VLLM_LING_SHARED_SWIGLU_KERNEL": {"shared_swiglu_kernel"},
     "VLLM_LING_BF16_GEMV": {"small_bf16_decode"},
@@ -358,7 +359,8 @@ def test_every_opt_out_at_once_serves_verified_and_says_what_is_off(agreeing, ex
         assert report["passed"], [c for c in report["checks"] if not c["passed"]]
         opts = report["optimizations"]
         for name in ("moe_humming", "moe_decode_kernels", "fp8_head", "dense_fp8_decode", "small_bf16_decode",
-                     "router_gemv", "kda_merged_in_proj", "kda_fused_conv", "kda_decode", "mtp", "decode_splits"):
+                     "router_gemv", "kda_merged_in_proj", "kda_fused_conv", "kda_decode", "kda_output_norm", "mtp",
+                     "decode_splits"):
             assert not opts[name]["active"], (name, opts[name])
         assert report["head_dtype"] == "bfloat16" and report["spec_method"] is None
         assert complete(server.base_url) == expected

@@ -660,18 +660,23 @@ def _vllm_kernel_standins(monkeypatch) -> list[int]:
                      ("causal_conv1d_fn", conv_fn), ("chunk_kda", chunked)):
         monkeypatch.setattr(bailing_moe_v3, name, fn)
     monkeypatch.setattr(fla_kda, "chunk_kda_with_fused_gate", chunked_fused_gate)
+    # the output norm's CUDA kernel (what the op runs where the launch does not apply the norm): vLLM's own
+    # decomposition of it, which its compiled forward runs
+    monkeypatch.setattr(fla_kda.FusedRMSNormGated, "forward_cuda", fla_kda.FusedRMSNormGated.forward_native)
     return launches
 
 
-def _fused_and_vllms(vllm_config, monkeypatch, num_spec, twin=True, decode=False):
+def _fused_and_vllms(vllm_config, monkeypatch, num_spec, twin=True, decode=False, norm=True):
     """Two vLLM-kernel layers with the same weights, as built on CUDA: the fused convolutions and,
     opted out, vLLM's three launches (``twin``); their state caches hold the same random states. With
-    ``decode`` the first serves the one-launch KDA decode (vllm_ling.layers.kda_decode) and the second
-    the fused convolutions with vLLM's kernels; without, neither serves the one launch."""
+    ``decode`` the first serves the one-launch KDA decode (vllm_ling.layers.kda_decode), with the output norm
+    inside it (vllm_ling.layers.kda_output_norm) where ``norm``, and the second the fused convolutions with
+    vLLM's kernels and norm; without, neither serves the one launch."""
     from vllm_ling.layers import kda_merged_in_proj as M
     from vllm_ling.layers.kda_merged_in_proj import vllm_merged_class
     from vllm_ling.models.kda_decode import KdaDecode
     from vllm_ling.models.kda_fused_conv import KdaConv
+    from vllm_ling.models.kda_output_norm import KdaOutputNorm
     from vllm_ling.selection import Feature, Platform, recorded
 
     monkeypatch.setattr(M, "serving_platform", lambda: Platform.CUDA)
@@ -680,9 +685,15 @@ def _fused_and_vllms(vllm_config, monkeypatch, num_spec, twin=True, decode=False
         fused = first or decode
         monkeypatch.setenv("VLLM_LING_KDA_FUSED_CONV", "1" if fused else "0")
         monkeypatch.setenv("VLLM_LING_KDA_DECODE", "1" if decode and first else "0")
+        monkeypatch.setenv("VLLM_LING_KDA_OUTPUT_NORM", "1" if norm else "0")
         layer = build_fp8_layer(vllm_config, True, monkeypatch, seed=5, num_spec=num_spec, cls=vllm_merged_class())
         assert recorded(layer, Feature.KDA_FUSED_CONV).choice is (KdaConv.FUSED if fused else KdaConv.SEPARATE)
         assert recorded(layer, Feature.KDA_DECODE).choice is (KdaDecode.LING if decode and first else KdaDecode.VLLM)
+        assert recorded(layer, Feature.KDA_OUTPUT_NORM).choice is (
+            KdaOutputNorm.LING if decode and first and norm else KdaOutputNorm.VLLM)
+        with torch.no_grad():  # a norm weight of its own (vLLM builds ones): a launch ignoring it fails
+            layer.o_norm.weight.copy_(1 + 0.5 * torch.randn(layer.o_norm.weight.shape,
+                                                            generator=torch.Generator().manual_seed(3)))
         gen = torch.Generator().manual_seed(11)
         with torch.no_grad():
             for state in layer.kv_cache:
@@ -690,6 +701,7 @@ def _fused_and_vllms(vllm_config, monkeypatch, num_spec, twin=True, decode=False
         layers.append(layer)
     monkeypatch.delenv("VLLM_LING_KDA_FUSED_CONV")
     monkeypatch.delenv("VLLM_LING_KDA_DECODE")
+    monkeypatch.delenv("VLLM_LING_KDA_OUTPUT_NORM")
     return layers
 
 
@@ -735,11 +747,12 @@ def test_fused_convolutions_verify_windows_as_vllms_three_launches(vllm_config, 
 
 
 def _op_steps_agree(vllm_config, layers, steps):
-    """The layers' KDA op (vllm_ling::kda_attention's function) on each step's BF16 rows: the core outputs
-    (to BF16 rounding) and both state caches (conv states exactly) equal; CUDA-graph padding rows zero."""
+    """The layers' KDA op (vllm_ling::kda_attention's function) on each step's BF16 rows, then the output norm
+    where the op leaves it to the layer's forward (vLLM's, as compiled): the normed outputs (to BF16 rounding)
+    and both state caches (conv states exactly) equal; CUDA-graph padding rows zero."""
     from vllm.forward_context import set_forward_context
 
-    from vllm_ling.layers import kda_fused_conv as F
+    from vllm_ling.layers import kda_fused_conv as F, kda_output_norm
 
     width = HEADS * HEAD_DIM
     for i, (md, rows) in enumerate(steps):
@@ -749,8 +762,11 @@ def _op_steps_agree(vllm_config, layers, steps):
         outs = []
         for layer in layers:
             out = torch.full((1, rows, HEADS, HEAD_DIM), float("nan"), dtype=torch.bfloat16)
+            gate = row[:, 4 * width:]
             with torch.no_grad(), set_forward_context({layer.prefix: md}, vllm_config):
-                F.kda_attention(layer, row[:, :3 * width], row[:, 3 * width:4 * width], beta_logits, out)
+                F.kda_attention(layer, row[:, :3 * width], row[:, 3 * width:4 * width], beta_logits, gate, out)
+                if not kda_output_norm.active(layer):
+                    out = layer.o_norm.forward_native(out, gate.unflatten(-1, (HEADS, HEAD_DIM)).unsqueeze(0))
             outs.append(out[0].float())
         n = md.num_actual_tokens
         assert torch.equal(outs[0][n:], torch.zeros_like(outs[0][n:])), f"padding rows, step {i}"
@@ -814,6 +830,38 @@ def test_fused_forward_through_an_mtp_request_as_vllms(vllm_config, monkeypatch)
     both = build_metadata(builder, [3, 3], [11, 7], [rows_a, rows_b], drafts=[2, 2], accepted=[3, 1])
     again = build_metadata(builder, [3, 3], [14, 9], [rows_a, rows_b], drafts=[2, 2], accepted=[2, 3])
     _steps_agree(vllm_config, layers, [(both, hidden_states(6, 73)), (again, hidden_states(6, 74))], launches)
+
+
+def test_the_output_norm_inside_the_launch_serves_an_mtp_request_as_vllms_norm(vllm_config, monkeypatch,
+                                                                               interpreted_kda_decode):
+    """The op of the layer with the one-launch decode and its output norm inside it
+    (vllm_ling.layers.kda_output_norm) hands back normed rows for every batch, against vLLM's kernels with
+    vLLM's norm after them: a prompt (vLLM's chunked kernel, then its norm kernel in the op), a verify window
+    alone (the launch's norm), a verify window beside a new prompt (vLLM's forward, then the norm kernel),
+    verify windows of both. The norm kernel runs in the op exactly for the batches the launch does not take."""
+    from vllm.third_party.flash_linear_attention.ops import kda as fla_kda
+
+    from vllm_ling.layers import kda_output_norm
+
+    _vllm_kernel_standins(monkeypatch)
+    layers = _fused_and_vllms(vllm_config, monkeypatch, num_spec=2, decode=True)
+    assert [kda_output_norm.active(layer) for layer in layers] == [True, False]
+    in_op = []
+    native = fla_kda.FusedRMSNormGated.forward_native
+    monkeypatch.setattr(fla_kda.FusedRMSNormGated, "forward_cuda",
+                        lambda self, *a, **k: (in_op.append(1), native(self, *a, **k))[1])
+    builder = metadata_builder(layers[0], vllm_config, num_spec=2, monkeypatch=monkeypatch)
+    rows_a, rows_b = [1, 2, 3], [4, 5, 6]
+    steps = {"prompt": (build_metadata(builder, [5], [0], [rows_a], drafts=[-1], accepted=[1]), 5),
+             "verify alone": (build_metadata(builder, [3], [5], [rows_a], drafts=[2], accepted=[1]), 3),
+             "verify beside a prompt": (build_metadata(builder, [3, 7], [8, 0], [rows_a, rows_b], drafts=[2, -1],
+                                                       accepted=[3, 1]), 10),
+             "verify both": (build_metadata(builder, [3, 3], [11, 7], [rows_a, rows_b], drafts=[2, 2],
+                                            accepted=[3, 1]), 6)}
+    for name, step in steps.items():
+        in_op.clear()
+        _op_steps_agree(vllm_config, layers, [step])
+        assert len(in_op) == (0 if name.startswith("verify") and "prompt" not in name else 1), name
 
 
 def test_the_one_launch_decodes_known_answer_runs_the_layers_own_verify_window(vllm_config, monkeypatch,
@@ -918,8 +966,8 @@ def test_the_fused_op_writes_the_buffer_the_next_piece_reads(vllm_config, monkey
     written, read = [], []
     op = F.kda_attention
 
-    def spy_op(layer, qkv, f, beta_logits, core_attn_out):
-        written.append((core_attn_out.data_ptr(), op(layer, qkv, f, beta_logits, core_attn_out)))
+    def spy_op(layer, qkv, f, beta_logits, g, core_attn_out):
+        written.append((core_attn_out.data_ptr(), op(layer, qkv, f, beta_logits, g, core_attn_out)))
 
     norm = fused.o_norm.forward
 

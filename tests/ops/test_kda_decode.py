@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.kda_decode import CONFIGS as BENCHMARK_CONFIGS, vllm_step
-from vllm_ling.ops.kda_decode import KdaDecodeCall, kda_decode, launch_config
+from vllm_ling.ops.kda_decode import KdaDecodeCall, OutputNorm, kda_decode, launch_config
 from vllm_ling.ops.known_answer.kda_decode import KDA_DECODE_RTOL, check_kda_decode, decode_calls, reference
 
 
@@ -94,6 +94,51 @@ def test_the_known_answer_fails_a_faulty_streamed_step(interpreted_kda_decode, f
     result = check_kda_decode(_faulty(FAULTS[fault]), "faulty, streamed", heads=1, head_dim=32, num_spec=5,
                               lower_bound=-5.0)
     assert not result.passed and result.max_error > 10 * KDA_DECODE_RTOL, (fault, result.max_error)
+
+
+# ---- the gated output norm inside the launch (vllm_ling.ops.kda_decode.OutputNorm)
+
+@pytest.mark.parametrize("block_v,split,num_spec", [(16, 1, 3), (32, 1, 3), (16, 2, 3), (8, 4, 3), (16, 2, 8),
+                                                    (32, 1, 8)])
+def test_interpreted_kernel_with_the_output_norm_passes_the_known_answer(interpreted_kda_decode, block_v, split,
+                                                                         num_spec):
+    """The head's rows normed in the launch: one program holding the head, and heads split over two and four
+    programs (the last one normalises the head after the others counted their rows stored), on the tile path
+    (4-token windows) and the streamed one (9)."""
+    result = check_kda_decode(lambda c, o: kda_decode(c, o, block_v=block_v, split=split), "interpreted, normed",
+                              heads=2, head_dim=32, lower_bound=-5.0, num_spec=num_spec, norm_eps=1e-6)
+    assert result.passed, result.failing_inputs
+    assert result.cases == 6 and result.max_error < KDA_DECODE_RTOL / 4
+
+
+NORM_FAULTS = {
+    # the rows left as the core made them
+    "norm skipped": lambda c: dataclasses.replace(c, output_norm=None),
+    # the norm's weight not applied
+    "weight ignored": lambda c: dataclasses.replace(c, output_norm=dataclasses.replace(
+        c.output_norm, weight=torch.ones_like(c.output_norm.weight))),
+    # each head gated by the next head's gate
+    "another head's gate": lambda c: dataclasses.replace(c, output_norm=dataclasses.replace(
+        c.output_norm, gate=c.output_norm.gate.roll(32, dims=-1).contiguous())),
+}
+
+
+@pytest.mark.parametrize("fault", list(NORM_FAULTS))
+@pytest.mark.parametrize("split", [1, 2])
+def test_the_known_answer_fails_a_faulty_output_norm(interpreted_kda_decode, fault, split):
+    result = check_kda_decode(lambda c, o: kda_decode(NORM_FAULTS[fault](c), o, block_v=16, split=split),
+                              "faulty norm", heads=2, head_dim=32, lower_bound=-5.0, norm_eps=1e-6)
+    assert not result.passed and result.max_error > 10 * KDA_DECODE_RTOL, (fault, result.max_error)
+    assert not any("raised" in f for f in result.failing_inputs), result.failing_inputs
+
+
+def test_the_output_norm_leaves_both_counters_of_a_split_head_at_zero(interpreted_kda_decode):
+    from vllm_ling.ops import kda_decode as K
+
+    call = next(c for name, c in decode_calls(2, 32, 4, 3, -5.0, norm_eps=1e-6).items() if name.startswith("verify"))
+    kda_decode(call, torch.empty((8, 2, 32), dtype=torch.bfloat16), block_v=16, split=2)
+    counts = K._readers[torch.device("cpu")]
+    assert counts.numel() >= K.COUNTERS_PER_HEAD * 2 * 2 and int(counts.abs().sum()) == 0
 
 
 def test_padded_sequences_get_zero_rows_and_leave_every_state_alone(interpreted_kda_decode):
@@ -206,6 +251,8 @@ def test_the_answer_itself_moves_the_state_it_should():
     (lambda c: dataclasses.replace(c, conv_weight=c.conv_weight.t().contiguous().t()), "contiguous"),
     (lambda c: dataclasses.replace(c, conv_state=c.conv_state[..., :1]), "conv state of 1 columns"),
     (lambda c: dataclasses.replace(c, accepted=None), "needs cu_seqlens and accepted"),
+    (lambda c: dataclasses.replace(c, output_norm=OutputNorm(c.f, torch.ones(16), 1e-6)), "output norm: weight of 16"),
+    (lambda c: dataclasses.replace(c, output_norm=OutputNorm(c.f[:2], torch.ones(32), 1e-6)), "output norm: .* gate"),
 ])
 def test_the_launcher_refuses_what_the_kernel_cannot_take(change, words):
     call = next(c for name, c in decode_calls(2, 32, 4, 3, -5.0).items() if name.startswith("verify"))
@@ -269,3 +316,40 @@ def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head
         state_err = ((ours.state - theirs.state)[written].norm(dim=(-1, -2))
                      / theirs.state[written].norm(dim=(-1, -2)))
         assert float(state_err.max()) < KDA_DECODE_RTOL, (name, float(state_err.max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,head_dim", [(32, 128), (16, 64)])  # Ling-3.0-flash at TP=1; the tiny model
+def test_on_the_gpu_the_output_norm_inside_the_launch_passes_and_equals_vllms_norm(heads, head_dim):
+    """The launch with the gated output norm: its known answer at every configuration launch_config hands out
+    and the benchmark measures (split heads: the last program normalises the head after the others' counts),
+    on 4- and 9-token windows; and vLLM's three kernels followed by vLLM's norm kernel (``rms_norm_gated``,
+    what ``FusedRMSNormGated.forward_cuda`` runs) on the same inputs."""
+    from vllm.third_party.flash_linear_attention.ops.kda import rms_norm_gated
+
+    eps = 1e-6
+    configs = {launch_config(n, spec, head_dim) for n in (1, 2, 3, 4, 5, 8, 64) for spec in (False, True)}
+    configs |= {(bv, w, s, pf) for bv, w, s, pf in BENCHMARK_CONFIGS if bv * s <= head_dim}
+    for num_spec in (3, 8):
+        result = check_kda_decode(kda_decode, f"normed, {num_spec + 1}-token windows", heads, head_dim,
+                                  num_spec=num_spec, lower_bound=-5.0, device="cuda", norm_eps=eps)
+        assert result.passed, (num_spec, result.failing_inputs)
+    for block_v, warps, split, prefetch in configs:
+        result = check_kda_decode(lambda c, o: kda_decode(c, o, block_v=block_v, num_warps=warps, split=split,
+                                                          prefetch=prefetch),
+                                  f"normed bv{block_v} w{warps} x{split}", heads, head_dim, lower_bound=-5.0,
+                                  device="cuda", norm_eps=eps)
+        assert result.passed, (block_v, warps, split, prefetch, result.failing_inputs)
+    for name, call in decode_calls(heads, head_dim, 4, 3, -5.0, seed=3, norm_eps=eps).items():
+        norm = call.output_norm
+        gate, weight = norm.gate.cuda(), norm.weight.cuda()
+        ours = dataclasses.replace(_on(call, "cuda"), output_norm=OutputNorm(gate, weight, eps))
+        theirs = dataclasses.replace(_on(call, "cuda"), output_norm=None)
+        out = torch.zeros((call.x.shape[0], heads, head_dim), dtype=torch.bfloat16, device="cuda")
+        kda_decode(ours, out)
+        core = vllm_step(theirs)()
+        want = rms_norm_gated(core, gate.unflatten(-1, (heads, head_dim)), weight, None, activation="sigmoid", eps=eps)
+        live = (ours.slots[:, 0] if ours.spec else ours.slots) > 0
+        rows = live.repeat_interleave(call.x.shape[0] // live.numel()) if ours.spec else live
+        err = (out[rows].float() - want[rows].float()).norm(dim=-1) / want[rows].float().norm(dim=-1)
+        assert float(err.max()) < KDA_DECODE_RTOL, (name, float(err.max()))

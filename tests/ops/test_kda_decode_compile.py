@@ -24,11 +24,17 @@ def _served_configs() -> set[tuple[int, int, int, bool, bool]]:
     return {(*config, spec) for config in served_configurations() for spec in (False, True)}
 
 
-def test_every_served_configuration_compiles_for_the_spark():
+@pytest.mark.parametrize("norm", [True, False], ids=["with the output norm", "without (opted out)"])
+def test_every_served_configuration_compiles_for_the_spark(norm):
+    """Served with the layer's output norm inside (the default); opted out (no norm) the same program less its
+    epilogue: one configuration of each step (the full set doubles the test's minutes)."""
     failed = {}
-    for config in sorted(_served_configs()):
+    configs = sorted(_served_configs())
+    if not norm:
+        configs = [next(c for c in configs if c[-1] is spec) for spec in (False, True)]
+    for config in configs:
         try:
-            compiled = compile_kernel(*config, pdl=True, capability=SPARK)
+            compiled = compile_kernel(*config, pdl=True, capability=SPARK, norm=norm)
             if not compiled.asm.get("cubin"):
                 failed[config] = "no cubin"
         except Exception as exc:  # noqa: BLE001 - the compiler's message is the failure

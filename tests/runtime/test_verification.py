@@ -84,7 +84,7 @@ def test_cpu_expectations_pass_and_say_so(loaded_tiny_models):
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert [c["name"] for c in report["checks"]] == [
         "model_classes", "moe_layers", "lm_head", "dense_fp8_layers", "small_bf16_layers", "kda_merged_in_proj",
-        "kda_fused_conv", "kda_decode", "kda_direct_output", "shared_swiglu_kernel",
+        "kda_fused_conv", "kda_decode", "kda_output_norm", "kda_direct_output", "shared_swiglu_kernel",
         "router_gates", "router_topk", "dspark_drafter", "draft_shares_target_modules",
         "speculative_config", "prefill_graphs", "decode_splits", "residual_norm", "versions",
         "kernel_known_answers"]
@@ -122,7 +122,7 @@ def test_the_census_reads_every_served_module_once(loaded_tiny_models):
     assert count == {Feature.MOE: 5, Feature.DENSE_FP8: 33, Feature.BF16_GEMV: 7, Feature.ROUTER_GEMV: 5,
                      Feature.ROUTER_TOPK: 5, Feature.FP8_HEAD: 1, Feature.HEAD_KERNEL: 1,
                      Feature.KDA_MERGED_IN_PROJ: 5, Feature.KDA_FUSED_CONV: 5, Feature.KDA_DECODE: 5,
-                     Feature.KDA_DIRECT_OUTPUT: 5, Feature.SHARED_SWIGLU: 3,
+                     Feature.KDA_OUTPUT_NORM: 5, Feature.KDA_DIRECT_OUTPUT: 5, Feature.SHARED_SWIGLU: 3,
                      Feature.DRAFTER: 0}
     assert [e.name for e in census.of(Feature.FP8_HEAD)] == ["target.lm_head"]
     assert all(e.recorded is not None and e.served.key == e.recorded.served_as() for e in census.entries)
@@ -217,6 +217,15 @@ def _plant_kda_decode(models, monkeypatch):
     return "kda_decode", f"not the recorded selection: ['{e.name} (selected ling, serves vllm)']"
 
 
+def _plant_kda_output_norm(models, monkeypatch):
+    """The layer records the norm inside the launch (as on CUDA); on CPU its op and forward serve vLLM's."""
+    from vllm_ling.models.kda_output_norm import NORM_DESCRIPTION, KdaOutputNorm
+
+    e = _first(models, Feature.KDA_OUTPUT_NORM)
+    _plant(monkeypatch, e.module, Selection(Feature.KDA_OUTPUT_NORM, KdaOutputNorm.LING, NORM_DESCRIPTION))
+    return "kda_output_norm", f"not the recorded selection: ['{e.name} (selected ling, serves vllm)']"
+
+
 def _plant_kda_direct_output(models, monkeypatch):
     """The layer records vLLM's buffer (as opted out); the model's forward hands its output on as a value."""
     from vllm_ling.models.kda_direct_output import OPTION, KdaOutput
@@ -281,6 +290,7 @@ PLANTED = {Feature.MOE: _plant_moe, Feature.DENSE_FP8: _plant_dense, Feature.BF1
            Feature.FP8_HEAD: _plant_fp8_head,
            Feature.HEAD_KERNEL: _plant_head_kernel, Feature.KDA_MERGED_IN_PROJ: _plant_kda,
            Feature.KDA_FUSED_CONV: _plant_kda_conv, Feature.KDA_DECODE: _plant_kda_decode,
+           Feature.KDA_OUTPUT_NORM: _plant_kda_output_norm,
            Feature.KDA_DIRECT_OUTPUT: _plant_kda_direct_output, Feature.SHARED_SWIGLU: _plant_shared_swiglu,
            Feature.SPECULATIVE: _plant_speculative, Feature.DRAFTER: _plant_drafter,
            Feature.PREFILL_GRAPHS: _plant_prefill_graphs, Feature.DECODE_SPLITS: _plant_decode_splits,

@@ -23,7 +23,7 @@ from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.kda_decode import DECODE_DESCRIPTION, OPTION, KdaDecode, select_kda_decode
 from vllm_ling.models.kda_fused_conv import WEIGHT_ATTR
 from vllm_ling.models.layer_kinds import is_kda_module, kda_layers
-from vllm_ling.ops.kda_decode import MIN_BLOCK_V, KdaDecodeCall, kda_decode, reserve_reader_counts
+from vllm_ling.ops.kda_decode import MIN_BLOCK_V, KdaDecodeCall, OutputNorm, kda_decode, reserve_reader_counts
 from vllm_ling.options import LingOptions, opt_out_setting
 from vllm_ling.selection import Feature, Platform, Reader, Selection, Served, record
 
@@ -94,10 +94,11 @@ def launch(call: KdaDecodeCall, out: torch.Tensor) -> torch.Tensor:
 
 
 def step(layer, md, x: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, conv_state: torch.Tensor,
-         recurrent_state: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, verify: bool) -> None:
+         recurrent_state: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, verify: bool,
+         output_norm: OutputNorm | None = None) -> None:
     """One decode (``verify`` False) or verify-window batch of ``layer`` into ``out`` [tokens, heads,
     head_dim], from vLLM's GDN metadata ``md`` (slots, windows, accepted counts), the rows' raw
-    projections and the layer's pools."""
+    projections and the layer's pools; ``output_norm``: the layer's gated output norm applied in the launch."""
     if verify:
         slots, cu, accepted = md.spec_state_indices_tensor, md.spec_query_start_loc, md.num_accepted_tokens
         num = md.num_spec_decodes
@@ -105,7 +106,8 @@ def step(layer, md, x: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
     else:
         slots, cu, accepted = md.non_spec_state_indices_tensor[:md.num_decodes], None, None
     launch(KdaDecodeCall(x, f, beta_logits, weight, conv_state, layer.A_log, layer.dt_bias, recurrent_state, slots,
-                         layer.head_dim ** -0.5, layer.lower_bound if layer.safe_gate else None, cu, accepted), out)
+                         layer.head_dim ** -0.5, layer.lower_bound if layer.safe_gate else None, cu, accepted,
+                         output_norm), out)
 
 
 def served(layer) -> Served:

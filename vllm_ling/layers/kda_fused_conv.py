@@ -166,19 +166,21 @@ def gate_and_beta(layer, f: torch.Tensor, beta_logits: torch.Tensor) -> tuple[to
     return g.unsqueeze(0), beta_logits.float().sigmoid().unsqueeze(0)
 
 
-def kda_attention(layer, qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
+def kda_attention(layer, qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, g: torch.Tensor,
                   core_attn_out: torch.Tensor) -> None:
     """The layer's KDA core for one step into ``core_attn_out`` [1, tokens, heads, head_dim] (rows past
     the batch's tokens, CUDA-graph padding, zero), from the rows' conv inputs ``qkv`` [tokens, 3 P], raw
     gate projection ``f`` [tokens, P] and beta logits [tokens, heads]: the layer's one-launch decode
     (:mod:`vllm_ling.layers.kda_decode`, where it serves) or the fused conv and vLLM's recurrent kernels
     for batches of plain decodes or of verify windows only, the fused conv and vLLM's chunked kernel for
-    prefills with decodes and no verify window, vLLM's ``_forward`` for the rest."""
+    prefills with decodes and no verify window, vLLM's ``_forward`` for the rest. Where the layer's output
+    norm is vllm-ling's (:mod:`vllm_ling.layers.kda_output_norm`) the rows come back normed with the output
+    gate projection ``g`` [tokens, P]: inside the one launch, else by vLLM's norm kernel here."""
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.models import bailing_moe_v3 as vllm_model
 
-    from vllm_ling.layers import kda_decode
+    from vllm_ling.layers import kda_decode, kda_output_norm
 
     metadata = get_forward_context().attn_metadata  # {layer name: metadata}, as vLLM's forward asserts
     md = None if metadata is None else metadata.get(layer.prefix)
@@ -192,6 +194,8 @@ def kda_attention(layer, qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.
         if md is not None:
             q, k, v = qkv.split(layer.projection_size_per_partition, dim=-1)
             layer._forward(q, k, v, *gate_and_beta(layer, f, beta_logits), core_attn_out)
+            if kda_output_norm.active(layer):  # the padding's zero rows stay zero
+                kda_output_norm.apply(layer, core_attn_out[0], g)
         return
     conv_state, recurrent_state = layer.kv_cache
     recurrent_state = recurrent_state[..., :layer.head_dim]
@@ -202,10 +206,23 @@ def kda_attention(layer, qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.
     weight = getattr(layer, WEIGHT_ATTR)
     if n < core_attn_out.shape[1]:
         core_attn_out[0, n:].zero_()
+    norm = kda_output_norm.active(layer)
     if getattr(layer, kda_decode.ACTIVE_ATTR, False) and not with_prefill:
         kda_decode.step(layer, md, x, f, beta_logits, conv_state, recurrent_state, weight, core_attn_out[0, :n],
-                        verify=verify_only)
+                        verify=verify_only, output_norm=kda_output_norm.output_norm(layer, g[:n]) if norm else None)
         return
+    _core(layer, md, x, f, beta_logits, conv_state, recurrent_state, weight, core_attn_out, n, with_prefill,
+          decode_only)
+    if norm:
+        kda_output_norm.apply(layer, core_attn_out[0, :n], g[:n])
+
+
+def _core(layer, md, x: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, conv_state: torch.Tensor,
+          recurrent_state: torch.Tensor, weight: torch.Tensor, core_attn_out: torch.Tensor, n: int,
+          with_prefill: bool, decode_only: bool) -> None:
+    """The fused conv and vLLM's kernels (see :func:`kda_attention`) into ``core_attn_out[0, :n]``."""
+    from vllm.model_executor.models import bailing_moe_v3 as vllm_model
+
     if with_prefill:  # vLLM's chunked path, which takes the batch's decodes along (has_initial_state True)
         from vllm.third_party.flash_linear_attention.ops import kda as fla_kda
 
@@ -246,11 +263,11 @@ def kda_attention(layer, qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.
     core_attn_out[0, :n].copy_(out[0, :n])
 
 
-def _kda_attention_op(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, core_attn_out: torch.Tensor,
-                      layer_name: str) -> None:
+def _kda_attention_op(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, g: torch.Tensor,
+                      core_attn_out: torch.Tensor, layer_name: str) -> None:
     from vllm.forward_context import get_forward_context
 
-    kda_attention(get_forward_context().no_compile_layers[layer_name], qkv, f, beta_logits, core_attn_out)
+    kda_attention(get_forward_context().no_compile_layers[layer_name], qkv, f, beta_logits, g, core_attn_out)
 
 
 # writes core_attn_out only (the caller's buffer: a piecewise graph's next piece reads it where the capture

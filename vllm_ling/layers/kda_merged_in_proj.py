@@ -30,7 +30,7 @@ import logging
 
 import torch
 
-from vllm_ling.layers import kda_decode, kda_fused_conv
+from vllm_ling.layers import kda_decode, kda_fused_conv, kda_output_norm
 from vllm_ling.layers.out_of_tree import install_out_of_tree
 from vllm_ling.log import get_logger, log_once
 from vllm_ling.models.kda_fused_conv import KdaConv
@@ -67,7 +67,8 @@ class MergedInProjection:
         chosen = record(self, selection(self, quant_config, prefix))
         platform = serving_platform()
         conv = kda_fused_conv.install(self, chosen.choice is KdaInProj.MERGED, platform)
-        kda_decode.install(self, conv.choice is KdaConv.FUSED, platform)
+        decode = kda_decode.install(self, conv.choice is KdaConv.FUSED, platform)
+        kda_output_norm.install(self, decode, platform)
         if chosen.choice is not KdaInProj.MERGED:
             log_once(logger, logging.WARNING, f"kda-unmerged-{chosen.reason}",
                      "KDA in-projections NOT merged (%s and similar layers): %s; vLLM's qkv_proj, f_proj and "
@@ -135,9 +136,12 @@ def vllm_merged_class():
             shape = (1, num_tokens, self.local_num_heads, self.head_dim)
             if fused:  # q, k, v stay one [tokens, 3 P] view; the op takes the raw gate and beta logits
                 qkv, f, g = getattr(self, MERGED_NAME)(hidden_states)[0].split([3 * width, width, width], dim=-1)
-                # the op writes every row (the padding's zeros too)
+                # the op writes every row (the padding's zeros too), normed where kda_output_norm serves
                 core_attn_out = torch.empty(shape, dtype=hidden_states.dtype, device=hidden_states.device)
-                torch.ops.vllm_ling.kda_attention(qkv, f, self.b_proj(hidden_states)[0], core_attn_out, self.prefix)
+                torch.ops.vllm_ling.kda_attention(qkv, f, self.b_proj(hidden_states)[0], g, core_attn_out,
+                                                  self.prefix)
+                if kda_output_norm.active(self):
+                    return self.o_proj(rearrange(core_attn_out, "1 n h d -> n (h d)"))[0]
             else:
                 q, k, v, beta_logits, f, g = merged_in_projections(self, hidden_states)
                 g1, beta = kda_fused_conv.gate_and_beta(self, f, beta_logits)

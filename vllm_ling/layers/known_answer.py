@@ -196,9 +196,10 @@ def check_kda_conv(layer, device: torch.device | str = "cpu") -> ka.KernelCheckR
 def check_kda_decode(layer, device: torch.device | str = "cpu") -> ka.KernelCheckResult:
     """A KDA layer's one-launch decode (what its op launches) on
     :func:`~vllm_ling.ops.known_answer.check_kda_decode` at the layer's heads, head size, conv width and
-    dtype, gate and served verify window (the check's own without speculation), on scratch pools (the
-    served pools are not touched)."""
-    from vllm_ling.layers import kda_decode, kda_fused_conv
+    dtype, gate and served verify window (the check's own without speculation), with the gated output norm
+    of the layer's epsilon where the launch applies it (``kda_output_norm``), on scratch pools (the served
+    pools are not touched)."""
+    from vllm_ling.layers import kda_decode, kda_fused_conv, kda_output_norm
 
     weight = getattr(layer, kda_fused_conv.WEIGHT_ATTR)
     # vLLM's layer keeps its draft tokens per verify window: DSpark's 9-token windows take the kernel's
@@ -207,4 +208,5 @@ def check_kda_decode(layer, device: torch.device | str = "cpu") -> ka.KernelChec
     window = {"num_spec": spec_tokens} if spec_tokens else {}
     return ka.check_kda_decode(kda_decode.launch, kda_decode.KERNEL_LABEL, layer.local_num_heads, layer.head_dim,
                                width=weight.shape[-1], conv_dtype=weight.dtype, **window,
+                               norm_eps=float(layer.o_norm.eps) if kda_output_norm.active(layer) else None,
                                lower_bound=layer.lower_bound if layer.safe_gate else None, device=device)

@@ -33,6 +33,12 @@ compare against those references):
 
 A sequence whose slot is vLLM's null block (index <= 0: CUDA-graph padding) gets zero output and
 leaves every state alone.
+
+With an :class:`OutputNorm` the launch also applies the layer's gated output norm (vLLM's
+``FusedRMSNormGated`` with the sigmoid gate, which its forward runs after the core as a kernel of its own)
+to the head's outputs before it ends: the last program of a head, once the others counted their outputs
+stored on the head's second counter, normalizes the head's rows in place. The kernel after this one (the
+out-projection, launched as a programmatic dependent) then streams its weights during this step.
 """
 
 from __future__ import annotations
@@ -91,6 +97,16 @@ def launch_config(num_seqs: int, spec: bool, head_dim: int, stream: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
+class OutputNorm:
+    """The layer's gated output norm, applied in the launch: ``gate`` [T, >= H D] the raw gate projection rows
+    (unit stride; sigmoid), ``weight`` [D] the norm's weight, ``eps`` its epsilon."""
+
+    gate: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
+@dataclasses.dataclass(frozen=True)
 class KdaDecodeCall:
     """One layer's decode step as the layer makes it (tensors on one device).
 
@@ -98,7 +114,8 @@ class KdaDecodeCall:
     the raw gate; ``beta_logits`` [T, >= H]; ``conv_weight`` [3 P, W]; ``conv_state`` [slots, 3 P, L]
     (updated in place); ``A_log`` (H values), ``dt_bias`` [P] or None; ``state`` [slots, H, V, K]
     (updated in place); ``slots`` [N] (plain decode, one token per sequence) or [N, S] with
-    ``cu_seqlens`` [N + 1] and ``accepted`` [N] (verify windows of at most S tokens)."""
+    ``cu_seqlens`` [N + 1] and ``accepted`` [N] (verify windows of at most S tokens); ``output_norm``: the
+    layer's gated output norm applied to ``out`` in the launch (None: the core's outputs)."""
 
     x: torch.Tensor
     f: torch.Tensor
@@ -113,6 +130,7 @@ class KdaDecodeCall:
     lower_bound: float | None = None
     cu_seqlens: torch.Tensor | None = None
     accepted: torch.Tensor | None = None
+    output_norm: OutputNorm | None = None
 
     @property
     def spec(self) -> bool:
@@ -125,14 +143,16 @@ def _next_pow2(n: int) -> int:
 
 _readers: dict[torch.device, torch.Tensor] = {}
 _retired: list[torch.Tensor] = []  # outgrown counters, kept: a CUDA graph captured with one replays it
+COUNTERS_PER_HEAD = 2  # a split head's: its q/k conv state's readers, its outputs' writers (the output norm)
 
 
-def reserve_reader_counts(device: torch.device, count: int) -> torch.Tensor:
-    """At least ``count`` zeroed int32 counters on ``device``, one per (sequence, head), that a split head's
-    last program waits on and zeroes again (zero between launches, so a captured CUDA graph keeps working).
-    Reserve the largest batch's before capturing: a buffer made inside a capture would hold whatever its
-    memory held (its zeroing is a captured kernel, run at replay only)."""
+def reserve_reader_counts(device: torch.device, heads: int) -> torch.Tensor:
+    """Zeroed int32 counters on ``device``, :data:`COUNTERS_PER_HEAD` per (sequence, head) for ``heads`` of
+    them, that a split head's last program waits on and zeroes again (zero between launches, so a captured
+    CUDA graph keeps working). Reserve the largest batch's before capturing: a buffer made inside a capture
+    would hold whatever its memory held (its zeroing is a captured kernel, run at replay only)."""
     device = torch.device(device)
+    count = COUNTERS_PER_HEAD * heads
     buffer = _readers.get(device)
     if buffer is None or buffer.numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -178,8 +198,13 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
         raise ValueError(f"conv weight {tuple(call.conv_weight.shape)} is not a contiguous [3 x {proj}, W]")
     if call.state.shape[-2] != head_dim or head_dim % block_v or head_dim & (head_dim - 1):
         raise ValueError(f"state {tuple(call.state.shape)}: needs square power-of-2 heads divisible by {block_v}")
-    if out.stride(-1) != 1 or call.x.stride(-1) != 1 or call.f.stride(-1) != 1:
-        raise ValueError("x, f and out need unit-stride rows")
+    norm = call.output_norm
+    if out.stride(-1) != 1 or call.x.stride(-1) != 1 or call.f.stride(-1) != 1 or (norm and norm.gate.stride(-1) != 1):
+        raise ValueError("x, f, the output norm's gate and out need unit-stride rows")
+    if norm is not None and (norm.weight.numel() != head_dim or norm.gate.shape[-1] < proj
+                             or norm.gate.shape[0] < call.x.shape[0]):
+        raise ValueError(f"output norm: weight of {norm.weight.numel()} values for heads of {head_dim}, or gate "
+                         f"{tuple(norm.gate.shape)} not [{call.x.shape[0]}, >= {proj}]")
     if call.x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
         raise ValueError(f"BF16 activations only (x {call.x.dtype}, out {out.dtype}): the kernel rounds as BF16 stores")
     if call.spec:
@@ -201,6 +226,7 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
     from vllm_ling.ops.kda_decode_kernel import kda_decode_kernel
 
     readers = reserve_reader_counts(out.device, num_seqs * heads) if split > 1 else call.slots  # unread unsplit
+    gate, norm_w = (norm.gate, norm.weight) if norm is not None else (call.f, call.A_log)  # unread without
     if pdl is None:
         pdl = out.device.type == "cuda" and pdl_available(out.device)
     kda_decode_kernel[(split, heads, num_seqs)](
@@ -208,11 +234,11 @@ def kda_decode(call: KdaDecodeCall, out: torch.Tensor, block_v: int | None = Non
         call.conv_weight, call.conv_state, *call.conv_state.stride(),
         call.A_log, call.dt_bias if call.dt_bias is not None else call.A_log,
         call.state, *call.state.stride(), call.slots, stride_n, stride_t, cu, acc,
-        out, out.stride(0), out.stride(1), readers,
+        out, out.stride(0), out.stride(1), readers, gate, gate.stride(0), norm_w, float(norm.eps if norm else 0.0),
         float(call.scale), float(call.lower_bound or 0.0), L2NORM_EPS, proj,
         D=head_dim, W=width, MAX_T=max_pow2,
         LP=_next_pow2(width - 2 + max_pow2), BV=block_v, SPLIT=split, SPEC=call.spec,
         SAFE_GATE=call.lower_bound is not None, HAS_BIAS=call.dt_bias is not None,
-        THRESHOLD=SOFTPLUS_THRESHOLD, USE_PDL=pdl, PREFETCH=prefetch, STREAM=stream, num_warps=num_warps,
+        THRESHOLD=SOFTPLUS_THRESHOLD, USE_PDL=pdl, PREFETCH=prefetch, STREAM=stream, NORM=norm is not None, num_warps=num_warps,
         **({"launch_pdl": True} if pdl else {}))
     return out

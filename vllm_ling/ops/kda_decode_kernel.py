@@ -221,15 +221,46 @@ def _streamed_step(x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, st
 
 
 @triton.jit
+def _gated_output_norm(o, stride_ot, stride_oh, gate, stride_gate, norm_w, norm_eps, readers, part, h, n, bos,
+                       seqlen, D: tl.constexpr, MAX_T: tl.constexpr, SPLIT: tl.constexpr):
+    """The layer's gated output norm over the head's stored outputs, in place: ``o * rsqrt(mean(o^2) + eps) *
+    w * sigmoid(gate)`` per token, in fp32 from the BF16 values stored, rounded once (vLLM's
+    ``FusedRMSNormGated``, sigmoid). It needs the whole head: with a split head the other programs count
+    themselves done on the head's second counter once their outputs are stored, and the last one (dispatched
+    after them) waits for them, then normalizes the head's rows."""
+    if SPLIT > 1:
+        count = readers + tl.num_programs(2) * tl.num_programs(1) + n * tl.num_programs(1) + h
+        tl.debug_barrier()  # every thread's output stores issued before the count says so
+        if part < SPLIT - 1:
+            tl.atomic_add(count, 1, sem="release")
+        else:
+            seen = tl.atomic_add(count, 0, sem="acquire")
+            while seen < SPLIT - 1:
+                seen = tl.atomic_add(count, 0, sem="acquire")
+            tl.atomic_xchg(count, 0)  # ready for the next step (and the next replay of a CUDA graph)
+    if part == SPLIT - 1:
+        tl.debug_barrier()  # this program's own stores (and the others', acquired above) before the reads
+        d = tl.arange(0, D)
+        rows = tl.arange(0, MAX_T)[:, None]
+        live = rows < seqlen
+        at = o + (bos + rows) * stride_ot + h * stride_oh + d[None, :]
+        x = tl.load(at, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
+        gt = tl.load(gate + (bos + rows) * stride_gate + h * D + d[None, :], mask=live, other=0.0).to(tl.float32)
+        w = tl.load(norm_w + d).to(tl.float32)
+        y = x / tl.sqrt(_sum(x * x, axis=1)[:, None] / D + norm_eps) * w[None, :] * _sigmoid(gt)
+        tl.store(at, _round_bf16(y).to(o.dtype.element_ty), mask=live)
+
+
+@triton.jit
 def kda_decode_kernel(
         x, stride_x, f, stride_f, b, stride_b, conv_w, conv_state, stride_cs, stride_cc, stride_cl,
         A_log, dt_bias, state, stride_ss, stride_sh, stride_sv, stride_sk,
         slots, stride_slot_n, stride_slot_t, cu_seqlens, accepted, o, stride_ot, stride_oh, readers,
-        scale, lower_bound, eps, P,
+        gate, stride_gate, norm_w, norm_eps, scale, lower_bound, eps, P,
         D: tl.constexpr, W: tl.constexpr, MAX_T: tl.constexpr, LP: tl.constexpr,
         BV: tl.constexpr, SPLIT: tl.constexpr, SPEC: tl.constexpr, SAFE_GATE: tl.constexpr,
         HAS_BIAS: tl.constexpr, THRESHOLD: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-        STREAM: tl.constexpr):
+        STREAM: tl.constexpr, NORM: tl.constexpr):
     # program (part, head, sequence): ``SPLIT`` programs share a head, each its D / SPLIT value channels
     part = tl.program_id(0)
     h = tl.program_id(1)
@@ -262,6 +293,9 @@ def kda_decode_kernel(
         if not STREAM:  # (the streamed path's PREFETCH pipelines its token loop instead)
             S_next = tl.load(state_base + tile)
     if USE_PDL:
+        # the next kernel may start now (it waits for this grid's end before it reads what this one writes):
+        # with the output norm here, that is the out-projection, whose weights then stream during this step
+        tl.extra.cuda.gdc_launch_dependents()
         # x, f and the beta logits are the kernels' before; so may be the memory the stores below write
         tl.extra.cuda.gdc_wait()
     if (start <= 0) | (conv_slot <= 0):  # vLLM's null block: padding; zero output, no state touched
@@ -331,3 +365,6 @@ def kda_decode_kernel(
                              mask=tile * 0 + dst > 0)
             if not SPEC:
                 tl.store(state_base + tile, S.to(state.dtype.element_ty))
+    if NORM:
+        _gated_output_norm(o, stride_ot, stride_oh, gate, stride_gate, norm_w, norm_eps, readers, part, h, n, bos,
+                           seqlen, D, MAX_T, SPLIT)

@@ -8,7 +8,9 @@ tested against a direct computation in tests/ops/test_kda.py): ``causal_conv1d_u
 ``sigmoid`` and ``kda_decode_pooled``, on copies of the same inputs and pools. Judged: the outputs per
 token and head, the recurrent states of every slot the step writes per head (a state read from or
 written to another slot, a gate or beta from another head, a missed decay is O(1) off), and the conv
-states exactly (copies of BF16 inputs).
+states exactly (copies of BF16 inputs). With the output norm (``output_norm``: the launch applies the
+layer's gated output norm, :class:`~vllm_ling.ops.kda_decode.OutputNorm`) the answer's outputs go through
+:func:`vllm_ling.ops.kda.gated_rms_norm` (sigmoid gate), the gate being the served row's last block.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Callable
 import torch
 
 from vllm_ling.ops import kda as kda_ops
-from vllm_ling.ops.kda_decode import KdaDecodeCall
+from vllm_ling.ops.kda_decode import KdaDecodeCall, OutputNorm
 from vllm_ling.ops.known_answer.runner import KernelCheckResult, KnownAnswerCase, run_check
 
 # Conv inputs, states and weights are multiples of 1/8 with few significant bits, so every conv sum
@@ -32,19 +34,22 @@ ROW_BLOCKS = 5  # the merged in-projection's row: [q, k, v, f, g]
 
 
 def decode_calls(heads: int, head_dim: int, width: int, num_spec: int, lower_bound: float | None,
-                 seed: int = 0, conv_dtype: torch.dtype = torch.float32) -> dict[str, KdaDecodeCall]:
+                 seed: int = 0, conv_dtype: torch.dtype = torch.float32,
+                 norm_eps: float | None = None) -> dict[str, KdaDecodeCall]:
     """The two steps (CPU tensors): a plain decode of three sequences (the second padded: vLLM's
-    null block 0) and two verify windows of ``num_spec + 1`` tokens (accepted 1 and ``num_spec``)."""
+    null block 0) and two verify windows of ``num_spec + 1`` tokens (accepted 1 and ``num_spec``).
+    ``norm_eps``: with the gated output norm of that epsilon (a weight spread around 1; the gate the row's
+    last block), None without."""
     gen = torch.Generator().manual_seed(seed)
     proj = heads * head_dim
 
     def eighths(shape, most: int) -> torch.Tensor:  # k / 8 for |k| <= most: exact conv sums (above)
         return (torch.randint(-most, most + 1, shape, generator=gen) / 8).bfloat16()
 
-    def rows(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:  # q | k | v and f inside the served row
+    def rows(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q | k | v, f, g: the served row
         row = torch.randn((tokens, ROW_BLOCKS * proj), generator=gen).bfloat16()
         row[:, :3 * proj] = eighths((tokens, 3 * proj), 16)
-        return row[:, :3 * proj], row[:, 3 * proj:4 * proj]
+        return row[:, :3 * proj], row[:, 3 * proj:4 * proj], row[:, 4 * proj:]
 
     weight = eighths((3 * proj, width), 4).to(conv_dtype)  # vLLM builds the conv weights in float32
     # A_log spread so that some heads decay strongly and some barely; dt_bias per channel
@@ -52,12 +57,15 @@ def decode_calls(heads: int, head_dim: int, width: int, num_spec: int, lower_bou
     dt_bias = torch.randn(proj, generator=gen) * 0.5
 
     def call(tokens: int, slots: torch.Tensor, state_len: int, **kw) -> KdaDecodeCall:
-        x, f = rows(tokens)
+        x, f, g = rows(tokens)
         pool = int(slots.max()) + 2  # slot 0 is the null block; one slot no sequence names
         conv_state = eighths((pool, 3 * proj, state_len), 16)
         state = torch.randn((pool, heads, head_dim, head_dim), generator=gen) * 0.2
-        return KdaDecodeCall(x, f, torch.randn((tokens, heads), generator=gen).bfloat16() * 2, weight, conv_state,
-                             A_log, dt_bias, state, slots, head_dim ** -0.5, lower_bound, **kw)
+        beta_logits = torch.randn((tokens, heads), generator=gen).bfloat16() * 2
+        norm = None if norm_eps is None else OutputNorm(
+            g, (1 + 0.5 * torch.randn(head_dim, generator=gen)).bfloat16(), norm_eps)
+        return KdaDecodeCall(x, f, beta_logits, weight, conv_state, A_log, dt_bias, state, slots, head_dim ** -0.5,
+                             lower_bound, output_norm=norm, **kw)
 
     window = num_spec + 1
     # each sequence its own slots, in an order of its own: a state taken from the wrong position fails
@@ -86,6 +94,10 @@ def reference(call: KdaDecodeCall) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     bounds = call.cu_seqlens if call.spec else torch.arange(call.slots.shape[0] + 1)
     out = kda_ops.kda_decode_pooled(q, k, v, g, beta, state, bounds, call.slots, call.scale,
                                     num_accepted_tokens=call.accepted)
+    norm = call.output_norm
+    if norm is not None:
+        gate = norm.gate[:tokens, :heads * head_dim].reshape(out.shape)  # the core's outputs stored as BF16 first
+        out = kda_ops.gated_rms_norm(out.to(call.x.dtype), gate, norm.weight, norm.eps, activation="sigmoid")
     return out, conv_state, state
 
 
@@ -100,11 +112,12 @@ def _written(call: KdaDecodeCall) -> torch.Tensor:
 def check_kda_decode(launch: Callable[[KdaDecodeCall, torch.Tensor], torch.Tensor], label: str, heads: int,
                      head_dim: int, width: int = 4, num_spec: int = 3, lower_bound: float | None = None,
                      device: torch.device | str = "cpu", seed: int = 0,
-                     conv_dtype: torch.dtype = torch.float32) -> KernelCheckResult:
+                     conv_dtype: torch.dtype = torch.float32, norm_eps: float | None = None) -> KernelCheckResult:
     """``launch(call, out)``: the served step into ``out`` [T, H, D] (the pools of ``call`` in place),
-    on :func:`decode_calls` at the layer's shapes."""
+    on :func:`decode_calls` at the layer's shapes (``norm_eps``: with the gated output norm)."""
     cases = []
-    for name, call in decode_calls(heads, head_dim, width, num_spec, lower_bound, seed, conv_dtype).items():
+    for name, call in decode_calls(heads, head_dim, width, num_spec, lower_bound, seed, conv_dtype,
+                                   norm_eps).items():
         out, conv_state, state = reference(call)
         written = _written(call)
         answers = (("outputs", out.double().reshape(-1, head_dim), KDA_DECODE_RTOL),
@@ -126,11 +139,15 @@ def check_kda_decode(launch: Callable[[KdaDecodeCall, torch.Tensor], torch.Tenso
         for name, value in moved.items():
             if torch.is_tensor(value):
                 moved[name] = value.clone().to(device)
-        x = moved["x"]  # the served layout again: q | k | v and f views inside one row
+        x = moved["x"]  # the served layout again: q | k | v, f and g views inside one row
         row = x.new_zeros((x.shape[0], ROW_BLOCKS * x.shape[1] // 3))
         proj = x.shape[1] // 3
         row[:, :3 * proj], row[:, 3 * proj:4 * proj] = x, moved["f"]
         moved["x"], moved["f"] = row[:, :3 * proj], row[:, 3 * proj:4 * proj]
+        norm = call.output_norm
+        if norm is not None:
+            row[:, 4 * proj:] = norm.gate
+            moved["output_norm"] = OutputNorm(row[:, 4 * proj:], norm.weight.to(device), norm.eps)
         served = KdaDecodeCall(**moved)
         out = torch.full((x.shape[0], heads, head_dim), float("nan"), dtype=x.dtype, device=device)
         launch(served, out)

@@ -43,7 +43,8 @@ EXPECTED = "every serving kernel matches its known answers"
 FIX = ("a kernel computes wrong numbers on this machine (named above with the inputs that failed): force "
        f"another kernel where one exists (VLLM_LING_LM_HEAD_KERNEL, {opt_out_setting('VLLM_LING_MOE_DECODE')}, "
        f"{opt_out_setting('VLLM_LING_ROUTER_GEMV')}, {opt_out_setting('VLLM_LING_ROUTER_TOPK')}, "
-       f"{opt_out_setting('VLLM_LING_KDA_FUSED_CONV')}, {opt_out_setting('VLLM_LING_KDA_DECODE')}), "
+       f"{opt_out_setting('VLLM_LING_KDA_FUSED_CONV')}, {opt_out_setting('VLLM_LING_KDA_DECODE')}, "
+       f"{opt_out_setting('VLLM_LING_KDA_OUTPUT_NORM')}), "
        "install the tested versions, or serve anyway with "
        "VLLM_LING_VERIFY=warn")
 
@@ -87,7 +88,7 @@ def _guarded(name: str, kernel: str, check: Callable[[], KernelCheckResult]) -> 
 
 def run_kernel_checks(census: Census) -> list[KernelCheckResult]:
     """One known-answer result per distinct serving kernel of the loaded models."""
-    from vllm_ling.layers import kda_cpu, kda_decode, kda_fused_conv, router_gate_cuda, router_topk
+    from vllm_ling.layers import kda_cpu, kda_decode, kda_fused_conv, kda_output_norm, router_gate_cuda, router_topk
     from vllm_ling.layers import known_answer as layer_checks
     from vllm_ling.layers.fp8_lm_head import Fp8LmHeadMethod
     from vllm_ling.layers.moe_method import LingMxfp4MoEMethod
@@ -122,12 +123,12 @@ def run_kernel_checks(census: Census) -> list[KernelCheckResult]:
             w = e.module.ling_qkv_conv_weight
             conv.setdefault((e.module.projection_size_per_partition, w.shape[-1], w.device), (e.module, w.device))
     decode: dict[tuple, tuple[Any, torch.device]] = {}
-    for e in census.of(Feature.KDA_DECODE):  # one per head count, head size, conv width and gate
+    for e in census.of(Feature.KDA_DECODE):  # one per head count, head size, conv width, gate and output norm
         if e.served.key[0] is KdaDecode.LING:
             m = e.module
             w = getattr(m, kda_fused_conv.WEIGHT_ATTR)
             decode.setdefault((m.local_num_heads, m.head_dim, w.shape[-1], w.dtype, m.safe_gate, m.lower_bound,
-                               w.device), (m, w.device))
+                               kda_output_norm.active(m), w.device), (m, w.device))
     results = [_guarded("dense_fp8", label, lambda qm=qm, dev=dev: layer_checks.check_dense_fp8_method(qm, dev))
                for label, (qm, dev) in dense.items()]
     results += [_guarded("moe_mxfp4", f"{type(qm).__name__} {key}",
