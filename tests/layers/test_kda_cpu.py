@@ -1153,3 +1153,52 @@ def test_the_direct_step_compiles_without_the_buffers_fill_and_copy(vllm_config,
         ours = _functional_graph_ops(lambda h, r: decoder_step(decoder, h, r), hidden, residual)
     assert vllms - ours == collections.Counter({"aten.zeros_like.default": 1, "aten.copy.default": 1})
     assert not ours - vllms
+
+
+# ---- the output norm inside the one-launch decode (vllm_ling.models.kda_output_norm): the selection
+
+def test_the_output_norm_is_selected_only_where_the_launch_serves_and_takes_the_layers_norm():
+    from vllm_ling.models.kda_output_norm import OPTION, KdaOutputNorm, select_kda_output_norm
+    from vllm_ling.selection import Platform
+
+    served = select_kda_output_norm(True, Platform.CUDA, True, [])
+    assert served.choice is KdaOutputNorm.LING and served.fallback_from is None
+    opted_out = select_kda_output_norm(False, Platform.CUDA, True, [])
+    assert opted_out.choice is KdaOutputNorm.VLLM and opted_out.reason == f"opted out ({OPTION}=0)"
+    assert opted_out.fallback_from is None
+    # another switch's consequence (the launch opted out) and the CPU platform: not asked for, no fallback
+    for args in ((True, Platform.CUDA, False, []), (True, Platform.CPU, True, [])):
+        s = select_kda_output_norm(*args)
+        assert s.choice is KdaOutputNorm.VLLM and s.fallback_from is None, args
+    fallback = select_kda_output_norm(True, Platform.CUDA, True, ["the norm has a bias"])
+    assert fallback.choice is KdaOutputNorm.VLLM and fallback.fallback_from is KdaOutputNorm.LING
+    assert fallback.reason == "the norm has a bias"
+
+
+def test_the_layer_names_what_keeps_the_norm_out_of_the_launch(vllm_config, monkeypatch):
+    """From the norm vLLM built: a swish gate, a weight of another size, or no norm at all."""
+    from vllm_ling.layers.kda_output_norm import norm_problems
+
+    layer = build_layer(vllm_config, seed=33)
+    assert norm_problems(layer) == []
+    monkeypatch.setattr(layer.o_norm, "activation", "swish")
+    assert norm_problems(layer) == ["the output gate's activation is 'swish', not 'sigmoid'"]
+    monkeypatch.setattr(layer.o_norm, "activation", "sigmoid")
+    monkeypatch.setattr(layer.o_norm, "weight", torch.nn.Parameter(torch.ones(layer.head_dim + 1)))
+    assert norm_problems(layer) == ["the norm has no weight of one value per head channel"]
+    monkeypatch.delattr(layer, "o_norm")
+    assert norm_problems(layer) == ["the layer has no o_norm"]
+
+
+def test_the_reader_reads_the_flag_the_op_and_the_forward_read(vllm_config, monkeypatch):
+    """Norm inside the launch where the flag is set and the launch serves the layer; a flag without the launch
+    is a defect the row names; no flag: vLLM's norm."""
+    from vllm_ling.layers import kda_decode, kda_output_norm
+    from vllm_ling.models.kda_output_norm import KdaOutputNorm
+
+    _vllm_kernel_standins(monkeypatch)
+    ours, vllms = _fused_and_vllms(vllm_config, monkeypatch, num_spec=0, decode=True)
+    assert kda_output_norm.served(ours).key[0] is KdaOutputNorm.LING
+    assert kda_output_norm.served(vllms).key[0] is KdaOutputNorm.VLLM
+    monkeypatch.setattr(ours, kda_decode.ACTIVE_ATTR, False)
+    assert kda_output_norm.served(ours).key[0] is None
