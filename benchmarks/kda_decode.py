@@ -4,7 +4,10 @@ count tried) against vLLM 0.32's three kernels as the fused-conv layer runs them
 and v in one launch, ``fused_kda_gate``, ``fused_recurrent_kda`` or ``_fwd`` for verify windows), in CUDA
 graphs of 35 distinct layers (a step's KDA layers, each its own state pool: 70 MB of states, more than
 the 60 MB L2), for plain decode batches and MTP verify windows of 4 tokens. A head runs in one program or
-split over 2 or 4 (each its share of the value channels; more programs at small batches).
+split over 2 or 4 (each its share of the value channels; more programs at small batches). As served, the
+launch applies the layer's gated output norm (``OutputNorm``; ``--no-output-norm``: the core alone), and vLLM's
+side runs vLLM's norm kernel after its three (``rms_norm_gated``; the served vLLM step compiles the norm with
+Inductor instead, 1.9 us in lease 2026-12-07g).
 
     python -m benchmarks.kda_decode --out benchmarks/results/kda_decode_h100.md   # on the GPU (_h200 on an H200)
 
@@ -29,7 +32,7 @@ from benchmarks.lm_head import copy_bandwidth_gbs
 from benchmarks.output import write_outputs
 from benchmarks.timing import stacked_time_us
 from vllm_ling.models.dspark_format import read_fields
-from vllm_ling.ops.kda_decode import TILE_WINDOW_MAX, KdaDecodeCall, kda_decode, streams
+from vllm_ling.ops.kda_decode import TILE_WINDOW_MAX, KdaDecodeCall, OutputNorm, kda_decode, streams
 from vllm_ling.runtime.spec_policy import DEFAULT_DSPARK_CONFIG, load_config
 
 CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_config.json").read_text())
@@ -52,8 +55,9 @@ CONFIGS = [(32, 4, 4, False), (32, 8, 4, False), (32, 8, 4, True), (64, 4, 2, Fa
            (32, 1, 1, False)]
 
 
-def layer_calls(seqs: int, window: int) -> list[KdaDecodeCall]:
-    """One call per layer, each with its own pools; ``window`` 1: plain decode, else verify windows."""
+def layer_calls(seqs: int, window: int, norm: bool = True) -> list[KdaDecodeCall]:
+    """One call per layer, each with its own pools; ``window`` 1: plain decode, else verify windows; ``norm``:
+    with the layer's gated output norm (the gate the merged row's last block), as served."""
     proj = HEADS * HEAD_DIM
     spec = window > 1
     slots_per_seq = window if spec else 1
@@ -72,28 +76,32 @@ def layer_calls(seqs: int, window: int) -> list[KdaDecodeCall]:
             torch.randn(pool, HEADS, HEAD_DIM, HEAD_DIM, device="cuda") * 0.1,
             slots if spec else slots[:, 0], HEAD_DIM ** -0.5, CONFIG.get("kda_lower_bound", -5.0),
             torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * window if spec else None,
-            torch.full((seqs,), window - 1, device="cuda", dtype=torch.int32) if spec else None))
+            torch.full((seqs,), window - 1, device="cuda", dtype=torch.int32) if spec else None,
+            OutputNorm(row[:, 4 * proj:], (1 + 0.2 * torch.randn(HEAD_DIM, device="cuda")).bfloat16(),
+                       CONFIG["rms_norm_eps"]) if norm else None))
     return calls
 
 
-def step_bytes(seqs: int, window: int) -> int:
+def step_bytes(seqs: int, window: int, norm: bool = False) -> int:
+    """A step's bytes: states, conv states, its rows (``norm``: and the output gate's rows the norm reads)."""
     proj = HEADS * HEAD_DIM
     state = HEADS * HEAD_DIM * HEAD_DIM * 4
     states = seqs * state * (1 + window)  # read once, written per position (plain: once)
     conv = seqs * 3 * proj * 2 * ((WIDTH - 1) + (WIDTH - 2 + window))
     rows = seqs * window * (3 * proj * 2 + proj * 2 + HEADS * 2 + proj * 2)  # qkv, f, beta logits in; output
-    return states + conv + rows
+    gate = seqs * window * proj * 2 if norm else 0
+    return states + conv + rows + gate
 
 
 def vllm_step(call: KdaDecodeCall):
     """vLLM's kernels for ``call`` as the fused-conv layer runs them: a function running the conv update
     over q, k and v, ``fused_kda_gate``, the sigmoid and the recurrence (the pools of ``call`` in place)
     and returning the output [tokens, heads, head_dim] (None without vLLM). The GPU tests compare the
-    kernel with it."""
+    kernel with it. With the call's output norm, vLLM's norm kernel after them (``rms_norm_gated``)."""
     try:
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
         from vllm.third_party.flash_linear_attention.ops.kda import (fused_kda_gate, fused_recurrent_kda,
-                                                                      fused_recurrent_kda_fwd)
+                                                                      fused_recurrent_kda_fwd, rms_norm_gated)
     except Exception:  # noqa: BLE001 - kernel-only device bundles carry no vLLM
         return None
     heads, head_dim = call.A_log.numel(), call.state.shape[-1]
@@ -129,7 +137,12 @@ def vllm_step(call: KdaDecodeCall):
             o, _ = fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=call.scale, initial_state=call.state,
                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_plain,
                                        ssm_state_indices=call.slots)
-        return core.copy_(o[0])  # the layer copies the result into its output (a kernel in the served step)
+        core.copy_(o[0])  # the layer copies the result into its output (a kernel in the served step)
+        norm = call.output_norm
+        if norm is None:
+            return core
+        return rms_norm_gated(core, norm.gate.unflatten(-1, (heads, head_dim)), norm.weight, None,
+                              activation="sigmoid", eps=norm.eps)
     return run
 
 
@@ -145,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sequences x window tokens")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--no-output-norm", dest="norm", action="store_false",
+                        help="the core alone on both sides (served: the launch applies the layer's output norm)")
     parser.add_argument("--launch-table", metavar="JSON", default=None,
                         help="also write the fastest configuration per batch as vllm_ling/data/kda_decode_launch.json "
                              "takes it (what launch_config serves)")
@@ -153,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in args.cases.split(","):
         seqs, window = (int(v) for v in case.split("x"))
-        calls = layer_calls(seqs, window)
+        calls = layer_calls(seqs, window, args.norm)
         outs = [torch.empty(seqs * window, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in calls]
-        nbytes = step_bytes(seqs, window)
+        nbytes = step_bytes(seqs, window, args.norm)
         timed = {}
         for config in CONFIGS:  # launched plainly, as the served configuration's first column
             timed[config] = stacked_time_us(
@@ -180,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     header = " | ".join(config_name(c) + " (us)" for c in CONFIGS)
     lines = [f"# A KDA layer's decode step ({torch.cuda.get_device_name()})", "",
              f"{HEADS} heads of {HEAD_DIM}, conv width {WIDTH}, safe gate; verify windows of w tokens resume after "
-             f"w - 1 accepted; windows of more than {TILE_WINDOW_MAX} tokens take the kernel's streamed path. "
+             f"w - 1 accepted; windows of more than {TILE_WINDOW_MAX} tokens take the kernel's streamed path; "
+             + ("with the layer's gated output norm (vLLM's side: its norm kernel after its three). "
+                if args.norm else "the core alone (--no-output-norm). ") +
              f"CUDA-graph medians ({args.iters} replays) of {LAYERS} distinct layers "
              f"(own pools each), us per layer. Copy bandwidth in this run: {bw:,.0f} GB/s ({how}).", "",
              f"| sequences x tokens | bytes | {header} | best ours (us) | fraction of copy BW (best) "

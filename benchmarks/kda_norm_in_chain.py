@@ -67,7 +67,7 @@ def _native_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps:
 def layer_bytes(window: int) -> int:
     """A layer's bytes: the KDA step's (benchmarks.kda_decode: states, conv states, its rows), the gate rows the
     norm reads, the out-projection's FP8 weight and fp32 block scales and its output rows."""
-    return step_bytes(1, window) + window * P * 2 + H * P + (H // 128) * (P // 128) * 4 + window * H * 2
+    return step_bytes(1, window, norm=True) + H * P + (H // 128) * (P // 128) * 4 + window * H * 2
 
 
 def chain_rows(windows: list[int], layers: int, iters: int) -> list[dict]:

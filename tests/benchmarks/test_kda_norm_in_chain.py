@@ -28,7 +28,7 @@ def test_the_table_shows_the_norms_cost_in_the_chain():
 def test_a_layers_bytes_are_the_kda_steps_the_gate_rows_and_the_out_projection():
     proj = kda_decode.HEADS * kda_decode.HEAD_DIM
     o_proj = B.H * proj + (B.H // 128) * (proj // 128) * 4  # FP8 weight, fp32 block scales
-    assert B.layer_bytes(1) == kda_decode.step_bytes(1, 1) + proj * 2 + o_proj + B.H * 2
+    assert B.layer_bytes(1) == kda_decode.step_bytes(1, 1) + proj * 2 + o_proj + B.H * 2  # + the gate's row
     # the verify window writes a state per position: 4 more written than one token's 1
     state = kda_decode.HEADS * kda_decode.HEAD_DIM ** 2 * 4
     assert B.layer_bytes(4) - B.layer_bytes(1) > 3 * state
