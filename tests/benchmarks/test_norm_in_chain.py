@@ -29,3 +29,9 @@ def test_the_table_shows_the_norms_cost_in_the_chain():
 def test_without_a_gpu_it_says_so_and_exits_2(capsys):
     assert B.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_table_says_whether_the_input_norms_x_is_the_moes_sum():
+    rows = [_row(1, 30.0, 26.0, 25.0)]
+    assert "shared + routed outputs" in B.table(rows, "H100", 3000.0, "copy kernel", 8, 200)
+    assert "x one tensor (--no-moe-sum)" in B.table(rows, "H100", 3000.0, "copy kernel", 8, 200, moe_sum=False)
