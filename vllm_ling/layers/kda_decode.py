@@ -15,11 +15,11 @@ construction; :data:`READER` reads back what the op will run, and the known answ
 from __future__ import annotations
 
 import importlib.util
-import logging
 
 import torch
 
-from vllm_ling.log import get_logger, log_once
+from vllm_ling.layers.selection_said import say_selection
+from vllm_ling.log import get_logger
 from vllm_ling.models.kda_decode import DECODE_DESCRIPTION, OPTION, KdaDecode, select_kda_decode
 from vllm_ling.models.kda_fused_conv import WEIGHT_ATTR
 from vllm_ling.models.layer_kinds import is_kda_module, kda_layers
@@ -57,21 +57,16 @@ def kernel_problems(layer) -> list[str]:
 
 
 def decide(layer, fused_conv: bool, platform: Platform) -> Selection:
-    """The layer's selection, said once: opted out, one WARNING; a fallback, one WARNING per reason."""
-    selection = select_kda_decode(LingOptions.current().kda_decode, platform, fused_conv, kernel_problems(layer))
-    if selection.choice is KdaDecode.LING:
-        log_once(logger, logging.INFO, "kda-decode", "KDA decode: %s.", DECODE_DESCRIPTION)
-    elif platform is Platform.CPU or (selection.fallback_from is None and LingOptions.current().kda_decode):
-        pass  # the CPU layer, or another switch's consequence (that switch says so)
-    elif selection.fallback_from is None:
-        log_once(logger, logging.WARNING, "kda-decode-opt-out",
-                 "KDA one-launch decode is OFF by explicit choice (%s): vLLM's conv, gate and recurrence kernels "
-                 "per layer and step; the startup report marks kda_decode inactive.", opt_out_setting(OPTION))
-    else:
-        log_once(logger, logging.WARNING, f"kda-decode-off-{selection.reason}",
-                 "KDA one-launch decode off for %s and similar layers: %s; vLLM's kernels serve them (the startup "
-                 "check kda_decode reports it).", layer.prefix, selection.reason)
-    return selection
+    """The layer's selection, said once (:func:`~vllm_ling.layers.selection_said.say_selection`)."""
+    enabled = LingOptions.current().kda_decode
+    selection = select_kda_decode(enabled, platform, fused_conv, kernel_problems(layer))
+    return say_selection(
+        logger, "kda-decode", selection, selection.choice is KdaDecode.LING, enabled, platform,
+        f"KDA decode: {DECODE_DESCRIPTION}.",
+        f"KDA one-launch decode is OFF by explicit choice ({opt_out_setting(OPTION)}): vLLM's conv, gate and "
+        "recurrence kernels per layer and step; the startup report marks kda_decode inactive.",
+        f"KDA one-launch decode off for {layer.prefix} and similar layers: {{reason}}; vLLM's kernels serve them "
+        "(the startup check kda_decode reports it).")
 
 
 def install(layer, fused_conv: bool, platform: Platform) -> Selection:

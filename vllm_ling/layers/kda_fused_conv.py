@@ -35,13 +35,12 @@ known answers run :func:`short_conv` on a scratch state (:mod:`vllm_ling.ops.kno
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from vllm_ling.models.kda_merged_in_proj import MERGED_NAME
 from vllm_ling.models.layer_kinds import is_kda_module, kda_layers
-from vllm_ling.log import get_logger, log_once
+from vllm_ling.layers.selection_said import say_selection
+from vllm_ling.log import get_logger
 from vllm_ling.models.kda_fused_conv import FUSED_DESCRIPTION, OPTION, WEIGHT_ATTR, KdaConv, select_kda_fused_conv
 from vllm_ling.ops.known_answer.kda_conv import ConvCall
 from vllm_ling.options import LingOptions, opt_out_setting
@@ -71,23 +70,18 @@ def conv_problems(layer) -> list[str]:
 
 
 def decide(layer, merged_in_proj: bool, platform: Platform) -> Selection:
-    """The layer's selection, said once: opted out, one WARNING; a fallback, one WARNING per reason."""
-    selection = select_kda_fused_conv(LingOptions.current().kda_fused_conv, platform, merged_in_proj,
-                                      conv_problems(layer))
-    if selection.choice is KdaConv.FUSED:
-        log_once(logger, logging.INFO, "kda-fused-conv", "KDA short convolutions: %s.", FUSED_DESCRIPTION)
-    elif platform is Platform.CPU:
-        pass
-    elif selection.fallback_from is None:
-        log_once(logger, logging.WARNING, "kda-fused-conv-opt-out",
-                 "KDA fused convolutions are OFF by explicit choice (%s): vLLM's KDA forward, three conv launches "
-                 "per layer and a host sync per layer at prefill; the startup report marks kda_fused_conv inactive.",
-                 opt_out_setting(OPTION))
-    else:
-        log_once(logger, logging.WARNING, f"kda-fused-conv-off-{selection.reason}",
-                 "KDA fused convolutions off for %s and similar layers: %s; vLLM's three launches serve them "
-                 "(the startup check kda_fused_conv reports it).", layer.prefix, selection.reason)
-    return selection
+    """The layer's selection, said once (:func:`~vllm_ling.layers.selection_said.say_selection`): where the
+    in-projection is not merged, that switch's WARNING says it, not a second one claiming this opt-out."""
+    enabled = LingOptions.current().kda_fused_conv
+    selection = select_kda_fused_conv(enabled, platform, merged_in_proj, conv_problems(layer))
+    return say_selection(
+        logger, "kda-fused-conv", selection, selection.choice is KdaConv.FUSED, enabled, platform,
+        f"KDA short convolutions: {FUSED_DESCRIPTION}.",
+        f"KDA fused convolutions are OFF by explicit choice ({opt_out_setting(OPTION)}): vLLM's KDA forward, three "
+        "conv launches per layer and a host sync per layer at prefill; the startup report marks kda_fused_conv "
+        "inactive.",
+        f"KDA fused convolutions off for {layer.prefix} and similar layers: {{reason}}; vLLM's three launches serve "
+        "them (the startup check kda_fused_conv reports it).")
 
 
 def fuse_conv_weights(layer) -> torch.Tensor:

@@ -10,12 +10,12 @@ of ``kda_decode`` run the launch with the layer's norm.
 
 from __future__ import annotations
 
-import logging
 
 import torch
 
 from vllm_ling.layers import kda_decode
-from vllm_ling.log import get_logger, log_once
+from vllm_ling.layers.selection_said import say_selection
+from vllm_ling.log import get_logger
 from vllm_ling.models.kda_decode import KdaDecode
 from vllm_ling.models.kda_output_norm import GATE_ACTIVATION, NORM_DESCRIPTION, OPTION, KdaOutputNorm, \
     select_kda_output_norm
@@ -47,22 +47,16 @@ def norm_problems(layer) -> list[str]:
 
 
 def decide(layer, decode: Selection, platform: Platform) -> Selection:
-    """The layer's selection, said once: opted out, one WARNING; a fallback, one WARNING per reason."""
-    selection = select_kda_output_norm(LingOptions.current().kda_output_norm, platform,
-                                       decode.choice is KdaDecode.LING, norm_problems(layer))
-    if selection.choice is KdaOutputNorm.LING:
-        log_once(logger, logging.INFO, "kda-output-norm", "KDA output norm: %s.", NORM_DESCRIPTION)
-    elif platform is Platform.CPU or (selection.fallback_from is None and LingOptions.current().kda_output_norm):
-        pass  # the CPU layer, or another switch's consequence (that switch says so)
-    elif selection.fallback_from is None:
-        log_once(logger, logging.WARNING, "kda-output-norm-opt-out",
-                 "KDA output norm inside the decode launch is OFF by explicit choice (%s): vLLM's norm kernel after "
-                 "each KDA layer's core; the startup report marks kda_output_norm inactive.", opt_out_setting(OPTION))
-    else:
-        log_once(logger, logging.WARNING, f"kda-output-norm-off-{selection.reason}",
-                 "KDA output norm inside the decode launch off for %s and similar layers: %s; vLLM's norm serves "
-                 "them (the startup check kda_output_norm reports it).", layer.prefix, selection.reason)
-    return selection
+    """The layer's selection, said once (:func:`~vllm_ling.layers.selection_said.say_selection`)."""
+    enabled = LingOptions.current().kda_output_norm
+    selection = select_kda_output_norm(enabled, platform, decode.choice is KdaDecode.LING, norm_problems(layer))
+    return say_selection(
+        logger, "kda-output-norm", selection, selection.choice is KdaOutputNorm.LING, enabled, platform,
+        f"KDA output norm: {NORM_DESCRIPTION}.",
+        f"KDA output norm inside the decode launch is OFF by explicit choice ({opt_out_setting(OPTION)}): vLLM's "
+        "norm kernel after each KDA layer's core; the startup report marks kda_output_norm inactive.",
+        f"KDA output norm inside the decode launch off for {layer.prefix} and similar layers: {{reason}}; vLLM's "
+        "norm serves them (the startup check kda_output_norm reports it).")
 
 
 def install(layer, decode: Selection, platform: Platform) -> Selection:
