@@ -304,7 +304,10 @@ def test_on_the_gpu_the_kernel_passes_and_equals_vllms_three_kernels(heads, head
         ours, theirs = _on(call, "cuda"), _on(call, "cuda")
         out = torch.zeros((call.x.shape[0], heads, head_dim), dtype=torch.bfloat16, device="cuda")
         kda_decode(ours, out)
-        want = vllm_step(theirs)()  # vLLM's three kernels, as the benchmark times them
+        step = vllm_step(theirs)  # vLLM's three kernels, as the benchmark times them
+        if step is None:
+            pytest.skip("the known answers passed; vLLM's kernels need vLLM (a kernel-only device bundle)")
+        want = step()
         live = (ours.slots[:, 0] if ours.spec else ours.slots) > 0  # vLLM leaves a padded row unwritten
         rows = live.repeat_interleave(call.x.shape[0] // live.numel()) if ours.spec else live
         err = (out[rows].float() - want[rows].float()).norm(dim=-1) / want[rows].float().norm(dim=-1)
