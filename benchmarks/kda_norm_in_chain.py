@@ -57,13 +57,6 @@ def _layer_calls(window: int, gen: torch.Generator):
     return call(False), call(True), row[:, 4 * P:], norm_w
 
 
-def _native_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """vLLM's ``FusedRMSNormGated.forward_native`` (sigmoid gate), as its compiled forward computes it."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
-    return (y * torch.sigmoid(gate.float())).to(x.dtype)
-
-
 def layer_bytes(window: int) -> int:
     """A layer's bytes: the KDA step's (benchmarks.kda_decode: states, conv states, its rows), the gate rows the
     norm reads, the out-projection's FP8 weight and fp32 block scales and its output rows."""
@@ -72,13 +65,16 @@ def layer_bytes(window: int) -> int:
 
 def chain_rows(windows: list[int], layers: int, iters: int) -> list[dict]:
     from vllm_ling.ops.dense_fp8.linear import w8a16_linear
+    from vllm_ling.ops.kda import gated_rms_norm
     from vllm_ling.ops.kda_decode import kda_decode
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     o_w = [(torch.randn(H, P, device=dev, generator=gen) * 0.05).to(torch.float8_e4m3fn) for _ in range(layers)]
     o_s = [torch.rand(H // 128, P // 128, device=dev, generator=gen) + 0.5 for _ in range(layers)]
-    inductor_norm = torch.compile(_native_norm, dynamic=False, fullgraph=True)
+    # vLLM's FusedRMSNormGated.forward_native (sigmoid gate): the project's plain-PyTorch gated norm, compiled
+    inductor_norm = torch.compile(functools.partial(gated_rms_norm, activation="sigmoid"), dynamic=False,
+                                  fullgraph=True)
     rows = []
     for window in windows:
         steps = [_layer_calls(window, gen) for _ in range(layers)]
@@ -101,8 +97,8 @@ def chain_rows(windows: list[int], layers: int, iters: int) -> list[dict]:
         # the launch's norm against vLLM's on this run's inputs first (fresh pools: one step each)
         plain, with_norm, gate, norm_w = _layer_calls(window, gen)
         got = kda_decode(with_norm, torch.empty(window, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16))
-        want = _native_norm(kda_decode(plain, torch.empty_like(got)), gate.unflatten(-1, (HEADS, HEAD_DIM)), norm_w,
-                            EPS)
+        want = gated_rms_norm(kda_decode(plain, torch.empty_like(got)), gate.unflatten(-1, (HEADS, HEAD_DIM)), norm_w,
+                              EPS, activation="sigmoid")
         torch.cuda.synchronize()
         err = ((got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1)).max().item()
         row = {"window": window, "inductor_us": per_layer("inductor"), "inside_us": per_layer("inside"),

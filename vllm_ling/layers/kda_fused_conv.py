@@ -189,7 +189,7 @@ def kda_attention(layer, qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.
             q, k, v = qkv.split(layer.projection_size_per_partition, dim=-1)
             layer._forward(q, k, v, *gate_and_beta(layer, f, beta_logits), core_attn_out)
             if kda_output_norm.active(layer):  # the padding's zero rows stay zero
-                kda_output_norm.apply(layer, core_attn_out[0], g)
+                core_attn_out[0].copy_(kda_output_norm.normed(layer, core_attn_out[0], g))
         return
     conv_state, recurrent_state = layer.kv_cache
     recurrent_state = recurrent_state[..., :layer.head_dim]
@@ -205,16 +205,15 @@ def kda_attention(layer, qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.
         kda_decode.step(layer, md, x, f, beta_logits, conv_state, recurrent_state, weight, core_attn_out[0, :n],
                         verify=verify_only, output_norm=kda_output_norm.output_norm(layer, g[:n]) if norm else None)
         return
-    _core(layer, md, x, f, beta_logits, conv_state, recurrent_state, weight, core_attn_out, n, with_prefill,
-          decode_only)
-    if norm:
-        kda_output_norm.apply(layer, core_attn_out[0, :n], g[:n])
+    rows = _core(layer, md, x, f, beta_logits, conv_state, recurrent_state, weight, n, with_prefill, decode_only)
+    # one copy into the caller's buffer: the normed rows where the op applies the norm
+    core_attn_out[0, :n].copy_(kda_output_norm.normed(layer, rows, g[:n]) if norm else rows)
 
 
 def _core(layer, md, x: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, conv_state: torch.Tensor,
-          recurrent_state: torch.Tensor, weight: torch.Tensor, core_attn_out: torch.Tensor, n: int,
-          with_prefill: bool, decode_only: bool) -> None:
-    """The fused conv and vLLM's kernels (see :func:`kda_attention`) into ``core_attn_out[0, :n]``."""
+          recurrent_state: torch.Tensor, weight: torch.Tensor, n: int, with_prefill: bool,
+          decode_only: bool) -> torch.Tensor:
+    """The fused conv and vLLM's kernels (see :func:`kda_attention`): the core's rows [n, heads, head_dim]."""
     from vllm.model_executor.models import bailing_moe_v3 as vllm_model
 
     if with_prefill:  # vLLM's chunked path, which takes the batch's decodes along (has_initial_state True)
@@ -235,8 +234,7 @@ def _core(layer, md, x: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor
             initial_state=start, output_final_state=True, lower_bound=layer.lower_bound if layer.safe_gate else None,
             use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
         recurrent_state[slots] = final
-        core_attn_out[0, :n].copy_(out[0, :n])
-        return
+        return out[0, :n]
     g1, beta = gate_and_beta(layer, f, beta_logits)
     if decode_only:
         slots = md.non_spec_state_indices_tensor
@@ -254,7 +252,7 @@ def _core(layer, md, x: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor
             q=q, k=k, v=v, g=g1.contiguous(), beta=beta.contiguous(), scale=layer.head_dim ** -0.5,
             initial_state=recurrent_state, inplace_final_state=True, cu_seqlens=cu[:md.num_spec_decodes + 1],
             ssm_state_indices=slots, num_accepted_tokens=md.num_accepted_tokens, use_qk_l2norm_in_kernel=True)
-    core_attn_out[0, :n].copy_(out[0, :n])
+    return out[0, :n]
 
 
 def _kda_attention_op(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, g: torch.Tensor,

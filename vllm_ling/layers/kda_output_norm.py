@@ -3,7 +3,7 @@
 
 Where it serves, the layer's op (:func:`vllm_ling.layers.kda_fused_conv.kda_attention`) hands back the
 normed output: the one launch applies the norm at decode and in verify windows (:func:`output_norm`), the
-other batches run vLLM's norm kernel on the core's output inside the op (:func:`apply`), and the layer's
+other batches run vLLM's norm kernel on the core's output inside the op (:func:`normed`), and the layer's
 forward skips its own norm. :data:`READER` reads back what the op and the forward will do; the known answers
 of ``kda_decode`` run the launch with the layer's norm.
 """
@@ -75,11 +75,12 @@ def output_norm(layer, gate: torch.Tensor) -> OutputNorm:
     return OutputNorm(gate, layer.o_norm.weight, float(layer.o_norm.eps))
 
 
-def apply(layer, core: torch.Tensor, gate: torch.Tensor) -> None:
-    """vLLM's norm on the core's output ``core`` [tokens, heads, head_dim] in place, for the batches the launch
-    does not serve (prefills): its CUDA kernel (``FusedRMSNormGated.forward_cuda``, one launch), as vLLM's
-    compiled forward would compute it with Inductor (``forward_native``) up to the kernels' fp32 order."""
-    core.copy_(layer.o_norm.forward_cuda(core, gate.unflatten(-1, (-1, layer.head_dim))))
+def normed(layer, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """vLLM's norm of the core's rows ``core`` [tokens, heads, head_dim] with the raw gate rows ``gate``
+    [tokens, P], for the batches the launch does not serve (prefills): its CUDA kernel
+    (``FusedRMSNormGated.forward_cuda``, one launch), as vLLM's compiled forward would compute it with Inductor
+    (``forward_native``) up to the kernels' fp32 order."""
+    return layer.o_norm.forward_cuda(core, gate.unflatten(-1, (-1, layer.head_dim)))
 
 
 def served(layer) -> Served:
