@@ -14,7 +14,8 @@
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-splits32 # full-size: ours with vLLM's 32 decode splits in graphs
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-normvllm # full-size: ours with vLLM's (Inductor's) norms
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-kdanormvllm # full-size: ours with vLLM's KDA output norm
-#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours-normvllm|ours-kdanormvllm
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh ours-splits64 # full-size: ours with 64 MLA decode splits
+#   WITH_TESTS="scripted trap" ... ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours-normvllm|ours-kdanormvllm|ours-splits64
 #                                   # those tiny end-to-end tests beside it first
 #   LAYERS=6 TREE_COMMIT=<sha> bash scripts/h200_session.sh slices  # A/B of each switch on a 6-layer slice
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh cuts   # the decode-step cuts' GPU tests (each cut that fails
@@ -244,7 +245,7 @@ tests)
   [ "${#pids[@]}" -gt 0 ] && wait "${pids[@]}"
   record_tiny "$names"
   ;;
-ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours-normvllm|ours-kdanormvllm)
+ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours-normvllm|ours-kdanormvllm|ours-splits64)
   # WITH_TESTS="scripted trap ...": those tiny end-to-end tests (names as in tiny_test) run beside the
   # full-size start, which measures only once they are done (the timings stay that server's own).
   # STARTUP_S (480) and TINY_S (420): the start-up and beside-test limits; scripts/h200_lease.sh, whose
@@ -282,6 +283,9 @@ ours|upstream|ours-mtp|ours-dspark|ours-flashmla|ours-kdavllm|ours-splits32|ours
   [ "$phase" = ours-kdavllm ] && composition+=(--switch VLLM_LING_KDA_DECODE=0)
   # issue 29's MLA decode cut against vLLM's bound (32 splits: 32 CTAs read a batch-1 decode's latent cache)
   [ "$phase" = ours-splits32 ] && composition+=(--switch VLLM_LING_DECODE_SPLITS=0)
+  # the bound the kernel table favours (lease 2026-12-07h: 30.9 us per MLA layer at 32K and one token against
+  # 33.2 at 128, 72 against 76 at 128K) against the default 128, back to back with ours
+  [ "$phase" = ours-splits64 ] && composition+=(--switch VLLM_LING_DECODE_SPLITS=64)
   # issue 29's norms against Inductor's (vLLM's default under torch.compile), back to back with ours
   [ "$phase" = ours-normvllm ] && composition+=(--switch VLLM_LING_RESIDUAL_NORM=vllm)
   # issue 29's KDA output norm inside the decode launch against vLLM's norm kernel after it, back to back with ours
