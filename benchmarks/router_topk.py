@@ -7,7 +7,7 @@ sit at a near tie (where either pick is right).
 
     python -m benchmarks.router_topk --out benchmarks/results/router_topk_h100.md   # on the GPU
     python -m benchmarks.router_topk --json rows.json ...   # the rows, machine-readable
-    python -m benchmarks.router_topk --candidate-wins rows.json   # exit 0: the two-level variant
+    python -m benchmarks.router_topk --candidate-wins rows.json   # exit 0: the candidate variant
                                                                   # was right and faster at decode sizes
 
 The whole router in one launch (gate GEMV + top-k, a candidate until lease 2026-12-07g) lost to the
@@ -33,6 +33,7 @@ from benchmarks.lm_head import copy_bandwidth_gbs
 from benchmarks.output import write_outputs
 from benchmarks.timing import stacked_time_us
 from vllm_ling.ops.known_answer.router_topk import Routing, decision_margins
+from vllm_ling.ops.router_topk.kernel import CANDIDATE_VARIANT
 
 CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_config.json").read_text())
 LAYERS = 40
@@ -44,21 +45,22 @@ CANDIDATE_MARGIN = 0.95
 
 
 def candidate_wins(rows: list[dict]) -> tuple[bool, str]:
-    """Whether the two-level variant should serve, from :func:`main`'s JSON rows, and why: right at every
+    """Whether the candidate variant (``CANDIDATE_VARIANT``) should serve, from :func:`main`'s JSON rows, and why:
+    right at every
     size (no pick off the reference away from a near tie), and faster than the served kernel by
     ``CANDIDATE_MARGIN`` at every decode size in ``DECODE_TOKENS`` that was timed (at least one)."""
-    rows = [r for r in rows if "two_level_us" in r]
-    wrong = [r["tokens"] for r in rows if r["two_level_off"] != r["two_level_near_tie"]]
+    rows = [r for r in rows if "candidate_us" in r]
+    wrong = [r["tokens"] for r in rows if r["candidate_off"] != r["candidate_near_tie"]]
     if wrong:
-        return False, f"two_level picked other experts than the reference at {wrong} tokens"
+        return False, f"{CANDIDATE_VARIANT} picked other experts than the reference at {wrong} tokens"
     decode = [r for r in rows if r["tokens"] in DECODE_TOKENS]
     if not decode:
         return False, f"no decode size ({', '.join(map(str, DECODE_TOKENS))} tokens) was timed"
-    slower = [r for r in decode if r["two_level_us"] > CANDIDATE_MARGIN * r["ours_us"]]
-    said = ", ".join(f"{r['tokens']}: {r['two_level_us']:.2f} vs {r['ours_us']:.2f} us" for r in decode)
+    slower = [r for r in decode if r["candidate_us"] > CANDIDATE_MARGIN * r["ours_us"]]
+    said = ", ".join(f"{r['tokens']}: {r['candidate_us']:.2f} vs {r['ours_us']:.2f} us" for r in decode)
     if slower:
-        return False, f"two_level is not {1 - CANDIDATE_MARGIN:.0%} faster at every decode size ({said})"
-    return True, f"two_level is right and faster ({said})"
+        return False, f"{CANDIDATE_VARIANT} is not {1 - CANDIDATE_MARGIN:.0%} faster at every decode size ({said})"
+    return True, f"{CANDIDATE_VARIANT} is right and faster ({said})"
 
 
 def ling_routing() -> Routing:
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--candidate-wins", metavar="ROWS_JSON", default=None,
-                        help="only judge an earlier run's rows: exit 0 where the two-level variant should serve")
+                        help="only judge an earlier run's rows: exit 0 where the candidate variant should serve")
     args = parser.parse_args(argv)
     if args.candidate_wins:
         wins, why = candidate_wins(json.loads(Path(args.candidate_wins).read_text()))
@@ -132,18 +134,18 @@ def main(argv: list[str] | None = None) -> int:
         want = [grouped_topk(lg, top_k, n_group, topk_group, b, True, scale)[1] for lg, b in zip(logits, biases)]
         ours_off = tokens_off([o[1] for o in outs], want, logits, biases, routing)
         # the candidate variant (vllm_ling.ops.router_topk.kernel.VARIANTS), timed and checked alike
-        two_us = stacked_time_us([lambda lg=lg, b=b, o=o: grouped_topk_cuda(lg, b, top_k, n_group, topk_group, True,
+        cand_us = stacked_time_us([lambda lg=lg, b=b, o=o: grouped_topk_cuda(lg, b, top_k, n_group, topk_group, True,
                                                                              scale, weights=o[0], ids=o[1],
-                                                                             variant="two_level")
+                                                                             variant=CANDIDATE_VARIANT)
                                   for lg, b, o in zip(logits, biases, outs)], args.iters)
-        two_off = tokens_off([o[1] for o in outs], want, logits, biases, routing)
+        cand_off = tokens_off([o[1] for o in outs], want, logits, biases, routing)
         their_us, their_off = None, None
         if theirs is not None:
             their_us = stacked_time_us([lambda lg=lg, b=b: theirs(lg, b, top_k, n_group, topk_group, scale)
                                         for lg, b in zip(logits, biases)], args.iters)
             got = [theirs(lg, b, top_k, n_group, topk_group, scale)[1] for lg, b in zip(logits, biases)]
             their_off = tokens_off(got, want, logits, biases, routing)
-        rows.append((t, ours_us, their_us, nbytes, ours_off, their_off, two_us, two_off))
+        rows.append((t, ours_us, their_us, nbytes, ours_off, their_off, cand_us, cand_off))
         print(f"T={t}: ours {ours_us:.2f} us, vLLM {their_us if their_us is None else f'{their_us:.2f}'} us",
               file=sys.stderr)
     lines = [f"# Ling's router top-k, one MoE layer ({torch.cuda.get_device_name()})", "",
@@ -152,22 +154,22 @@ def main(argv: list[str] | None = None) -> int:
              f"us per layer. Copy bandwidth in this run: {bw:,.0f} GB/s ({how}).", "",
              "| tokens | vllm-ling kernel (us) | vLLM grouped_topk (us) | vLLM / ours | bytes | fraction of copy BW (ours) "
              f"| tokens picking other experts than the reference, of {LAYERS} x tokens (ours / vLLM; in brackets "
-             f"those at a near tie, decision margin < {NEAR_TIE:g}) | two-level variant (us) | two-level: tokens "
-             "picking other experts |", "|---|---|---|---|---|---|---|---|---|"]
-    for t, ours_us, their_us, nbytes, ours_off, their_off, two_us, two_off in rows:
+             f"those at a near tie, decision margin < {NEAR_TIE:g}) | candidate `{CANDIDATE_VARIANT}` (us) "
+             "| candidate: tokens picking other experts |", "|---|---|---|---|---|---|---|---|---|"]
+    for t, ours_us, their_us, nbytes, ours_off, their_off, cand_us, cand_off in rows:
         ratio = f"{their_us / ours_us:.2f}x" if their_us else "-"
         frac = nbytes / (ours_us * 1e-6) / (bw * 1e9)
         lines.append(f"| {t} | {ours_us:.2f} | {'-' if their_us is None else f'{their_us:.2f}'} | {ratio} | {nbytes:,} "
-                     f"| {frac:.4f} | {_off(ours_off)} / {_off(their_off)} | {two_us:.2f} | {_off(two_off)} |")
+                     f"| {frac:.4f} | {_off(ours_off)} / {_off(their_off)} | {cand_us:.2f} | {_off(cand_off)} |")
     write_outputs("\n".join(lines) + "\n", args.out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"tokens": t, "ours_us": ours_us, "vllm_us": their_us, "ours_off": ours_off[0],
-                        "ours_near_tie": ours_off[1], "two_level_us": two_us, "two_level_off": two_off[0],
-                        "two_level_near_tie": two_off[1]}
-                       for t, ours_us, their_us, _, ours_off, _, two_us, two_off in rows], f, indent=1)
+                        "ours_near_tie": ours_off[1], "candidate": CANDIDATE_VARIANT, "candidate_us": cand_us,
+                        "candidate_off": cand_off[0], "candidate_near_tie": cand_off[1]}
+                       for t, ours_us, their_us, _, ours_off, _, cand_us, cand_off in rows], f, indent=1)
     # a pick that differs away from a near tie is a wrong kernel; at a tie either side is right
-    right = all(off == near and two[0] == two[1] for _, _, _, _, (off, near), _, _, two in rows)
+    right = all(off == near and cand[0] == cand[1] for _, _, _, _, (off, near), _, _, cand in rows)
     return 0 if right else 1
 
 

@@ -23,7 +23,7 @@
 #                                                         # WITH_TESTS="dspark" runs tiny tests beside them
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh kda-bench # the KDA decode benchmark (cuts runs it unless CUTS_KDA_BENCH=0)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh gate-bench # the router gate at prefill sizes (kernel-only)
-#   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-bench # the router top-k kernels (kernel-only)
+#   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-bench # the router top-k kernels (kernel-only); a winning candidate serves the later phases
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh mla-splits   # FlashAttention 3's MLA decode by split bound (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh router-step  # the router between its real neighbours (kernel-only)
 #   TREE_COMMIT=<sha> bash scripts/h200_session.sh norm-chain   # the residual norms and the KDA output norm between
@@ -197,11 +197,26 @@ part() {  # name, time limit (s), pytest arguments...: one pytest process in the
    echo "$name rc $rc" >> "$out/rc.txt") &
   pids+=($!)
 }
-router_tests() {  # the router kernels' GPU tests, two parts: the served top-k's (router-topk) and the two-level
-  # candidate's apart, so a candidate's failure never switches the served kernel off (cuts_off reads
-  # router-topk.log only) and the candidate is judged on its own tests
-  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py -k "not two_level"
-  part router-topk-two-level 300 -m gpu tests/ops/test_router_topk_gpu.py -k two_level
+router_tests() {  # the router kernels' GPU tests, two parts: the served top-k's (router-topk) and the candidate's
+  # (kernel.py's CANDIDATE_VARIANT, ranks) apart, so a candidate's failure never switches the served kernel off
+  # (cuts_off reads router-topk.log only) and the candidate is judged on its own tests
+  part router-topk 300 -m gpu tests/ops/test_router_topk_gpu.py tests/layers/test_router_topk.py -k "not ranks and not candidate"
+  part router-topk-candidate 300 -m gpu tests/ops/test_router_topk_gpu.py -k "ranks or candidate"
+}
+serve_winning_topk_candidate() {  # rows JSON of benchmarks/router_topk.py
+  # The candidate router top-k serves this lease's later phases (in the lease's copy of the tree, which
+  # they import) where it passed its GPU tests and the benchmark found it right and faster at every decode
+  # size: its known-answer check runs at every start, and the ours profile names the kernel that served.
+  # The repository's SERVED_VARIANT changes only by a commit, after reading the numbers.
+  local why
+  if passed "$out/router-topk-candidate.log" && passed "$out/router-topk.log" &&
+     why=$(python3 -m benchmarks.router_topk --candidate-wins "$1" 2>&1); then
+    sed -i 's/^SERVED_VARIANT = "rounds"$/SERVED_VARIANT = "ranks"/' vllm_ling/ops/router_topk/kernel.py
+    grep -q '^SERVED_VARIANT = "ranks"$' vllm_ling/ops/router_topk/kernel.py &&
+      echo "router-topk: ranks serves the later phases ($why)" >> "$out/rc.txt"
+  else
+    echo "router-topk: rounds serves (${why:-the kernel tests did not both pass})" >> "$out/rc.txt"
+  fi
 }
 kda_bench() {  # the KDA decode benchmark; its launch table serves the later phases where phase cuts' kernel tests passed
   # (420 s: DSpark's 9-token windows and each window on the kernel's other path joined the cases)
@@ -365,7 +380,7 @@ cuts)
   for name in ${WITH_TESTS:-}; do tiny_test "$name" 540; done
   wait "${pids[@]}"
   [ -e "$out/router-topk.log" ] && record gpu:router-topk "$out/router-topk.log"
-  [ -e "$out/router-topk-two-level.log" ] && record gpu:router-topk-two-level "$out/router-topk-two-level.log"
+  [ -e "$out/router-topk-candidate.log" ] && record gpu:router-topk-candidate "$out/router-topk-candidate.log"
   record gpu:kda-conv "$out/kda-conv.log"
   record gpu:kda-decode "$out/kda-decode.log"
   [ -e "$out/cuts-e2e.log" ] && record gpu-e2e:cuts "$out/cuts-e2e.log"
@@ -378,18 +393,7 @@ cuts)
       > "$out/router-topk-bench.txt" 2>&1
     echo "router-topk-bench rc $?" >> "$out/rc.txt"
   fi
-  # The candidate router top-k serves this lease's later phases (in the lease's copy of the tree, which
-  # they import) where it passed its GPU tests and the benchmark found it right and faster at every decode
-  # size: its known-answer check runs at every start, and the ours profile names the kernel that served.
-  # The repository's SERVED_VARIANT changes only by a commit, after reading the numbers.
-  if passed "$out/router-topk-two-level.log" && passed "$out/router-topk.log" &&
-     why=$(python3 -m benchmarks.router_topk --candidate-wins "$out/router-topk.json" 2>&1); then
-    sed -i 's/^SERVED_VARIANT = "rounds"$/SERVED_VARIANT = "two_level"/' vllm_ling/ops/router_topk/kernel.py
-    grep -q '^SERVED_VARIANT = "two_level"$' vllm_ling/ops/router_topk/kernel.py &&
-      echo "router-topk: two_level serves the later phases ($why)" >> "$out/rc.txt"
-  else
-    echo "router-topk: rounds serves (${why:-the kernel tests did not both pass})" >> "$out/rc.txt"
-  fi
+  serve_winning_topk_candidate "$out/router-topk.json"
   # CUTS_KDA_BENCH=0: the KDA benchmark later, as its own phase kda-bench (a short lease's full-size phases first)
   [ "${CUTS_KDA_BENCH:-1}" = 1 ] && kda_bench
   ;;
@@ -401,10 +405,11 @@ router-bench)
   # benchmarks/router_topk.py (the top-k kernels against vLLM's)
   router_tests
   wait "${pids[@]}"
-  for name in router-topk router-topk-two-level; do record "gpu:$name" "$out/$name.log"; done
+  for name in router-topk router-topk-candidate; do record "gpu:$name" "$out/$name.log"; done
   timeout 300 python3 -m benchmarks.router_topk --tokens 1,2,4,16,256 --out "$OUT/router-topk.md" \
     --json "$OUT/router-topk.json" > "$out/router-topk-bench.txt" 2>&1
   echo "router-topk-bench rc $?" >> "$out/rc.txt"
+  serve_winning_topk_candidate "$OUT/router-topk.json"
   ;;
 router-step)
   # The router between its real neighbours on an idle GPU (kernel-only, a few minutes: 8 MoE layers of experts

@@ -40,9 +40,9 @@ def test_picks_in_another_order_are_not_off():
     assert B.tokens_off([want.flip(-1)], [want], [logits], [bias], ROUTING) == (0, 0)
 
 
-def _row(tokens: int, ours_us: float, two_us: float, off: int = 0, near: int = 0) -> dict:
+def _row(tokens: int, ours_us: float, candidate_us: float, off: int = 0, near: int = 0) -> dict:
     return {"tokens": tokens, "ours_us": ours_us, "vllm_us": None, "ours_off": 0, "ours_near_tie": 0,
-            "two_level_us": two_us, "two_level_off": off, "two_level_near_tie": near}
+            "candidate": "ranks", "candidate_us": candidate_us, "candidate_off": off, "candidate_near_tie": near}
 
 
 def test_the_candidate_serves_only_where_right_and_faster_at_every_decode_size():
@@ -85,4 +85,4 @@ def test_the_leases_switch_to_the_candidate_rewrites_the_served_variant(tmp_path
     copy.write_text(Path(kernel.__file__).read_text())
     subprocess.run(["sed", "-i", expression, str(copy)], check=True)
     served = re.findall(r'^SERVED_VARIANT = "(\w+)"$', copy.read_text(), re.M)
-    assert served == ["two_level"] and "two_level" in kernel.VARIANTS
+    assert served == [kernel.CANDIDATE_VARIANT] and kernel.CANDIDATE_VARIANT in kernel.VARIANTS

@@ -18,7 +18,7 @@ CONFIG = json.loads(resources.files("vllm_ling").joinpath("data/ling3_flash_fp4_
 LING = (CONFIG["num_experts"], CONFIG["n_group"], CONFIG["topk_group"], CONFIG["num_experts_per_tok"])
 
 
-VARIANTS = ("rounds", "two_level")  # vllm_ling.ops.router_topk.kernel.VARIANTS: the served one and its candidate
+VARIANTS = ("rounds", "ranks")  # vllm_ling.ops.router_topk.kernel.VARIANTS: the served one and its candidate
 
 
 def _check(tokens: int, experts: int, n_group: int, topk_group: int, top_k: int, renormalize: bool, seed: int,
@@ -51,17 +51,18 @@ def test_other_shapes_and_no_renormalisation(cfg, variant):
     _check(8, *cfg, renormalize=False, seed=1, variant=variant)
 
 
-def test_the_two_level_variant_agrees_with_the_served_one_at_exact_ties():
-    """Logits rounded to a coarse grid tie often: both variants break ties by the lower expert index, at
-    both levels of the two-level one."""
-    from vllm_ling.ops.router_topk.kernel import grouped_topk_cuda
+def test_the_candidate_agrees_with_the_served_variant_at_exact_ties():
+    """Logits rounded to a coarse grid tie often: both variants break ties by the lower expert index (the
+    candidate's ranks by warp order across warps), and sum the renormalisation in pick order: equal weights."""
+    from vllm_ling.ops.router_topk.kernel import CANDIDATE_VARIANT, SERVED_VARIANT, grouped_topk_cuda
 
-    g = torch.Generator(device="cuda").manual_seed(3)
-    logits = (torch.randn(64, LING[0], device="cuda", generator=g) * 4).round() / 4
-    bias = torch.zeros(LING[0], device="cuda")
-    rounds = grouped_topk_cuda(logits, bias, LING[3], LING[1], LING[2], variant="rounds")
-    two_level = grouped_topk_cuda(logits, bias, LING[3], LING[1], LING[2], variant="two_level")
-    assert torch.equal(rounds[1], two_level[1]) and torch.equal(rounds[0], two_level[0])
+    for seed, routing in ((3, LING), (4, (1024, 32, 5, 32)), (5, (256, 8, 2, 6))):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        logits = (torch.randn(64, routing[0], device="cuda", generator=g) * 4).round() / 4
+        bias = torch.zeros(routing[0], device="cuda")
+        served = grouped_topk_cuda(logits, bias, routing[3], routing[1], routing[2], variant=SERVED_VARIANT)
+        candidate = grouped_topk_cuda(logits, bias, routing[3], routing[1], routing[2], variant=CANDIDATE_VARIANT)
+        assert torch.equal(served[1], candidate[1]) and torch.equal(served[0], candidate[0]), routing
 
 
 def test_a_row_stride_other_than_the_expert_count_is_read_as_such():

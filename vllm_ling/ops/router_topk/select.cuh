@@ -1,4 +1,4 @@
-// Warp-level selection helpers of the router top-k kernels (grouped_topk.cu, grouped_topk_two_level.cu):
+// Warp-level selection helpers of the router top-k kernels (grouped_topk.cu, grouped_topk_ranks.cu):
 // kernel.py puts them after the #define lines and before a kernel's text.
 
 #ifndef NEG_INF
