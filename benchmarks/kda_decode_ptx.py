@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     served = served_configurations()
     lines = ["# The KDA decode kernel through ptxas, per launch configuration", "",
              f"`python -m benchmarks.kda_decode_ptx` (no GPU): Ling's shape ({HEAD_DIM}-channel heads, conv width "
-             f"{WIDTH}), programmatic dependent launch on; plain decode, {NUM_SPEC + 1}-token verify windows (the "
+             f"{WIDTH}), programmatic dependent launch on, the gated output norm inside the launch (served by "
+             f"default); plain decode, {NUM_SPEC + 1}-token verify windows (the "
              f"tile path) and {DSPARK_WINDOW}-token ones (DSpark's, the streamed path). "
              "Registers per thread, spilled bytes stored / loaded, block-wide barriers in the PTX. *served*: a "
              "configuration the launch table hands out.", "",
