@@ -356,7 +356,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("VLLM_LING_RESIDUAL_NORM", "choice", ResidualNorm.LING,
            "`ling`: the decoder layers' residual add + RMSNorm (vLLM's IR op `fused_add_rms_norm`) run "
            "vllm-ling's kernel on CUDA, which lets the next kernel launch at once so its weights stream while "
-           "the norm runs (an error where it cannot run; vLLM's where it does not take the model's rows, one "
+           "the norm runs, and under torch.compile adds the MoE's shared + routed outputs before each norm inside "
+           "the same launch (a post-grad pass in vLLM's `post_grad_custom_post_pass`; where another pass holds it, "
+           "one WARNING) (an error where it cannot run; vLLM's where it does not take the model's rows, one "
            "WARNING, reported); `vllm` opts out to vLLM's platform default, "
            "Inductor's fused reduction (one WARNING, reported). A priority given in `--ir-op-priority` or "
            "`--kernel-config` wins. The CPU path is unchanged",

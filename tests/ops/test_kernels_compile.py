@@ -174,7 +174,8 @@ def residual_norm_sources() -> dict[str, str]:
     """Ling's hidden size, and widths of one, two and four 16-byte chunks per thread."""
     from vllm_ling.ops.residual_norm import kernel as residual_norm
 
-    return {f"hidden={h}": residual_norm.source(h) for h in (CONFIG["hidden_size"], 256, 12288, 32768)}
+    return {f"hidden={h} addends={n}": residual_norm.source(h, n) for h in (CONFIG["hidden_size"], 256, 12288, 32768)
+            for n in (1, 2)}
 
 
 def family_sources(target: Target, family: str) -> dict[str, str]:

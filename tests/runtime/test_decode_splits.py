@@ -29,7 +29,7 @@ def _config(max_num_seqs=4, spec_tokens=3, tp=1, heads=32, lora=512, bound=None,
     hf = types.SimpleNamespace(num_attention_heads=heads, kv_lora_rank=lora)
     return types.SimpleNamespace(
         attention_config=attention, model_config=types.SimpleNamespace(hf_config=hf, enforce_eager=eager),
-        compilation_config=types.SimpleNamespace(cudagraph_mode=mode),
+        compilation_config=types.SimpleNamespace(cudagraph_mode=mode, mode=None, inductor_compile_config={}),
         parallel_config=types.SimpleNamespace(tensor_parallel_size=tp),
         scheduler_config=types.SimpleNamespace(max_num_seqs=max_num_seqs),
         speculative_config=None if spec_tokens is None else types.SimpleNamespace(num_speculative_tokens=spec_tokens))

@@ -22,7 +22,8 @@ def _config(priority=None, hidden=4096, dtype=None):
     ir_priority = IrOpPriorityConfig() if priority is None else IrOpPriorityConfig(fused_add_rms_norm=priority)
     hf = types.SimpleNamespace(hidden_size=hidden, rms_norm_eps=1e-6)
     return types.SimpleNamespace(kernel_config=types.SimpleNamespace(ir_op_priority=ir_priority),
-                                 model_config=types.SimpleNamespace(hf_config=hf, dtype=dtype or torch.bfloat16))
+                                 model_config=types.SimpleNamespace(hf_config=hf, dtype=dtype or torch.bfloat16),
+                                 compilation_config=types.SimpleNamespace(inductor_compile_config={}))
 
 
 def _options(value="ling"):
@@ -51,6 +52,38 @@ def test_cuda_puts_the_provider_first_and_vllm_appends_its_defaults_after_it():
     assert again == selection and current == [R.PROVIDER, "native"]
 
 
+def test_the_provider_brings_the_moe_sum_fold_into_vllms_post_grad_slot(caplog):
+    from vllm_ling.layers.moe_sum_norm import MoeSumNormPass
+
+    config = _config()
+    selection = R.decide_residual_norm(config, _options(), on_cuda=True, unavailable_reason=_available)
+    assert isinstance(config.compilation_config.inductor_compile_config[R.FOLD_PASS_KEY], MoeSumNormPass)
+    assert R.FOLDED in selection.reason
+    # another pass in the slot stays; the fold is said to be off, once, with why
+    held = _config()
+    theirs = object()
+    held.compilation_config.inductor_compile_config[R.FOLD_PASS_KEY] = theirs
+    with caplog.at_level(logging.WARNING):
+        selection = R.decide_residual_norm(held, _options(), on_cuda=True, unavailable_reason=_available)
+    assert held.compilation_config.inductor_compile_config[R.FOLD_PASS_KEY] is theirs
+    assert "not folded" in selection.reason and "object" in selection.reason
+    assert any("stays an Inductor kernel" in r.getMessage() for r in caplog.records)
+
+
+def test_the_fold_counts_as_compiled_only_under_vllms_compile_mode():
+    from vllm.config import CompilationMode
+
+    from vllm_ling.layers.moe_sum_norm import MoeSumNormPass
+
+    def config(mode, installed=True):
+        return types.SimpleNamespace(mode=mode, inductor_compile_config={R.FOLD_PASS_KEY: MoeSumNormPass()}
+                                     if installed else {})
+
+    assert R.sum_fold_compiled(config(CompilationMode.VLLM_COMPILE))
+    assert not R.sum_fold_compiled(config(CompilationMode.NONE))  # --enforce-eager: no passes run
+    assert not R.sum_fold_compiled(config(CompilationMode.VLLM_COMPILE, installed=False))
+
+
 def test_the_users_priority_wins():
     config = _config(["vllm_c", "native"])
     selection = R.decide_residual_norm(config, _options(), on_cuda=True, unavailable_reason=_available)
@@ -65,6 +98,7 @@ def test_opt_out_keeps_vllms_default_with_one_warning(caplog):
     assert selection.choice is R.NormPath.OPTED_OUT and "VLLM_LING_RESIDUAL_NORM=vllm" in selection.reason
     assert config.kernel_config.ir_op_priority.fused_add_rms_norm == []
     assert any("Residual norms stay vLLM's" in r.getMessage() for r in caplog.records)
+    assert R.FOLD_PASS_KEY not in config.compilation_config.inductor_compile_config  # nor the MoE-sum fold
 
 
 def test_cpu_asks_for_nothing():
@@ -182,6 +216,13 @@ def test_entry_requested_where_decided_and_confirmed_by_the_calls(caplog):
     entry = V.residual_norm_entry(config, Check(V.CHECK_NAME, True, "e", "a"))
     assert entry["requested"] and entry["active"]
     assert V.confirm_calls(entry, 80)["active"]
+    folded = V.confirm_calls(entry, 80, folded=78, fold_expected=True)
+    assert folded["active"] and "78 with the MoE sum folded in" in folded["detail"]
+    with caplog.at_level(logging.WARNING):
+        unfolded = V.confirm_calls(entry, 80, folded=0, fold_expected=True)
+    assert unfolded["active"] and "0 with the MoE sum folded in" in unfolded["detail"]
+    assert any("folded no MoE sum" in r.getMessage() for r in caplog.records)
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
         unserved = V.confirm_calls(entry, 0)
     assert not unserved["active"] and "never called" in unserved["detail"]

@@ -25,12 +25,18 @@ from vllm_ling.ops.residual_norm import kernel as norm_kernel
 
 PROVIDER = "vllm_ling"
 OP_NAME = "vllm_ling::add_rms_norm"
-_CALLS = [0]  # calls of the op outside CUDA graph replays (profile run, warm-up, captures, eager steps)
+TWO_ADDENDS_OP_NAME = "vllm_ling::add2_rms_norm"  # the MoE sum folded in (vllm_ling.layers.moe_sum_norm)
+_CALLS = [0, 0]  # calls of the ops (one addend, two) outside CUDA graph replays (profile run, warm-up, captures)
 
 
 def calls() -> int:
-    """How often this process ran the op (graph replays do not count: they run no Python)."""
-    return _CALLS[0]
+    """How often this process ran the norm's ops (graph replays do not count: they run no Python)."""
+    return _CALLS[0] + _CALLS[1]
+
+
+def folded_calls() -> int:
+    """How often this process ran the two-addend op: the norms whose MoE sum the compiled graph folded in."""
+    return _CALLS[1]
 
 
 def _add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
@@ -45,6 +51,21 @@ def _add_rms_norm_fake(x: Tensor, residual: Tensor, weight: Tensor, epsilon: flo
 
 add_rms_norm_op = torch.library.custom_op(OP_NAME, _add_rms_norm_impl, mutates_args=())
 add_rms_norm_op.register_fake(_add_rms_norm_fake)
+
+
+def _add2_rms_norm_impl(x: Tensor, x2: Tensor, residual: Tensor, weight: Tensor,
+                        epsilon: float) -> tuple[Tensor, Tensor]:
+    _CALLS[1] += 1
+    return norm_kernel.add_rms_norm_cuda(x, residual, weight, epsilon, x2=x2)
+
+
+def _add2_rms_norm_fake(x: Tensor, x2: Tensor, residual: Tensor, weight: Tensor,
+                        epsilon: float) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+add2_rms_norm_op = torch.library.custom_op(TWO_ADDENDS_OP_NAME, _add2_rms_norm_impl, mutates_args=())
+add2_rms_norm_op.register_fake(_add2_rms_norm_fake)
 
 
 @functools.lru_cache(maxsize=None)

@@ -186,6 +186,8 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                     "type": "array", "items": {"type": "integer", "minimum": 0}}},
                 # calls of vllm-ling's residual norm op before serving (vllm_ling.layers.residual_norm.calls)
                 "residual_norm_calls": {"type": "integer", "minimum": 0},
+                # of those, the calls that took the MoE's shared + routed sum in (vllm_ling.layers.moe_sum_norm)
+                "residual_norm_folded_calls": {"type": "integer", "minimum": 0},
             },
         },
     },

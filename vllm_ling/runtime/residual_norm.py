@@ -28,6 +28,8 @@ logger = get_logger("config")
 RESIDUAL_NORM_ATTR = "vllm_ling_residual_norm"
 OPTION = "VLLM_LING_RESIDUAL_NORM"
 IR_OP = "fused_add_rms_norm"
+FOLD_PASS_KEY = "post_grad_custom_post_pass"  # vLLM's one slot for a plugin's post-grad pass
+FOLDED = "the MoE sum folded in by a post-grad pass"
 
 
 class NormPath(Choice):
@@ -86,11 +88,40 @@ def decide_residual_norm(vllm_config, options: LingOptions | None = None, on_cud
             raise ResidualNormUnavailable(f"the residual norm kernel cannot run here: {why}; opt out with "
                                           f"{opt_out_setting(OPTION)}")
         priority.append(PROVIDER)  # vLLM appends its platform defaults after it
-        selection = decided(NormPath.LING, f"provider {PROVIDER} first for vLLM's IR op {IR_OP}")
+        selection = decided(NormPath.LING, f"provider {PROVIDER} first for vLLM's IR op {IR_OP}; "
+                                           f"{_install_sum_fold(vllm_config.compilation_config)}")
         log_once(logger, logging.INFO, "residual-norm", "Residual add + RMSNorm: vllm-ling's kernel (%s).",
                  selection.reason)
     record_on_config(hf, RESIDUAL_NORM_ATTR, selection)
     return selection
+
+
+def _install_sum_fold(compilation_config) -> str:
+    """Put :class:`~vllm_ling.layers.moe_sum_norm.MoeSumNormPass` in vLLM's post-grad pass slot (it runs before the
+    IR lowering, in every compiled piece) unless something else holds the slot; what was done, for the reason."""
+    from vllm_ling.layers.moe_sum_norm import MoeSumNormPass
+
+    passes = compilation_config.inductor_compile_config
+    held = passes.get(FOLD_PASS_KEY)
+    if held is None or isinstance(held, MoeSumNormPass):
+        passes[FOLD_PASS_KEY] = held or MoeSumNormPass()
+        return FOLDED
+    log_once(logger, logging.WARNING, "residual-norm-fold",
+             "The MoE's shared + routed sum stays an Inductor kernel before each residual norm: vLLM's %s slot "
+             "already holds %s (one pass only); the startup report says so under residual_norm.",
+             FOLD_PASS_KEY, type(held).__name__)
+    return f"the MoE sum not folded in ({FOLD_PASS_KEY} holds {type(held).__name__})"
+
+
+def sum_fold_compiled(compilation_config) -> bool:
+    """Whether this config compiles the model (vLLM's own torch.compile mode, not eager) with the MoE-sum fold the
+    hook installed, so that the norms after MoE layers take the sum in."""
+    from vllm.config import CompilationMode
+
+    from vllm_ling.layers.moe_sum_norm import MoeSumNormPass
+
+    return (compilation_config.mode == CompilationMode.VLLM_COMPILE
+            and isinstance(compilation_config.inductor_compile_config.get(FOLD_PASS_KEY), MoeSumNormPass))
 
 
 def _rows_problems(model_config) -> list[str]:

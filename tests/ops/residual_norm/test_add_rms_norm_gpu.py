@@ -45,6 +45,37 @@ def test_matches_the_reference(tokens, hidden):
     assert abs((out.float() / weight.float()).square().mean().item() - 1) < 0.05
 
 
+@pytest.mark.parametrize("tokens", [1, 4, 67, 2048])
+def test_two_addends_match_the_graphs_sum_then_norm(tokens):
+    """x + x2 rounded to BF16 first (the MoE's shared + routed outputs as the graph adds them), then the norm:
+    the residual exact, and a kernel that skipped the rounding or the second addend is caught."""
+    from vllm_ling.ops.residual_norm.kernel import add_rms_norm_cuda
+    from vllm_ling.ops.residual_norm.reference import add2_rms_norm, add_rms_norm
+
+    x, residual, weight = _rows(tokens, HIDDEN, seed=tokens)
+    x2 = _rows(tokens, HIDDEN, seed=tokens + 1000)[0]
+    out, new_residual = add_rms_norm_cuda(x, residual, weight, EPS, x2=x2)
+    want_out, want_residual = add2_rms_norm(x, x2, residual, weight, EPS)
+    torch.cuda.synchronize()
+    assert torch.equal(new_residual, want_residual)
+    torch.testing.assert_close(out.float(), want_out.float(), rtol=NORM_RTOL, atol=NORM_ATOL)
+    assert not torch.equal(new_residual, add_rms_norm(x, residual, weight, EPS)[1])  # x2 was added
+    unrounded = (x.float() + x2.float() + residual.float()).to(torch.bfloat16)
+    assert not torch.equal(new_residual, unrounded)  # the sum was rounded before the residual joined it
+
+
+def test_two_addends_read_strided_rows():
+    from vllm_ling.ops.residual_norm.kernel import add_rms_norm_cuda
+    from vllm_ling.ops.residual_norm.reference import add2_rms_norm
+
+    wide, residual, weight = _rows(3, 2 * HIDDEN, seed=21)
+    x, x2 = wide[:, :HIDDEN], wide[:, HIDDEN:]
+    got = add_rms_norm_cuda(x, residual[:, :HIDDEN], weight[:HIDDEN], EPS, x2=x2)
+    want = add2_rms_norm(x, x2, residual[:, :HIDDEN], weight[:HIDDEN], EPS)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=NORM_RTOL, atol=NORM_ATOL)
+
+
 def test_matches_vllms_native_op():
     pytest.importorskip("vllm")
     from vllm import ir
@@ -138,6 +169,19 @@ def test_warmup_builds_and_checks_the_kernel_for_lings_width():
     from vllm_ling.ops.residual_norm.warmup import warmup_kernels
 
     result = warmup_kernels(HIDDEN)
-    assert result["kernel"] == f"ling_add_rms_norm (hidden {HIDDEN})"
+    assert result["kernel"] == f"ling_add_rms_norm (hidden {HIDDEN}, one and two addends)"
     with pytest.raises(ValueError, match="hidden size 2568"):
         warmup_kernels(2568)
+
+
+def test_the_startup_known_answers_pass_with_one_and_two_addends():
+    pytest.importorskip("vllm")
+    from vllm import ir
+
+    from vllm_ling.layers import residual_norm as layer
+    from vllm_ling.runtime.verification.residual_norm import known_answers
+
+    layer.register_residual_norm()
+    with ir.ops.fused_add_rms_norm.set_priority([layer.PROVIDER, "native"]):
+        passed, detail = known_answers(HIDDEN, EPS, torch.device("cuda"))
+    assert passed and "one and two addends" in detail, detail

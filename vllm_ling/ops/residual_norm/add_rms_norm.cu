@@ -1,7 +1,9 @@
 // Residual add + RMSNorm for BF16 rows, one CTA per token: s = x + residual (fp32), residual_out = bf16(s),
 // out = bf16(bf16(s * rsqrt(mean(s^2) + eps)) * weight), the rounding steps of vLLM's native
-// fused_add_rms_norm. Defines (residual_norm/kernel.py): H_ the hidden size, THREADS the CTA's threads,
-// CH 16-byte chunks (8 values) per thread (H_ = 8 * CH * THREADS).
+// fused_add_rms_norm. With ADDENDS 2, x is itself a sum of two rows rounded to BF16 first, x = bf16(x + x2),
+// as the graph computes it before the norm (the MoE's shared + routed outputs: one pointwise kernel less).
+// Defines (residual_norm/kernel.py): H_ the hidden size, THREADS the CTA's threads, CH 16-byte chunks
+// (8 values) per thread (H_ = 8 * CH * THREADS), ADDENDS 1 or 2.
 //
 // Why: in the decode step each norm is a separate Inductor reduction of 2-4.7 us that launches only once the
 // kernel before it has finished, and the linear after it (vllm-ling's FP8 decode linear, the router's gate
@@ -33,7 +35,7 @@ __device__ __forceinline__ void set_word(uint4& v, int i, u32 w) {
 extern "C" __global__ void __launch_bounds__(THREADS) ling_add_rms_norm(
     const uint4 *__restrict__ x, const uint4 *__restrict__ residual, const uint4 *__restrict__ weight,
     uint4 *__restrict__ out, uint4 *__restrict__ residual_out, int x_stride, int residual_stride, int out_stride,
-    int residual_out_stride, float eps) {
+    int residual_out_stride, float eps, const uint4 *__restrict__ x2, int x2_stride) {
   __shared__ float s_part[THREADS / 32];
   const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   uint4 w[CH];
@@ -49,11 +51,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) ling_add_rms_norm(
 #pragma unroll
   for (int c = 0; c < CH; ++c) {
     const uint4 xv = xr[tid + c * THREADS], rv = rr[tid + c * THREADS];
+#if ADDENDS == 2
+    const uint4 x2v = x2[(long)t * (x2_stride / 8) + tid + c * THREADS];
+#endif
     uint4 sum_bf16;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      s[c][2 * i] = lo(word(xv, i)) + lo(word(rv, i));
-      s[c][2 * i + 1] = hi(word(xv, i)) + hi(word(rv, i));
+      u32 xw = word(xv, i);
+#if ADDENDS == 2
+      xw = pack_bf16(lo(xw) + lo(word(x2v, i)), hi(xw) + hi(word(x2v, i)));
+#endif
+      s[c][2 * i] = lo(xw) + lo(word(rv, i));
+      s[c][2 * i + 1] = hi(xw) + hi(word(rv, i));
       set_word(sum_bf16, i, pack_bf16(s[c][2 * i], s[c][2 * i + 1]));
       ss = fmaf(s[c][2 * i], s[c][2 * i], ss);
       ss = fmaf(s[c][2 * i + 1], s[c][2 * i + 1], ss);

@@ -2,7 +2,8 @@
 
 ``add_rms_norm_cuda(x, residual, weight, eps)`` = :func:`vllm_ling.ops.residual_norm.reference.add_rms_norm`
 for BF16 rows [T, H] (unit stride on H, rows 16-byte aligned) and a contiguous BF16 weight [H]: the normalised
-rows and the new residual stream, both new tensors. One CTA per token at every T; compiled by NVRTC through
+rows and the new residual stream, both new tensors; with ``x2`` (rows like ``x``), x is ``x + x2`` rounded to BF16
+first (:func:`~vllm_ling.ops.residual_norm.reference.add2_rms_norm`). One CTA per token at every T; compiled by NVRTC through
 :mod:`vllm_ling.ops.cuda_jit`; runs on sm_80+, with programmatic dependent launch on sm_90+ (the next kernel
 launches at once and the norm's weight is read before the wait for ``x``). CUDA-graph capturable (no host
 sync; two allocations, the outputs). No vLLM import. Served through vLLM's IR op ``fused_add_rms_norm``
@@ -23,7 +24,7 @@ KERNEL_NAME = "ling_add_rms_norm"
 MAX_THREADS = 1024
 MAX_CHUNKS = 4  # 16-byte chunks (8 values) per thread: the sums stay in registers
 DTYPE = torch.bfloat16
-_ARG_TYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int,) * 4 + (ctypes.c_float,)
+_ARG_TYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int,) * 4 + (ctypes.c_float, ctypes.c_void_p, ctypes.c_int)
 
 
 @functools.cache  # asked at every launch (eager steps, warm-up, capture)
@@ -60,10 +61,10 @@ def _text() -> str:
     return resources.files(__package__).joinpath("add_rms_norm.cu").read_bytes().decode()
 
 
-def source(hidden: int) -> str:
-    """The CUDA text handed to NVRTC: the layout as ``#define`` lines, then the kernel."""
+def source(hidden: int, addends: int = 1) -> str:
+    """The CUDA text handed to NVRTC: the layout and the number of addends as ``#define`` lines, then the kernel."""
     threads, chunks = layout(hidden)
-    return define_lines(dict(H_=hidden, THREADS=threads, CH=chunks)) + _text()
+    return define_lines(dict(H_=hidden, THREADS=threads, CH=chunks, ADDENDS=addends)) + _text()
 
 
 _COMPILED: dict[tuple, object] = {}
@@ -75,31 +76,36 @@ def _rows_ok(t: torch.Tensor, hidden: int) -> bool:
 
 
 def add_rms_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps: float, x2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     from vllm_ling.ops.cuda_jit import launch, pdl_available
 
     hidden = x.shape[-1]
     problems = shape_problems(hidden, x.dtype, weight.dtype)
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        problems.append(f"residual {residual.dtype} {tuple(residual.shape)} does not match x {x.dtype} "
-                        f"{tuple(x.shape)}")
+    for name, other in (("residual", residual), ("x2", x2)):
+        if other is not None and (other.shape != x.shape or other.dtype != x.dtype):
+            problems.append(f"{name} {other.dtype} {tuple(other.shape)} does not match x {x.dtype} {tuple(x.shape)}")
     if weight.shape != (hidden,) or not weight.is_contiguous():
         problems.append(f"needs a contiguous weight [{hidden}], got {tuple(weight.shape)}")
     if problems:
         raise ValueError(f"add_rms_norm cannot normalise {tuple(x.shape)}: {'; '.join(problems)}")
     rows, res_rows = x.reshape(-1, hidden), residual.reshape(-1, hidden)
+    rows2 = rows if x2 is None else x2.reshape(-1, hidden)  # read only with two addends
     if not _rows_ok(rows, hidden):
         rows = rows.contiguous()
     if not _rows_ok(res_rows, hidden):
         res_rows = res_rows.contiguous()
+    if not _rows_ok(rows2, hidden):
+        rows2 = rows2.contiguous()
     out = torch.empty_like(rows, memory_format=torch.contiguous_format)
     new_residual = torch.empty_like(rows, memory_format=torch.contiguous_format)
     tokens = rows.shape[0]
     if tokens:
         threads, _ = layout(hidden)
-        kernel = cached_kernel(_COMPILED, KERNEL_NAME, (hidden, x.device), x.device, source, hidden)
+        addends = 1 if x2 is None else 2
+        kernel = cached_kernel(_COMPILED, KERNEL_NAME, (hidden, addends, x.device), x.device, source, hidden, addends)
         launch(kernel, (tokens, 1), threads,
                (rows.data_ptr(), res_rows.data_ptr(), weight.data_ptr(), out.data_ptr(), new_residual.data_ptr(),
-                rows.stride(0), res_rows.stride(0), out.stride(0), new_residual.stride(0), float(eps)),
+                rows.stride(0), res_rows.stride(0), out.stride(0), new_residual.stride(0), float(eps),
+                rows2.data_ptr(), rows2.stride(0)),
                _ARG_TYPES, torch.cuda.current_stream(x.device).cuda_stream, pdl=pdl_available(x.device))
     return out.view(x.shape), new_residual.view(x.shape)

@@ -16,6 +16,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return normed.to(x.dtype), total.to(x.dtype)
 
 
+def add2_rms_norm(x: torch.Tensor, x2: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` of ``x + x2`` rounded to the rows' dtype first, as a graph that adds two rows and then
+    calls the norm computes it (the MoE's shared + routed outputs before the next layer's input norm)."""
+    return add_rms_norm((x.float() + x2.float()).to(x.dtype), residual, weight, eps)
+
+
 # BF16 outputs: the new residual is exact (one rounding of an fp32 sum). The normalised row is rounded before the
 # weight multiplies it: where rsqrt's last bit differs (reduction order) that rounding may flip by one BF16 step
 # and the product's rounding add one, so two steps (2**-6 relative) bound it; lease 2026-12-07h found 1 to 12

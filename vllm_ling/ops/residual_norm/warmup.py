@@ -1,8 +1,8 @@
 """Compile, ahead of serving, the residual add + RMSNorm kernel the server's decoder norms launch
 (``vllm-ling warmup``). No vLLM import.
 
-One kernel per hidden size (the ``#define`` lines of its source); it runs once on random rows and is compared
-with the plain-PyTorch reference. It lands in humming's JIT cache, which the server shares.
+Two kernels per hidden size (the ``#define`` lines of their source: one addend, and two, the MoE sum folded in);
+each runs once on random rows and is compared with the plain-PyTorch reference. It lands in humming's JIT cache, which the server shares.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from vllm_ling.ops.residual_norm.kernel import DTYPE, add_rms_norm_cuda, shape_problems
-from vllm_ling.ops.residual_norm.reference import add_rms_norm, mismatch
+from vllm_ling.ops.residual_norm.reference import add2_rms_norm, add_rms_norm, mismatch
 
 TOKENS = 4
 EPS = 1e-6
@@ -32,8 +32,11 @@ def warmup_kernels(hidden: int, device: torch.device | str | None = None) -> dic
     x = (4 * torch.randn((TOKENS, hidden), device=device, generator=gen)).to(DTYPE)
     residual = torch.randn((TOKENS, hidden), device=device, generator=gen).to(DTYPE)
     weight = (1 + 0.1 * torch.randn((hidden,), device=device, generator=gen)).to(DTYPE)
-    wrong = mismatch(add_rms_norm_cuda(x, residual, weight, EPS), add_rms_norm(x, residual, weight, EPS))
+    x2 = torch.randn((TOKENS, hidden), device=device, generator=gen).to(DTYPE)
+    wrong = (mismatch(add_rms_norm_cuda(x, residual, weight, EPS), add_rms_norm(x, residual, weight, EPS))
+             or mismatch(add_rms_norm_cuda(x, residual, weight, EPS, x2=x2), add2_rms_norm(x, x2, residual, weight, EPS)))
     if wrong:
         raise RuntimeError(f"residual norm warmup: wrong rows for hidden size {hidden} ({wrong})")
     torch.cuda.synchronize(device)
-    return {"kernel": f"ling_add_rms_norm (hidden {hidden})", "build_seconds": round(time.perf_counter() - started, 1)}
+    return {"kernel": f"ling_add_rms_norm (hidden {hidden}, one and two addends)",
+            "build_seconds": round(time.perf_counter() - started, 1)}

@@ -23,11 +23,12 @@ logger = get_logger("verify")
 
 def known_answers(hidden: int, eps: float, device: torch.device) -> tuple[bool, str]:
     """Run vLLM's IR op on known rows through its dispatcher: whether it picked ``vllm_ling`` and matched the
-    plain-PyTorch reference at every size of :data:`KNOWN_TOKENS` (the detail says which did not)."""
+    plain-PyTorch reference at every size of :data:`KNOWN_TOKENS`, with one addend and with two (the MoE sum
+    folded in: :mod:`vllm_ling.layers.moe_sum_norm`); the detail says which did not."""
     from vllm import ir
 
     from vllm_ling.ops.residual_norm.kernel import add_rms_norm_cuda
-    from vllm_ling.ops.residual_norm.reference import add_rms_norm, mismatch
+    from vllm_ling.ops.residual_norm.reference import add2_rms_norm, add_rms_norm, mismatch
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16).to(device)
@@ -43,9 +44,14 @@ def known_answers(hidden: int, eps: float, device: torch.device) -> tuple[bool, 
         wrong = mismatch(add_rms_norm_cuda(x, residual, weight, eps), add_rms_norm(x, residual, weight, eps))
         if wrong:
             problems.append(f"{tokens} token(s): {wrong}")
+        x2 = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+        wrong = mismatch(add_rms_norm_cuda(x, residual, weight, eps, x2=x2),
+                         add2_rms_norm(x, x2, residual, weight, eps))
+        if wrong:
+            problems.append(f"{tokens} token(s) with two addends: {wrong}")
     if problems:
         return False, "; ".join(problems)
-    return True, f"known answers at {'/'.join(map(str, KNOWN_TOKENS))} tokens x {hidden}"
+    return True, f"known answers at {'/'.join(map(str, KNOWN_TOKENS))} tokens x {hidden}, one and two addends"
 
 
 def check_residual_norm(vllm_config, device: torch.device | None = None) -> Check:
@@ -80,14 +86,23 @@ def residual_norm_entry(vllm_config, row: Check) -> dict[str, Any]:
     return config_decision_entry(recorded_residual_norm(vllm_config.model_config.hf_config), SERVING, FALLBACK, row)
 
 
-def confirm_calls(entry: dict[str, Any], calls: int) -> dict[str, Any]:
+def confirm_calls(entry: dict[str, Any], calls: int, folded: int = 0, fold_expected: bool = False) -> dict[str, Any]:
     """The report entry once the model ran (profile run, warm-up, CUDA graph capture): active only where the
     kernel was called (the known answers launch the kernel itself and do not count). One WARNING where it was
-    not; an entry not active is left as it is."""
+    not; an entry not active is left as it is. ``folded``: the calls that took the MoE's sum in as well
+    (:mod:`vllm_ling.layers.moe_sum_norm`); where the fold pass ran in a compiled model and none did, one WARNING
+    (the norms still serve, each after the sum's own kernel)."""
     if not entry.get("active"):
         return entry
     if calls > 0:
-        return {**entry, "detail": f"{entry['detail']}; {calls} call(s) by the model before serving"}
+        detail = f"{entry['detail']}; {calls} call(s) by the model before serving"
+        if fold_expected:
+            detail += f", {folded} with the MoE sum folded in"
+            if folded == 0:
+                logger.warning("The residual norm kernel serves, but the compiled model folded no MoE sum into it "
+                               "(the fold pass found no shared + routed add before a norm): each norm waits for the "
+                               "sum's own kernel.")
+        return {**entry, "detail": detail}
     why = "the compiled model never called it (vLLM's lowering picked another provider)"
     logger.warning("The residual norm kernel is first in the IR op priority but not served: %s.", why)
     return {**entry, "active": False, "detail": f"{entry['detail']}; not in force: {why}"}
