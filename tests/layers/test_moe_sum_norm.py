@@ -134,3 +134,29 @@ def test_a_norm_without_a_sum_before_it_is_untouched(monkeypatch, priority):
         return ir.ops.fused_add_rms_norm.maybe_inplace(a * b, residual, weight, 1e-6, None)
 
     assert LING not in _targets(_graph(monkeypatch, plain, priority))
+
+
+def test_a_norm_the_dispatcher_cannot_be_asked_about_is_left_to_the_lowering(monkeypatch):
+    """A dispatcher error (or a node without a fake value) skips the fold rather than failing the compilation."""
+    from vllm import ir
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no provider")
+
+    monkeypatch.setattr(ir.ops.fused_add_rms_norm, "dispatch", broken, raising=False)
+    from vllm_ling.layers import moe_sum_norm
+
+    graph = __import__("torch").fx.Graph()
+    a, b, r, w = (graph.placeholder(n) for n in "abrw")
+    x = graph.call_function(torch.ops.aten.add.Tensor, (a, b))
+    norm = graph.call_function(torch.ops.vllm_ir.fused_add_rms_norm.default, (x, r, w, 1e-6, None))
+    graph.output((norm,))
+    for node in (a, b, r, w, x):
+        node.meta["val"] = torch.empty(2, 8)
+    moe_sum_norm.MoeSumNormPass()(graph)
+    assert [n.target for n in graph.nodes if n.op == "call_function"] == \
+        [torch.ops.aten.add.Tensor, torch.ops.vllm_ir.fused_add_rms_norm.default]
+    del w.meta["val"]
+    monkeypatch.undo()
+    moe_sum_norm.MoeSumNormPass()(graph)  # no fake value for the weight: left alone, no KeyError
+    assert torch.ops.aten.add.Tensor in [n.target for n in graph.nodes]
