@@ -302,7 +302,7 @@ SWITCHED_OFF = {
     "VLLM_LING_MOE_ROUTING": set(),  # prefill routing metadata: recorded in the MoE row, no entry of its own
     "VLLM_LING_PREFILL_GRAPH_TOKENS": {"prefill_graphs"},
     "VLLM_LING_DECODE_SPLITS": {"decode_splits"},
-    "VLLM_LING_RESIDUAL_NORM": {"residual_norm"},
+    "VLLM_LING_RESIDUAL_NORM": {"residual_norm", "moe_sum_fold"},
 }
 
 

@@ -70,18 +70,36 @@ def test_the_provider_brings_the_moe_sum_fold_into_vllms_post_grad_slot(caplog):
     assert any("stays an Inductor kernel" in r.getMessage() for r in caplog.records)
 
 
-def test_the_fold_counts_as_compiled_only_under_vllms_compile_mode():
+def test_the_fold_is_meant_only_where_vllm_compiles_with_the_pass_the_hook_installed():
     from vllm.config import CompilationMode
 
     from vllm_ling.layers.moe_sum_norm import MoeSumNormPass
 
-    def config(mode, installed=True):
-        return types.SimpleNamespace(mode=mode, inductor_compile_config={R.FOLD_PASS_KEY: MoeSumNormPass()}
-                                     if installed else {})
+    def config(mode, held):
+        return types.SimpleNamespace(mode=mode, inductor_compile_config={} if held is None else {R.FOLD_PASS_KEY: held})
 
-    assert R.sum_fold_compiled(config(CompilationMode.VLLM_COMPILE))
-    assert not R.sum_fold_compiled(config(CompilationMode.NONE))  # --enforce-eager: no passes run
-    assert not R.sum_fold_compiled(config(CompilationMode.VLLM_COMPILE, installed=False))
+    assert R.sum_fold_state(config(CompilationMode.VLLM_COMPILE, MoeSumNormPass())) == (True, "")
+    meant, why = R.sum_fold_state(config(CompilationMode.NONE, MoeSumNormPass()))  # --enforce-eager: no pass runs
+    assert not meant and "not compiled" in why
+    assert not R.sum_fold_state(config(CompilationMode.VLLM_COMPILE, None))[0]  # opted out, CPU, the user's priority
+    meant, why = R.sum_fold_state(config(CompilationMode.VLLM_COMPILE, object()))  # another pass in the slot
+    assert meant and "holds object" in why
+
+
+def test_the_fold_entry_says_what_the_compiled_model_folded(caplog):
+    served = {"requested": True, "active": True, "detail": "d"}
+    entry = V.moe_sum_fold_entry(served, 78, True, "")
+    assert entry["requested"] and entry["active"] and "78 norm call(s)" in entry["detail"]
+    with caplog.at_level(logging.WARNING):
+        none = V.moe_sum_fold_entry(served, 0, True, "")
+    assert none["requested"] and not none["active"] and "folded no MoE sum" in none["detail"]
+    assert any("folded no MoE sum" in r.getMessage() for r in caplog.records)
+    held = V.moe_sum_fold_entry(served, 0, True, "post_grad_custom_post_pass holds X")
+    assert held["requested"] and not held["active"] and "holds X" in held["detail"]
+    eager = V.moe_sum_fold_entry(served, 0, False, "the model is not compiled by vLLM")
+    assert not eager["requested"] and not eager["active"] and "not compiled" in eager["detail"]
+    off = V.moe_sum_fold_entry({"requested": False, "active": False, "detail": "x"}, 0, True, "")
+    assert not off["requested"] and "does not serve" in off["detail"]
 
 
 def test_the_users_priority_wins():
@@ -216,13 +234,6 @@ def test_entry_requested_where_decided_and_confirmed_by_the_calls(caplog):
     entry = V.residual_norm_entry(config, Check(V.CHECK_NAME, True, "e", "a"))
     assert entry["requested"] and entry["active"]
     assert V.confirm_calls(entry, 80)["active"]
-    folded = V.confirm_calls(entry, 80, folded=78, fold_expected=True)
-    assert folded["active"] and "78 with the MoE sum folded in" in folded["detail"]
-    with caplog.at_level(logging.WARNING):
-        unfolded = V.confirm_calls(entry, 80, folded=0, fold_expected=True)
-    assert unfolded["active"] and "0 with the MoE sum folded in" in unfolded["detail"]
-    assert any("folded no MoE sum" in r.getMessage() for r in caplog.records)
-    caplog.clear()
     with caplog.at_level(logging.WARNING):
         unserved = V.confirm_calls(entry, 0)
     assert not unserved["active"] and "never called" in unserved["detail"]

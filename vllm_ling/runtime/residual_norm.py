@@ -113,15 +113,22 @@ def _install_sum_fold(compilation_config) -> str:
     return f"the MoE sum not folded in ({FOLD_PASS_KEY} holds {type(held).__name__})"
 
 
-def sum_fold_compiled(compilation_config) -> bool:
-    """Whether this config compiles the model (vLLM's own torch.compile mode, not eager) with the MoE-sum fold the
-    hook installed, so that the norms after MoE layers take the sum in."""
+def sum_fold_state(compilation_config) -> tuple[bool, str]:
+    """Whether this config's compilations were meant to fold the MoE sum into the norms, and if so why they
+    cannot (empty: they run the pass the hook installed). Not meant where the model is not compiled by vLLM
+    (eager: no pass runs) or no fold was installed (the residual norm opted out, not CUDA, the user's priority)."""
     from vllm.config import CompilationMode
 
     from vllm_ling.layers.moe_sum_norm import MoeSumNormPass
 
-    return (compilation_config.mode == CompilationMode.VLLM_COMPILE
-            and isinstance(compilation_config.inductor_compile_config.get(FOLD_PASS_KEY), MoeSumNormPass))
+    held = compilation_config.inductor_compile_config.get(FOLD_PASS_KEY)
+    if compilation_config.mode != CompilationMode.VLLM_COMPILE:
+        return False, "the model is not compiled by vLLM (no post-grad pass runs)"
+    if held is None:
+        return False, "no fold installed (the residual norm's decision)"
+    if isinstance(held, MoeSumNormPass):
+        return True, ""
+    return True, f"{FOLD_PASS_KEY} holds {type(held).__name__}"
 
 
 def _rows_problems(model_config) -> list[str]:

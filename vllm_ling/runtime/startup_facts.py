@@ -23,10 +23,10 @@ from vllm_ling.ops import humming_jit
 from vllm_ling.options import LingOptions
 from vllm_ling.runtime.decode_splits import bound_in_force, builder_bounds
 from vllm_ling.runtime.report import is_reporting_rank, update_report
-from vllm_ling.runtime.residual_norm import sum_fold_compiled
+from vllm_ling.runtime.residual_norm import sum_fold_state
 from vllm_ling.runtime.storage import distinct_storage_bytes
 from vllm_ling.runtime.verification.decode_splits import confirm_builders
-from vllm_ling.runtime.verification.residual_norm import confirm_calls
+from vllm_ling.runtime.verification.residual_norm import confirm_calls, moe_sum_fold_entry
 
 logger = get_logger("startup")
 
@@ -81,8 +81,9 @@ def record_after_warmup(worker) -> dict[str, Any]:
                 splits, builders, bound_in_force(worker.vllm_config))
         norm = report.get("optimizations", {}).get("residual_norm")
         if norm is not None:
-            report["optimizations"]["residual_norm"] = confirm_calls(
-                norm, norm_calls, folded, sum_fold_compiled(worker.vllm_config.compilation_config))
+            norm = report["optimizations"]["residual_norm"] = confirm_calls(norm, norm_calls)
+            report["optimizations"]["moe_sum_fold"] = moe_sum_fold_entry(
+                norm, folded, *sum_fold_state(worker.vllm_config.compilation_config))
 
     path = LingOptions.current().report_path
     if is_reporting_rank() and path and not update_report(path, merge):

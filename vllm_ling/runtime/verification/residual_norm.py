@@ -86,23 +86,32 @@ def residual_norm_entry(vllm_config, row: Check) -> dict[str, Any]:
     return config_decision_entry(recorded_residual_norm(vllm_config.model_config.hf_config), SERVING, FALLBACK, row)
 
 
-def confirm_calls(entry: dict[str, Any], calls: int, folded: int = 0, fold_expected: bool = False) -> dict[str, Any]:
+def confirm_calls(entry: dict[str, Any], calls: int) -> dict[str, Any]:
     """The report entry once the model ran (profile run, warm-up, CUDA graph capture): active only where the
     kernel was called (the known answers launch the kernel itself and do not count). One WARNING where it was
-    not; an entry not active is left as it is. ``folded``: the calls that took the MoE's sum in as well
-    (:mod:`vllm_ling.layers.moe_sum_norm`); where the fold pass ran in a compiled model and none did, one WARNING
-    (the norms still serve, each after the sum's own kernel)."""
+    not; an entry not active is left as it is."""
     if not entry.get("active"):
         return entry
     if calls > 0:
-        detail = f"{entry['detail']}; {calls} call(s) by the model before serving"
-        if fold_expected:
-            detail += f", {folded} with the MoE sum folded in"
-            if folded == 0:
-                logger.warning("The residual norm kernel serves, but the compiled model folded no MoE sum into it "
-                               "(the fold pass found no shared + routed add before a norm): each norm waits for the "
-                               "sum's own kernel.")
-        return {**entry, "detail": detail}
+        return {**entry, "detail": f"{entry['detail']}; {calls} call(s) by the model before serving"}
     why = "the compiled model never called it (vLLM's lowering picked another provider)"
     logger.warning("The residual norm kernel is first in the IR op priority but not served: %s.", why)
     return {**entry, "active": False, "detail": f"{entry['detail']}; not in force: {why}"}
+
+
+def moe_sum_fold_entry(norm: dict[str, Any], folded: int, meant: bool, why_not: str) -> dict[str, Any]:
+    """The report entry ``moe_sum_fold`` once the model ran (:mod:`vllm_ling.layers.moe_sum_norm`): requested
+    where the residual norm kernel serves a model vLLM compiled with the fold meant (``meant``, ``why_not``:
+    :func:`vllm_ling.runtime.residual_norm.sum_fold_state`); active where norms took the MoE sum in
+    (``folded`` calls). A compiled model that folded none: one WARNING (each norm then waits for the sum's own
+    kernel); another pass in vLLM's slot was said at the config hook."""
+    if not norm.get("active") or not meant:
+        why = "the residual norm kernel does not serve" if not norm.get("active") else why_not
+        return {"requested": False, "active": False, "detail": f"not selected: {why}"}
+    if why_not:
+        return {"requested": True, "active": False, "detail": f"fallback: {why_not}"}
+    if folded > 0:
+        return {"requested": True, "active": True, "detail": f"{folded} norm call(s) took the MoE sum in before serving"}
+    why = "the compiled model folded no MoE sum (the pass found no shared + routed add before a norm)"
+    logger.warning("The residual norm kernel serves, but %s: each norm waits for the sum's own kernel.", why)
+    return {"requested": True, "active": False, "detail": f"fallback: {why}"}
