@@ -216,7 +216,7 @@ def measure(base: str, context: int, max_tokens: int, repeats: int, seed: int) -
         prompt = [rng.randrange(100, 2000) for _ in range(context)]
         runs.append(stream_once(base, prompt, max_tokens))
     tpots = [1e3 * r["decode_s"] / r["decode_tokens"] for r in runs if r["decode_tokens"] > 0]
-    out: dict[str, Any] = {"context": context, "max_tokens": max_tokens, "runs": runs,
+    out: dict[str, Any] = {"context": context, "max_tokens": max_tokens, "runs": runs, "run_tpots_ms": tpots,
                            "tpot_ms": statistics.median(tpots) if tpots else None}
     drafts = sum(r["drafts"] for r in runs)
     if drafts:
@@ -413,8 +413,8 @@ def run(args) -> int:
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result.get(k) for k in ("name", "startup_s", "startup", "memory", "stop_rc", "error")}))
     for c in result.get("contexts", []):
-        spread = [round(1e3 * r["decode_s"] / r["decode_tokens"], 3) for r in c["runs"] if r["decode_tokens"] > 0]
-        print(f"{name} context {c['context']}: TPOT {c['tpot_ms']} ms (runs {spread}), iteration "
+        runs = [round(t, 3) for t in c["run_tpots_ms"]]
+        print(f"{name} context {c['context']}: TPOT {c['tpot_ms']} ms (runs {runs}), iteration "
               f"{c.get('iteration_ms')} ms, accept length {c.get('accept_length')}")
     for t in result.get("ttft", []):
         print(f"{name} TTFT at {t['context']} tokens: {t['ttft_s']}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 from vllm.compilation.passes.inductor_pass import InductorPass
+from vllm.compilation.passes.ir.utils import get_ir_op
 
 from vllm_ling.layers.residual_norm import PROVIDER
 
@@ -52,8 +53,6 @@ class MoeSumNormPass(InductorPass):
     lowering asks, on the nodes' fake tensors)."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        from vllm.compilation.passes.ir.utils import get_ir_op
-
         for node in list(graph.nodes):
             ir_op = get_ir_op(node)
             if ir_op is None or ir_op.name != "fused_add_rms_norm" or node.kwargs or len(node.args) < 4:

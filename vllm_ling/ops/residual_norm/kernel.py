@@ -89,13 +89,15 @@ def add_rms_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     if problems:
         raise ValueError(f"add_rms_norm cannot normalise {tuple(x.shape)}: {'; '.join(problems)}")
     rows, res_rows = x.reshape(-1, hidden), residual.reshape(-1, hidden)
-    rows2 = rows if x2 is None else x2.reshape(-1, hidden)  # read only with two addends
     if not _rows_ok(rows, hidden):
         rows = rows.contiguous()
     if not _rows_ok(res_rows, hidden):
         res_rows = res_rows.contiguous()
-    if not _rows_ok(rows2, hidden):
-        rows2 = rows2.contiguous()
+    rows2 = rows  # the kernel reads it with two addends only
+    if x2 is not None:
+        rows2 = x2.reshape(-1, hidden)
+        if not _rows_ok(rows2, hidden):
+            rows2 = rows2.contiguous()
     out = torch.empty_like(rows, memory_format=torch.contiguous_format)
     new_residual = torch.empty_like(rows, memory_format=torch.contiguous_format)
     tokens = rows.shape[0]
